@@ -1,0 +1,24 @@
+"""flowactors: an actor runtime on Dask distributed for SPMD model groups (HybridFlow's single controller).
+
+Knows nothing about LLMs or RLHF: it places worker classes on device slots as torch.distributed groups, turns
+calls into ordered, pinned Dask tasks chained by futures, and moves `Batch`es between them.
+"""
+
+from flowactors import serialization as _serialization  # noqa: F401 - registers Batch with Dask
+from flowactors.batch import Batch
+from flowactors.controller import CallFuture, Controller
+from flowactors.errors import EndpointError, FlowactorsError, PlacementError, RemoteError, WorkerLostError
+from flowactors.group import ActorGroup
+from flowactors.log import _configure_from_env, configure_logging
+from flowactors.protocols import (ALL_TO_ALL, DP, MESH, ONE_TO_ALL, RANK_ZERO, Layout, Protocol, ProtocolError,
+                                  get_protocol, register_protocol)
+from flowactors.worker import Worker, endpoint
+
+_configure_from_env()
+
+__all__ = [
+    "Batch", "Controller", "CallFuture", "ActorGroup", "Worker", "endpoint", "Layout", "Protocol",
+    "register_protocol", "get_protocol", "ONE_TO_ALL", "ALL_TO_ALL", "RANK_ZERO", "DP", "MESH",
+    "FlowactorsError", "RemoteError", "WorkerLostError", "EndpointError", "PlacementError", "ProtocolError",
+    "configure_logging",
+]

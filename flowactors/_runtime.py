@@ -1,0 +1,176 @@
+"""The worker-process side: the registry of live instances and the functions that pinned tasks run.
+
+Every function here runs inside a Dask worker process, in its single task thread, as a normal task pinned to
+that worker (DESIGN §3: not a Dask Actor call, so futures in the arguments are resolved by the scheduler, the
+task stream shows the call, and per-process ordering can be enforced by the controller). The `_after` argument
+is the previous call issued to this process; taking it as an input is what orders the calls.
+
+One torch.distributed "world" spans all slots the controller uses; each group is a `new_group` of it plus a
+DeviceMesh (pp, dp, tp). Creating them must happen in the same order on every world rank, which the per-process
+ordering guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import structlog
+
+from flowactors.protocols import Layout, Protocol
+
+_log = structlog.get_logger("flowactors.worker")
+
+
+@dataclass
+class _GroupContext:
+    name: str
+    rank: int
+    layout: Layout
+    process_group: Any
+    mesh: Any
+    instance: Any = None
+
+
+@dataclass
+class RankFailure:
+    """What a rank returns instead of raising, so one failed call does not poison the next call's dependency."""
+
+    group: str
+    method: str
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+
+
+_GROUPS: dict[str, _GroupContext] = {}
+_WORLD: dict[str, Any] = {}
+
+
+def free_port(_after: Any = None) -> tuple[str, int]:
+    """A free TCP port on this worker's host, for the world's rendezvous store."""
+    from distributed import get_worker
+
+    host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+def init_world(rank: int, world_size: int, host: str, port: int, backend: str, timeout_s: float, device: int,
+               _after: Any = None) -> str:
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if _WORLD.get("key") == (world_size, host, port):
+            return "already"
+        teardown_world()
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    _WORLD.update(key=(world_size, host, port), rank=rank, backend=backend)
+    return backend
+
+
+def teardown_world(_after: Any = None) -> None:
+    import torch.distributed as dist
+
+    for ctx in list(_GROUPS.values()):
+        ctx.instance = None
+    _GROUPS.clear()
+    _WORLD.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def new_group(name: str, global_ranks: list[int], layout: Layout, _after: Any = None) -> bool:
+    """Create the group's process group and mesh; every world rank runs this, members keep the result."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if name in _GROUPS:
+        raise RuntimeError(f"group {name!r} already exists in this worker process; close it first")
+    pg = dist.new_group(global_ranks)
+    device_type = "cuda" if _WORLD.get("backend") == "nccl" else "cpu"
+    mesh = DeviceMesh(device_type, torch.tensor(global_ranks).reshape(layout.pp, layout.dp, layout.tp),
+                      mesh_dim_names=("pp", "dp", "tp"))
+    me = dist.get_rank()
+    if me in global_ranks:
+        _GROUPS[name] = _GroupContext(name, global_ranks.index(me), layout, pg, mesh)
+        return True
+    return False
+
+
+def construct(name: str, cls: type, args: tuple, kwargs: dict, _after: Any = None) -> RankFailure | None:
+    import torch
+
+    ctx = _GROUPS[name]
+    try:
+        inst = cls.__new__(cls)
+        inst.rank, inst.world_size, inst.layout = ctx.rank, ctx.layout.world_size, ctx.layout
+        inst.group_name, inst.process_group, inst.mesh = name, ctx.process_group, ctx.mesh
+        inst.device = torch.device("cuda", torch.cuda.current_device()) if ctx.mesh.device_type == "cuda" \
+            else torch.device("cpu")
+        inst.__init__(*args, **kwargs)
+        ctx.instance = inst
+        return None
+    except BaseException as e:  # noqa: BLE001 - reported to the controller with the traceback
+        return RankFailure(name, "__init__", ctx.rank, type(e).__name__, str(e), traceback.format_exc())
+
+
+def destroy(name: str, _after: Any = None) -> None:
+    ctx = _GROUPS.pop(name, None)
+    if ctx is not None:
+        ctx.instance = None
+
+
+def call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tuple[Protocol, Layout] | None,
+         step: int | None, _after: Any = None) -> Any:
+    """Run `method` on this rank's instance. With `split`, the inputs are the whole call's and are split here."""
+    t0 = time.perf_counter()
+    try:
+        ctx = _GROUPS.get(name)
+        if ctx is None or ctx.instance is None:
+            raise RuntimeError(f"no instance of group {name!r} lives in this worker process (pid {os.getpid()}); "
+                               f"it was closed or this worker was restarted")
+        if split is not None:
+            protocol, layout = split
+            args, kwargs = protocol.split(args, kwargs, layout)[rank]
+        out = getattr(ctx.instance, method)(*args, **kwargs)
+        _log.info("call", role=name, method=method, rank=rank, step=step,
+                  duration_s=round(time.perf_counter() - t0, 6))
+        return out
+    except BaseException as e:  # noqa: BLE001
+        _log.warning("call failed", role=name, method=method, rank=rank, step=step, error=repr(e))
+        return RankFailure(name, method, rank, type(e).__name__, str(e), traceback.format_exc())
+
+
+def collect(group: str, method: str, protocol: Protocol, layout: Layout, *outputs: Any) -> Any:
+    """Join the ranks' outputs with the protocol, or raise the first rank's failure."""
+    from flowactors.errors import RemoteError
+
+    failures = [o for o in outputs if isinstance(o, RankFailure)]
+    if failures:
+        f = failures[0]
+        raise RemoteError(group, method, f.rank, f.exc_type, f.message, f.traceback,
+                          failed_ranks=[x.rank for x in failures])
+    return protocol.collect(list(outputs), layout)
+
+
+def pick(output: Any) -> Any:
+    """Raise a single rank's failure (used where no collect task runs)."""
+    if isinstance(output, RankFailure):
+        from flowactors.errors import RemoteError
+
+        raise RemoteError(output.group, output.method, output.rank, output.exc_type, output.message,
+                          output.traceback)
+    return output

@@ -1,0 +1,278 @@
+"""The single controller: a Dask client plus the rules that make pinned tasks behave like actor calls.
+
+DESIGN §3. What this module owns, and why each piece exists:
+
+- **Cluster.** `Controller.local()` starts an embedded `LocalCluster` of worker *processes* with one thread and
+  one device slot each (resource `slot=1`, plus `GPU=1` where CUDA exists); `Controller.connect(address)` joins
+  an existing scheduler whose workers were started the same way. Slots are ordered by host, then worker name.
+- **Ordering.** Dask runs tasks submitted close together in any order and prefers tasks whose inputs are local.
+  Colocated groups then issue collectives in different orders on different ranks, and gloo silently returns
+  wrong sums. So every task pinned to a worker process depends on the previous one pinned there and carries a
+  decreasing priority (`submit_pinned`).
+- **Failures.** Dask never fails a task pinned to a worker that died; it waits for a worker of that address
+  forever. The controller subscribes to the scheduler's `remove-worker` events and cancels every future that
+  needs the dead process, and `CallFuture.result()` turns that into a `WorkerLostError` naming role and rank.
+- **World.** One torch.distributed world spans the controller's slots (NCCL on GPU, gloo on CPU, with a
+  timeout); groups are subgroups of it, so colocated groups share processes without sharing a process group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from distributed import Client, Future, LocalCluster
+from distributed.client import FutureCancelledError
+
+from flowactors import _runtime
+from flowactors.errors import PlacementError, WorkerLostError
+from flowactors.protocols import Layout
+
+__all__ = ["Controller", "CallFuture"]
+
+_SLOT_RESOURCES = ("slot", "GPU")
+
+
+class CallFuture:
+    """The future of one group call. Pass it to later calls (data then moves worker to worker) or ask
+    `.result()` for the value, which is the only time bytes reach the controller."""
+
+    __slots__ = ("_controller", "future", "label", "addresses", "__weakref__")
+
+    def __init__(self, controller: "Controller", future: Future, label: str, addresses: Sequence[str]) -> None:
+        self._controller, self.future, self.label, self.addresses = controller, future, label, tuple(addresses)
+
+    @property
+    def key(self) -> Any:
+        return self.future.key
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return self.future.result(timeout=timeout)
+        except FutureCancelledError as e:
+            lost = self._controller._lost_error(self.addresses, self.label)
+            if lost is not None:
+                raise lost from e
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except BaseException as e:  # noqa: BLE001
+            return e
+        return None
+
+    def __repr__(self) -> str:
+        return f"<CallFuture {self.label} {self.future.status}>"
+
+
+class Controller:
+    """A Dask client, its device slots, and the torch.distributed world over them. Use as a context manager."""
+
+    def __init__(self, client: Client, cluster: LocalCluster | None = None, *,
+                 collective_timeout_s: float = 600.0) -> None:
+        self.client = client
+        self.cluster = cluster
+        self.collective_timeout_s = collective_timeout_s
+        self.step: int | None = None
+        self.groups: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._last: dict[str, Future] = {}
+        self._calls: dict[str, weakref.WeakSet[CallFuture]] = {}
+        self._hosted: dict[str, list[tuple[str, int]]] = {}
+        self._lost: dict[str, list[tuple[str, int]]] = {}
+        self._world: list[str] | None = None
+        self._backend: str | None = None
+        self.slots: list[str] = self._discover_slots()
+        client.subscribe_topic("all", self._on_event)
+
+    # -- opening and closing --------------------------------------------------------------------------------
+    @classmethod
+    def local(cls, n_slots: int = 2, *, dashboard: str | None = "127.0.0.1:8787", **kwargs: Any) -> "Controller":
+        """An embedded LocalCluster of `n_slots` single-threaded worker processes on 127.0.0.1.
+
+        `dashboard=None` turns the dashboard off (tests); exposing it beyond 127.0.0.1 is an explicit choice.
+        """
+        import torch
+
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        resources = {"slot": 1} | ({"GPU": 1} if torch.cuda.is_available() else {})
+        cluster = LocalCluster(
+            n_workers=n_slots, threads_per_worker=1, processes=True, host="127.0.0.1",
+            dashboard_address=dashboard, resources=resources, silence_logs=logging.WARNING,
+            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        )
+        return cls(Client(cluster, set_as_default=False), cluster, **kwargs)
+
+    @classmethod
+    def connect(cls, address: str, **kwargs: Any) -> "Controller":
+        """Join an existing scheduler (`dask worker --nthreads 1 --resources slot=1` or `GPU=1` per device)."""
+        return cls(Client(address, set_as_default=False), None, **kwargs)
+
+    def close(self) -> None:
+        for group in list(self.groups.values()):
+            group.close()
+        try:
+            self.client.unsubscribe_topic("all")
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def __enter__(self) -> "Controller":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """Address of the Dask dashboard (task stream, graph), or None when it is off."""
+        try:
+            return self.client.dashboard_link
+        except Exception:  # noqa: BLE001 - no dashboard running
+            return None
+
+    def _discover_slots(self) -> list[str]:
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        slots, bad = [], []
+        for addr, w in workers.items():
+            if not any(w.get("resources", {}).get(r) for r in _SLOT_RESOURCES):
+                continue
+            if w.get("nthreads") != 1:
+                bad.append(f"{addr} has {w.get('nthreads')} threads")
+            slots.append((w.get("host", ""), str(w.get("name", "")), addr))
+        if bad:
+            raise PlacementError("every device slot needs a worker process with exactly one thread "
+                                 f"(calls to one process must run one at a time): {bad}; start workers with "
+                                 f"`dask worker --nthreads 1 --resources slot=1`")
+        return [a for *_, a in sorted(slots, key=lambda s: (s[0], _natural(s[1])))]
+
+    def wait(self, calls: Sequence[CallFuture], timeout: float | None = None) -> None:
+        """Block until `calls` finished (successfully or not) without fetching their values."""
+        from distributed.client import _wait
+
+        self.client.sync(_wait, [c.future for c in calls], timeout=timeout)
+
+    def scatter_to(self, items: Sequence[tuple[str, Any]]) -> list[Future]:
+        """Send each value straight to its worker (not through the scheduler), all at once; one future each."""
+        import asyncio
+
+        async def send() -> list[Future]:
+            return list(await asyncio.gather(*(
+                self.client.scatter(v, workers=[a], direct=True, hash=False, asynchronous=True) for a, v in items)))
+
+        return self.client.sync(send) if items else []
+
+    # -- pinned, ordered submission -------------------------------------------------------------------------
+    def submit_pinned(self, address: str, fn: Any, *args: Any, key: str, **kwargs: Any) -> Future:
+        """Run `fn` on `address` after every task pinned there before it (DESIGN §3, Ordering)."""
+        with self._lock:
+            if address in self._lost:
+                raise WorkerLostError(address, self._lost[address], call=key.rsplit("-", 1)[0])
+            seq = next(self._seq)
+            prev = self._last.get(address)
+            if prev is not None and prev.status in ("error", "cancelled"):
+                prev = None
+            fut = self.client.submit(fn, *args, _after=prev, key=key, workers=[address],
+                                     allow_other_workers=False, pure=False, priority=-seq, **kwargs)
+            self._last[address] = fut
+        return fut
+
+    def _track(self, call: CallFuture) -> CallFuture:
+        for a in call.addresses:
+            self._calls.setdefault(a, weakref.WeakSet()).add(call)
+        return call
+
+    # -- failures -------------------------------------------------------------------------------------------
+    async def _on_event(self, event: tuple[float, dict]) -> None:
+        msg = event[1] if isinstance(event, tuple) else event
+        if not isinstance(msg, dict) or msg.get("action") != "remove-worker":
+            return
+        address = msg.get("worker")
+        if address not in self.slots:
+            return
+        with self._lock:
+            self._lost[address] = self._hosted.get(address, [])
+            futures = [c.future for c in self._calls.pop(address, ())]
+            last = self._last.pop(address, None)
+        if last is not None:
+            futures.append(last)
+        if futures:
+            await self.client.cancel(futures, asynchronous=True, reason="worker-lost",
+                                     msg=f"worker {address} died")
+
+    def _lost_error(self, addresses: Sequence[str], label: str) -> WorkerLostError | None:
+        lost = [a for a in addresses if a in self._lost] or list(self._lost)
+        if not lost:
+            return None
+        return WorkerLostError(lost[0], [h for a in lost for h in self._lost[a]], call=label)
+
+    @property
+    def lost_workers(self) -> list[str]:
+        return list(self._lost)
+
+    # -- world ----------------------------------------------------------------------------------------------
+    def _ensure_world(self, backend: str | None) -> None:
+        import torch
+
+        want = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if self._world is not None:
+            if want != self._backend:
+                raise PlacementError(f"the process-group backend of this controller is {self._backend!r}; a group "
+                                     f"cannot use {want!r} on the same worker processes. Use one backend for all "
+                                     f"groups, or a separate cluster")
+            return
+        if self._lost:
+            raise WorkerLostError(next(iter(self._lost)), [], call="init_world")
+        world = list(self.slots)
+        host, port = self.submit_pinned(world[0], _runtime.free_port, key=f"world.port-{_token()}").result()
+        futs = [self.submit_pinned(a, _runtime.init_world, r, len(world), host, port, want,
+                                   self.collective_timeout_s, r, key=f"world.init-{r}-{_token()}")
+                for r, a in enumerate(world)]
+        self.client.gather(futs)
+        self._world, self._backend = world, want
+
+    def world_rank(self, address: str) -> int:
+        assert self._world is not None
+        return self._world.index(address)
+
+    def new_group_ranks(self, name: str, addresses: Sequence[str], layout: Layout, backend: str | None) -> None:
+        """Create the group's process group on every world rank (all must take part, in the same order)."""
+        self._ensure_world(backend)
+        assert self._world is not None
+        missing = [a for a in addresses if a not in self._world]
+        if missing:
+            raise PlacementError(f"slots {missing} joined after the torch.distributed world was formed; "
+                                 f"recreate the controller to include them")
+        ranks = [self._world.index(a) for a in addresses]
+        token = _token()
+        futs = [self.submit_pinned(a, _runtime.new_group, name, ranks, layout, key=f"{name}.new_group-{r}-{token}")
+                for r, a in enumerate(self._world)]
+        self.client.gather(futs)
+        for rank, a in enumerate(addresses):
+            self._hosted.setdefault(a, []).append((name, rank))
+
+    def forget_group(self, name: str) -> None:
+        self.groups.pop(name, None)
+        for hosted in self._hosted.values():
+            hosted[:] = [h for h in hosted if h[0] != name]
+
+
+def _token() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _natural(name: str) -> tuple:
+    return (0, int(name)) if name.isdigit() else (1, name)

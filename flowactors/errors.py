@@ -1,0 +1,47 @@
+"""Errors the controller raises for remote failures, each naming where it happened and what to do."""
+
+from __future__ import annotations
+
+__all__ = ["FlowactorsError", "RemoteError", "WorkerLostError", "EndpointError", "PlacementError"]
+
+
+class FlowactorsError(RuntimeError):
+    """Base class of the runtime's own errors."""
+
+
+class RemoteError(FlowactorsError):
+    """A method raised on one or more ranks; carries the remote traceback of the first failing rank."""
+
+    def __init__(self, group: str, method: str, rank: int, exc_type: str, message: str, traceback: str,
+                 failed_ranks: list[int] | None = None) -> None:
+        self.group, self.method, self.rank = group, method, rank
+        self.exc_type, self.remote_message, self.remote_traceback = exc_type, message, traceback
+        self.failed_ranks = failed_ranks or [rank]
+        super().__init__(f"{group}.{method} failed on rank {rank} (ranks failed: {self.failed_ranks}): "
+                         f"{exc_type}: {message}\n--- remote traceback (rank {rank}) ---\n{traceback}")
+
+    def __reduce__(self) -> tuple:  # survive pickling between processes with all fields
+        return (RemoteError, (self.group, self.method, self.rank, self.exc_type, self.remote_message,
+                              self.remote_traceback, self.failed_ranks))
+
+
+class WorkerLostError(FlowactorsError):
+    """The worker process hosting a rank died while a call was pending or its result was still needed."""
+
+    def __init__(self, address: str, hosted: list[tuple[str, int]], call: str | None = None) -> None:
+        self.address, self.hosted, self.call = address, hosted, call
+        roles = ", ".join(f"{g} rank {r}" for g, r in hosted) or "no group"
+        what = f"{call} cannot complete: " if call else ""
+        super().__init__(f"{what}worker {address} died (it hosted {roles}); its pending calls were failed. "
+                         f"Rebuild the affected groups on live workers and restore the last checkpoint")
+
+    def __reduce__(self) -> tuple:
+        return (WorkerLostError, (self.address, self.hosted, self.call))
+
+
+class EndpointError(FlowactorsError, AttributeError):
+    """A controller-side call to something that is not a remote endpoint."""
+
+
+class PlacementError(FlowactorsError, ValueError):
+    """A group cannot be placed as asked (too few slots, conflicting process-group settings, ...)."""

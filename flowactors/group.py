@@ -1,0 +1,186 @@
+"""`ActorGroup`: a worker class instantiated on N slots as one SPMD program, called from the controller.
+
+HybridFlow §4.1: the controller sees one object per model; `group.method(batch)` distributes the inputs with the
+method's protocol, runs the method on every rank, collects the outputs and returns a `CallFuture` at once.
+Futures of earlier calls are accepted as inputs; they are split on the workers, never fetched by the controller.
+
+Inputs the controller already holds are split here and each rank's part travels in its own task; inputs that
+are futures travel worker to worker and each rank takes its part there (a DP split then reads the whole batch on
+every rank: cheaper in tasks than a separate split task per call, at the cost of d-fold transfer volume).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from flowactors import _runtime
+from flowactors.batch import Batch
+from flowactors.controller import CallFuture, Controller, _token
+from flowactors.errors import EndpointError, PlacementError, RemoteError
+from flowactors.protocols import Layout, Protocol
+from flowactors.worker import Worker, endpoints_of
+
+__all__ = ["ActorGroup"]
+
+
+class _Method:
+    """A bound group endpoint: calling it issues the call on every rank."""
+
+    __slots__ = ("group", "name", "protocol")
+
+    def __init__(self, group: "ActorGroup", name: str, protocol: Protocol) -> None:
+        self.group, self.name, self.protocol = group, name, protocol
+
+    def __call__(self, *args: Any, **kwargs: Any) -> CallFuture:
+        return self.group._call(self.name, self.protocol, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<endpoint {self.group.name}.{self.name} protocol={self.protocol.name}>"
+
+
+class ActorGroup:
+    """One instance of `cls` on each of `slots`, forming one process group with `layout`.
+
+    Created through `ActorGroup(controller, cls, name=..., ...)`; blocks until every rank's `__init__` ran, so a
+    constructor error surfaces here, naming the rank.
+    """
+
+    def __init__(self, controller: Controller, cls: type[Worker], *, name: str,
+                 slots: Sequence[Any] | None = None, layout: Layout | None = None,
+                 args: tuple = (), kwargs: dict | None = None, backend: str | None = None) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise TypeError(f"{cls!r} is not a flowactors.Worker subclass; derive the model worker from Worker")
+        if name in controller.groups:
+            raise PlacementError(f"a group named {name!r} already exists on this controller; choose another "
+                                 f"name or close it first (group.close())")
+        if slots is None:
+            n = layout.world_size if layout is not None else len(controller.slots)
+            slots = controller.slots[:n]
+        else:
+            n = len(slots)
+        if n > len(controller.slots):
+            raise PlacementError(f"group {name!r} needs {n} slots but the cluster has {len(controller.slots)} "
+                                 f"usable ones; start more workers (Controller.local(n_slots={n})) or use a "
+                                 f"smaller layout")
+        addresses = [getattr(s, "address", s) for s in slots]
+        layout = layout or Layout.data_parallel(len(addresses))
+        if len(addresses) != layout.world_size:
+            raise PlacementError(f"group {name!r} has layout {layout} ({layout.world_size} ranks) but was given "
+                                 f"{len(addresses)} slots; give one slot per rank")
+        if len(set(addresses)) != len(addresses):
+            raise PlacementError(f"group {name!r} was given the same slot twice; one rank per worker process "
+                                 f"(colocate models by creating several groups on the same slots)")
+        unknown = [a for a in addresses if a not in controller.slots]
+        if unknown:
+            raise PlacementError(f"group {name!r} was given slots the cluster does not have: {unknown}; use "
+                                 f"addresses from controller.slots")
+        self.controller, self.cls, self.name, self.layout = controller, cls, name, layout
+        self.addresses = addresses
+        self.endpoints = endpoints_of(cls)
+        self._closed = False
+        controller.new_group_ranks(name, addresses, layout, backend)
+        controller.groups[name] = self
+        for method, proto in self.endpoints.items():
+            setattr(self, method, _Method(self, method, proto))
+        token = _token()
+        futs = [controller.submit_pinned(a, _runtime.construct, name, cls, tuple(args), dict(kwargs or {}),
+                                         key=f"{name}.__init__-{r}-{token}") for r, a in enumerate(addresses)]
+        failures = [f for f in controller.client.gather(futs) if f is not None]
+        if failures:
+            self.close()
+            f = failures[0]
+            raise RemoteError(name, "__init__", f.rank, f.exc_type, f.message, f.traceback,
+                              failed_ranks=[x.rank for x in failures])
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def __getattr__(self, attr: str) -> Any:
+        # Only reached for names that are not endpoints: explain how to make them callable.
+        if attr.startswith("__") or attr in ("cls", "endpoints", "name"):
+            raise AttributeError(attr)
+        cls = self.__dict__.get("cls")
+        eps = sorted(self.__dict__.get("endpoints", {}))
+        if cls is not None and callable(getattr(cls, attr, None)):
+            raise EndpointError(f"{cls.__name__}.{attr} is not a remote endpoint; decorate it with "
+                                f"@endpoint(protocol=...) to call it from the controller (endpoints: {eps})")
+        raise EndpointError(f"group {self.__dict__.get('name')!r} has no endpoint {attr!r}; endpoints: {eps}")
+
+    def _call(self, method: str, protocol: Protocol, args: tuple, kwargs: dict) -> CallFuture:
+        if self._closed:
+            raise PlacementError(f"group {self.name!r} is closed; create it again to call {method}")
+        ctl = self.controller
+        args, kwargs, has_futures = _unwrap(args), {k: _unwrap_one(v) for k, v in kwargs.items()}, False
+        has_futures = _contains_future(args) or _contains_future(tuple(kwargs.values()))
+        if has_futures:
+            per_rank = [(args, kwargs)] * self.world_size
+            split: tuple[Protocol, Layout] | None = (protocol, self.layout)
+        else:
+            per_rank, split = _ship_large(ctl, self.addresses, protocol.split(args, kwargs, self.layout)), None
+        token, label = _token(), f"{self.name}.{method}"
+        outs = [ctl.submit_pinned(a, _runtime.call, self.name, method, r, per_rank[r][0], per_rank[r][1], split,
+                                  ctl.step, key=f"{label}-{r}-{token}") for r, a in enumerate(self.addresses)]
+        collected = ctl.client.submit(_runtime.collect, self.name, method, protocol, self.layout, *outs,
+                                      key=f"{label}.collect-{token}", pure=False, priority=-next(ctl._seq))
+        return ctl._track(CallFuture(ctl, collected, label, self.addresses))
+
+    def close(self) -> None:
+        """Drop the instances (their memory is freed on the workers). The process group stays with the world."""
+        if self._closed:
+            return
+        self._closed = True
+        token = _token()
+        futs = [self.controller.submit_pinned(a, _runtime.destroy, self.name, key=f"{self.name}.close-{r}-{token}")
+                for r, a in enumerate(self.addresses) if a not in self.controller.lost_workers]
+        try:
+            self.controller.client.gather(futs)
+        finally:
+            self.controller.forget_group(self.name)
+
+    def __repr__(self) -> str:
+        return f"<ActorGroup {self.name} {self.cls.__name__} {self.layout} endpoints={sorted(self.endpoints)}>"
+
+
+_SCATTER_BYTES = 64 * 1024
+
+
+def _ship_large(ctl: Controller, addresses: Sequence[str], per_rank: list) -> list:
+    """Replace large Batch arguments by futures of data sent straight to each rank's worker.
+
+    Values embedded in a task travel through the scheduler, which unpickles and re-pickles them; a direct
+    scatter moves the bytes once, controller to worker.
+    """
+    sends = [(r, i, k, v) for r, (a, kw) in enumerate(per_rank)
+             for i, k, v in [*((i, None, x) for i, x in enumerate(a)), *((None, k, x) for k, x in kw.items())]
+             if isinstance(v, Batch) and v.nbytes >= _SCATTER_BYTES]
+    if not sends:
+        return per_rank
+    futures = ctl.scatter_to([(addresses[r], v) for r, _, _, v in sends])
+    out = [(list(a), dict(kw)) for a, kw in per_rank]
+    for (r, i, k, _), f in zip(sends, futures):
+        if k is None:
+            out[r][0][i] = f
+        else:
+            out[r][1][k] = f
+    return [(tuple(a), kw) for a, kw in out]
+
+
+def _unwrap_one(v: Any) -> Any:
+    if isinstance(v, CallFuture):
+        return v.future
+    if isinstance(v, (list, tuple)) and any(isinstance(x, CallFuture) for x in v):
+        return type(v)(_unwrap_one(x) for x in v)
+    return v
+
+
+def _unwrap(args: tuple) -> tuple:
+    return tuple(_unwrap_one(a) for a in args)
+
+
+def _contains_future(values: tuple) -> bool:
+    from distributed import Future
+
+    return any(isinstance(v, Future) or (isinstance(v, (list, tuple)) and any(isinstance(x, Future) for x in v))
+               for v in values)

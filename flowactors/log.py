@@ -1,0 +1,40 @@
+"""Structured logging: one structlog event per call (role, method, rank, step, duration), console or JSON.
+
+Workers log through the same configuration: `configure_logging` sets environment variables that worker
+processes started afterwards read (`FLOWACTORS_LOG`, `FLOWACTORS_LOG_LEVEL`), and `flowactors` configures itself
+from them on import, so one call on the controller configures the whole embedded cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+__all__ = ["configure_logging"]
+
+
+def configure_logging(renderer: str = "console", level: str = "warning") -> None:
+    """Route structlog events to stderr as `console` (human) or `json` lines, at `level` and above."""
+    if renderer not in ("console", "json"):
+        raise ValueError(f"log renderer must be 'console' or 'json', got {renderer!r}")
+    lvl = logging.getLevelName(level.upper())
+    if not isinstance(lvl, int):
+        raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
+    os.environ["FLOWACTORS_LOG"], os.environ["FLOWACTORS_LOG_LEVEL"] = renderer, level
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.JSONRenderer() if renderer == "json" else structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def _configure_from_env() -> None:
+    configure_logging(os.environ.get("FLOWACTORS_LOG", "console"), os.environ.get("FLOWACTORS_LOG_LEVEL", "warning"))

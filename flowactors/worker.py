@@ -1,0 +1,66 @@
+"""`Worker` and `@endpoint`: the remote side of an actor group.
+
+Remote methods are opt-in (monarch's `@endpoint`, verl's `@register`): only decorated methods are callable from
+the controller, and each carries the transfer protocol that says how a group call's inputs are split over the
+ranks and how the outputs are put back together. One instance of a worker class lives in each worker process
+of its group, created there and never moved, so GPU-pinned state stays where it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from flowactors.protocols import DP, Layout, Protocol, get_protocol
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Worker", "endpoint", "endpoints_of"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_ENDPOINT_ATTR = "__flowactors_protocol__"
+
+
+def endpoint(fn: F | None = None, *, protocol: Protocol | str = DP) -> Any:
+    """Mark a `Worker` method as callable from the controller with `protocol` (default: data parallel)."""
+    proto = get_protocol(protocol)
+
+    def mark(f: F) -> F:
+        setattr(f, _ENDPOINT_ATTR, proto)
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def endpoints_of(cls: type) -> dict[str, Protocol]:
+    """Name -> protocol of every endpoint of a worker class (inherited ones included)."""
+    out: dict[str, Protocol] = {}
+    for name in dir(cls):
+        proto = getattr(getattr(cls, name, None), _ENDPOINT_ATTR, None)
+        if proto is not None:
+            out[name] = proto
+    return out
+
+
+class Worker:
+    """Base class of a model worker. Subclass it, decorate remote methods with `@endpoint`.
+
+    Before `__init__` runs on a rank, the runtime sets: `rank`, `world_size`, `layout` (pp, dp, tp),
+    `process_group` (the group's torch.distributed group) and `mesh` (a DeviceMesh with dims ("pp", "dp",
+    "tp")), and `device` (the torch device of this slot). `__init__` may therefore run collectives.
+    """
+
+    rank: int
+    world_size: int
+    layout: Layout
+    group_name: str
+    process_group: "dist.ProcessGroup"
+    mesh: "DeviceMesh"
+    device: Any
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        """(pp, dp, tp) coordinates of this rank."""
+        return self.layout.coords(self.rank)

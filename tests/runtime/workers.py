@@ -1,0 +1,64 @@
+"""Worker classes used by the runtime tests (importable by module name on the worker processes)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from flowactors import ONE_TO_ALL, RANK_ZERO, Batch, Worker, endpoint
+
+
+class Reducer(Worker):
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+        self.log: list[int] = []
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def all_reduce(self, x: float) -> float:
+        t = torch.tensor([x * (self.rank + 1) * self.scale], dtype=torch.float64)
+        dist.all_reduce(t, group=self.process_group)
+        return t.item()
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def record(self, i: int, _dep=None) -> int:
+        self.log.append(i)
+        return i
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def history(self) -> list[int]:
+        return list(self.log)
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    @endpoint(protocol=RANK_ZERO)
+    def fail_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise ValueError(f"deliberate failure on rank {rank}")
+        return self.rank
+
+    @endpoint
+    def add_rank(self, batch: Batch) -> Batch:
+        return Batch({"x": batch["x"] + 1, "rank": torch.full((len(batch),), self.rank)}, batch.rows)
+
+    @endpoint
+    def scale_x(self, batch: Batch) -> Batch:
+        return Batch({"x": batch["x"] * 2, "rank": batch["rank"]}, batch.rows)
+
+    def not_remote(self) -> None:
+        pass
+
+
+class BrokenInit(Worker):
+    def __init__(self) -> None:
+        if self.rank == 1:
+            raise RuntimeError("cannot load weights on rank 1")
