@@ -120,8 +120,9 @@ class Controller:
         return cls(Client(address, set_as_default=False), None, **kwargs)
 
     def close(self) -> None:
+        """Close groups (without waiting on busy workers), the client, and the embedded cluster if any."""
         for group in list(self.groups.values()):
-            group.close()
+            group.close(wait=False)
         try:
             self.client.unsubscribe_topic("all")
         except Exception:  # noqa: BLE001 - closing anyway

@@ -126,7 +126,7 @@ class ActorGroup:
                                       key=f"{label}.collect-{token}", pure=False, priority=-next(ctl._seq))
         return ctl._track(CallFuture(ctl, collected, label, self.addresses))
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Drop the instances (their memory is freed on the workers). The process group stays with the world."""
         if self._closed:
             return
@@ -135,7 +135,8 @@ class ActorGroup:
         futs = [self.controller.submit_pinned(a, _runtime.destroy, self.name, key=f"{self.name}.close-{r}-{token}")
                 for r, a in enumerate(self.addresses) if a not in self.controller.lost_workers]
         try:
-            self.controller.client.gather(futs)
+            if wait:
+                self.controller.client.gather(futs)
         finally:
             self.controller.forget_group(self.name)
 
