@@ -1,0 +1,156 @@
+"""Models in Hugging Face format: build tiny ones from a config, load and save checkpoint folders.
+
+Every model is a transformers model (Llama or Qwen2 architecture), so any Llama/Qwen-style checkpoint folder
+(config.json + safetensors + tokenizer.json) loads, and what we save loads in transformers and vLLM. Heads:
+`lm` (causal LM: actor, reference), `value` (a scalar per token: critics), `score` (a scalar per sequence, read
+at the last non-pad token: reward and cost models). Value and score models built from a causal-LM checkpoint keep
+its backbone and start their head from zero, the usual initialisation of critics from the SFT model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from engines.tokenizer import char_tokenizer, load_tokenizer
+
+__all__ = ["ModelConfig", "build_model", "build_tokenizer", "save_pretrained", "check_model_dir",
+           "SUPPORTED_ARCHITECTURES"]
+
+Head = Literal["lm", "value", "score"]
+_ARCH = {
+    "llama": ("LlamaConfig", {"lm": "LlamaForCausalLM", "value": "LlamaForTokenClassification",
+                              "score": "LlamaForSequenceClassification"}),
+    "qwen2": ("Qwen2Config", {"lm": "Qwen2ForCausalLM", "value": "Qwen2ForTokenClassification",
+                              "score": "Qwen2ForSequenceClassification"}),
+}
+SUPPORTED_ARCHITECTURES = sorted({cls for _, heads in _ARCH.values() for cls in heads.values()})
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """Where a model comes from. With `path`, a Hugging Face folder; without, a random model of these sizes."""
+
+    path: str | None = None
+    """Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer files). None: build from sizes."""
+    tokenizer: str | None = None
+    """Tokenizer folder; None: the one in `path`, or the committed character tokenizer when building."""
+    arch: str = "llama"
+    """Architecture when building from sizes: llama or qwen2."""
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 256
+    dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+    seed: int = 0
+    """Initialisation seed when building (identical on every rank)."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in _ARCH:
+            raise ValueError(f"ModelConfig.arch must be one of {sorted(_ARCH)}, got {self.arch!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.path is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                                 f"({self.num_heads})")
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                                 f"({self.num_kv_heads})")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer)
+    if cfg.path:
+        return load_tokenizer(cfg.path)
+    return char_tokenizer()
+
+
+def check_model_dir(path: str | Path) -> dict:
+    """The folder's config as a dict, or a clear error for a missing or unsupported checkpoint."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"model folder {p} does not exist; give a Hugging Face checkpoint folder")
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{p} has no config.json; it is not a Hugging Face checkpoint folder "
+                                f"(save one with engines.save_pretrained or transformers' save_pretrained)")
+    if not (list(p.glob("*.safetensors")) or list(p.glob("*.bin"))):
+        raise FileNotFoundError(f"{p} has config.json but no weights (*.safetensors); the checkpoint is incomplete")
+    cfg = json.loads(cfg_file.read_text())
+    model_type = cfg.get("model_type")
+    if model_type not in _ARCH:
+        raise ValueError(f"{p} holds a {model_type!r} model ({cfg.get('architectures')}); supported model types: "
+                         f"{sorted(_ARCH)} (Llama- and Qwen2-style decoders)")
+    return cfg
+
+
+def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokenizerBase | None = None
+                ) -> torch.nn.Module:
+    """A transformers model with the given head, on CPU, in `cfg.dtype`."""
+    import transformers
+
+    tokenizer = tokenizer or build_tokenizer(cfg)
+    if cfg.path is not None:
+        hf_cfg = check_model_dir(cfg.path)
+        arch = hf_cfg["model_type"]
+        cls = getattr(transformers, _ARCH[arch][1][head])
+        kwargs = {"num_labels": 1} if head != "lm" else {}
+        model = cls.from_pretrained(cfg.path, dtype=cfg.torch_dtype, **kwargs)
+    else:
+        config_cls, heads = _ARCH[cfg.arch]
+        hf_config = getattr(transformers, config_cls)(
+            vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+            intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, num_labels=1,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = getattr(transformers, heads[head])(hf_config).to(cfg.torch_dtype)
+    if head != "lm":
+        model.config.pad_token_id = tokenizer.pad_token_id
+        for name in ("score",):
+            mod = getattr(model, name, None)
+            if cfg.path is not None and mod is not None and "score.weight" not in _saved_keys(cfg.path):
+                torch.nn.init.zeros_(mod.weight)
+    return model
+
+
+def _saved_keys(path: str) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in Path(path).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as sf:
+            keys.update(sf.keys())
+    return keys
+
+
+def save_pretrained(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None, path: str | Path,
+                    state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a Hugging Face folder (config, safetensors, tokenizer) that transformers and vLLM load."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(p), state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(p))
+    return p

@@ -1,0 +1,42 @@
+"""Token-level tensor ops shared by the engines: response slicing, log-probs, entropy, position ids.
+
+Sequences are laid out as verl does: `input_ids = [left-padded prompt | right-padded response]`, with
+`attention_mask` over both and `response_mask` over the response (1 up to and including EOS). The logits at
+position t predict token t+1, so the response's log-probs come from positions P-1 .. P+R-2.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["position_ids_from_mask", "response_logits", "token_log_probs", "entropy_from_logits",
+           "response_mask_from_tokens"]
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding (what HF generate uses), so padded and unpadded rows agree."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logits(logits: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Logits that predict the last `response_len` tokens."""
+    return logits[:, -response_len - 1:-1]
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature), computed in float32."""
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 for every response token up to and including the first EOS, 0 after it."""
+    is_eos = responses == eos_token_id
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    return (~after_eos).long()

@@ -1,0 +1,175 @@
+"""The RLHF roles as flowactors workers, exposing HybridFlow's Table 4 primitives as endpoints.
+
+Each role owns one model on its ranks and says, per primitive, how a call is split (`MESH`: by data-parallel
+rank, replicated over tensor-parallel ranks; `MINIBATCH` for updates). Roles know nothing about a particular
+algorithm: losses arrive as functions with the update call.
+
+The actor is hybrid: it trains and generates on the same weights. Until the 3D-HybridEngine takes over the
+transition, a sharded actor gathers its full weights into an unsharded generation copy before sampling and drops
+them afterwards (the "all-gather" baseline of HybridFlow Table 2); an unsharded actor samples from its training
+model directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.generation import HFGenerationEngine, SamplingConfig
+from engines.models import ModelConfig, build_model, build_tokenizer, save_pretrained
+from engines.parallel import parallelize
+from engines.protocols import MINIBATCH
+from engines.training import LossFn, OptimConfig, TrainEngine
+from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Worker, endpoint
+
+__all__ = ["ActorWorker", "RefWorker", "CriticWorker", "RewardModelWorker", "RuleRewardWorker", "ModelWorker"]
+
+
+class ModelWorker(Worker):
+    """Common set-up: tokenizer, model with the requested head, TP/FSDP over the group's mesh, engine."""
+
+    head = "lm"
+
+    def _setup(self, model: ModelConfig, optim: OptimConfig | None, trainable: bool) -> None:
+        torch.manual_seed(model.seed)
+        self.model_config = model
+        self.tokenizer = build_tokenizer(model)
+        net = build_model(model, self.head, self.tokenizer)
+        self.sharded = self.layout.dp > 1 or self.layout.tp > 1
+        if self.sharded:
+            net = parallelize(net, self.mesh)
+        self.engine = TrainEngine(net, optim, dp_group=self.mesh["dp"].get_group(), dp_size=self.layout.dp,
+                                  trainable=trainable)
+
+    def _update(self, shares: list[Batch], loss_fn: LossFn,
+                outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
+        mb = int(shares[0].meta.get("mini_batch_samples", len(shares[0]) * self.layout.dp)) // self.layout.dp
+        mini_batches = [m for local in shares for m in local.chunk(mb)]
+        return self.engine.update(mini_batches, loss_fn, outputs_fn)
+
+    @endpoint(protocol=RANK_ZERO)
+    def export_hf(self, path: str) -> str:
+        """Write this model as a Hugging Face folder (all ranks gather; rank 0 writes)."""
+        state = self.engine.full_state_dict()
+        if self.rank == 0:
+            model = build_model(self.model_config, self.head, self.tokenizer)
+            save_pretrained(model, self.tokenizer, Path(path), state_dict=state)
+        return str(path)
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def parameter_digest(self) -> float:
+        """A cheap fingerprint of the full weights (sum of all parameters), for tests and sanity checks."""
+        return float(sum(t.double().sum() for t in self.engine.full_state_dict().values()))
+
+
+class ActorWorker(ModelWorker):
+    """Hybrid actor: generate_sequences, compute_log_prob, update_actor."""
+
+    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None,
+                 sampling: SamplingConfig | None = None) -> None:
+        self._setup(model, optim or OptimConfig(), trainable=True)
+        self.sampling = sampling or SamplingConfig()
+        self.generator = HFGenerationEngine(self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
+                                            max_context=self.engine.model.config.max_position_embeddings)
+        self._gen_model: torch.nn.Module | None = None
+
+    def _generation_model(self) -> torch.nn.Module:
+        if not self.sharded:
+            return self.engine.model
+        if self._gen_model is None:
+            self._gen_model = build_model(self.model_config, "lm", self.tokenizer)
+        self._gen_model.load_state_dict(self.engine.full_state_dict())
+        return self._gen_model
+
+    @endpoint(protocol=MESH)
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """Sample one response per prompt row. meta: `greedy` (bool), `seed` (int) when rows carry no seed."""
+        model = self._generation_model()
+        out = self.generator.generate(model, prompts, self.sampling, greedy=bool(prompts.meta.get("greedy")),
+                                      seed=int(prompts.meta.get("seed", 0)))
+        return out
+
+    @endpoint(protocol=MESH)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        lp = self.engine.log_probs(batch, self.sampling.temperature, with_entropy=True)
+        return Batch({"old_log_probs": lp["log_probs"], "entropy": lp["entropy"]})
+
+    @endpoint(protocol=MINIBATCH)
+    def update_actor(self, shares: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+        temp = self.sampling.temperature
+        return self._update(shares, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, with_entropy=True))
+
+
+class RefWorker(ModelWorker):
+    """Frozen reference policy: compute_ref_log_prob."""
+
+    def __init__(self, model: ModelConfig, temperature: float = 1.0) -> None:
+        self._setup(model, None, trainable=False)
+        self.temperature = temperature
+
+    @endpoint(protocol=MESH)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        return Batch({"ref_log_probs": self.engine.log_probs(batch, self.temperature)["log_probs"]})
+
+
+class CriticWorker(ModelWorker):
+    """Value model: compute_values and update_critic; `key` names its output (e.g. "cost_values")."""
+
+    head = "value"
+
+    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None, key: str = "values") -> None:
+        self._setup(model, optim or OptimConfig(), trainable=True)
+        self.key = key
+
+    @endpoint(protocol=MESH)
+    def compute_values(self, batch: Batch) -> Batch:
+        return Batch({self.key: self.engine.values(batch)})
+
+    @endpoint(protocol=MINIBATCH)
+    def update_critic(self, shares: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+        return self._update(shares, loss_fn, self.engine.value_outputs)
+
+
+class RewardModelWorker(ModelWorker):
+    """Sequence-score model used as a reward model (compute_reward) or a cost model (compute_cost)."""
+
+    head = "score"
+
+    def __init__(self, model: ModelConfig) -> None:
+        self._setup(model, None, trainable=False)
+
+    @endpoint(protocol=MESH)
+    def compute_reward(self, batch: Batch) -> Batch:
+        return Batch({"rewards": self.engine.scores(batch)})
+
+    @endpoint(protocol=MESH)
+    def compute_cost(self, batch: Batch) -> Batch:
+        return Batch({"costs": self.engine.scores(batch)})
+
+
+class RuleRewardWorker(Worker):
+    """A rule-based reward or cost: `fn(prompt_text, response_text, row) -> float` on decoded text.
+
+    `row` holds the batch's per-row values (e.g. the task's target) for that sample.
+    """
+
+    def __init__(self, fn: Callable[[str, str, dict[str, Any]], float], model: ModelConfig | None = None) -> None:
+        self.fn = fn
+        self.tokenizer = build_tokenizer(model or ModelConfig())
+
+    def _score(self, batch: Batch) -> torch.Tensor:
+        prompts = self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True)
+        responses = self.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+        rows = [{k: v[i] for k, v in batch.rows.items()} for i in range(len(batch))]
+        return torch.tensor([float(self.fn(p, r, row)) for p, r, row in zip(prompts, responses, rows)])
+
+    @endpoint(protocol=MESH)
+    def compute_reward(self, batch: Batch) -> Batch:
+        return Batch({"rewards": self._score(batch)})
+
+    @endpoint(protocol=MESH)
+    def compute_cost(self, batch: Batch) -> Batch:
+        return Batch({"costs": self._score(batch)})

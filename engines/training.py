@@ -1,0 +1,173 @@
+"""The torch-native training engine: forward passes for scoring and loss-driven updates.
+
+One interface for every role (DESIGN §4): `log_probs`, `values` and `scores` run forward passes in micro-batches
+without gradients; `update` runs mini-batch steps where the algorithm supplies the loss. The engine owns
+micro-batching (by a token budget), gradient accumulation, clipping, AdamW and the LR schedule.
+
+Loss aggregation is token-mean over the whole mini-batch across data-parallel ranks: each micro-batch's summed
+token loss is divided by the mini-batch's global token count (one all-reduce), and multiplied by the DP size
+because FSDP2 averages gradients over ranks. The update is therefore the same whatever the DP size or the
+micro-batch split, which is what makes a dp=2 run reproduce a dp=1 run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engines.ops import position_ids_from_mask, response_logits, token_log_probs, entropy_from_logits
+from flowactors import Batch
+
+__all__ = ["OptimConfig", "TrainEngine", "LossFn"]
+
+LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor, dict[str, float]]]
+"""loss_fn(outputs, micro_batch) -> (per-token loss (B, R), token weights (B, R), metrics).
+
+`outputs` holds `log_probs` and `entropy` (policy) or `values` (critic), each (B, R) over the response."""
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser and batching of one trained model."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables clipping)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
+    lr_schedule: str = "constant"
+    """constant or cosine (decays to 10 % over total_steps)."""
+    total_steps: int = 1000
+    micro_batch_tokens: int = 4096
+    """Tokens (rows x sequence length) per forward/backward on one rank; bounds activation memory."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"OptimConfig.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+
+
+class TrainEngine:
+    """A (possibly sharded) transformers model with its optimiser. `dp_group` is the data-parallel group."""
+
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig | None, *, dp_group: Any = None,
+                 dp_size: int = 1, trainable: bool = True) -> None:
+        self.model = model
+        self.cfg = optim or OptimConfig()
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.optimizer = None
+        self.scheduler = None
+        if trainable:
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
+                                               weight_decay=self.cfg.weight_decay)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        else:
+            model.requires_grad_(False)
+
+    def _lr_factor(self, step: int) -> float:
+        if step < self.cfg.warmup_steps:
+            return (step + 1) / self.cfg.warmup_steps
+        if self.cfg.lr_schedule == "cosine":
+            t = min(1.0, (step - self.cfg.warmup_steps) / max(1, self.cfg.total_steps - self.cfg.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0
+
+    # -- forward passes ---------------------------------------------------------------------------------------
+    def micro_batches(self, batch: Batch) -> list[Batch]:
+        width = int(batch["input_ids"].shape[1])
+        rows = max(1, self.cfg.micro_batch_tokens // max(1, width))
+        return batch.chunk(rows) if len(batch) else []
+
+    def _forward(self, mb: Batch) -> Any:
+        mask = mb["attention_mask"]
+        pos = mb["position_ids"] if "position_ids" in mb else position_ids_from_mask(mask)
+        return self.model(input_ids=mb["input_ids"], attention_mask=mask, position_ids=pos, use_cache=False)
+
+    def policy_outputs(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        resp = mb["responses"]
+        logits = response_logits(self._forward(mb).logits, resp.shape[1])
+        out = {"log_probs": token_log_probs(logits, resp, temperature)}
+        if with_entropy:
+            out["entropy"] = entropy_from_logits(logits, temperature)
+        return out
+
+    def value_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
+        logits = self._forward(mb).logits  # (B, T, 1) from a token-classification head
+        return {"values": response_logits(logits, mb["responses"].shape[1]).squeeze(-1).float()}
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
+        self.model.eval()
+        outs = [self.policy_outputs(mb, temperature, with_entropy) for mb in self.micro_batches(batch)]
+        return Batch({k: torch.cat([o[k] for o in outs]) for k in outs[0]}) if outs else Batch()
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        return torch.cat([self.value_outputs(mb)["values"] for mb in self.micro_batches(batch)])
+
+    @torch.no_grad()
+    def scores(self, batch: Batch) -> torch.Tensor:
+        """One scalar per sequence from a sequence-classification head (read at the last non-pad token)."""
+        self.model.eval()
+        return torch.cat([self._forward(mb).logits.squeeze(-1).float() for mb in self.micro_batches(batch)])
+
+    # -- updates ----------------------------------------------------------------------------------------------
+    def update(self, mini_batches: list[Batch], loss_fn: LossFn,
+               outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
+        """One optimizer step per mini-batch; returns metrics averaged over the steps (token-weighted)."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine was built without an optimizer (trainable=False); it cannot update")
+        self.model.train()
+        sums: dict[str, float] = {}
+        tokens = 0.0
+        norms = []
+        for mini in mini_batches:
+            global_tokens = torch.tensor([float(mini["response_mask"].sum())], dtype=torch.float64)
+            if self.dp_size > 1:
+                dist.all_reduce(global_tokens, group=self.dp_group)
+            denom = max(float(global_tokens), 1.0)
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in self.micro_batches(mini):
+                token_loss, weight, metrics = loss_fn(outputs_fn(mb), mb)
+                ((token_loss * weight).sum() / denom * self.dp_size).backward()
+                w = float(mb["response_mask"].sum())
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * w
+                tokens += w
+            norms.append(self._clip())
+            self.optimizer.step()
+            self.scheduler.step()
+        out = {k: v / max(tokens, 1e-9) for k, v in sums.items()}
+        out["grad_norm"] = sum(norms) / max(len(norms), 1)
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters on CPU (every rank of the group must call this: it all-gathers)."""
+        out = {}
+        for name, t in self.model.state_dict().items():
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            out[name] = t.detach().cpu()
+        return out
