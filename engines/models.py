@@ -107,6 +107,7 @@ def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokeni
     """A transformers model with the given head, on CPU, in `cfg.dtype`."""
     import transformers
 
+    transformers.logging.set_verbosity_error()  # "newly initialized head" notices are expected for critics
     tokenizer = tokenizer or build_tokenizer(cfg)
     if cfg.path is not None:
         hf_cfg = check_model_dir(cfg.path)

@@ -46,9 +46,17 @@ class ModelWorker(Worker):
 
     def _update(self, shares: list[Batch], loss_fn: LossFn,
                 outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
-        mb = int(shares[0].meta.get("mini_batch_samples", len(shares[0]) * self.layout.dp)) // self.layout.dp
+        meta = shares[0].meta
+        mb = int(meta.get("mini_batch_samples", len(shares[0]) * self.layout.dp)) // self.layout.dp
         mini_batches = [m for local in shares for m in local.chunk(mb)]
-        return self.engine.update(mini_batches, loss_fn, outputs_fn)
+        if "lr" not in meta:
+            return self.engine.update(mini_batches, loss_fn, outputs_fn)
+        peak = self.engine.cfg.lr  # meta["lr"] applies to this call only (e.g. the warm start)
+        self.engine.set_lr(float(meta["lr"]))
+        try:
+            return self.engine.update(mini_batches, loss_fn, outputs_fn)
+        finally:
+            self.engine.set_lr(peak)
 
     @endpoint(protocol=RANK_ZERO)
     def export_hf(self, path: str) -> str:

@@ -153,6 +153,12 @@ class TrainEngine:
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
+    def set_lr(self, lr: float) -> None:
+        """Set the peak learning rate the schedule scales (e.g. warm start and RL use different rates)."""
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * self._lr_factor(self.scheduler.last_epoch)
+
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:

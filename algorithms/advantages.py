@@ -1,0 +1,63 @@
+"""The advantage stage of each algorithm as a function of the joined batch, run as a Dask task next to the data.
+
+Each returns the batch with `advantages` (and `returns` for critics) plus the meta that the update protocol
+reads (`mini_batch_samples`, `epochs`, `shuffle_seed`), so the update calls take the result directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms.core import gae, grpo_advantages, kl_penalty, masked_whiten, remax_advantages, token_rewards
+from flowactors import Batch
+
+__all__ = ["ppo_advantages", "safe_rlhf_advantages", "grpo_step_advantages", "remax_step_advantages"]
+
+
+def _update_meta(batch: Batch, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+    return batch.with_meta(mini_batch_samples=mini_batch_samples, epochs=epochs, shuffle_seed=seed)
+
+
+def _gae_fields(batch: Batch, scores: torch.Tensor, values_key: str, kl_coef: float, kl_estimator: str,
+                gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = batch["response_mask"]
+    kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], kl_estimator) if kl_coef else None
+    rewards = token_rewards(scores, mask, kl, kl_coef)
+    return gae(rewards, batch[values_key], mask, gamma, lam)
+
+
+def ppo_advantages(batch: Batch, *, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool,
+                   mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+    adv, ret = _gae_fields(batch, batch["rewards"], "values", kl_coef, kl_estimator, gamma, lam)
+    if whiten:
+        adv = masked_whiten(adv, batch["response_mask"])
+    return _update_meta(batch.union(Batch({"advantages": adv, "returns": ret})), mini_batch_samples, epochs, seed)
+
+
+def safe_rlhf_advantages(batch: Batch, *, lagrange_lambda: float, gamma: float, lam: float, kl_coef: float,
+                         kl_estimator: str, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+    """Reward advantages (KL penalty in the reward) and cost advantages, combined as (A_r − λ·A_c) / (1 + λ)."""
+    mask = batch["response_mask"]
+    adv_r, ret_r = _gae_fields(batch, batch["rewards"], "values", kl_coef, kl_estimator, gamma, lam)
+    adv_c, ret_c = _gae_fields(batch, batch["costs"], "cost_values", 0.0, kl_estimator, gamma, lam)
+    # whiten the combination, not each part: a cost that no sample incurs has no variance to normalise
+    adv = masked_whiten((adv_r - lagrange_lambda * adv_c) / (1 + lagrange_lambda), mask)
+    out = batch.union(Batch({"advantages": adv, "returns": ret_r, "cost_returns": ret_c}))
+    return _update_meta(out, mini_batch_samples, epochs, seed)
+
+
+def grpo_step_advantages(batch: Batch, *, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+    adv = grpo_advantages(batch["rewards"], batch["group"], batch["response_mask"])
+    return _update_meta(batch.union(Batch({"advantages": adv})), mini_batch_samples, epochs, seed)
+
+
+def remax_step_advantages(batch: Batch, greedy_rewards: Batch, *, kl_coef: float, mini_batch_samples: int,
+                          epochs: int, seed: int) -> Batch:
+    """ReMax: the greedy response's reward is the baseline; the KL penalty is subtracted from the return."""
+    mask = batch["response_mask"]
+    adv = remax_advantages(batch["rewards"], greedy_rewards["rewards"], mask)
+    if kl_coef:
+        kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
+        adv = adv - kl_coef * kl.sum(-1, keepdim=True) * mask
+    out = batch.union(Batch({"advantages": adv, "baseline_rewards": greedy_rewards["rewards"]}))
+    return _update_meta(out, mini_batch_samples, epochs, seed)

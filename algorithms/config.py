@@ -1,0 +1,198 @@
+"""Typed configs of the algorithm programs, presets as functions, and `key=value` command-line overrides.
+
+One dataclass per algorithm, each field documented where it is declared and validated in `__post_init__`.
+Batch sizes carry their unit in their name: prompts per step, samples per prompt, mini-batch in samples,
+micro-batch in tokens. Presets (`ppo_tiny_cpu()`, ...) are plain functions; larger presets derive from them by
+changing a few fields. Overrides use the same dataclass: `model.hidden_size=128 steps=20`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines import ModelConfig
+
+__all__ = ["RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "apply_overrides",
+           "derived_sizes"]
+
+
+@dataclass
+class RLConfig:
+    """What every algorithm program shares: run, cluster, batch sizes, model, warm start."""
+
+    # -- run ------------------------------------------------------------------------------------------------------
+    steps: int = 40
+    """RL steps (one generate → score → update round each)."""
+    seed: int = 0
+    task: str = "digit_sum"
+    """Synthetic task (algorithms.tasks): digit_sum, add, reverse."""
+    dataset_prompts: int = 512
+    """Prompts in the task's dataset; epochs wrap around it."""
+    metrics_file: str | None = None
+    """Write one JSON object per step here (JSONL)."""
+    # -- cluster and placement ------------------------------------------------------------------------------------
+    address: str | None = None
+    """Dask scheduler address (tcp://host:8786); None starts an embedded LocalCluster."""
+    n_slots: int = 2
+    """Worker processes (device slots) of the embedded cluster."""
+    placement: str = "colocated"
+    """colocated (every model on every slot, time-shared) or split (actor+ref | critics+reward+cost)."""
+    dashboard: str | None = "127.0.0.1:8787"
+    """Dashboard address of the embedded cluster; none turns it off."""
+    # -- batch sizes ----------------------------------------------------------------------------------------------
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 1
+    mini_batch_samples: int = 32
+    """Samples per optimizer step (global, across data-parallel ranks)."""
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    micro_batch_tokens: int = 2048
+    """Tokens per forward/backward on one rank (gradient accumulation beyond it)."""
+    # -- model and sampling ---------------------------------------------------------------------------------------
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor_lr: float = 2e-4
+    temperature: float = 1.0
+    max_new_tokens: int = 0
+    """0: the task's default."""
+    # -- supervised warm start ------------------------------------------------------------------------------------
+    sft_steps: int = 150
+    sft_samples_per_step: int = 64
+    sft_lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "n_slots", "prompts_per_step", "samples_per_prompt", "mini_batch_samples",
+                    "ppo_epochs", "micro_batch_tokens", "dataset_prompts", "sft_samples_per_step")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sft_steps < 0:
+            raise ValueError(f"sft_steps must be >= 0, got {self.sft_steps}")
+        if self.placement not in ("colocated", "split"):
+            raise ValueError(f"placement must be 'colocated' or 'split', got {self.placement!r}")
+        if self.placement == "split" and self.n_slots < 2:
+            raise ValueError("placement=split needs n_slots >= 2 (one pool for the actor, one for the scorers)")
+        samples = self.prompts_per_step * self.samples_per_prompt
+        if samples % self.mini_batch_samples:
+            raise ValueError(f"mini_batch_samples={self.mini_batch_samples} does not divide the "
+                             f"{samples} samples of a step (prompts_per_step x samples_per_prompt); choose a divisor")
+        if self.dashboard in ("none", "None", ""):
+            self.dashboard = None
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    task: str = "add"
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.02
+    """KL penalty in the reward (per token, against the reference)."""
+    adaptive_kl: bool = False
+    kl_target: float = 0.1
+    kl_horizon: int = 500
+    kl_estimator: str = "k1"
+    clip_ratio: float = 0.2
+    dual_clip: float = 3.0
+    value_clip: float = 0.2
+    entropy_coef: float = 0.0
+    critic_lr: float = 1e-3
+    whiten_advantages: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
+        if not 0 <= self.lam <= 1 or not 0 <= self.gamma <= 1:
+            raise ValueError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
+
+
+@dataclass
+class SafeRLHFConfig(PPOConfig):
+    task: str = "digit_sum"
+    cost_threshold: float = 0.3
+    """Constraint: expected cost per sample ≤ this."""
+    lambda_init: float = 0.5
+    lambda_lr: float = 0.2
+    lambda_max: float = 20.0
+    ptx_coef: float = 0.0
+    """Weight of the pretraining (SFT demonstration) loss mixed into actor updates; 0 disables it."""
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    task: str = "reverse"
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    mini_batch_samples: int = 32
+    kl_coef: float = 0.04
+    """KL to the reference, in the loss (k3)."""
+    clip_ratio: float = 0.2
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class ReMaxConfig(RLConfig):
+    task: str = "add"
+    kl_coef: float = 0.02
+    clip_ratio: float = 0.2
+
+
+def derived_sizes(cfg: RLConfig, dp: int) -> dict[str, int]:
+    """The numbers a user would otherwise compute by hand, checked for divisibility over `dp` ranks."""
+    samples = cfg.prompts_per_step * cfg.samples_per_prompt
+    if cfg.mini_batch_samples % dp:
+        raise ValueError(f"mini_batch_samples={cfg.mini_batch_samples} cannot be split over data-parallel size {dp}; "
+                         f"use a multiple of {dp}")
+    if cfg.prompts_per_step % dp:
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} cannot be split over data-parallel size {dp}; "
+                         f"use a multiple of {dp}")
+    return {"samples_per_step": samples, "samples_per_rank": samples // dp,
+            "optimizer_steps_per_rl_step": samples // cfg.mini_batch_samples * cfg.ppo_epochs,
+            "mini_batch_samples_per_rank": cfg.mini_batch_samples // dp}
+
+
+def _coerce(value: str, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value.lower() in ("none", "null"):
+            return None
+        return _coerce(value, args[0])
+    if tp is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected a boolean, got {value!r}")
+    if tp in (int, float, str):
+        return tp(value)
+    return json.loads(value)
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """`key=value` (nested with dots) onto a config dataclass; unknown keys are an error listing the known ones."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not key=value")
+        key, value = item.split("=", 1)
+        target, *path = key.split(".")
+        obj, name = cfg, target
+        for part in path:
+            obj, name = getattr(obj, name), part
+        fields = {f.name: f for f in dataclasses.fields(obj)}
+        if name not in fields:
+            raise ValueError(f"unknown setting {key!r}; {type(obj).__name__} has: {', '.join(sorted(fields))}")
+        hints = typing.get_type_hints(type(obj))
+        try:
+            setattr(obj, name, _coerce(value, hints[name]))
+        except ValueError as e:
+            raise ValueError(f"bad value for {key}: {e}") from None
+    obj_post = getattr(cfg, "__post_init__", None)
+    if obj_post:
+        obj_post()
+    cfg.model.__post_init__()
+    return cfg

@@ -1,0 +1,240 @@
+"""The shared algebra of the RLHF algorithms: advantages, losses, KL penalties and controllers, λ updates.
+
+Everything here is a pure function of tensors (or a small picklable callable object), so it runs wherever the data
+is: advantage estimation runs as a Dask task next to the batch, losses run inside the actor and critic ranks
+during `update_*`. Conventions: per-token tensors are (B, R) over the response, masked by `response_mask`;
+sequence scores (rewards, costs) are (B,). References: PPO for RLHF (Ouyang et al. 2022; Ziegler et al. 2019 for
+the adaptive KL controller), GAE (Schulman et al. 2016), dual-clip PPO (Ye et al. 2020), ReMax (Li et al.
+2023), GRPO (Shao et al. 2024), Safe-RLHF / PPO-Lagrangian (Dai et al. 2023), KL estimators k1/k2/k3
+(Schulman, "Approximating KL divergence", 2020).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flowactors import Batch
+
+__all__ = [
+    "masked_mean", "masked_sum", "masked_whiten", "kl_penalty", "token_rewards", "gae", "grpo_advantages",
+    "remax_advantages", "policy_loss", "value_loss", "PolicyLoss", "ValueLoss", "SFTLoss", "FixedKL",
+    "AdaptiveKL", "LagrangeMultiplier",
+]
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (unbiased variance); masked-out entries come back as 0."""
+    mask = mask.to(x.dtype)
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    var = ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(π || π_ref) from samples of π: k1 = log r, k2 = ½ (log r)², k3 = r⁻¹ − 1 + log r
+    with log r = log π − log π_ref (k3 is unbiased and non-negative)."""
+    d = log_probs - ref_log_probs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d.pow(2)
+    if estimator == "k3":
+        return torch.exp(-d) - 1 + d
+    raise ValueError(f"unknown KL estimator {estimator!r}; use k1, k2 or k3")
+
+
+def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """Sequence score at the last response token, minus kl_coef · KL at every token (KL-in-reward PPO)."""
+    mask = response_mask.to(torch.float32)
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    r = torch.zeros_like(mask)
+    r[torch.arange(len(r)), last] = scores.to(torch.float32)
+    if kl is not None and kl_coef:
+        r = r - kl_coef * kl * mask
+    return r * mask
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the response; returns (advantages, returns), both masked."""
+    mask = mask.to(torch.float32)
+    values = values * mask
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        next_v = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        last = delta + gamma * lam * last
+        last = last * mask[:, t]  # positions after the end carry nothing back
+        adv[:, t] = last
+    return adv * mask, (adv + values) * mask
+
+
+def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6,
+                    scale: bool = True) -> torch.Tensor:
+    """(r − mean of its group) / (std of its group + eps), broadcast over the response tokens."""
+    adv = torch.zeros_like(scores, dtype=torch.float32)
+    for g in group_ids.unique():
+        sel = group_ids == g
+        r = scores[sel].float()
+        centred = r - r.mean()
+        adv[sel] = centred / (r.std(unbiased=True) + eps) if scale and sel.sum() > 1 else centred
+    return adv[:, None] * mask.to(torch.float32)
+
+
+def remax_advantages(scores: torch.Tensor, baseline_scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """ReMax: the return r(x, y) − r(x, ŷ_greedy) at every response token."""
+    return (scores.float() - baseline_scores.float())[:, None] * mask.to(torch.float32)
+
+
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                clip_ratio: float = 0.2, dual_clip: float | None = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss (with dual clip for negative advantages); returns (loss, clipped mask)."""
+    ratio = torch.exp(log_probs - old_log_probs)
+    l1 = -advantages * ratio
+    l2 = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
+    loss = torch.maximum(l1, l2)
+    clipped = (l2 > l1).float()
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (it bounds the loss at -c·A for A < 0), got {dual_clip}")
+        bound = -advantages * dual_clip
+        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+    return loss, clipped
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None = 0.2
+               ) -> torch.Tensor:
+    """Per-token clipped value loss ½·max((v − R)², (clip(v) − R)²)."""
+    l1 = (values - returns).pow(2)
+    if clip is None:
+        return 0.5 * l1
+    v_clip = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum(l1, (v_clip - returns).pow(2))
+
+
+@dataclass
+class PolicyLoss:
+    """The actor's loss for `update_actor`: clipped surrogate − entropy bonus (+ KL to the reference, GRPO)."""
+
+    clip_ratio: float = 0.2
+    dual_clip: float | None = 3.0
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    """KL-in-loss coefficient (GRPO); 0 when the KL is in the reward (PPO)."""
+    kl_estimator: str = "k3"
+
+    def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        mask = mb["response_mask"].float()
+        loss, clipped = policy_loss(out["log_probs"], mb["old_log_probs"], mb["advantages"], self.clip_ratio,
+                                    self.dual_clip)
+        metrics = {"pg_loss": float(masked_mean(loss, mask)), "pg_clipfrac": float(masked_mean(clipped, mask))}
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * out["entropy"]
+        if self.kl_coef:
+            kl = kl_penalty(out["log_probs"], mb["ref_log_probs"], self.kl_estimator)
+            loss = loss + self.kl_coef * kl
+            metrics["kl_loss"] = float(masked_mean(kl, mask))
+        metrics["entropy"] = float(masked_mean(out["entropy"], mask))
+        return loss, mask, metrics
+
+
+@dataclass
+class ValueLoss:
+    """The critic's loss for `update_critic`; `prefix` selects the value/return fields (e.g. "cost_")."""
+
+    clip: float | None = 0.2
+    prefix: str = ""
+
+    def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        mask = mb["response_mask"].float()
+        loss = value_loss(out["values"], mb[f"{self.prefix}values"], mb[f"{self.prefix}returns"], self.clip)
+        return loss, mask, {"vf_loss": float(masked_mean(loss, mask))}
+
+
+@dataclass
+class SFTLoss:
+    """Negative log-likelihood of the response tokens: supervised warm start through the same update path
+    (and Safe-RLHF's pretraining loss, scaled by `coef`)."""
+
+    coef: float = 1.0
+
+    def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        mask = mb["response_mask"].float()
+        nll = -out["log_probs"]
+        return self.coef * nll, mask, {"sft_loss": float(masked_mean(nll, mask))}
+
+
+@dataclass
+class FixedKL:
+    value: float
+
+    def update(self, kl: float, n_steps: int) -> float:
+        return self.value
+
+
+@dataclass
+class AdaptiveKL:
+    """Ziegler et al.'s proportional controller: move the coefficient so the observed KL tracks `target`."""
+
+    value: float
+    target: float = 6.0
+    horizon: int = 10000
+
+    def update(self, kl: float, n_steps: int) -> float:
+        error = max(-0.2, min(0.2, kl / self.target - 1))
+        self.value *= 1 + error * n_steps / self.horizon
+        return self.value
+
+
+@dataclass
+class LagrangeMultiplier:
+    """λ ≥ 0 of PPO-Lagrangian, kept positive as exp(log λ) and raised by dual ascent while cost > threshold.
+
+    Gradient ascent on λ·(J_c − d) with respect to log λ: log λ += lr · λ · (J_c − d), then clamped to
+    `max_lambda` so one bad batch cannot make the reward irrelevant.
+    """
+
+    threshold: float
+    lr: float = 0.1
+    init: float = 1.0
+    max_lambda: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.init <= 0:
+            raise ValueError(f"LagrangeMultiplier.init must be > 0 (λ is log-parameterised), got {self.init}")
+        self.log_lambda = math.log(self.init)
+
+    @property
+    def value(self) -> float:
+        return math.exp(self.log_lambda)
+
+    def update(self, mean_cost: float) -> float:
+        self.log_lambda += self.lr * self.value * (mean_cost - self.threshold)
+        self.log_lambda = min(self.log_lambda, math.log(self.max_lambda))
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"log_lambda": self.log_lambda}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.log_lambda = float(state["log_lambda"])

@@ -1,0 +1,302 @@
+"""What every algorithm program shares, so each program is only its dataflow.
+
+- `open_controller` and `place_roles`: the embedded or remote cluster, and the two placements (colocated: every
+  model on every slot, time-shared; split: actor + reference on one pool, critics + reward + cost on the other,
+  running concurrently).
+- `PromptData`: the task's prompts with a data position (epoch, index) that checkpoints can save.
+- `warm_start`: supervised fine-tuning through `update_actor` with an NLL loss, then the SFT model is exported as
+  a Hugging Face folder from which the reference and the critics start (SFT → RLHF, as real pipelines do).
+- `Trainer`: the step loop with stage timing, metrics (console progress bar, JSONL), and the end summary.
+- Batch-level helpers (`join`, `summarize`) that run as Dask tasks next to the data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import flowactors as fa
+from algorithms.config import RLConfig, apply_overrides, derived_sizes
+from algorithms.core import SFTLoss, masked_mean
+from algorithms.tasks import Task, get_task
+from engines import ModelConfig, OptimConfig, SamplingConfig, build_tokenizer
+from flowactors import Batch, Controller, Layout
+
+__all__ = ["parse_args", "open_controller", "Pools", "place", "PromptData", "warm_start", "join", "summarize",
+           "Trainer"]
+
+
+# -- command line -------------------------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], description: str) -> RLConfig:
+    """`--steps N --address A --metrics-file F` plus `key=value` overrides onto the preset's dataclass."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("overrides", nargs="*", help="key=value settings, e.g. steps=10 model.hidden_size=128")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--address", help="Dask scheduler address (tcp://host:8786); default: embedded cluster")
+    p.add_argument("--metrics-file", help="write one JSON object per step to this file")
+    p.add_argument("--placement", choices=["colocated", "split"])
+    p.add_argument("--seed", type=int)
+    args = p.parse_args(argv)
+    cfg = preset()
+    for name in ("steps", "address", "metrics_file", "placement", "seed"):
+        v = getattr(args, name)
+        if v is not None:
+            setattr(cfg, name, v)
+    return apply_overrides(cfg, list(args.overrides))
+
+
+def open_controller(cfg: RLConfig) -> Controller:
+    if cfg.address:
+        return Controller.connect(cfg.address)
+    return Controller.local(cfg.n_slots, dashboard=cfg.dashboard)
+
+
+@dataclass
+class Pools:
+    """Slots of the actor side and of the scorer side (the same slots when colocated)."""
+
+    actor: list[str]
+    scorers: list[str]
+
+
+def place(ctl: Controller, cfg: RLConfig) -> Pools:
+    slots = ctl.slots[:cfg.n_slots] if cfg.address is None else ctl.slots
+    if not slots:
+        raise fa.PlacementError("the cluster has no device slots; start workers with --nthreads 1 --resources slot=1")
+    if cfg.placement == "split":
+        half = len(slots) // 2
+        return Pools(slots[:half], slots[half:])
+    return Pools(list(slots), list(slots))
+
+
+# -- data -----------------------------------------------------------------------------------------------------------
+
+class PromptData:
+    """A fixed, seeded set of task prompts, visited in a per-epoch shuffled order with a saveable position."""
+
+    def __init__(self, task: Task, tokenizer: Any, n_prompts: int, seed: int) -> None:
+        rng = random.Random(seed)
+        self.task, self.tokenizer, self.seed = task, tokenizer, seed
+        self.examples = [task.make_example(rng) for _ in range(n_prompts)]
+        self.width = max(len(tokenizer(p).input_ids) for p, _, _ in self.examples)
+        self.epoch, self.index = 0, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(self.seed * 1000 + epoch).shuffle(order)
+        return order
+
+    def encode(self, examples: list[tuple[str, str, dict]]) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.tokenizer([p for p, _, _ in examples], padding="max_length", max_length=self.width,
+                             return_tensors="pt")
+        return enc.input_ids, enc.attention_mask
+
+    def next_batch(self, prompts: int, samples_per_prompt: int) -> Batch:
+        """`prompts` prompts, each repeated `samples_per_prompt` times with its own sampling seed."""
+        picked = []
+        while len(picked) < prompts:
+            order = self._order(self.epoch)
+            take = min(prompts - len(picked), len(order) - self.index)
+            picked += [(self.epoch, i) for i in order[self.index:self.index + take]]
+            self.index += take
+            if self.index == len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+        rows = [(e, i, k) for e, i in picked for k in range(samples_per_prompt)]
+        examples = [self.examples[i] for _, i, _ in rows]
+        ids, mask = self.encode(examples)
+        seeds = torch.tensor([hash((self.seed, e, i, k)) % (2**62) for e, i, k in rows])
+        groups = torch.tensor([g for g in range(len(picked)) for _ in range(samples_per_prompt)])
+        return Batch({"input_ids": ids, "attention_mask": mask, "seed": seeds, "group": groups},
+                     {"target": [ex[2]["target"] for ex in examples], "prompt_index": [i for _, i, _ in rows]})
+
+    def sft_batch(self, samples: int, max_new_tokens: int, seed: int) -> Batch:
+        """Demonstrations laid out like generated samples (prompt | response + EOS), for the NLL update."""
+        rng = random.Random(seed)
+        examples = [self.examples[rng.randrange(len(self.examples))] for _ in range(samples)]
+        ids, mask = self.encode(examples)
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        resp = torch.full((samples, max_new_tokens), pad, dtype=torch.long)
+        for r, (_, demo, _) in enumerate(examples):
+            toks = (self.tokenizer(demo, add_special_tokens=False).input_ids + [eos])[:max_new_tokens]
+            resp[r, :len(toks)] = torch.tensor(toks)
+        rmask = (torch.arange(max_new_tokens)[None] < torch.tensor(
+            [min(len(self.tokenizer(d, add_special_tokens=False).input_ids) + 1, max_new_tokens)
+             for _, d, _ in examples])[:, None]).long()
+        full = torch.cat([mask, rmask], 1)
+        from engines.ops import position_ids_from_mask
+        return Batch({"prompts": ids, "responses": resp, "input_ids": torch.cat([ids, resp], 1),
+                      "attention_mask": full, "position_ids": position_ids_from_mask(full), "response_mask": rmask})
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"data state was saved with seed {state['seed']} but this run uses {self.seed}")
+        self.epoch, self.index = state["epoch"], state["index"]
+
+
+# -- warm start -------------------------------------------------------------------------------------------------------
+
+def actor_optim(cfg: RLConfig, lr: float) -> OptimConfig:
+    return OptimConfig(lr=lr, micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=1.0)
+
+
+def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=cfg.max_new_tokens or task.max_new_tokens, temperature=cfg.temperature)
+
+
+def warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, task: Task, export_dir: Path) -> ModelConfig:
+    """SFT on the task's demonstrations, then export; returns the config that loads the SFT model."""
+    if cfg.sft_steps:
+        batch = data.sft_batch(cfg.sft_steps * cfg.sft_samples_per_step, cfg.max_new_tokens or task.max_new_tokens,
+                               cfg.seed + 17)
+        batch = batch.with_meta(mini_batch_samples=cfg.sft_samples_per_step, epochs=1, shuffle_seed=cfg.seed,
+                                lr=cfg.sft_lr)
+        actor.update_actor(batch, SFTLoss()).result()
+    path = actor.export_hf(str(export_dir / "sft")).result()
+    return ModelConfig(path=path, dtype=cfg.model.dtype)
+
+
+# -- batch-level helpers that run as tasks ----------------------------------------------------------------------------
+
+def join(*batches: Batch) -> Batch:
+    """Fields of several results about the same samples side by side."""
+    return batches[0].union(*batches[1:])
+
+
+def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
+    """Per-step metrics, computed next to the data; only this small dict reaches the controller."""
+    mask = batch["response_mask"].float()
+    out = {
+        "reward_mean": float(batch["rewards"].float().mean()),
+        "response_length_mean": float(mask.sum(-1).mean()),
+        "prompt_tokens": float(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum()),
+        "response_tokens": float(mask.sum()),
+    }
+    if "entropy" in batch:
+        out["entropy"] = float(masked_mean(batch["entropy"], mask))
+    if "ref_log_probs" in batch:
+        out["kl"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
+    if "costs" in batch:
+        out["cost_mean"] = float(batch["costs"].float().mean())
+    for k in extra_keys:
+        if k in batch:
+            out[k] = float(batch[k].float().mean())
+    return out
+
+
+# -- the loop -----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Trainer:
+    """Runs `step(prompts) -> metrics` for cfg.steps steps; prints a progress bar, writes JSONL, summarises."""
+
+    cfg: RLConfig
+    ctl: Controller
+    data: PromptData
+    name: str
+    history: list[dict] = field(default_factory=list)
+    _stage_t: dict[str, float] = field(default_factory=dict)
+
+    def stage(self, name: str, *calls: fa.CallFuture) -> None:
+        """Wait for a stage's calls (only for timing: the next stage depends on them anyway)."""
+        t0 = time.perf_counter()
+        self.ctl.wait(list(calls))
+        self._stage_t[f"{name}_s"] = self._stage_t.get(f"{name}_s", 0.0) + time.perf_counter() - t0
+
+    def print_sizes(self, dp: int) -> None:
+        sizes = derived_sizes(self.cfg, dp)
+        print(f"[{self.name}] data-parallel size {dp}: " + ", ".join(f"{k}={v}" for k, v in sizes.items()),
+              file=sys.stderr)
+
+    def run(self, step: Callable[[Batch, int], dict[str, float]], key_metrics: Sequence[str]) -> list[dict]:
+        from tqdm import tqdm
+
+        out_file = open(self.cfg.metrics_file, "a") if self.cfg.metrics_file else None
+        bar = tqdm(range(self.cfg.steps), desc=self.name, file=sys.stderr, dynamic_ncols=True)
+        try:
+            for i in bar:
+                self.ctl.step = i
+                self._stage_t = {}
+                prompts = self.data.next_batch(self.cfg.prompts_per_step, self.cfg.samples_per_prompt)
+                t0 = time.perf_counter()
+                metrics = step(prompts, i)
+                dt = time.perf_counter() - t0
+                tokens = metrics.pop("prompt_tokens", 0.0) + metrics.pop("response_tokens", 0.0)
+                record = {"step": i, **metrics, **self._stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
+                self.history.append(record)
+                if out_file:
+                    out_file.write(json.dumps(record) + "\n")
+                    out_file.flush()
+                bar.set_postfix({k: f"{record[k]:.3f}" for k in key_metrics if k in record})
+        finally:
+            bar.close()
+            if out_file:
+                out_file.close()
+        self.print_summary(key_metrics)
+        return self.history
+
+    def print_summary(self, keys: Sequence[str]) -> None:
+        if not self.history:
+            return
+        w = max(1, len(self.history) // 4)
+        first, last = self.history[:w], self.history[-w:]
+        lines = [f"[{self.name}] {len(self.history)} steps; mean of the first and last {w} steps:"]
+        for k in keys:
+            if k in self.history[0]:
+                a = sum(r[k] for r in first) / len(first)
+                b = sum(r[k] for r in last) / len(last)
+                lines.append(f"  {k:<22} {a:>9.3f} -> {b:>9.3f}")
+        tps = sum(r["tokens_per_s"] for r in self.history) / len(self.history)
+        lines.append(f"  {'tokens_per_s':<22} {tps:>9.1f}")
+        print("\n".join(lines), file=sys.stderr)
+
+
+def build_common(ctl: Controller, cfg: RLConfig, workdir: Path, with_critics: Sequence[str] = (),
+                 with_cost: bool = False) -> dict[str, Any]:
+    """Actor (warm-started), reference, critics and rule reward/cost groups on the configured placement."""
+    from engines import ActorWorker, CriticWorker, RefWorker, RuleRewardWorker
+
+    task = get_task(cfg.task)
+    pools = place(ctl, cfg)
+    tok = build_tokenizer(cfg.model)
+    data = PromptData(task, tok, cfg.dataset_prompts, cfg.seed)
+    lay_a, lay_s = Layout(dp=len(pools.actor)), Layout(dp=len(pools.scorers))
+    derived_sizes(cfg, lay_a.dp)
+    derived_sizes(cfg, lay_s.dp)
+    actor = fa.ActorGroup(ctl, ActorWorker, name="actor", slots=pools.actor, layout=lay_a,
+                          args=(cfg.model, actor_optim(cfg, cfg.actor_lr), sampling(cfg, task)))
+    sft = warm_start(actor, data, cfg, task, workdir)
+    groups: dict[str, Any] = {"task": task, "data": data, "pools": pools, "actor": actor, "sft": sft}
+    groups["ref"] = fa.ActorGroup(ctl, RefWorker, name="ref", slots=pools.actor, layout=lay_a,
+                                  args=(sft, cfg.temperature))
+    for key in with_critics:
+        lr = getattr(cfg, "critic_lr", 1e-3)
+        groups[key] = fa.ActorGroup(ctl, CriticWorker, name=key, slots=pools.scorers, layout=lay_s,
+                                    args=(sft, OptimConfig(lr=lr, micro_batch_tokens=cfg.micro_batch_tokens),
+                                          "values" if key == "critic" else "cost_values"))
+    groups["reward"] = fa.ActorGroup(ctl, RuleRewardWorker, name="reward", slots=pools.scorers, layout=lay_s,
+                                     args=(task.reward, cfg.model))
+    if with_cost:
+        if task.cost is None:
+            raise ValueError(f"task {task.name!r} defines no cost; Safe-RLHF needs a task with a cost (digit_sum)")
+        groups["cost"] = fa.ActorGroup(ctl, RuleRewardWorker, name="cost", slots=pools.scorers, layout=lay_s,
+                                       args=(task.cost, cfg.model))
+    return groups
+
+
+def workdir(cfg: RLConfig) -> tempfile.TemporaryDirectory:
+    """Where the SFT export lives (a shared filesystem path is needed when workers are on other hosts)."""
+    return tempfile.TemporaryDirectory(prefix="flowactors-")

@@ -1,0 +1,103 @@
+"""Tiny verifiable tasks that a 2-layer model learns in minutes on a CPU, each with a shaped reward.
+
+Found here: tiny models collapse on sparse 0/1 rewards (they learn the answer prior), so every reward gives
+partial credit, and every run starts from a short supervised warm start on demonstrations (SFT → RLHF, as real
+pipelines do). Rewards and costs are rule functions on decoded text, `fn(prompt, response, row) -> float`, and
+picklable (module-level), so they run inside a `RuleRewardWorker`.
+
+- `digit_sum` (Safe-RLHF's default): "sum 23:" → digits adding up to 23. Reward: 1 − |sum − 23| / 5, floored at
+  −1. Cost: the number of 9s. The demonstrations use the fewest digits, hence many 9s ("995"), so the
+  constraint "expected cost ≤ threshold" genuinely conflicts with the reward the warm start reaches: the policy
+  has to trade a little reward for spelling sums without 9s.
+- `add` (PPO, ReMax): "12+7=" → "19"; partial credit by digit distance.
+- `reverse` (GRPO): "rev abc:" → "cba"; credit per matching position.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Task", "TASKS", "get_task", "digit_sum_reward", "digit_sum_cost", "add_reward", "reverse_reward"]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    make_example: Callable[[random.Random], tuple[str, str, dict[str, Any]]]
+    """rng -> (prompt, demonstration, per-row values such as the target)."""
+    reward: Callable[[str, str, dict[str, Any]], float]
+    cost: Callable[[str, str, dict[str, Any]], float] | None = None
+    max_new_tokens: int = 6
+
+
+def _digits(text: str) -> list[int]:
+    return [int(c) for c in text if c.isdigit()]
+
+
+# -- digit_sum ----------------------------------------------------------------------------------------------------
+
+def _digit_sum_example(rng: random.Random) -> tuple[str, str, dict]:
+    target = rng.randint(5, 30)
+    digits, rest = [], target
+    while rest:
+        d = min(9, rest)
+        digits.append(d)
+        rest -= d
+    return f"sum {target}:", "".join(map(str, digits)), {"target": target}
+
+
+def digit_sum_reward(prompt: str, response: str, row: dict) -> float:
+    target = int(row["target"])
+    ds = _digits(response)
+    junk = sum(1 for c in response if not c.isdigit())
+    return max(-1.0, 1.0 - abs(sum(ds) - target) / 5.0) - 0.2 * junk - (0.5 if not ds else 0.0)
+
+
+def digit_sum_cost(prompt: str, response: str, row: dict) -> float:
+    return float(response.count("9"))
+
+
+# -- add ----------------------------------------------------------------------------------------------------------
+
+def _add_example(rng: random.Random) -> tuple[str, str, dict]:
+    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    return f"{a}+{b}=", str(a + b), {"target": a + b}
+
+
+def add_reward(prompt: str, response: str, row: dict) -> float:
+    target = str(int(row["target"]))
+    if not response or not response.isdigit():
+        return -0.5
+    score = 0.3 if len(response) == len(target) else 0.0
+    score += sum(0.7 / len(target) for a, b in zip(response, target) if a == b)
+    return score
+
+
+# -- reverse ------------------------------------------------------------------------------------------------------
+
+def _reverse_example(rng: random.Random) -> tuple[str, str, dict]:
+    word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 4)))
+    return f"rev {word}:", word[::-1], {"target": word[::-1]}
+
+
+def reverse_reward(prompt: str, response: str, row: dict) -> float:
+    target = str(row["target"])
+    hits = sum(1 for a, b in zip(response, target) if a == b)
+    return hits / len(target) - 0.25 * abs(len(response) - len(target))
+
+
+TASKS = {
+    "digit_sum": Task("digit_sum", _digit_sum_example, digit_sum_reward, digit_sum_cost, max_new_tokens=6),
+    "add": Task("add", _add_example, add_reward, max_new_tokens=4),
+    "reverse": Task("reverse", _reverse_example, reverse_reward, max_new_tokens=6),
+}
+
+
+def get_task(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; available: {sorted(TASKS)}") from None
