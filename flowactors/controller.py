@@ -176,6 +176,17 @@ class Controller:
 
         return self.client.sync(send) if items else []
 
+    def apply(self, fn: Any, *args: Any, name: str | None = None, **kwargs: Any) -> CallFuture:
+        """Run a pure function on call results where the data is (any worker), e.g. joining batches or
+        computing advantages; futures in the arguments are resolved there, never on the controller."""
+        label = name or getattr(fn, "__name__", "apply")
+        args = tuple(_unwrap_one(a) for a in args)
+        kwargs = {k: _unwrap_one(v) for k, v in kwargs.items()}
+        with self._lock:
+            seq = next(self._seq)
+        fut = self.client.submit(fn, *args, key=f"{label}-{_token()}", pure=False, priority=-seq, **kwargs)
+        return CallFuture(self, fut, label, ())
+
     # -- pinned, ordered submission -------------------------------------------------------------------------
     def submit_pinned(self, address: str, fn: Any, *args: Any, key: str, **kwargs: Any) -> Future:
         """Run `fn` on `address` after every task pinned there before it (DESIGN §3, Ordering)."""
@@ -269,6 +280,15 @@ class Controller:
         self.groups.pop(name, None)
         for hosted in self._hosted.values():
             hosted[:] = [h for h in hosted if h[0] != name]
+
+
+def _unwrap_one(v: Any) -> Any:
+    """CallFutures (also inside a list or tuple) become their Dask futures, which Dask then resolves."""
+    if isinstance(v, CallFuture):
+        return v.future
+    if isinstance(v, (list, tuple)) and any(isinstance(x, CallFuture) for x in v):
+        return type(v)(_unwrap_one(x) for x in v)
+    return v
 
 
 def _token() -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 from flowactors import _runtime
 from flowactors.batch import Batch
-from flowactors.controller import CallFuture, Controller, _token
+from flowactors.controller import CallFuture, Controller, _token, _unwrap_one
 from flowactors.errors import EndpointError, PlacementError, RemoteError
 from flowactors.protocols import Layout, Protocol
 from flowactors.worker import Worker, endpoints_of
@@ -166,14 +166,6 @@ def _ship_large(ctl: Controller, addresses: Sequence[str], per_rank: list) -> li
         else:
             out[r][1][k] = f
     return [(tuple(a), kw) for a, kw in out]
-
-
-def _unwrap_one(v: Any) -> Any:
-    if isinstance(v, CallFuture):
-        return v.future
-    if isinstance(v, (list, tuple)) and any(isinstance(x, CallFuture) for x in v):
-        return type(v)(_unwrap_one(x) for x in v)
-    return v
 
 
 def _unwrap(args: tuple) -> tuple:

@@ -1,0 +1,137 @@
+"""Group-call latency: flowactors against raw pinned Dask tasks (the floor of this design), in one run.
+
+    python benchmarks/dispatch.py [--json] [--repeats 40]
+
+Cases (2 ranks): `noop` (a call with no data on every rank, awaited), `split4MiB` (a 1024 x 512 int64 batch
+split over the ranks and gathered back), `chain3` (three chained calls on the 4 MiB batch, only the last fetched;
+`controller_bytes` counts batch bytes deserialized in the controller process, which also hosts the embedded
+scheduler). Ray and verl rows are added when those packages are installed. One JSON object per line, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import flowactors as fa  # noqa: E402
+from flowactors import ONE_TO_ALL, Batch, Worker, endpoint  # noqa: E402
+from flowactors import serialization as ser  # noqa: E402
+
+
+class Echo(Worker):
+    @endpoint(protocol=ONE_TO_ALL)
+    def noop(self) -> None:
+        return None
+
+    @endpoint
+    def touch(self, batch: Batch) -> Batch:
+        return batch
+
+
+def _noop() -> None:
+    return None
+
+
+def _touch(batch: Batch, _after=None) -> Batch:
+    return batch
+
+
+def _timed(fn, repeats: int) -> tuple[list[float], int]:
+    fn()  # warm-up
+    ser.RECEIVED.reset()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return times, ser.RECEIVED.bytes // repeats
+
+
+def _row(system: str, case: str, times: list[float], controller_bytes: int) -> dict:
+    q = statistics.quantiles(times, n=10)
+    return {"system": system, "case": case, "ranks": 2, "median_ms": round(statistics.median(times), 3),
+            "p90_ms": round(q[-1], 3), "controller_bytes": controller_bytes}
+
+
+def batch4mib() -> Batch:
+    return Batch({"x": torch.arange(1024 * 512, dtype=torch.int64).reshape(1024, 512)})
+
+
+def run(repeats: int) -> list[dict]:
+    rows = []
+    data = batch4mib()
+    with fa.Controller.local(2, dashboard=None) as ctl:
+        g = fa.ActorGroup(ctl, Echo, name="echo")
+        client, slots = ctl.client, ctl.slots
+
+        def fa_chain3():
+            f = g.touch(data)
+            f = g.touch(f)
+            f = g.touch(f)
+            f.result()
+
+        def raw_split():
+            parts = data.split(2)
+            futs = [client.submit(_touch, p, workers=[a], allow_other_workers=False, pure=False)
+                    for p, a in zip(parts, slots)]
+            Batch.concat(client.gather(futs))
+
+        def raw_chain3():
+            parts = data.split(2)
+            futs = [client.submit(_touch, p, workers=[a], allow_other_workers=False, pure=False)
+                    for p, a in zip(parts, slots)]
+            for _ in range(2):
+                futs = [client.submit(_touch, f, workers=[a], allow_other_workers=False, pure=False)
+                        for f, a in zip(futs, slots)]
+            Batch.concat(client.gather(futs))
+
+        cases = {
+            ("flowactors", "noop"): lambda: g.noop().result(),
+            ("flowactors", "split4MiB"): lambda: g.touch(data).result(),
+            ("flowactors", "chain3"): fa_chain3,
+            ("dask-pinned", "noop"): lambda: client.gather(
+                [client.submit(_noop, workers=[a], allow_other_workers=False, pure=False) for a in slots]),
+            ("dask-pinned", "split4MiB"): raw_split,
+            ("dask-pinned", "chain3"): raw_chain3,
+        }
+        for (system, case), fn in cases.items():
+            times, nbytes = _timed(fn, repeats)
+            # the final gather legitimately brings the result; count only bytes beyond it
+            result_bytes = data.nbytes if case != "noop" else 0
+            rows.append(_row(system, case, times, max(0, nbytes - result_bytes)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object per line before the table")
+    p.add_argument("--repeats", type=int, default=40)
+    args = p.parse_args(argv)
+    rows = run(args.repeats)
+    for name in ("ray", "verl"):
+        try:
+            __import__(name)
+            print(f"# {name} is installed but its runner is not part of this benchmark yet", file=sys.stderr)
+        except ImportError:
+            print(f"# {name} not installed: no {name} rows", file=sys.stderr)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    floor = {r["case"]: r["median_ms"] for r in rows if r["system"] == "dask-pinned"}
+    print(f"\n{'system':<12} {'case':<10} {'median ms':>10} {'p90 ms':>9} {'ctl bytes':>10} {'vs dask-pinned':>15}")
+    for r in rows:
+        ratio = r["median_ms"] / floor[r["case"]]
+        print(f"{r['system']:<12} {r['case']:<10} {r['median_ms']:>10.2f} {r['p90_ms']:>9.2f} "
+              f"{r['controller_bytes']:>10} {ratio:>14.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""The shared algebra against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from algorithms.core import (AdaptiveKL, LagrangeMultiplier, PolicyLoss, ValueLoss, gae, grpo_advantages,
+                             kl_penalty, masked_mean, masked_whiten, policy_loss, remax_advantages, token_rewards,
+                             value_loss)
+from flowactors import Batch
+
+
+def test_masked_mean_and_whiten():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, 100.0]])
+    m = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    assert masked_mean(x, m).item() == pytest.approx(2.5)
+    w = masked_whiten(x, m)
+    # mean 2.5, unbiased var of [1,2,3,4] = 5/3
+    assert w[0, 0].item() == pytest.approx((1 - 2.5) / math.sqrt(5 / 3), rel=1e-5)
+    assert w[0, 2].item() == 0.0
+
+
+def test_kl_estimators():
+    lp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # log r = 0.5
+    assert kl_penalty(lp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_penalty(lp, ref, "k2").item() == pytest.approx(0.125)
+    assert kl_penalty(lp, ref, "k3").item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)
+    with pytest.raises(ValueError, match="use k1, k2 or k3"):
+        kl_penalty(lp, ref, "k4")
+
+
+def test_token_rewards_put_score_on_last_token_and_kl_everywhere():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    kl = torch.full((2, 4), 0.5)
+    r = token_rewards(torch.tensor([2.0, -1.0]), mask, kl, kl_coef=0.1)
+    assert r.flatten().tolist() == pytest.approx([-0.05, -0.05, 1.95, 0.0, -1.05, 0.0, 0.0, 0.0])
+
+
+def test_gae_by_hand():
+    # one sequence of 3 tokens, gamma=0.9, lam=0.8
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.6, 0.7]])
+    m = torch.ones(1, 3)
+    adv, ret = gae(r, v, m, gamma=0.9, lam=0.8)
+    d2 = 1.0 - 0.7
+    d1 = 0.0 + 0.9 * 0.7 - 0.6
+    d0 = 0.0 + 0.9 * 0.6 - 0.5
+    a2 = d2
+    a1 = d1 + 0.72 * a2
+    a0 = d0 + 0.72 * a1
+    assert adv[0].tolist() == pytest.approx([a0, a1, a2])
+    assert ret[0].tolist() == pytest.approx([a0 + 0.5, a1 + 0.6, a2 + 0.7])
+    # masked tail contributes nothing and gets nothing
+    adv2, _ = gae(torch.tensor([[0.0, 1.0, 5.0]]), v, torch.tensor([[1, 1, 0]]), 1.0, 1.0)
+    assert adv2[0, 2].item() == 0 and adv2[0, 1].item() == pytest.approx(1.0 - 0.6)
+
+
+def test_policy_loss_clip_and_dual_clip():
+    lp_old = torch.zeros(4)
+    lp = torch.log(torch.tensor([1.5, 0.5, 1.5, 10.0]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, clipped = policy_loss(lp, lp_old, adv, clip_ratio=0.2, dual_clip=3.0)
+    # A>0, ratio 1.5 -> clipped to 1.2: -1.2 ; A>0 ratio .5 -> -0.5 (unclipped is larger)
+    # A<0 ratio 1.5 -> max(1.5, 1.2) = 1.5 ; A<0 ratio 10 -> max(10, 1.2)=10, dual clip caps at 3
+    assert loss.tolist() == pytest.approx([-1.2, -0.5, 1.5, 3.0])
+    assert clipped.tolist() == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        policy_loss(lp, lp_old, adv, dual_clip=0.5)
+
+
+def test_value_loss_clip():
+    v, old, ret = torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([2.0])
+    # unclipped (1-2)^2 = 1 ; clipped value 0.2 -> (0.2-2)^2 = 3.24 -> max -> 0.5*3.24
+    assert value_loss(v, old, ret, 0.2).item() == pytest.approx(1.62)
+    assert value_loss(v, old, ret, None).item() == pytest.approx(0.5)
+
+
+def test_grpo_and_remax_advantages():
+    scores = torch.tensor([1.0, 3.0, 5.0, 5.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    mask = torch.ones(4, 2)
+    adv = grpo_advantages(scores, groups, mask, eps=1e-6)
+    s = math.sqrt(2.0)  # unbiased std of [1, 3]; the tied group has no signal
+    assert adv[:, 0].tolist() == pytest.approx([-1 / s, 1 / s, 0.0, 0.0], rel=1e-5)
+    ra = remax_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.25, 0.5]), torch.tensor([[1, 1], [1, 0]]))
+    assert ra.tolist() == [[0.75, 0.75], [-0.5, 0.0]]
+
+
+def test_loss_objects_read_batch_fields():
+    mb = Batch({"response_mask": torch.tensor([[1, 1], [1, 0]]), "old_log_probs": torch.zeros(2, 2),
+                "advantages": torch.ones(2, 2), "ref_log_probs": torch.zeros(2, 2), "values": torch.zeros(2, 2),
+                "returns": torch.ones(2, 2)})
+    out = {"log_probs": torch.zeros(2, 2), "entropy": torch.full((2, 2), 2.0)}
+    loss, w, metrics = PolicyLoss(entropy_coef=0.1, kl_coef=0.5)(out, mb)
+    assert loss.flatten().tolist() == pytest.approx([-1.2] * 4)  # -A·1 - 0.1·2 + 0.5·0
+    assert metrics["entropy"] == pytest.approx(2.0) and w.sum() == 3
+    vloss, _, vm = ValueLoss(None)({"values": torch.zeros(2, 2)}, mb)
+    assert vm["vf_loss"] == pytest.approx(0.5)
+
+
+def test_controllers():
+    kl = AdaptiveKL(0.1, target=1.0, horizon=100)
+    kl.update(2.0, 10)  # error clipped to 0.2 -> 0.1 * (1 + 0.02)
+    assert kl.value == pytest.approx(0.102)
+    lag = LagrangeMultiplier(threshold=1.0, lr=0.5, init=1.0, max_lambda=10)
+    lag.update(3.0)  # log λ += 0.5 · 1 · (3 − 1) = 1
+    assert lag.value == pytest.approx(math.e)
+    lag.update(0.0)  # violated no more: λ falls
+    assert lag.value < math.e
+    for _ in range(50):
+        lag.update(100.0)
+    assert lag.value == pytest.approx(10.0)
+    state = lag.state_dict()
+    other = LagrangeMultiplier(threshold=1.0)
+    other.load_state_dict(state)
+    assert other.value == lag.value
+    with pytest.raises(ValueError, match="log-parameterised"):
+        LagrangeMultiplier(threshold=1.0, init=0.0)
