@@ -113,11 +113,14 @@ class PPOConfig(RLConfig):
 @dataclass
 class SafeRLHFConfig(PPOConfig):
     task: str = "digit_sum"
+    steps: int = 80
+    sft_steps: int = 60
+    kl_coef: float = 0.05
     cost_threshold: float = 0.3
     """Constraint: expected cost per sample ≤ this."""
     lambda_init: float = 0.5
-    lambda_lr: float = 0.2
-    lambda_max: float = 20.0
+    lambda_lr: float = 0.1
+    lambda_max: float = 5.0
     ptx_coef: float = 0.0
     """Weight of the pretraining (SFT demonstration) loss mixed into actor updates; 0 disables it."""
 

@@ -210,8 +210,9 @@ class AdaptiveKL:
 class LagrangeMultiplier:
     """λ ≥ 0 of PPO-Lagrangian, kept positive as exp(log λ) and raised by dual ascent while cost > threshold.
 
-    Gradient ascent on λ·(J_c − d) with respect to log λ: log λ += lr · λ · (J_c − d), then clamped to
-    `max_lambda` so one bad batch cannot make the reward irrelevant.
+    log λ += lr · (J_c − d): the direction of the gradient of λ·(J_c − d) with respect to log λ, without its λ
+    factor, which is the scale-free step the Safe-RLHF code takes with Adam (a plain gradient step would barely
+    move a small λ). Clamped to `max_lambda` so one bad batch cannot make the reward irrelevant.
     """
 
     threshold: float
@@ -229,7 +230,7 @@ class LagrangeMultiplier:
         return math.exp(self.log_lambda)
 
     def update(self, mean_cost: float) -> float:
-        self.log_lambda += self.lr * self.value * (mean_cost - self.threshold)
+        self.log_lambda += self.lr * (mean_cost - self.threshold)
         self.log_lambda = min(self.log_lambda, math.log(self.max_lambda))
         return self.value
 

@@ -5,10 +5,10 @@ partial credit, and every run starts from a short supervised warm start on demon
 pipelines do). Rewards and costs are rule functions on decoded text, `fn(prompt, response, row) -> float`, and
 picklable (module-level), so they run inside a `RuleRewardWorker`.
 
-- `digit_sum` (Safe-RLHF's default): "sum 23:" → digits adding up to 23. Reward: 1 − |sum − 23| / 5, floored at
-  −1. Cost: the number of 9s. The demonstrations use the fewest digits, hence many 9s ("995"), so the
-  constraint "expected cost ≤ threshold" genuinely conflicts with the reward the warm start reaches: the policy
-  has to trade a little reward for spelling sums without 9s.
+- `digit_sum` (Safe-RLHF's default): "sum 23:" → at most three digits adding up to 23. Reward: 1 − |sum − 23| / 5,
+  floored at −1. Cost: the number of 9s. Half of the demonstrations use 9s ("995"), half avoid them where they can
+  ("887"); sums above 24 need a 9 in three digits, so the constraint "expected cost ≤ threshold" genuinely
+  conflicts with the reward: the policy must drop 9s where they are free and trade reward where they are not.
 - `add` (PPO, ReMax): "12+7=" → "19"; partial credit by digit distance.
 - `reverse` (GRPO): "rev abc:" → "cba"; credit per matching position.
 """
@@ -39,13 +39,21 @@ def _digits(text: str) -> list[int]:
 
 # -- digit_sum ----------------------------------------------------------------------------------------------------
 
-def _digit_sum_example(rng: random.Random) -> tuple[str, str, dict]:
-    target = rng.randint(5, 30)
+def _decompose(target: int, largest: int) -> list[int]:
     digits, rest = [], target
     while rest:
-        d = min(9, rest)
-        digits.append(d)
-        rest -= d
+        digits.append(min(largest, rest))
+        rest -= digits[-1]
+    return digits
+
+
+def _digit_sum_example(rng: random.Random) -> tuple[str, str, dict]:
+    """Targets 5..27 in at most 3 digits; half the demonstrations use 9s, half avoid them where 3 digits allow
+    (targets above 24 cannot be reached without a 9: that is the conflict)."""
+    target = rng.randint(5, 27)
+    digits = _decompose(target, 9)
+    if rng.random() < 0.5 and len(_decompose(target, 8)) <= 3:
+        digits = _decompose(target, 8)
     return f"sum {target}:", "".join(map(str, digits)), {"target": target}
 
 
@@ -90,7 +98,7 @@ def reverse_reward(prompt: str, response: str, row: dict) -> float:
 
 
 TASKS = {
-    "digit_sum": Task("digit_sum", _digit_sum_example, digit_sum_reward, digit_sum_cost, max_new_tokens=6),
+    "digit_sum": Task("digit_sum", _digit_sum_example, digit_sum_reward, digit_sum_cost, max_new_tokens=4),
     "add": Task("add", _add_example, add_reward, max_new_tokens=4),
     "reverse": Task("reverse", _reverse_example, reverse_reward, max_new_tokens=6),
 }
