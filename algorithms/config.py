@@ -59,6 +59,10 @@ class RLConfig:
     temperature: float = 1.0
     max_new_tokens: int = 0
     """0: the task's default."""
+    ignore_eos: bool = False
+    """Always generate max_new_tokens (fixed token counts for benchmarks)."""
+    profile_controller: bool = False
+    """Record each step's controller share: the fraction of step time in which no worker was computing."""
     # -- supervised warm start ------------------------------------------------------------------------------------
     sft_steps: int = 150
     sft_samples_per_step: int = 64

@@ -154,7 +154,8 @@ def actor_optim(cfg: RLConfig, lr: float) -> OptimConfig:
 
 
 def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
-    return SamplingConfig(max_new_tokens=cfg.max_new_tokens or task.max_new_tokens, temperature=cfg.temperature)
+    return SamplingConfig(max_new_tokens=cfg.max_new_tokens or task.max_new_tokens, temperature=cfg.temperature,
+                          ignore_eos=cfg.ignore_eos)
 
 
 def warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, task: Task, export_dir: Path) -> ModelConfig:
@@ -232,8 +233,16 @@ class Trainer:
                 self._stage_t = {}
                 prompts = self.data.next_batch(self.cfg.prompts_per_step, self.cfg.samples_per_prompt)
                 t0 = time.perf_counter()
-                metrics = step(prompts, i)
-                dt = time.perf_counter() - t0
+                if self.cfg.profile_controller:
+                    from distributed import get_task_stream
+
+                    with get_task_stream(client=self.ctl.client) as ts:
+                        metrics = step(prompts, i)
+                        dt = time.perf_counter() - t0
+                    metrics["controller_share"] = 1 - _busy_seconds(ts.data, t0, t0 + dt) / dt
+                else:
+                    metrics = step(prompts, i)
+                    dt = time.perf_counter() - t0
                 tokens = metrics.pop("prompt_tokens", 0.0) + metrics.pop("response_tokens", 0.0)
                 record = {"step": i, **metrics, **self._stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
                 self.history.append(record)
@@ -262,6 +271,20 @@ class Trainer:
         tps = sum(r["tokens_per_s"] for r in self.history) / len(self.history)
         lines.append(f"  {'tokens_per_s':<22} {tps:>9.1f}")
         print("\n".join(lines), file=sys.stderr)
+
+
+def _busy_seconds(tasks: list[dict], start: float, stop: float) -> float:
+    """Seconds within [start, stop] (perf_counter clock) when at least one worker was computing a task."""
+    offset = time.time() - time.perf_counter()  # task stream times are wall-clock
+    spans = sorted((max(s["start"] - offset, start), min(s["stop"] - offset, stop))
+                   for t in tasks for s in t.get("startstops", ()) if s.get("action") == "compute")
+    busy, end = 0.0, start
+    for a, b in spans:
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    return busy
 
 
 def build_common(ctl: Controller, cfg: RLConfig, workdir: Path, with_critics: Sequence[str] = (),

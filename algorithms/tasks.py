@@ -71,7 +71,7 @@ def digit_sum_cost(prompt: str, response: str, row: dict) -> float:
 # -- add ----------------------------------------------------------------------------------------------------------
 
 def _add_example(rng: random.Random) -> tuple[str, str, dict]:
-    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    a, b = rng.randint(0, 19), rng.randint(0, 19)
     return f"{a}+{b}=", str(a + b), {"target": a + b}
 
 
@@ -97,10 +97,23 @@ def reverse_reward(prompt: str, response: str, row: dict) -> float:
     return hits / len(target) - 0.25 * abs(len(response) - len(target))
 
 
+# -- digits (the TRL comparison's workload) ------------------------------------------------------------------------
+
+def _digits_example(rng: random.Random) -> tuple[str, str, dict]:
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return f"what is {a}+{b}? "[:16].ljust(16), str(a + b), {"target": a + b}
+
+
+def digits_reward(prompt: str, response: str, row: dict) -> float:
+    """Fraction of digits in the completion (the reward of the TRL baseline program)."""
+    return sum(c.isdigit() for c in response) / max(1, len(response))
+
+
 TASKS = {
     "digit_sum": Task("digit_sum", _digit_sum_example, digit_sum_reward, digit_sum_cost, max_new_tokens=4),
     "add": Task("add", _add_example, add_reward, max_new_tokens=4),
     "reverse": Task("reverse", _reverse_example, reverse_reward, max_new_tokens=6),
+    "digits": Task("digits", _digits_example, digits_reward, max_new_tokens=32),
 }
 
 

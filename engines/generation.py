@@ -31,6 +31,8 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     """0 disables top-k."""
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens (benchmarks with fixed token counts, as vLLM's ignore_eos)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -90,13 +92,14 @@ class HFGenerationEngine:
             tok = torch.where(done, torch.full_like(tok, self.pad), tok)
             out_tokens[:, t] = tok
             out_logp[:, t] = torch.where(done, torch.zeros(()), logp.gather(-1, tok[:, None])[:, 0])
-            done |= tok == self.eos
+            if not cfg.ignore_eos:
+                done |= tok == self.eos
             if bool(done.all()):
                 break
             cur = tok[:, None]
             attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype)], dim=1)  # finished rows are ignored
             pos = pos[:, -1:] + 1
-        resp_mask = response_mask_from_tokens(out_tokens, self.eos)
+        resp_mask = torch.ones_like(out_tokens) if cfg.ignore_eos else response_mask_from_tokens(out_tokens, self.eos)
         out_tokens = torch.where(resp_mask.bool(), out_tokens, torch.full_like(out_tokens, self.pad))
         full_mask = torch.cat([mask, resp_mask], dim=1)
         tensors = {

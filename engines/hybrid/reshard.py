@@ -36,6 +36,16 @@ the buffers allocated, never from the formulas:
 * ``redundant_bytes``: training bytes the generation set holds a second copy of (the paper's "redundancy").
 * resident = training shard + fresh = gen_param_bytes + redundant_bytes.
 
+Handing the shard to a generation engine. `GenerationShard.named_weights(fmt)` streams the tensors: "hf" names
+(q/k/v, gate/up separate: a transformers model's TP plan, or vLLM's ``load_weights``/``reload_weights``, which
+take Hugging Face names) or "fused" training names whose per-rank layout ``[q_j; k_j; v_j]``, ``[gate_j; up_j]``
+is that of vLLM's QKVParallelLinear and MergedColumnParallelLinear local shards. Without a TP merge (t_g = t) every
+tensor is a view of the gathered memory. With one, a tensor made of r sub-shards is concatenated as it is yielded
+(a contiguous tensor cannot hold a piece that lives in the training buffer), so an engine that copies into its own
+weights sees one merged tensor at a time; the zero-redundancy figures above are this module's memory, and an
+engine that keeps its own copy of the weights adds it. embed_tokens stays vocab-parallel as in training (Megatron's
+convention); transformers' TP plan replicates the embedding, so that engine must all-gather it over its TP group.
+
 Bad input (layouts that do not divide, a model the layout cannot cut, an engine that cannot take t_g, a world of
 the wrong size) raises in the constructor, identically on every rank, before any group is used. A malformed
 training shard on one rank is caught by a one-integer all-reduce inside the group before the payloads move, so
@@ -151,7 +161,17 @@ class GenerationShard:
     `Resharder.to_training` the shard is released and reading it raises.
     """
 
-    def __init__(self, geometry, layout, gen_stage, gen_tp_rank, gen_pp, gen_tp, sharded, replicated):
+    def __init__(
+        self,
+        geometry: ModelGeometry,
+        layout: HybridLayout,
+        gen_stage: int,
+        gen_tp_rank: int,
+        gen_pp: int,
+        gen_tp: int,
+        sharded: dict[tuple[int, int], torch.Tensor],
+        replicated: dict[int, torch.Tensor],
+    ) -> None:
         self.geometry: ModelGeometry = geometry
         self.layout: HybridLayout = layout
         self.gen_stage: int = gen_stage
@@ -181,6 +201,7 @@ class GenerationShard:
         return dict(self.named_weights(fmt))
 
     def pieces(self) -> list[torch.Tensor]:
+        """The gathered 1-D payload buffers this shard is read from (the local ones are training memory)."""
         if self._sharded is None:
             return []
         return [*self._sharded.values(), *self._replicated.values()]

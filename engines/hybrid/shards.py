@@ -154,12 +154,18 @@ def _rule(name: str, shape: tuple[int, ...], split_dim: int | None, layer: int |
 def model_rules(geometry: ModelGeometry) -> tuple[TensorRule, ...]:
     """Every training tensor of the model, in model order (embed, layer 0 … L−1, norm, lm_head)."""
     g = geometry
-    h, hd, q, kv, inter = g.hidden_size, g.head_dim, g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim, g.intermediate_size
+    h, inter = g.hidden_size, g.intermediate_size
+    q, kv = g.num_heads * g.head_dim, g.num_kv_heads * g.head_dim
     rules = [_rule("model.embed_tokens.weight", (g.vocab_size, h), 0, None)]
     for i in range(g.num_layers):
         pre, attn, mlp = f"model.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        qkv_parts = lambda kind: ((f"{attn}.q_proj.{kind}", q), (f"{attn}.k_proj.{kind}", kv), (f"{attn}.v_proj.{kind}", kv))  # noqa: E731
-        gu_parts = lambda kind: ((f"{mlp}.gate_proj.{kind}", inter), (f"{mlp}.up_proj.{kind}", inter))  # noqa: E731
+
+        def qkv_parts(kind: str) -> tuple[tuple[str, int], ...]:
+            return (f"{attn}.q_proj.{kind}", q), (f"{attn}.k_proj.{kind}", kv), (f"{attn}.v_proj.{kind}", kv)
+
+        def gu_parts(kind: str) -> tuple[tuple[str, int], ...]:
+            return (f"{mlp}.gate_proj.{kind}", inter), (f"{mlp}.up_proj.{kind}", inter)
+
         rules.append(_rule(f"{pre}.input_layernorm.weight", (h,), None, i))
         rules.append(_rule(f"{attn}.qkv_proj.weight", (q + 2 * kv, h), 0, i, qkv_parts("weight")))
         if g.qkv_bias:

@@ -1,0 +1,76 @@
+"""End-to-end GRPO throughput: flowactors against TRL's GRPOTrainer on the same tiny configuration, in one run.
+
+    python benchmarks/e2e.py [--json] [--steps 12]
+
+The configuration of the TRL baseline (../shared/ref/peers/trl_grpo_cpu.py): a 340 k-parameter Llama (hidden 128,
+2 layers, 4 heads), a character tokenizer, 8 prompts x 4 samples, 16-token prompts, exactly 32 new tokens,
+beta 0.04, fp32, the "fraction of digits" reward. Tokens per second = (prompt + response tokens per step) / step
+time, median over the steps after the first two. `controller_share` is the fraction of step time in which no
+worker was computing (the single controller's overhead plus Dask's scheduling). TRL runs only when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SETTINGS = ["task=digits", "sft_steps=0", "prompts_per_step=8", "samples_per_prompt=4", "mini_batch_samples=32",
+            "max_new_tokens=32", "ignore_eos=true", "kl_coef=0.04", "actor_lr=1e-4", "model.hidden_size=128",
+            "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=4", "model.intermediate_size=256",
+            "model.max_position_embeddings=128", "dashboard=none", "profile_controller=true"]
+
+
+def flowactors_row(steps: int) -> dict:
+    from algorithms.grpo import main
+
+    history = main(["--steps", str(steps), *SETTINGS])
+    steady = history[2:] if len(history) > 4 else history
+    return {"system": "flowactors", "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steady), 1),
+            "controller_share": round(statistics.median(r["controller_share"] for r in steady), 4),
+            "step_s": round(statistics.median(r["step_s"] for r in steady), 4)}
+
+
+def trl_row(steps: int) -> dict | None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("# trl not installed: no trl row (pip install trl==1.16.0 datasets)", file=sys.stderr)
+        return None
+    script = ROOT.parent / "shared" / "ref" / "peers" / "trl_grpo_cpu.py"
+    if not script.exists():
+        print(f"# {script} not found: no trl row", file=sys.stderr)
+        return None
+    out = subprocess.run([sys.executable, str(script), "grpo"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "STEPS": str(steps)}, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("RESULT"))
+    fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+    return {"system": "trl", "tokens_per_s": float(fields["tok_per_s"]), "controller_share": None,
+            "step_s": float(fields["median_step_s"])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--steps", type=int, default=12)
+    args = p.parse_args(argv)
+    rows = [r for r in (flowactors_row(args.steps), trl_row(args.steps)) if r]
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    base = next((r["tokens_per_s"] for r in rows if r["system"] == "trl"), None)
+    print(f"\n{'system':<12} {'tokens/s':>10} {'step s':>8} {'controller share':>17} {'vs trl':>8}")
+    for r in rows:
+        share = f"{r['controller_share']:.1%}" if r["controller_share"] is not None else "-"
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        print(f"{r['system']:<12} {r['tokens_per_s']:>10.1f} {r['step_s']:>8.3f} {share:>17} {ratio:>8}")
+
+
+if __name__ == "__main__":
+    main()
