@@ -246,6 +246,7 @@ class Trainer:
                 tokens = metrics.pop("prompt_tokens", 0.0) + metrics.pop("response_tokens", 0.0)
                 record = {"step": i, **metrics, **self._stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
                 self.history.append(record)
+                self.ctl.report_metrics(i, {k: v for k, v in record.items() if isinstance(v, (int, float))})
                 if out_file:
                     out_file.write(json.dumps(record) + "\n")
                     out_file.flush()

@@ -166,6 +166,10 @@ class Controller:
 
         self.client.sync(_wait, [c.future for c in calls], timeout=timeout)
 
+    def report_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Publish a step's metrics to the scheduler (topic "flowactors.metrics"), where dashboards read them."""
+        self.client.log_event("flowactors.metrics", {"step": step, **metrics})
+
     def scatter_to(self, items: Sequence[tuple[str, Any]]) -> list[Future]:
         """Send each value straight to its worker (not through the scheduler), all at once; one future each."""
         import asyncio
