@@ -90,7 +90,8 @@ class RLConfig:
 
 @dataclass
 class PPOConfig(RLConfig):
-    task: str = "add"
+    task: str = "digit_sum"
+    sft_steps: int = 60
     gamma: float = 1.0
     lam: float = 0.95
     kl_coef: float = 0.02
@@ -132,6 +133,7 @@ class SafeRLHFConfig(PPOConfig):
 @dataclass
 class GRPOConfig(RLConfig):
     task: str = "reverse"
+    sft_steps: int = 60
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     mini_batch_samples: int = 32
@@ -143,7 +145,8 @@ class GRPOConfig(RLConfig):
 
 @dataclass
 class ReMaxConfig(RLConfig):
-    task: str = "add"
+    task: str = "digit_sum"
+    sft_steps: int = 60
     kl_coef: float = 0.02
     clip_ratio: float = 0.2
 

@@ -2,7 +2,7 @@
 
 Actor (hybrid: generates and trains), critic, reference, reward. KL to the reference is a per-token penalty in the
 reward (fixed or adaptive coefficient, k1/k2/k3 estimator); GAE; clipped surrogate with dual clip; clipped value
-loss; optional entropy bonus; several epochs over shuffled mini-batches per step. Default task: `add`.
+loss; optional entropy bonus; several epochs over shuffled mini-batches per step. Default task: `digit_sum` (reward only).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 PPO minus the critic plus one extra generation: each prompt is also decoded greedily, and r(x, ŷ_greedy) is
 subtracted from r(x, y) as a variance-reducing baseline; the KL penalty to the reference is subtracted from the
-return. Default task: `add`.
+return. Default task: `digit_sum` (reward only).
 """
 
 from __future__ import annotations

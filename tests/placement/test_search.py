@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from placement import (ALGORITHMS, AutoMapper, Hardware, LlamaSpec, Parallel, Workload, allocations, auto_map,
+from placement import (ALGORITHMS, ROLES, AutoMapper, Hardware, LlamaSpec, Parallel, Workload, allocations, auto_map,
                        device_counts, iteration_cost, llama_7b, llama_13b, llama_70b, set_partitions)
 from placement.search import _best_allocation
 
@@ -70,17 +70,18 @@ def _random_tables(rng, k):
     return tables
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_branch_and_bound_equals_exhaustive_enumeration(seed):
+    # Arbitrary stage vectors, neither monotone nor smooth in the count, so every bound must hold in general.
     rng = random.Random(seed)
-    tables = [t for t in _random_tables(rng, rng.choice([2, 3, 4])) if t]
-    exhaustive = min((iteration_cost([dict(t)[c] for t, c in zip(tables, alloc)]), alloc)
-                     for alloc in _complete(tables, 32)) if tables else None
+    tables = [t for t in _random_tables(rng, rng.choice([2, 3, 4, 5])) if t]
+    exhaustive = min((iteration_cost([dict(t)[c] for t, c in zip(tables, alloc)]) for alloc in _complete(tables, 32)),
+                     default=None)
     found, _ = _best_allocation(tables, 32)
     if exhaustive is None or found is None:
         assert exhaustive is None and found is None
     else:
-        assert found[0] == pytest.approx(exhaustive[0])
+        assert found[0] == pytest.approx(exhaustive)
 
 
 def _complete(tables, total):
@@ -148,15 +149,10 @@ def test_chosen_plan_respects_memory_and_the_kv_limit():
         assert s.peak_bytes <= usable
         if "actor" in s.roles:
             actor = next(m for m in s.models if m.role == "actor")
-            static = sum(sim.static_bytes(llama_13b(), mapper_role(m.role), m.parallel) for m in s.models)
+            static = sum(sim.static_bytes(llama_13b(), ROLES[m.role], m.parallel) for m in s.models)
             kv = actor.generation_batch * sim.kv_bytes_per_sequence(llama_13b(), actor.parallel)
             assert actor.generation_batch >= 1
             assert static + sim.generation_extra_bytes(llama_13b(), actor.parallel) + kv <= usable
-
-
-def mapper_role(name):
-    from placement import ROLES
-    return ROLES[name]
 
 
 def test_plan_sizes_are_consistent():

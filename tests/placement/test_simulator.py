@@ -3,10 +3,10 @@ paper's models."""
 
 import pytest
 
-from placement import ROLES, AutoMapper, Parallel, Simulator, Workload, a100_80gb, iteration_cost, llama_7b, llama_13b
-from placement import llama_70b
+from placement import (ROLES, AutoMapper, Parallel, Simulator, Workload, a100_80gb, iteration_cost, llama_7b,
+                       llama_13b, llama_70b)
 
-ACTOR, CRITIC, REF = ROLES["actor"], ROLES["critic"], ROLES["ref"]
+ACTOR, REF = ROLES["actor"], ROLES["ref"]
 F32 = 358_016  # toy forward FLOPs per token over a 32-token sequence
 
 

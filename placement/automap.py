@@ -1,0 +1,104 @@
+"""`python -m placement.automap`: HybridFlow's auto device mapping from the command line (§6, Algorithm 1).
+
+    python -m placement.automap --model actor=13b --model critic=70b --model ref=13b --model reward=70b \\
+        --gpus 64 --json > plan.json
+    python -m placement.automap --algorithm ppo --size 7b --gpus 16 --gpu h100
+
+`--json` prints one object: the plan (placement, gpus, parallel), which `Plan.load` and the algorithm scripts
+accept as it is, plus the estimate (`estimated_iteration_s`, `stages`, per-model `models`), the runner-up
+placements and `search_s`. Without it, a table. docs/placement.md explains how to read either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from placement.hardware import PROFILES, get_hardware
+from placement.models import parse_model
+from placement.search import RUNNER_UP_MARGIN, SearchResult, auto_map
+from placement.simulator import ALGORITHMS, ROLES, Workload
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m placement.automap", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", action="append", default=[], metavar="ROLE=SIZE",
+                    help=f"a model: role ({', '.join(ROLES)}) = 7b|13b|34b|70b or "
+                         "'hidden=..,layers=..,heads=..,ffn=..[,kv_heads=..,vocab=..]'; repeat per model")
+    ap.add_argument("--algorithm", choices=sorted(ALGORITHMS), help="fill the algorithm's roles with --size")
+    ap.add_argument("--size", default="7b", help="model size for --algorithm roles not given by --model")
+    ap.add_argument("--gpus", type=int, required=True, help="devices in the cluster")
+    ap.add_argument("--gpu", default="a100-80gb", choices=sorted(PROFILES), help="hardware profile")
+    ap.add_argument("--gpus-per-node", type=int, help="override the profile's GPUs per node")
+    ap.add_argument("--prompts-per-step", type=int, default=Workload.prompts_per_step)
+    ap.add_argument("--prompt-tokens", type=int, default=Workload.prompt_tokens)
+    ap.add_argument("--response-tokens", type=int, default=Workload.response_tokens)
+    ap.add_argument("--samples-per-prompt", type=int, default=Workload.samples_per_prompt)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--save", metavar="PATH", help="also write the plan to PATH (.json, or .yaml with PyYAML)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    try:
+        models = {role: parse_model(args.size) for role in ALGORITHMS.get(args.algorithm, ())}
+        for item in args.model:
+            role, sep, size = item.partition("=")
+            if not sep:
+                ap.error(f"--model {item!r}: write ROLE=SIZE, e.g. actor=13b")
+            if role not in ROLES:
+                ap.error(f"--model {item!r}: unknown role {role!r}; roles are {', '.join(ROLES)}")
+            models[role] = parse_model(size)
+        if not models:
+            ap.error("give --algorithm or at least one --model ROLE=SIZE")
+        hardware = get_hardware(args.gpu)
+        if args.gpus_per_node:
+            hardware = hardware.with_gpus_per_node(args.gpus_per_node)
+        workload = Workload(prompts_per_step=args.prompts_per_step, prompt_tokens=args.prompt_tokens,
+                            response_tokens=args.response_tokens, samples_per_prompt=args.samples_per_prompt,
+                            baseline_samples_per_prompt=1 if args.algorithm == "remax" else 0)
+        result = auto_map(models, args.gpus, hardware, workload)
+    except ValueError as e:
+        print(f"automap: {e}", file=sys.stderr)
+        return 2
+    if args.save:
+        result.plan.save(args.save)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(format_table(result, f"{args.gpus} x {hardware.name} ({hardware.gpus_per_node} per node)"))
+    return 0
+
+
+def format_table(result: SearchResult, cluster: str) -> str:
+    """The plan and its estimate as a table for people."""
+    def num(x: float) -> str:
+        return f"{x:.2f}" if x else "-"
+
+    lines = [f"auto device mapping on {cluster}: {result.placements} placements searched in {result.search_s:.2f} s",
+             "",
+             f"{'pool':<34}{'gpus':>5}  {'model':<12}{'train p,t,d':<13}{'gen p,t':<9}"
+             f"{'generate s':>11}{'transit s':>10}{'infer s':>9}{'train s':>9}{'peak GiB':>9}"]
+    for s in result.sets:
+        for i, m in enumerate(s.models):
+            first = i == 0
+            pool, gpus = ("+".join(s.roles), str(s.gpus)) if first else ("", "")
+            peak = f"{s.peak_bytes / 2**30:.1f}" if first else ""
+            gen = ",".join(map(str, m.parallel.generate)) if m.parallel.generate else "-"
+            lines.append(f"{pool:<34}{gpus:>5}  {m.role:<12}{','.join(map(str, m.parallel.train)):<13}{gen:<9}"
+                         f"{num(m.generate_s):>11}{num(m.transition_s):>10}{num(m.inference_s):>9}"
+                         f"{num(m.train_s):>9}{peak:>9}")
+    lines += ["", "stage       seconds (slowest pool; models in one pool add up)"]
+    lines += [f"{name:<10}{t:>9.2f}" for name, t in result.stages.items()]
+    lines += [f"{'iteration':<10}{result.estimated_iteration_s:>9.2f}", "",
+              f"placements within {RUNNER_UP_MARGIN:.0%} of the best (iteration s):"]
+    lines += [f"{cost:>9.2f} s  " + "  ".join("[" + ", ".join(s) + "]" for s in p) for p, cost in result.ranking]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

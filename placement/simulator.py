@@ -1,0 +1,293 @@
+"""Latency and memory model of one RLHF iteration (HybridFlow §6 "auto_parallel" simulator, Appendix B).
+
+Each model is costed alone on its devices under one parallel config; `search` composes the models.
+
+- Training and scoring (reference, reward, cost, critic values) are compute-bound: FLOPs over achievable FLOP/s,
+  stretched by the 1F1B pipeline bubble (p-1)/m, plus tensor-parallel all-reduces (two per layer forward, two more
+  backward), pipeline sends of each micro-batch's activations and, per optimizer update, the data-parallel
+  gradient all-reduce.
+- Generation is memory-bound: each decoding step reads the weights and the KV cache of the batch in flight, and the
+  batch is limited by the KV memory left over (the whole sequence is reserved, so a batch that starts always
+  finishes). Prefill is compute-bound. The roofline takes the larger of memory and compute time per step.
+- The actor's transition from training (p, t, d) to generation (p_g, t_g) is the 3D-HybridEngine all-gather inside
+  each micro-DP group: (t·p − t_g·p_g)/(t_g·p_g·t·p) · M bytes per rank (HybridFlow Table 2).
+- Bandwidth follows the Megatron rank order (t fastest, then d, then p): a group whose ranks span more than one
+  node uses the inter-node share of a GPU, otherwise NVLink.
+
+Memory per rank: bf16 weights; for trained models bf16 gradients and fp32 Adam states (master, m, v) sharded over
+data parallelism (distributed optimizer), so 16 bytes a parameter when d = 1; activations of one micro-batch with
+full recomputation (1F1B keeps up to p micro-batches of layer inputs); fp32 logits for the loss; the actor's KV cache
+and its larger generation shard, M/(t_g·p_g) (HybridFlow Table 2).
+
+Deviations, and why: decoding's pipeline hops are left out (one token's activations per step); generation runs
+in equal waves rather than continuous batching (the same throughput to first order); with `activation_recompute`
+training costs 4 forward passes, not the usual 3, because the recompute is real work and RLHF frameworks turn it on
+by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from placement.hardware import Hardware
+from placement.models import LlamaSpec
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a model does in an iteration."""
+
+    name: str
+    trains: bool
+    generates: bool = False
+    lm_head: bool = True
+    scores_baseline: bool = False
+    """Also scores the ReMax greedy baseline responses."""
+
+
+ROLES = {
+    "actor": Role("actor", trains=True, generates=True),
+    "critic": Role("critic", trains=True, lm_head=False),
+    "cost_critic": Role("cost_critic", trains=True, lm_head=False),
+    "ref": Role("ref", trains=False),
+    "reward": Role("reward", trains=False, lm_head=False, scores_baseline=True),
+    "cost": Role("cost", trains=False, lm_head=False),
+}
+
+ALGORITHMS = {
+    "ppo": ("actor", "critic", "ref", "reward"),
+    "remax": ("actor", "ref", "reward"),
+    "safe-rlhf": ("actor", "critic", "cost_critic", "ref", "reward", "cost"),
+    "grpo": ("actor", "ref", "reward"),
+}
+
+STAGES = ("generate", "inference", "train")
+
+
+def get_role(name: str) -> Role:
+    try:
+        return ROLES[name]
+    except KeyError:
+        raise ValueError(f"unknown role {name!r}; roles are {', '.join(ROLES)}") from None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RLHF iteration; defaults are the paper's (§8.1): 1024 prompts of 1024 tokens, 1024-token responses."""
+
+    prompts_per_step: int = 1024
+    prompt_tokens: int = 1024
+    response_tokens: int = 1024
+    samples_per_prompt: int = 1
+    """Responses generated, scored and trained on per prompt (GRPO's group size)."""
+    baseline_samples_per_prompt: int = 0
+    """Extra responses generated and rewarded but not trained on (ReMax's greedy baseline: 1)."""
+    mini_batches_per_step: int = 4
+    """Optimizer updates per epoch over the step's samples."""
+    epochs_per_step: int = 1
+    micro_batch_tokens: int = 8192
+    """Tokens one data-parallel rank processes per forward/backward micro-batch."""
+    activation_recompute: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("prompts_per_step", "prompt_tokens", "response_tokens", "samples_per_prompt",
+                      "mini_batches_per_step", "epochs_per_step", "micro_batch_tokens"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"Workload.{field} must be >= 1, got {getattr(self, field)}")
+        if self.baseline_samples_per_prompt < 0:
+            raise ValueError("Workload.baseline_samples_per_prompt must be >= 0")
+        if self.trained_sequences % self.mini_batches_per_step:
+            raise ValueError(f"Workload: {self.trained_sequences} trained sequences do not split into "
+                             f"mini_batches_per_step={self.mini_batches_per_step}; pick a divisor")
+
+    @property
+    def seq_tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+    @property
+    def trained_sequences(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def generated_sequences(self) -> int:
+        return self.prompts_per_step * (self.samples_per_prompt + self.baseline_samples_per_prompt)
+
+    def scored_sequences(self, role: Role) -> int:
+        return self.generated_sequences if role.scores_baseline else self.trained_sequences
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """Parallel sizes of one model: training (p, t, d) and, for the actor, generation (p_g, t_g)."""
+
+    p: int
+    t: int
+    d: int
+    p_g: int = 0
+    t_g: int = 0
+
+    @property
+    def devices(self) -> int:
+        return self.p * self.t * self.d
+
+    @property
+    def train(self) -> tuple[int, int, int]:
+        return (self.p, self.t, self.d)
+
+    @property
+    def generate(self) -> tuple[int, int] | None:
+        return (self.p_g, self.t_g) if self.t_g else None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Simulator:
+    """Costs one model under one `Parallel` config on `hardware` for `workload`. Times in seconds, memory in bytes
+    per rank."""
+
+    def __init__(self, hardware: Hardware, workload: Workload | None = None) -> None:
+        self.hw = hardware
+        self.wl = workload or Workload()
+        # Decoding time depends on the free memory only through the number of waves; cache on that.
+        self._decode = lru_cache(maxsize=None)(self._generation_for_waves)
+
+    # -- communication -----------------------------------------------------------------------------------------
+    def _bandwidth(self, span: int) -> float:
+        """Per-GPU bandwidth of a group whose ranks lie within `span` consecutive devices."""
+        hw = self.hw
+        return hw.intra_node_bytes_s if span <= hw.gpus_per_node else hw.inter_node_bytes_per_gpu
+
+    def all_reduce_s(self, nbytes: float, size: int, span: int) -> float:
+        if size == 1:
+            return 0.0
+        return self.hw.collective_latency_s + 2 * (size - 1) / size * nbytes / self._bandwidth(span)
+
+    # -- memory ------------------------------------------------------------------------------------------------
+    def static_bytes(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
+        """Weights, and for trained models gradients and Adam states, resident between stages."""
+        shard = spec.params(role.lm_head) / (cfg.t * cfg.p)
+        if not role.trains:
+            return 2 * shard
+        return 4 * shard + 12 * shard / cfg.d
+
+    def activation_bytes(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
+        """Peak working memory of the model's own training or scoring pass."""
+        replica = self._replica_tokens(role, cfg.d, backward=role.trains)
+        tokens = min(replica, self.wl.micro_batch_tokens)
+        layer_working = 34 * tokens * spec.hidden / cfg.t  # Korthikanti et al. 2022, flash attention, SP
+        logits = 4 * tokens * spec.vocab / cfg.t if role.lm_head else 0.0
+        if not role.trains:
+            return layer_working + logits
+        in_flight = min(cfg.p, _ceil_div(replica, self.wl.micro_batch_tokens))
+        per_layer = 2 if self.wl.activation_recompute else 34
+        kept = per_layer * tokens * spec.hidden * (spec.layers / cfg.p) * in_flight / cfg.t
+        return kept + layer_working + logits
+
+    def generation_extra_bytes(self, spec: LlamaSpec, cfg: Parallel) -> float:
+        """Generation shard beyond the resident training shard (it reuses that shard)."""
+        weights = 2 * spec.params()
+        return max(0.0, weights / (cfg.t_g * cfg.p_g) - weights / (cfg.t * cfg.p))
+
+    def kv_bytes_per_sequence(self, spec: LlamaSpec, cfg: Parallel) -> float:
+        heads_per_rank = _ceil_div(spec.kv_heads, cfg.t_g)
+        return spec.kv_bytes_per_token * self.wl.seq_tokens * heads_per_rank / spec.kv_heads / cfg.p_g
+
+    # -- compute-bound passes ----------------------------------------------------------------------------------
+    def _replica_tokens(self, role: Role, d: int, backward: bool) -> int:
+        """Tokens one data-parallel replica processes in one pass: its share of a mini-batch when training, of
+        every scored sequence when scoring."""
+        wl = self.wl
+        sequences = wl.trained_sequences // wl.mini_batches_per_step if backward else wl.scored_sequences(role)
+        return _ceil_div(sequences, d) * wl.seq_tokens
+
+    def _pass_s(self, spec: LlamaSpec, role: Role, cfg: Parallel, backward: bool) -> float:
+        """One 1F1B-pipelined pass (a training mini-batch when `backward`, else the scoring pass)."""
+        hw, wl = self.hw, self.wl
+        tokens = self._replica_tokens(role, cfg.d, backward)
+        micro = _ceil_div(tokens, wl.micro_batch_tokens)
+        passes = (4 if wl.activation_recompute else 3) if backward else 1
+        flops = passes * spec.flops_per_token(wl.seq_tokens, role.lm_head) * tokens
+        compute = flops / (cfg.t * cfg.p * hw.peak_flops * hw.flops_efficiency)
+        activations = min(tokens, wl.micro_batch_tokens) * spec.hidden * 2  # one micro-batch, bf16
+        all_reduces = (4 if backward else 2) * spec.layers / cfg.p * micro
+        tp = all_reduces * self.all_reduce_s(activations, cfg.t, cfg.t)
+        # Each pipeline hop sends a micro-batch's activations forward (and their gradients back), SP-sharded.
+        pp = (2 if backward else 1) * micro * activations / cfg.t / self._bandwidth(cfg.devices) if cfg.p > 1 else 0.0
+        return (compute + tp + pp) * (1 + (cfg.p - 1) / micro)
+
+    def train_s(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
+        """All optimizer updates of one iteration."""
+        wl = self.wl
+        grads = 2 * spec.params(role.lm_head) / (cfg.t * cfg.p)
+        update = self._pass_s(spec, role, cfg, backward=True) + self.all_reduce_s(grads, cfg.d, cfg.t * cfg.d)
+        return wl.mini_batches_per_step * wl.epochs_per_step * update
+
+    def inference_s(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
+        """Scoring pass of the reference, reward, cost and critic (values) models."""
+        return self._pass_s(spec, role, cfg, backward=False)
+
+    # -- the actor -----------------------------------------------------------------------------------------------
+    def transition_s(self, spec: LlamaSpec, cfg: Parallel) -> float:
+        """3D-HybridEngine resharding from training to generation: all-gather inside each micro-DP group."""
+        tp, tpg = cfg.t * cfg.p, cfg.t_g * cfg.p_g
+        if tp == tpg:
+            return 0.0
+        nbytes = (tp - tpg) / (tpg * tp) * 2 * spec.params()
+        return self.hw.collective_latency_s + nbytes / self._bandwidth(tp)
+
+    def max_batch(self, spec: LlamaSpec, cfg: Parallel, free_bytes: float) -> int:
+        """Sequences one generation replica can hold: the KV memory left after the generation shard."""
+        kv_budget = free_bytes - self.generation_extra_bytes(spec, cfg)
+        return max(0, int(kv_budget // self.kv_bytes_per_sequence(spec, cfg)))
+
+    def _per_replica(self, cfg: Parallel) -> int:
+        """Responses each generation replica (t_g·p_g devices) produces."""
+        return _ceil_div(self.wl.generated_sequences, cfg.devices // (cfg.t_g * cfg.p_g))
+
+    def generation_s(self, spec: LlamaSpec, cfg: Parallel, free_bytes: float) -> float | None:
+        """Generate all responses with `free_bytes` per rank free for generation; None if no sequence fits."""
+        batch = self.max_batch(spec, cfg, free_bytes)
+        if batch < 1:
+            return None
+        return self._decode(spec, cfg, _ceil_div(self._per_replica(cfg), batch))
+
+    def generation_batch(self, spec: LlamaSpec, cfg: Parallel, free_bytes: float) -> int:
+        """Sequences in flight per replica under the equal-waves schedule of `generation_s` (0 if none fits)."""
+        batch, per_replica = self.max_batch(spec, cfg, free_bytes), self._per_replica(cfg)
+        return _ceil_div(per_replica, _ceil_div(per_replica, batch)) if batch else 0
+
+    def _generation_for_waves(self, spec: LlamaSpec, cfg: Parallel, waves: int) -> float:
+        hw, wl = self.hw, self.wl
+        ranks = cfg.t_g * cfg.p_g
+        batch = _ceil_div(self._per_replica(cfg), waves)
+        flops_s = ranks * hw.peak_flops * hw.flops_efficiency
+        prefill_tokens = batch * wl.prompt_tokens
+        prefill = spec.flops_per_token(wl.prompt_tokens) * prefill_tokens / flops_s
+        prefill += 2 * spec.layers * self.all_reduce_s(prefill_tokens * spec.hidden * 2, cfg.t_g, cfg.t_g)
+        context = wl.prompt_tokens + wl.response_tokens / 2
+        weights = 2 * spec.matmul_params() / cfg.t_g  # each pipeline stage reads its weights once per micro-batch
+        kv = batch * context * spec.kv_bytes_per_token * _ceil_div(spec.kv_heads, cfg.t_g) / spec.kv_heads / cfg.p_g
+        memory = (weights + kv) / (hw.hbm_bytes_s * hw.hbm_efficiency)
+        compute = batch * spec.decode_flops_per_token(context) / flops_s
+        tp = 2 * spec.layers * self.all_reduce_s(batch / cfg.p_g * spec.hidden * 2, cfg.t_g, cfg.t_g)
+        step = max(memory, compute) + tp
+        return waves * (prefill + wl.response_tokens * step)
+
+
+    def colocated_peak_bytes(self, members: list[tuple[LlamaSpec, Role, Parallel]]) -> float:
+        """Peak memory per rank of models sharing devices: everyone's resident state, plus the largest working set
+        of one stage (colocated models take turns, so their working sets never coexist)."""
+        static = sum(self.static_bytes(spec, role, cfg) for spec, role, cfg in members)
+        working = [self.activation_bytes(spec, role, cfg) for spec, role, cfg in members]
+        working += [self.generation_extra_bytes(spec, cfg) + self.kv_bytes_per_sequence(spec, cfg)
+                    for spec, role, cfg in members if role.generates]
+        return static + max(working, default=0.0)
+
+
+def iteration_cost(sets: list[tuple[float, ...]]) -> float:
+    """HybridFlow's d_cost: each colocated set's per-stage latency (already summed over its models) runs
+    concurrently with the other sets, stage by stage: the iteration is the sum over stages of the slowest set."""
+    return sum(max(stage) for stage in zip(*sets)) if sets else 0.0

@@ -1,0 +1,68 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from placement import ALGORITHMS
+from placement.automap import main
+
+
+def test_json_output_has_the_documented_keys(capsys):
+    argv = ["--model", "actor=13b", "--model", "critic=70b", "--model", "ref=13b", "--model", "reward=70b",
+            "--gpus", "64", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"placement", "gpus", "parallel", "estimated_iteration_s", "stages", "search_s"} <= out.keys()
+    assert sorted(r for s in out["placement"] for r in s) == ["actor", "critic", "ref", "reward"]
+    assert sum(out["pools"][p]["gpus"] for p in out["pools"]) == 64
+    assert len(out["parallel"]["actor"]["train"]) == 3 and len(out["parallel"]["actor"]["generate"]) == 2
+    assert set(out["stages"]) == {"generate", "inference", "train"}
+    assert out["estimated_iteration_s"] == pytest.approx(sum(out["stages"].values()))
+    assert out["ranking"][0]["estimated_iteration_s"] == out["estimated_iteration_s"]
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_algorithm_shorthands_fill_their_roles(algorithm, capsys):
+    assert main(["--algorithm", algorithm, "--size", "7b", "--gpus", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(out["gpus"]) == sorted(ALGORITHMS[algorithm])
+
+
+def test_remax_generates_its_greedy_baseline_too(capsys):
+    main(["--algorithm", "grpo", "--gpus", "16", "--json"])
+    grpo = json.loads(capsys.readouterr().out)
+    main(["--algorithm", "remax", "--gpus", "16", "--json"])
+    remax = json.loads(capsys.readouterr().out)  # same roles and sizes, twice the responses to generate
+    assert remax["stages"]["generate"] > 1.5 * grpo["stages"]["generate"]
+
+
+def test_model_overrides_and_hardware(capsys):
+    assert main(["--algorithm", "ppo", "--model", "critic=13b", "--gpus", "16", "--gpu", "h200", "--json"]) == 0
+    h200 = json.loads(capsys.readouterr().out)
+    main(["--algorithm", "ppo", "--model", "critic=13b", "--gpus", "16", "--json"])
+    a100 = json.loads(capsys.readouterr().out)
+    assert h200["estimated_iteration_s"] < a100["estimated_iteration_s"] / 2
+
+
+def test_table(capsys):
+    assert main(["--algorithm", "ppo", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "15 placements searched" in out
+    assert "actor+critic+ref+reward" in out and "iteration" in out
+
+
+def test_errors_say_what_to_fix(capsys):
+    assert main(["--model", "actor=12b", "--gpus", "8"]) == 2
+    assert "unknown model size '12b'" in capsys.readouterr().err
+    assert main(["--algorithm", "ppo", "--size", "70b", "--gpus", "16"]) == 2
+    assert "no placement of actor, critic, ref, reward fits on 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", "policy=7b", "--gpus", "8"])
+    assert "unknown role 'policy'" in capsys.readouterr().err
+
+
+def test_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "placement.automap", "--algorithm", "grpo", "--gpus", "8", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["placement"] == [["actor", "ref", "reward"]]
