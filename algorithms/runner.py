@@ -47,7 +47,7 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], descr
     p.add_argument("--metrics-file", help="write one JSON object per step to this file")
     p.add_argument("--placement", choices=["colocated", "split"])
     p.add_argument("--seed", type=int)
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     cfg = preset()
     for name in ("steps", "address", "metrics_file", "placement", "seed"):
         v = getattr(args, name)
