@@ -42,6 +42,8 @@ class RLConfig:
     """Worker processes (device slots) of the embedded cluster."""
     placement: str = "colocated"
     """colocated (every model on every slot, time-shared) or split (actor+ref | critics+reward+cost)."""
+    plan: str | None = None
+    """A placement plan (JSON/YAML from `python -m placement.automap --json`); overrides `placement`."""
     dashboard: str | None = "127.0.0.1:8787"
     """Dashboard address of the embedded cluster; none turns it off."""
     # -- batch sizes ----------------------------------------------------------------------------------------------

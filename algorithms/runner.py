@@ -46,10 +46,11 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], descr
     p.add_argument("--address", help="Dask scheduler address (tcp://host:8786); default: embedded cluster")
     p.add_argument("--metrics-file", help="write one JSON object per step to this file")
     p.add_argument("--placement", choices=["colocated", "split"])
+    p.add_argument("--plan", help="placement plan file (JSON/YAML) from python -m placement.automap --json")
     p.add_argument("--seed", type=int)
     args = p.parse_intermixed_args(argv)
     cfg = preset()
-    for name in ("steps", "address", "metrics_file", "placement", "seed"):
+    for name in ("steps", "address", "metrics_file", "placement", "seed", "plan"):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)
@@ -64,20 +65,42 @@ def open_controller(cfg: RLConfig) -> Controller:
 
 @dataclass
 class Pools:
-    """Slots of the actor side and of the scorer side (the same slots when colocated)."""
+    """Where each role runs: its slots and its layout (pp, dp, tp)."""
 
-    actor: list[str]
-    scorers: list[str]
+    roles: dict[str, tuple[list[str], Layout]]
+
+    def __getitem__(self, role: str) -> tuple[list[str], Layout]:
+        return self.roles[role]
+
+
+_SCORERS = ("critic", "cost_critic", "reward", "cost")
 
 
 def place(ctl: Controller, cfg: RLConfig) -> Pools:
+    """Colocated, split, or a placement plan (which also fixes each model's parallel sizes)."""
     slots = ctl.slots[:cfg.n_slots] if cfg.address is None else ctl.slots
     if not slots:
         raise fa.PlacementError("the cluster has no device slots; start workers with --nthreads 1 --resources slot=1")
+    if cfg.plan:
+        from placement import Plan, pools_for_plan, validate
+
+        plan = Plan.load(cfg.plan)
+        validate(plan, len(slots))
+        pools = pools_for_plan(plan, slots)
+        out = {}
+        for m in plan.models:
+            p, t, d = m.train
+            out[m.role] = (list(pools[plan.pool_of(m.role)].addresses)[:m.gpus], Layout(pp=p, dp=d, tp=t))
+        scorer = next((out[r] for r in _SCORERS if r in out), out["actor"])
+        for role in ("ref", *_SCORERS):
+            out.setdefault(role, scorer if role != "ref" else out["actor"])
+        return Pools(out)
+    actor_side = scorer_side = list(slots)
     if cfg.placement == "split":
         half = len(slots) // 2
-        return Pools(slots[:half], slots[half:])
-    return Pools(list(slots), list(slots))
+        actor_side, scorer_side = list(slots[:half]), list(slots[half:])
+    a, s = (actor_side, Layout(dp=len(actor_side))), (scorer_side, Layout(dp=len(scorer_side)))
+    return Pools({"actor": a, "ref": a, **{r: s for r in _SCORERS}})
 
 
 # -- data -----------------------------------------------------------------------------------------------------------
@@ -297,27 +320,28 @@ def build_common(ctl: Controller, cfg: RLConfig, workdir: Path, with_critics: Se
     pools = place(ctl, cfg)
     tok = build_tokenizer(cfg.model)
     data = PromptData(task, tok, cfg.dataset_prompts, cfg.seed)
-    lay_a, lay_s = Layout(dp=len(pools.actor)), Layout(dp=len(pools.scorers))
-    derived_sizes(cfg, lay_a.dp)
-    derived_sizes(cfg, lay_s.dp)
-    actor = fa.ActorGroup(ctl, ActorWorker, name="actor", slots=pools.actor, layout=lay_a,
-                          args=(cfg.model, actor_optim(cfg, cfg.actor_lr), sampling(cfg, task)))
+    for role, (_, layout) in pools.roles.items():
+        try:
+            derived_sizes(cfg, layout.dp)
+        except ValueError as e:
+            raise ValueError(f"{role}: {e}") from None
+
+    def group(role: str, cls: type, *args: Any) -> fa.ActorGroup:
+        slots, layout = pools[role]
+        return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
+
+    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg, cfg.actor_lr), sampling(cfg, task))
     sft = warm_start(actor, data, cfg, task, workdir)
     groups: dict[str, Any] = {"task": task, "data": data, "pools": pools, "actor": actor, "sft": sft}
-    groups["ref"] = fa.ActorGroup(ctl, RefWorker, name="ref", slots=pools.actor, layout=lay_a,
-                                  args=(sft, cfg.temperature))
+    groups["ref"] = group("ref", RefWorker, sft, cfg.temperature)
     for key in with_critics:
-        lr = getattr(cfg, "critic_lr", 1e-3)
-        groups[key] = fa.ActorGroup(ctl, CriticWorker, name=key, slots=pools.scorers, layout=lay_s,
-                                    args=(sft, OptimConfig(lr=lr, micro_batch_tokens=cfg.micro_batch_tokens),
-                                          "values" if key == "critic" else "cost_values"))
-    groups["reward"] = fa.ActorGroup(ctl, RuleRewardWorker, name="reward", slots=pools.scorers, layout=lay_s,
-                                     args=(task.reward, cfg.model))
+        optim = OptimConfig(lr=getattr(cfg, "critic_lr", 1e-3), micro_batch_tokens=cfg.micro_batch_tokens)
+        groups[key] = group(key, CriticWorker, sft, optim, "values" if key == "critic" else "cost_values")
+    groups["reward"] = group("reward", RuleRewardWorker, task.reward, cfg.model)
     if with_cost:
         if task.cost is None:
             raise ValueError(f"task {task.name!r} defines no cost; Safe-RLHF needs a task with a cost (digit_sum)")
-        groups["cost"] = fa.ActorGroup(ctl, RuleRewardWorker, name="cost", slots=pools.scorers, layout=lay_s,
-                                       args=(task.cost, cfg.model))
+        groups["cost"] = group("cost", RuleRewardWorker, task.cost, cfg.model)
     return groups
 
 

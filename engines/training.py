@@ -160,14 +160,23 @@ class TrainEngine:
             group["lr"] = lr * self._lr_factor(self.scheduler.last_epoch)
 
     def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
+        """Global gradient norm over all parameters (sharded DTensors and plain tensors alike), then clip."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
             return 0.0
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        squares = torch.zeros((), dtype=torch.float64)
+        for group in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
+            if group:
+                n = torch.nn.utils.get_total_norm(group)
+                squares = squares + (n.full_tensor() if isinstance(n, DTensor) else n).double() ** 2
+        norm = float(squares.sqrt())
+        if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
+            coef = self.cfg.grad_clip / (norm + 1e-6)
+            for g in grads:
+                g.mul_(coef)
+        return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters on CPU (every rank of the group must call this: it all-gathers)."""

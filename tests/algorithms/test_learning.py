@@ -51,3 +51,21 @@ def test_two_data_parallel_ranks_match_one(tmp_path):
     for a, b in zip(one, two):
         for key in ("reward_mean", "kl", "entropy", "response_length_mean"):
             assert a[key] == pytest.approx(b[key], abs=2e-3), (a["step"], key)
+
+
+def test_plan_with_tensor_parallel_actor_matches_data_parallel(tmp_path):
+    from algorithms.ppo import main
+    from placement import ModelPlan, Plan
+
+    runs = []
+    for name, actor_train in (("tp", (1, 2, 1)), ("dp", (1, 1, 2))):
+        plan = Plan(placement=[["actor", "ref", "critic", "reward"]],
+                    models=[ModelPlan("actor", 2, actor_train, (1, 1)), ModelPlan("ref", 2, (1, 1, 2)),
+                            ModelPlan("critic", 2, (1, 2, 1)), ModelPlan("reward", 2, (1, 1, 2))])
+        (tmp_path / name).mkdir()
+        plan.save(tmp_path / name / "plan.json")
+        runs.append(run(main, tmp_path / name, "--plan", str(tmp_path / name / "plan.json"), "--steps", "3",
+                        "sft_steps=10"))
+    for a, b in zip(*runs):
+        for key in ("reward_mean", "kl", "entropy", "response_length_mean"):
+            assert a[key] == pytest.approx(b[key], abs=2e-3), (a["step"], key)
