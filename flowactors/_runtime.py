@@ -49,6 +49,9 @@ class RankFailure:
     traceback: str
 
 
+CALL_REF = "__flowactors_call__"
+"""First item of the tuple that stands for a CallFuture in task arguments (see CallFuture._ref)."""
+
 _GROUPS: dict[str, _GroupContext] = {}
 _WORLD: dict[str, Any] = {}
 
@@ -142,6 +145,7 @@ def call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tu
         if ctx is None or ctx.instance is None:
             raise RuntimeError(f"no instance of group {name!r} lives in this worker process (pid {os.getpid()}); "
                                f"it was closed or this worker was restarted")
+        args, kwargs = _resolve(args), {k: _resolve_one(v) for k, v in kwargs.items()}
         if split is not None:
             protocol, layout = split
             args, kwargs = protocol.split(args, kwargs, layout)[rank]
@@ -152,6 +156,29 @@ def call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tu
     except BaseException as e:  # noqa: BLE001
         _log.warning("call failed", role=name, method=method, rank=rank, step=step, error=repr(e))
         return RankFailure(name, method, rank, type(e).__name__, str(e), traceback.format_exc())
+
+
+def _is_ref(v: Any) -> bool:
+    return isinstance(v, tuple) and len(v) == 6 and isinstance(v[0], str) and v[0] == CALL_REF
+
+
+def _resolve_one(v: Any) -> Any:
+    """Join the rank outputs of an earlier call that arrived as a CALL_REF tuple (raising its failure)."""
+    if _is_ref(v):
+        _, group, method, protocol, layout, outputs = v
+        return collect(group, method, protocol, layout, *outputs)
+    if isinstance(v, (list, tuple)) and any(_is_ref(x) for x in v):
+        return type(v)(_resolve_one(x) for x in v)
+    return v
+
+
+def _resolve(args: tuple) -> tuple:
+    return tuple(_resolve_one(a) for a in args)
+
+
+def apply(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """A pure function over call results, run where Dask put the data."""
+    return fn(*_resolve(args), **{k: _resolve_one(v) for k, v in kwargs.items()})
 
 
 def collect(group: str, method: str, protocol: Protocol, layout: Layout, *outputs: Any) -> Any:
@@ -166,11 +193,5 @@ def collect(group: str, method: str, protocol: Protocol, layout: Layout, *output
     return protocol.collect(list(outputs), layout)
 
 
-def pick(output: Any) -> Any:
-    """Raise a single rank's failure (used where no collect task runs)."""
-    if isinstance(output, RankFailure):
-        from flowactors.errors import RemoteError
-
-        raise RemoteError(output.group, output.method, output.rank, output.exc_type, output.message,
-                          output.traceback)
-    return output
+SINGLE = Protocol("single", lambda args, kwargs, layout: [(args, kwargs)], lambda outputs, layout: outputs[0])
+"""The protocol of a one-task result (Controller.apply)."""

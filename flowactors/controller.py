@@ -31,7 +31,7 @@ from distributed.client import FutureCancelledError
 
 from flowactors import _runtime
 from flowactors.errors import PlacementError, WorkerLostError
-from flowactors.protocols import Layout
+from flowactors.protocols import Layout, Protocol
 
 __all__ = ["Controller", "CallFuture"]
 
@@ -39,29 +39,38 @@ _SLOT_RESOURCES = ("slot", "GPU")
 
 
 class CallFuture:
-    """The future of one group call. Pass it to later calls (data then moves worker to worker) or ask
-    `.result()` for the value, which is the only time bytes reach the controller."""
+    """The future of one group call: one Dask future per rank plus the protocol that joins their outputs.
 
-    __slots__ = ("_controller", "future", "label", "addresses", "__weakref__")
+    There is no separate collect task (it would add a scheduling hop to every call): `.result()` gathers the
+    rank outputs and joins them on the controller, and a later call or `Controller.apply` that takes this future
+    receives the rank outputs on its worker and joins them there, so the bytes never pass through the controller.
+    """
 
-    def __init__(self, controller: "Controller", future: Future, label: str, addresses: Sequence[str]) -> None:
-        self._controller, self.future, self.label, self.addresses = controller, future, label, tuple(addresses)
+    __slots__ = ("_controller", "futures", "protocol", "layout", "group", "method", "addresses", "__weakref__")
+
+    def __init__(self, controller: "Controller", futures: Sequence[Future], protocol: Protocol, layout: Layout,
+                 group: str, method: str, addresses: Sequence[str]) -> None:
+        self._controller, self.futures = controller, list(futures)
+        self.protocol, self.layout, self.group, self.method = protocol, layout, group, method
+        self.addresses = tuple(addresses)
 
     @property
-    def key(self) -> Any:
-        return self.future.key
+    def label(self) -> str:
+        return f"{self.group}.{self.method}"
 
     def done(self) -> bool:
-        return self.future.done()
+        return all(f.done() for f in self.futures)
 
     def result(self, timeout: float | None = None) -> Any:
         try:
-            return self.future.result(timeout=timeout)
+            outputs = self._controller.client.gather(self.futures) if timeout is None else \
+                self._controller.client.sync(_gather_within, self._controller.client, self.futures, timeout)
         except FutureCancelledError as e:
             lost = self._controller._lost_error(self.addresses, self.label)
             if lost is not None:
                 raise lost from e
             raise
+        return _runtime.collect(self.group, self.method, self.protocol, self.layout, *outputs)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
@@ -70,8 +79,18 @@ class CallFuture:
             return e
         return None
 
+    def _ref(self) -> tuple:
+        """What travels in a task's arguments: Dask resolves the futures, the worker joins the outputs."""
+        return (_runtime.CALL_REF, self.group, self.method, self.protocol, self.layout, list(self.futures))
+
     def __repr__(self) -> str:
-        return f"<CallFuture {self.label} {self.future.status}>"
+        return f"<CallFuture {self.label} {[f.status for f in self.futures]}>"
+
+
+async def _gather_within(client: Client, futures: list[Future], timeout: float) -> list:
+    import asyncio
+
+    return await asyncio.wait_for(client.gather(futures, asynchronous=True), timeout)
 
 
 class Controller:
@@ -164,7 +183,7 @@ class Controller:
         """Block until `calls` finished (successfully or not) without fetching their values."""
         from distributed.client import _wait
 
-        self.client.sync(_wait, [c.future for c in calls], timeout=timeout)
+        self.client.sync(_wait, [f for c in calls for f in c.futures], timeout=timeout)
 
     def report_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Publish a step's metrics to the scheduler (topic "flowactors.metrics"), where dashboards read them."""
@@ -188,8 +207,9 @@ class Controller:
         kwargs = {k: _unwrap_one(v) for k, v in kwargs.items()}
         with self._lock:
             seq = next(self._seq)
-        fut = self.client.submit(fn, *args, key=f"{label}-{_token()}", pure=False, priority=-seq, **kwargs)
-        return CallFuture(self, fut, label, ())
+        fut = self.client.submit(_runtime.apply, fn, args, kwargs, key=f"{label}-{_token()}", pure=False,
+                                 priority=-seq)
+        return CallFuture(self, [fut], _runtime.SINGLE, Layout(), label, "apply", ())
 
     # -- pinned, ordered submission -------------------------------------------------------------------------
     def submit_pinned(self, address: str, fn: Any, *args: Any, key: str, **kwargs: Any) -> Future:
@@ -221,7 +241,7 @@ class Controller:
             return
         with self._lock:
             self._lost[address] = self._hosted.get(address, [])
-            futures = [c.future for c in self._calls.pop(address, ())]
+            futures = [f for c in self._calls.pop(address, ()) for f in c.futures]
             last = self._last.pop(address, None)
         if last is not None:
             futures.append(last)
@@ -289,7 +309,7 @@ class Controller:
 def _unwrap_one(v: Any) -> Any:
     """CallFutures (also inside a list or tuple) become their Dask futures, which Dask then resolves."""
     if isinstance(v, CallFuture):
-        return v.future
+        return v._ref()
     if isinstance(v, (list, tuple)) and any(isinstance(x, CallFuture) for x in v):
         return type(v)(_unwrap_one(x) for x in v)
     return v

@@ -122,9 +122,7 @@ class ActorGroup:
         token, label = _token(), f"{self.name}.{method}"
         outs = [ctl.submit_pinned(a, _runtime.call, self.name, method, r, per_rank[r][0], per_rank[r][1], split,
                                   ctl.step, key=f"{label}-{r}-{token}") for r, a in enumerate(self.addresses)]
-        collected = ctl.client.submit(_runtime.collect, self.name, method, protocol, self.layout, *outs,
-                                      key=f"{label}.collect-{token}", pure=False, priority=-next(ctl._seq))
-        return ctl._track(CallFuture(ctl, collected, label, self.addresses))
+        return ctl._track(CallFuture(ctl, outs, protocol, self.layout, self.name, method, self.addresses))
 
     def close(self, wait: bool = True) -> None:
         """Drop the instances (their memory is freed on the workers). The process group stays with the world."""
@@ -175,5 +173,7 @@ def _unwrap(args: tuple) -> tuple:
 def _contains_future(values: tuple) -> bool:
     from distributed import Future
 
-    return any(isinstance(v, Future) or (isinstance(v, (list, tuple)) and any(isinstance(x, Future) for x in v))
-               for v in values)
+    def has(v: Any) -> bool:
+        return isinstance(v, Future) or (isinstance(v, (list, tuple)) and any(has(x) for x in v))
+
+    return any(has(v) for v in values)
