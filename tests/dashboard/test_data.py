@@ -1,0 +1,228 @@
+"""The dashboard's pure data functions and the plugin's bookkeeping, against hand-computed numbers (no cluster)."""
+
+import math
+import pickle
+from types import SimpleNamespace
+
+import pytest
+
+from flowactors.dashboard import (FlowactorsDashboard, Interval, TaskRecord, aggregate_graph, install_dashboard,
+                                  metric_series, node_of, role_color, role_of, slot_usage, snapshot, stage_idle)
+
+H = "0123456789abcdef"
+
+
+def k(prefix: str, rank: int | None = None, token: str = H) -> str:
+    return f"{prefix}-{rank}-{token}" if rank is not None else f"{prefix}-{token}"
+
+
+def test_keys_map_to_call_nodes_and_roles():
+    assert node_of(k("actor.generate_sequences", 0)) == "actor.generate_sequences"
+    assert node_of(k("actor.generate_sequences.collect")) == "actor.generate_sequences"
+    assert node_of(k("ppo_advantages")) == "ppo_advantages"
+    assert node_of(("tuple-key", 3)) == "tuple-key"
+    assert role_of("critic.compute_values") == "critic" and role_of("join") == "task"
+    assert role_color("actor") == "#4e79a7" and role_color("rt") == role_color("rt")
+    assert role_color("rt") not in {role_color(r) for r in ("actor", "critic", "ref", "reward", "cost")}
+
+
+def ppo_like_step() -> list[TaskRecord]:
+    """generate → (ref, reward) → join → update, with the controller's `_after` chain per process."""
+    gen = [k("actor.generate_sequences", r) for r in (0, 1)]
+    gen_c = k("actor.generate_sequences.collect")
+    ref = [k("ref.compute_ref_log_prob", r) for r in (0, 1)]
+    ref_c = k("ref.compute_ref_log_prob.collect")
+    rew = [k("reward.compute_reward", r) for r in (0, 1)]
+    rew_c = k("reward.compute_reward.collect")
+    join = k("join")
+    upd = [k("actor.update_actor", r) for r in (0, 1)]
+    earlier = [k("actor.update_actor", r, "f" * 16) for r in (0, 1)]  # the previous step: not in this graph
+    return [
+        *(TaskRecord(gen[r], "released", (earlier[r],), (earlier[r],), done=True) for r in (0, 1)),
+        TaskRecord(gen_c, "memory", tuple(gen), done=True),
+        *(TaskRecord(ref[r], "memory", (gen_c, gen[r]), (gen[r],), done=True) for r in (0, 1)),
+        TaskRecord(ref_c, "memory", tuple(ref), done=True),
+        TaskRecord(rew[0], "memory", (gen_c, ref[0]), (ref[0],), done=True),
+        TaskRecord(rew[1], "erred", (gen_c, ref[1]), (ref[1],)),
+        TaskRecord(rew_c, "waiting", tuple(rew)),
+        TaskRecord(join, "waiting", (gen_c, ref_c, rew_c)),
+        TaskRecord(upd[0], "processing", (join, rew[0]), (rew[0],)),
+        TaskRecord(upd[1], "waiting", (join, rew[1]), (rew[1],)),
+    ]
+
+
+def test_graph_aggregates_tasks_into_calls_with_data_and_order_edges():
+    g = aggregate_graph(ppo_like_step(), {"actor.generate_sequences": 1.25})
+    nodes = {n["id"]: n for n in g["nodes"]}
+    assert list(nodes) == ["actor.generate_sequences", "ref.compute_ref_log_prob", "reward.compute_reward", "join",
+                           "actor.update_actor"]
+    # (layer, row): the scorers share a column because only data edges decide columns
+    assert {n: (v["layer"], v["row"]) for n, v in nodes.items()} == {
+        "actor.generate_sequences": (0, 0), "ref.compute_ref_log_prob": (1, 0), "reward.compute_reward": (1, 1),
+        "join": (2, 0), "actor.update_actor": (3, 0)}
+    assert (g["layers"], g["rows"]) == (4, 2)
+    gen, rew, upd = nodes["actor.generate_sequences"], nodes["reward.compute_reward"], nodes["actor.update_actor"]
+    assert gen["counts"] == {"memory": 1, "released": 2} and (gen["n"], gen["done"]) == (3, 3)
+    assert gen["state"] == "memory" and gen["seconds"] == 1.25 and gen["role"] == "actor"
+    assert gen["method"] == "generate_sequences" and gen["color"] == role_color("actor")
+    assert rew["state"] == "erred" and rew["counts"] == {"erred": 1, "memory": 1, "waiting": 1} and rew["done"] == 1
+    assert upd["state"] == "processing" and nodes["join"]["state"] == "waiting" and nodes["join"]["role"] == "task"
+    edges = {(e["source"], e["target"], e["kind"]): e["n"] for e in g["edges"]}
+    assert edges == {
+        # each rank task of the consumer depends on the producer's collect task
+        ("actor.generate_sequences", "ref.compute_ref_log_prob", "data"): 2,
+        ("actor.generate_sequences", "reward.compute_reward", "data"): 2,
+        ("ref.compute_ref_log_prob", "reward.compute_reward", "order"): 2,  # same process, issued after
+        ("actor.generate_sequences", "join", "data"): 1,
+        ("ref.compute_ref_log_prob", "join", "data"): 1,
+        ("reward.compute_reward", "join", "data"): 1,
+        ("join", "actor.update_actor", "data"): 2,
+        ("reward.compute_reward", "actor.update_actor", "order"): 2,
+    }  # no self edges (rank → its collect), no edge from the previous step, order under data dropped
+
+
+def test_graph_of_repeated_calls_is_cyclic_by_prefix_but_still_laid_out():
+    a1, b1, a2 = k("m.a", 0, "1" * 16), k("m.b", 0, "2" * 16), k("m.a", 0, "3" * 16)
+    g = aggregate_graph([TaskRecord(a1), TaskRecord(b1, deps=(a1,)), TaskRecord(a2, deps=(b1,))])
+    assert [(n["id"], n["layer"]) for n in g["nodes"]] == [("m.a", 0), ("m.b", 1)]
+    assert {(e["source"], e["target"]) for e in g["edges"]} == {("m.a", "m.b"), ("m.b", "m.a")}
+    assert aggregate_graph([]) == {"nodes": [], "edges": [], "layers": 0, "rows": 0}
+
+
+def test_slot_usage_busy_idle_and_segments():
+    ivs = [
+        Interval("A", "actor.generate_sequences", 9.0, 11.0),   # clipped to [10, 11]
+        Interval("A", "actor.generate_sequences", 12.0, 14.0),
+        Interval("A", "ref.compute_ref_log_prob", 13.5, 15.0),  # overlaps the previous one: union, not sum
+        Interval("A", "join", 16.0, 16.5),
+        Interval("A", "join", 16.504, 17.0),                   # 4 ms after the previous join: one segment
+        Interval("B", "critic.update_critic", 19.0, 25.0),     # clipped to [19, 20]
+        Interval("Z", "actor.generate_sequences", 10.0, 20.0),  # not a slot: ignored
+        Interval("C", "actor.generate_sequences", 1.0, 2.0),   # before the window
+    ]
+    a, b, c = slot_usage(ivs, ["A", "B", "C"], 10.0, 20.0)
+    # busy: 1 + [12, 15] + 0.5 + 0.496 (the 4 ms gap is idle, even though the timeline merges it)
+    assert (a["worker"], a["busy_s"], a["idle_s"], a["busy_frac"]) == ("A", 4.996, 5.004, 0.4996)
+    assert a["by_role"] == {"actor": 3.0, "ref": 1.5, "task": 0.996}
+    assert a["segments"] == [[0.0, 1.0, "actor", "actor.generate_sequences"],
+                             [2.0, 4.0, "actor", "actor.generate_sequences"],
+                             [3.5, 5.0, "ref", "ref.compute_ref_log_prob"],
+                             [6.0, 7.0, "task", "join"]]
+    assert (b["busy_s"], b["idle_s"], b["segments"]) == (1.0, 9.0, [[9.0, 10.0, "critic", "critic.update_critic"]])
+    assert (c["busy_s"], c["idle_s"], c["segments"], c["by_role"]) == (0.0, 10.0, [], {})
+    many = [Interval("A", f"r.m{i % 2}", 10 + i * 0.01, 10 + i * 0.01 + 0.001) for i in range(50)]
+    assert len(slot_usage(many, ["A"], 10.0, 20.0, max_segments=7)[0]["segments"]) == 7
+
+
+def test_stage_idle_per_step_against_hand_computed_numbers():
+    ivs = [
+        Interval("A", "actor.generate_sequences", 0.0, 4.0, step=0),
+        Interval("B", "actor.generate_sequences", 0.0, 2.0, step=0),
+        Interval("B", "ref.compute_ref_log_prob", 3.0, 5.0, step=0),
+        Interval("A", "actor.generate_sequences", 6.0, 7.0, step=1),
+    ]
+    got = {(s["stage"], s["step"]): s for s in stage_idle(ivs, ["A", "B"], 0.0, 10.0)}
+    gen0, ref0, gen1 = (got[("actor.generate_sequences", 0)], got[("ref.compute_ref_log_prob", 0)],
+                        got[("actor.generate_sequences", 1)])
+    # generate, step 0: span [0, 4]; A busy 4, B busy [0,2]+[3,4] = 3 -> 1 idle slot-second of 8
+    assert (gen0["span_s"], gen0["busy_s"], gen0["idle_s"], gen0["idle_frac"]) == (4.0, 6.0, 1.0, 0.125)
+    # ref, step 0: span [3, 5]; A busy [3, 4] -> idle 1; B busy all along -> idle 0
+    assert (ref0["span_s"], ref0["busy_s"], ref0["idle_s"], ref0["idle_frac"]) == (2.0, 2.0, 1.0, 0.25)
+    # generate, step 1: only slot A works, slot B idles the whole span
+    assert (gen1["span_s"], gen1["busy_s"], gen1["idle_s"], gen1["idle_frac"]) == (1.0, 1.0, 1.0, 0.5)
+    assert [s["start"] for s in stage_idle(ivs, ["A", "B"], 0.0, 10.0)] == [0.0, 3.0, 6.0]
+    assert [(s["stage"], s["step"]) for s in stage_idle(ivs, ["A", "B"], 0.0, 10.0, max_stages=2)] == [
+        ("ref.compute_ref_log_prob", 0), ("actor.generate_sequences", 1)]
+    # clipped to the window: generate step 0 seen over [2, 10] only
+    late = {(s["stage"], s["step"]): s for s in stage_idle(ivs, ["A", "B"], 2.0, 10.0)}
+    assert late[("actor.generate_sequences", 0)]["span_s"] == 2.0
+
+
+def test_metric_series_keeps_present_keys_and_latest_value_per_step():
+    events = [(0.0, {"step": 0, "reward_mean": 0.1, "kl": 0.0}), (1.0, "not a dict"),
+              (2.0, {"step": 1, "reward_mean": 0.2, "kl": math.nan, "cost_mean": True}),
+              (3.0, {"step": 1, "reward_mean": 0.25}), (4.0, {"reward_mean": 9.0})]
+    assert metric_series(events) == {"reward_mean": [[0, 0.1], [1, 0.25]], "kl": [[0, 0.0]]}
+    assert metric_series(events, ["kl", "reward_mean"]) == {"kl": [[0, 0.0]], "reward_mean": [[0, 0.1], [1, 0.25]]}
+
+
+def test_snapshot_composes_graph_slots_stages_and_metrics():
+    ivs = [Interval("A", "rt.all_reduce", 1.0, 2.0, step=3), Interval("B", "rt.all_reduce", 1.0, 1.5, step=3),
+           Interval("A", "rt.all_reduce", 0.0, 0.5, step=2)]
+    d = snapshot(now=5.0, step=3, tasks=[TaskRecord(k("rt.all_reduce", 0), "memory", done=True)], intervals=ivs,
+                 slots=["A", "B"], slot_names={"A": "0"}, window_start=1.0,
+                 events=[(0.0, {"step": 2, "reward_mean": 1.0, "note": "x"})])
+    assert d["step"] == 3 and d["window"] == {"start": 1.0, "stop": 5.0, "seconds": 4.0}
+    assert d["graph"]["nodes"][0]["seconds"] == 1.5  # this step's compute only
+    assert [(s["name"], s["busy_s"]) for s in d["slots"]] == [("0", 1.0), ("1", 0.5)]
+    assert d["roles"] == {"rt": role_color("rt")} and d["metrics"] == {"reward_mean": [[2, 1.0]]}
+    assert d["last_metrics"] == {"step": 2, "reward_mean": 1.0}
+    assert [(s["stage"], s["step"], s["idle_s"]) for s in d["stages"]] == [("rt.all_reduce", 3, 0.5)]
+
+
+def _fake_scheduler(tasks: dict) -> SimpleNamespace:
+    return SimpleNamespace(tasks=tasks, workers={}, get_events=lambda topic: [])
+
+
+def _ts(state: str, deps=(), after=None) -> SimpleNamespace:
+    spec = SimpleNamespace(kwargs={"_after": SimpleNamespace(dependencies=frozenset(after or ()))})
+    return SimpleNamespace(state=state, dependencies=[SimpleNamespace(key=d) for d in deps], run_spec=spec)
+
+
+def test_plugin_tags_tasks_with_the_step_and_forgets_old_steps():
+    p = FlowactorsDashboard(keep_steps=2)
+    a, b = k("rt.x", 0), k("rt.y", 0)
+    sched = _fake_scheduler({a: _ts("waiting"), b: _ts("waiting", deps=(a,), after=(a,))})
+    p.update_graph(sched, tasks=[a, b])
+    assert p._steps[0][b].order_deps == (a,) and p._steps[0][b].deps == (a,)
+    p.transition(a, "waiting", "processing", stimulus_id="s")
+    p.transition(a, "processing", "memory", stimulus_id="s", worker="W",
+                 startstops=[{"action": "transfer", "start": 0.0, "stop": 0.5},
+                             {"action": "compute", "start": 1.0, "stop": 2.0}])
+    p.transition(a, "memory", "forgotten", stimulus_id="s")
+    assert (p._steps[0][a].state, p._steps[0][a].done) == ("released", True)
+    assert list(p._intervals) == [Interval("W", "rt.x", 1.0, 2.0, 0)]
+    for step in range(3):  # metrics of step i: later tasks belong to step i + 1
+        p.log_event("flowactors.metrics", {"step": step, "reward_mean": 0.0})
+        key = k("rt.x", 0, f"{step:016x}")
+        sched.tasks[key] = _ts("waiting")
+        p.update_graph(sched, tasks=[key])
+    assert list(p._steps) == [2, 3] and a not in p._key_step
+    p.log_event("flowactors.step", {"step": 10})
+    assert p.step == 10
+    clone = pickle.loads(pickle.dumps(p))  # only the settings travel to the scheduler
+    assert (clone.keep_steps, clone.step, len(clone._intervals), dict(clone._steps)) == (2, 0, 0, {})
+    with pytest.raises(ValueError, match="window_s"):
+        FlowactorsDashboard(window_s=0)
+
+
+def test_install_dashboard_refuses_a_scheduler_without_dashboard():
+    class NoDashboard:
+        @property
+        def dashboard_link(self):
+            raise KeyError("dashboard")
+
+        def register_plugin(self, plugin):
+            raise AssertionError("must not register")
+
+    with pytest.raises(RuntimeError, match="no dashboard"):
+        install_dashboard(NoDashboard())
+
+    registered = []
+    client = SimpleNamespace(dashboard_link="http://127.0.0.1:8787/status", register_plugin=registered.append)
+    assert install_dashboard(client) == "http://127.0.0.1:8787/flowactors"
+    assert isinstance(registered[0], FlowactorsDashboard)
+
+
+def test_busy_seconds_between_any_bounds_match_a_direct_sum():
+    import random
+
+    from flowactors.dashboard import _Busy, _length, _union
+
+    rng = random.Random(0)
+    for _ in range(200):
+        spans = _union([(a, a + rng.uniform(0, 2)) for a in (rng.uniform(0, 20) for _ in range(rng.randrange(8)))],
+                       0.0, 30.0)
+        lo = rng.uniform(-1, 25)
+        hi = lo + rng.uniform(0, 10)
+        assert _Busy(spans).between(lo, hi) == pytest.approx(_length(_union(spans, lo, hi)), abs=1e-9)

@@ -1,0 +1,130 @@
+"""The flowactors page on a real cluster's dashboard: data.json after real group calls, then a headless browser.
+
+Two worker processes with the dashboard on 127.0.0.1; two colocated groups (`rt`, `scorer`) run three "steps"
+of a small dataflow (rt.add_rank → scorer.scale_x → summarize, plus an rt.all_reduce collective) and publish
+metrics the way the controller does. Debian's chromium then renders /flowactors; the test reads the screenshot's
+pixels (the role colours must be drawn) and the DOM after the page's JS ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+import flowactors as fa
+from flowactors import Batch
+from flowactors.dashboard import STATE_COLORS, install_dashboard
+from tests.dashboard.png import colour_counts, read_png
+from tests.runtime.workers import Reducer
+
+CHROMIUM = "/usr/bin/chromium"
+STEPS = 3
+
+
+def _get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.status, r.read().decode()
+
+
+@pytest.fixture(scope="module")
+def page():
+    ctl = fa.Controller.local(2, dashboard="127.0.0.1:0", collective_timeout_s=60)
+    try:
+        url = install_dashboard(ctl.client)
+        assert install_dashboard(ctl.client) == url  # idempotent: the running plugin stays
+        rt = fa.ActorGroup(ctl, Reducer, name="rt", args=(1.0,))
+        scorer = fa.ActorGroup(ctl, Reducer, name="scorer", args=(10.0,))  # colocated: same two processes
+        batch = Batch({"x": torch.arange(8.0)}, {"id": list(range(8))})
+        for step in range(STEPS):
+            ranked = rt.add_rank(batch)
+            scored = scorer.scale_x(ranked)  # a future passed on: a data edge rt.add_rank → scorer.scale_x
+            total = rt.all_reduce(float(step))
+            rows = ctl.apply(len, scored, name="summarize")
+            scorer.sleep(0.05).result()
+            assert rows.result() == 8 and total.result() == [3.0 * step] * 2
+            ctl.report_metrics(step, {"reward_mean": 0.2 + 0.1 * step, "kl": 0.01 * step, "cost_mean": 1.0 - step / 4})
+        _, text = _get(f"{url}/data.json")
+        yield ctl, url, json.loads(text)
+    finally:
+        ctl.close()
+
+
+def test_data_json_has_the_steps_graph_slot_timelines_and_metrics(page):
+    ctl, url, d = page
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/flowactors")
+    assert d["step"] == STEPS - 1  # the latest step with calls (step 3 has none yet)
+    nodes = {n["id"]: n for n in d["graph"]["nodes"]}
+    assert set(nodes) == {"rt.add_rank", "scorer.scale_x", "rt.all_reduce", "summarize", "scorer.sleep"}
+    for n in nodes.values():  # every call of the step finished: a task per rank (and a collect task if the
+        assert n["done"] == n["n"] >= (1 if n["id"] == "summarize" else 2), n  # runtime uses one), or 1 helper
+        assert n["state"] in ("memory", "released")
+    assert (nodes["rt.add_rank"]["layer"], nodes["scorer.scale_x"]["layer"], nodes["summarize"]["layer"]) == (0, 1, 2)
+    edges = {(e["source"], e["target"], e["kind"]) for e in d["graph"]["edges"]}
+    assert {("rt.add_rank", "scorer.scale_x", "data"), ("scorer.scale_x", "summarize", "data")} <= edges
+    assert any(kind == "order" for *_, kind in edges)  # the per-process `_after` chain
+    assert nodes["scorer.sleep"]["seconds"] >= 0.1  # 50 ms on each of 2 ranks
+
+    slots = d["slots"]
+    assert [s["worker"] for s in slots] == ctl.slots and [s["name"] for s in slots] == ["0", "1"]
+    for s in slots:
+        assert s["busy_s"] >= STEPS * 0.05 and abs(s["busy_s"] + s["idle_s"] - d["window"]["seconds"]) < 1e-3
+        assert {"rt", "scorer"} <= {seg[2] for seg in s["segments"]} and {"rt", "scorer"} <= set(s["by_role"])
+        assert all(0 <= a <= b <= d["window"]["seconds"] + 1e-3 for a, b, *_ in s["segments"])
+    sleeps = [t for t in d["stages"] if t["stage"] == "scorer.sleep"]
+    assert [t["step"] for t in sleeps] == list(range(STEPS)) and all(t["busy_s"] >= 0.1 for t in sleeps)
+
+    assert d["metrics"]["reward_mean"] == [[i, pytest.approx(0.2 + 0.1 * i)] for i in range(STEPS)]
+    assert set(d["metrics"]) == {"reward_mean", "kl", "cost_mean"}
+    assert {"rt", "scorer", "task"} <= set(d["roles"])
+
+
+def test_page_is_self_contained(page):
+    _, url, _ = page
+    status, html = _get(url)
+    assert status == 200 and "/flowactors/data.json" in html and "setInterval(refresh" in html
+    assert "<script src" not in html and "<link" not in html and "cdn" not in html.lower()
+
+
+def _chromium(url: str, tmp_path: Path, *mode: str) -> subprocess.CompletedProcess:
+    """One headless chromium run; `--virtual-time-budget` lets the page's fetch and rendering finish first."""
+    profile = tmp_path / f"profile{len(list(tmp_path.iterdir()))}"
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", "--window-size=1280,900", "--virtual-time-budget=4000", *mode, url]
+    env = {**os.environ, "HOME": str(tmp_path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, f"chromium failed ({done.returncode}): {done.stderr[-2000:]}"
+    return done
+
+
+def test_page_renders_in_headless_chromium(page, tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium not installed: apt-get install chromium")
+    _, url, d = page
+    shot = tmp_path / "flowactors.png"
+    _chromium(url, tmp_path, f"--screenshot={shot}")
+    image = read_png(shot.read_bytes())
+    assert image.shape[:2] == (900, 1280)
+    colours = colour_counts(image)
+    # Node boxes and timeline segments are filled with the role colours; finished nodes are outlined in the
+    # "memory"/"released" state colours.
+    for role in ("rt", "scorer", "task"):
+        assert colours[d["roles"][role]] > 400, (role, d["roles"][role], colours.most_common(12))
+    assert colours[STATE_COLORS["memory"]] + colours[STATE_COLORS["released"]] > 400
+    assert colours["#263238"] > 20000  # the header bar
+
+    dom = _chromium(url, tmp_path, "--dump-dom").stdout
+    assert f"<title>flowactors · step {STEPS - 1}</title>" in dom
+    for node in ("rt.add_rank", "scorer.scale_x", "rt.all_reduce", "summarize"):
+        assert f'data-node="{node}"' in dom
+    assert dom.count('class="seg"') >= 2 * 4 and "slot 0" in dom and "slot 1" in dom
+    assert all(f'data-metric="{m}"' in dom for m in ("reward_mean", "kl", "cost_mean"))
+    assert 'data-role="scorer"' in dom and '<span id="status">updated ' in dom
+    shutil.copy(shot, os.environ.get("FLOWACTORS_SCREENSHOT", tmp_path / "kept.png"))
