@@ -35,6 +35,19 @@ class RLConfig:
     """Prompts in the task's dataset; epochs wrap around it."""
     metrics_file: str | None = None
     """Write one JSON object per step here (JSONL)."""
+    # -- checkpoints and recovery ---------------------------------------------------------------------------------
+    checkpoint_dir: str | None = None
+    """Checkpoint root; None disables checkpoints (and so recovery)."""
+    save_every: int = 0
+    """Save every K steps (0: never)."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in checkpoint_dir, if any), never, or a checkpoint path."""
+    keep_last: int = 3
+    """Complete checkpoints kept."""
+    max_recoveries: int = 2
+    """Lost-worker recoveries allowed in one run; past it the run fails."""
+    recovery_wait_s: float = 60.0
+    """How long a recovery waits for the lost slots to come back before using the live ones."""
     # -- cluster and placement ------------------------------------------------------------------------------------
     address: str | None = None
     """Dask scheduler address (tcp://host:8786); None starts an embedded LocalCluster."""
@@ -76,6 +89,10 @@ class RLConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:
+            raise ValueError("save_every must be >= 0, keep_last >= 1 and max_recoveries >= 0")
+        if self.save_every and not self.checkpoint_dir:
+            raise ValueError("save_every needs a checkpoint_dir (--checkpoint-dir D)")
         if self.sft_steps < 0:
             raise ValueError(f"sft_steps must be >= 0, got {self.sft_steps}")
         if self.placement not in ("colocated", "split"):

@@ -4,9 +4,8 @@
   model on every slot, time-shared; split: actor + reference on one pool, critics + reward + cost on the other,
   running concurrently).
 - `PromptData`: the task's prompts with a data position (epoch, index) that checkpoints can save.
-- `warm_start`: supervised fine-tuning through `update_actor` with an NLL loss, then the SFT model is exported as
+- `run_warm_start`: supervised fine-tuning through `update_actor` with an NLL loss, then the SFT model is exported as
   a Hugging Face folder from which the reference and the critics start (SFT → RLHF, as real pipelines do).
-- `Trainer`: the step loop with stage timing, metrics (console progress bar, JSONL), and the end summary.
 - Batch-level helpers (`join`, `summarize`) that run as Dask tasks next to the data.
 """
 
@@ -32,8 +31,8 @@ from algorithms.tasks import Task, get_task
 from engines import ModelConfig, OptimConfig, SamplingConfig, build_tokenizer
 from flowactors import Batch, Controller, Layout
 
-__all__ = ["parse_args", "open_controller", "Pools", "place", "PromptData", "warm_start", "join", "summarize",
-           "Trainer"]
+__all__ = ["parse_args", "open_controller", "Pools", "place", "PromptData", "run_warm_start", "join", "summarize",
+           "build_common"]
 
 
 # -- command line -------------------------------------------------------------------------------------------------
@@ -48,9 +47,13 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], descr
     p.add_argument("--placement", choices=["colocated", "split"])
     p.add_argument("--plan", help="placement plan file (JSON/YAML) from python -m placement.automap --json")
     p.add_argument("--seed", type=int)
+    p.add_argument("--checkpoint-dir", help="where checkpoints go (atomic, checksummed)")
+    p.add_argument("--save-every", type=int, help="save a checkpoint every K steps")
+    p.add_argument("--resume", help="auto (newest complete checkpoint), never, or a checkpoint path")
     args = p.parse_intermixed_args(argv)
     cfg = preset()
-    for name in ("steps", "address", "metrics_file", "placement", "seed", "plan"):
+    for name in ("steps", "address", "metrics_file", "placement", "seed", "plan", "checkpoint_dir", "save_every",
+                 "resume"):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)
@@ -181,7 +184,7 @@ def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
                           ignore_eos=cfg.ignore_eos)
 
 
-def warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, task: Task, export_dir: Path) -> ModelConfig:
+def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, task: Task, export_dir: Path) -> ModelConfig:
     """SFT on the task's demonstrations, then export; returns the config that loads the SFT model."""
     if cfg.sft_steps:
         batch = data.sft_batch(cfg.sft_steps * cfg.sft_samples_per_step, cfg.max_new_tokens or task.max_new_tokens,
@@ -221,99 +224,12 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
     return out
 
 
-# -- the loop -----------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Trainer:
-    """Runs `step(prompts) -> metrics` for cfg.steps steps; prints a progress bar, writes JSONL, summarises."""
-
-    cfg: RLConfig
-    ctl: Controller
-    data: PromptData
-    name: str
-    history: list[dict] = field(default_factory=list)
-    _stage_t: dict[str, float] = field(default_factory=dict)
-
-    def stage(self, name: str, *calls: fa.CallFuture) -> None:
-        """Wait for a stage's calls (only for timing: the next stage depends on them anyway)."""
-        t0 = time.perf_counter()
-        self.ctl.wait(list(calls))
-        self._stage_t[f"{name}_s"] = self._stage_t.get(f"{name}_s", 0.0) + time.perf_counter() - t0
-
-    def print_sizes(self, dp: int) -> None:
-        sizes = derived_sizes(self.cfg, dp)
-        print(f"[{self.name}] data-parallel size {dp}: " + ", ".join(f"{k}={v}" for k, v in sizes.items()),
-              file=sys.stderr)
-
-    def run(self, step: Callable[[Batch, int], dict[str, float]], key_metrics: Sequence[str]) -> list[dict]:
-        from tqdm import tqdm
-
-        out_file = open(self.cfg.metrics_file, "a") if self.cfg.metrics_file else None
-        bar = tqdm(range(self.cfg.steps), desc=self.name, file=sys.stderr, dynamic_ncols=True)
-        try:
-            for i in bar:
-                self.ctl.step = i
-                self._stage_t = {}
-                prompts = self.data.next_batch(self.cfg.prompts_per_step, self.cfg.samples_per_prompt)
-                t0 = time.perf_counter()
-                if self.cfg.profile_controller:
-                    from distributed import get_task_stream
-
-                    with get_task_stream(client=self.ctl.client) as ts:
-                        metrics = step(prompts, i)
-                        dt = time.perf_counter() - t0
-                    metrics["controller_share"] = 1 - _busy_seconds(ts.data, t0, t0 + dt) / dt
-                else:
-                    metrics = step(prompts, i)
-                    dt = time.perf_counter() - t0
-                tokens = metrics.pop("prompt_tokens", 0.0) + metrics.pop("response_tokens", 0.0)
-                record = {"step": i, **metrics, **self._stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
-                self.history.append(record)
-                self.ctl.report_metrics(i, {k: v for k, v in record.items() if isinstance(v, (int, float))})
-                if out_file:
-                    out_file.write(json.dumps(record) + "\n")
-                    out_file.flush()
-                bar.set_postfix({k: f"{record[k]:.3f}" for k in key_metrics if k in record})
-        finally:
-            bar.close()
-            if out_file:
-                out_file.close()
-        self.print_summary(key_metrics)
-        return self.history
-
-    def print_summary(self, keys: Sequence[str]) -> None:
-        if not self.history:
-            return
-        w = max(1, len(self.history) // 4)
-        first, last = self.history[:w], self.history[-w:]
-        lines = [f"[{self.name}] {len(self.history)} steps; mean of the first and last {w} steps:"]
-        for k in keys:
-            if k in self.history[0]:
-                a = sum(r[k] for r in first) / len(first)
-                b = sum(r[k] for r in last) / len(last)
-                lines.append(f"  {k:<22} {a:>9.3f} -> {b:>9.3f}")
-        tps = sum(r["tokens_per_s"] for r in self.history) / len(self.history)
-        lines.append(f"  {'tokens_per_s':<22} {tps:>9.1f}")
-        print("\n".join(lines), file=sys.stderr)
-
-
-def _busy_seconds(tasks: list[dict], start: float, stop: float) -> float:
-    """Seconds within [start, stop] (perf_counter clock) when at least one worker was computing a task."""
-    offset = time.time() - time.perf_counter()  # task stream times are wall-clock
-    spans = sorted((max(s["start"] - offset, start), min(s["stop"] - offset, stop))
-                   for t in tasks for s in t.get("startstops", ()) if s.get("action") == "compute")
-    busy, end = 0.0, start
-    for a, b in spans:
-        if b <= end:
-            continue
-        busy += b - max(a, end)
-        end = b
-    return busy
-
-
 def build_common(ctl: Controller, cfg: RLConfig, workdir: Path, with_critics: Sequence[str] = (),
-                 with_cost: bool = False) -> dict[str, Any]:
-    """Actor (warm-started), reference, critics and rule reward/cost groups on the configured placement."""
+                 with_cost: bool = False, warm_start: bool = True) -> dict[str, Any]:
+    """Actor, reference, critics and rule reward/cost groups on the configured placement.
+
+    With `warm_start`, the actor is fine-tuned on demonstrations first and the reference and critics start from
+    its export; without (resuming), every model starts from `cfg.model` and is then loaded from a checkpoint."""
     from engines import ActorWorker, CriticWorker, RefWorker, RuleRewardWorker
 
     task = get_task(cfg.task)
@@ -331,7 +247,7 @@ def build_common(ctl: Controller, cfg: RLConfig, workdir: Path, with_critics: Se
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
 
     actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg, cfg.actor_lr), sampling(cfg, task))
-    sft = warm_start(actor, data, cfg, task, workdir)
+    sft = run_warm_start(actor, data, cfg, task, workdir) if warm_start else cfg.model
     groups: dict[str, Any] = {"task": task, "data": data, "pools": pools, "actor": actor, "sft": sft}
     groups["ref"] = group("ref", RefWorker, sft, cfg.temperature)
     for key in with_critics:
@@ -343,8 +259,3 @@ def build_common(ctl: Controller, cfg: RLConfig, workdir: Path, with_critics: Se
             raise ValueError(f"task {task.name!r} defines no cost; Safe-RLHF needs a task with a cost (digit_sum)")
         groups["cost"] = group("cost", RuleRewardWorker, task.cost, cfg.model)
     return groups
-
-
-def workdir(cfg: RLConfig) -> tempfile.TemporaryDirectory:
-    """Where the SFT export lives (a shared filesystem path is needed when workers are on other hosts)."""
-    return tempfile.TemporaryDirectory(prefix="flowactors-")

@@ -68,6 +68,46 @@ class ModelWorker(Worker):
         return str(path)
 
     @endpoint(protocol=ONE_TO_ALL)
+    def save_checkpoint(self, directory: str) -> None:
+        """Save this rank's shards of the model, optimizer and LR schedule (collective), and its RNG state.
+
+        torch.distributed.checkpoint writes each rank's shards plus a global index, so the checkpoint loads under
+        other parallel sizes."""
+        from flowactors.checkpoint import capture_rng, save_sharded
+
+        save_sharded(self._train_state(), directory, process_group=self.process_group)
+        torch.save(capture_rng(), Path(directory) / f"rng_rank{self.rank}_of{self.world_size}.pt")
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> None:
+        """Load shards saved under any parallel sizes into this group's layout; RNG only under the same size."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from flowactors.checkpoint import load_sharded, restore_rng
+
+        state = self._train_state()
+        load_sharded(state, directory, process_group=self.process_group)
+        opt = self.engine.optimizer
+        set_state_dict(self.engine.model, opt if opt is not None else [], model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
+        if self.engine.scheduler is not None:
+            self.engine.scheduler.load_state_dict(state["scheduler"])
+        rng = Path(directory) / f"rng_rank{self.rank}_of{self.world_size}.pt"
+        if rng.exists():
+            restore_rng(torch.load(rng, weights_only=False))
+
+    def _train_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        opt = self.engine.optimizer
+        model_sd, optim_sd = get_state_dict(self.engine.model, opt if opt is not None else [])
+        state = {"model": model_sd}
+        if opt is not None:
+            state["optim"] = optim_sd
+            state["scheduler"] = self.engine.scheduler.state_dict()
+        return state
+
+    @endpoint(protocol=ONE_TO_ALL)
     def parameter_digest(self) -> float:
         """A cheap fingerprint of the full weights (sum of all parameters), for tests and sanity checks."""
         return float(sum(t.double().sum() for t in self.engine.full_state_dict().values()))

@@ -259,6 +259,38 @@ class Controller:
     def lost_workers(self) -> list[str]:
         return list(self._lost)
 
+    def recover(self, wait_s: float = 60.0, min_slots: int = 1) -> list[str]:
+        """Forget every group and the torch.distributed world after a worker died, and take the live slots.
+
+        Waits up to `wait_s` for as many slots as before (a nanny restarts a killed worker under a new address),
+        then continues with the live ones if at least `min_slots` are there. Callers rebuild their groups (the
+        world is re-formed on the first one) and restore state from a checkpoint.
+        """
+        import time
+
+        want = len(self.slots)
+        deadline = time.monotonic() + wait_s
+        while True:
+            live = [a for a in self._discover_slots() if a not in self._lost]
+            if len(live) >= want or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        if len(live) < min_slots:
+            raise PlacementError(f"only {len(live)} live slots after waiting {wait_s:.0f} s for lost workers to "
+                                 f"come back; need at least {min_slots}")
+        with self._lock:
+            stale = [f for calls in self._calls.values() for c in calls for f in c.futures] + list(self._last.values())
+            self._calls.clear()
+            self._last.clear()
+            self._hosted.clear()
+            self._lost.clear()
+            self.groups.clear()
+            self._world = None
+            self.slots = live
+        if stale:
+            self.client.cancel(stale, reason="recovery", msg="the controller rebuilt its groups after a lost worker")
+        return live
+
     # -- world ----------------------------------------------------------------------------------------------
     def _ensure_world(self, backend: str | None) -> None:
         import torch
