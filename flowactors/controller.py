@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from distributed import Client, Future, LocalCluster
-from distributed.client import FutureCancelledError
+from distributed.client import FutureCancelledError, FuturesCancelledError
 
 from flowactors import _runtime
 from flowactors.errors import PlacementError, WorkerLostError
@@ -65,7 +65,7 @@ class CallFuture:
         try:
             outputs = self._controller.client.gather(self.futures) if timeout is None else \
                 self._controller.client.sync(_gather_within, self._controller.client, self.futures, timeout)
-        except FutureCancelledError as e:
+        except (FutureCancelledError, FuturesCancelledError) as e:
             lost = self._controller._lost_error(self.addresses, self.label)
             if lost is not None:
                 raise lost from e
@@ -183,7 +183,14 @@ class Controller:
         """Block until `calls` finished (successfully or not) without fetching their values."""
         from distributed.client import _wait
 
-        self.client.sync(_wait, [f for c in calls for f in c.futures], timeout=timeout)
+        try:
+            self.client.sync(_wait, [f for c in calls for f in c.futures], timeout=timeout)
+        except (FutureCancelledError, FuturesCancelledError) as e:
+            for c in calls:
+                lost = self._lost_error(c.addresses, c.label)
+                if lost is not None:
+                    raise lost from e
+            raise
 
     def report_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Publish a step's metrics to the scheduler (topic "flowactors.metrics"), where dashboards read them."""
