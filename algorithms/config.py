@@ -139,6 +139,7 @@ class SafeRLHFConfig(PPOConfig):
     task: str = "digit_sum"
     steps: int = 80
     sft_steps: int = 60
+    prompts_per_step: int = 64
     kl_coef: float = 0.05
     cost_threshold: float = 0.3
     """Constraint: expected cost per sample ≤ this."""

@@ -25,9 +25,9 @@ def test_safe_rlhf_cost_ends_below_threshold_while_reward_rises(tmp_path):
     for key in ("reward_mean", "cost_mean", "lagrange_lambda", "kl", "entropy", "response_length_mean",
                 "tokens_per_s", "generate_s", "score_s", "update_s"):
         assert key in h[0], key
-    assert window(h, "cost_mean", 0, 10) > 0.4                 # the warm start violates the constraint
+    assert window(h, "cost_mean", 0, 10) > 0.3                 # the warm start violates the constraint
     assert window(h, "cost_mean", -20, None) < 0.3             # ... and the policy ends below the threshold
-    assert window(h, "reward_mean", -20, None) > window(h, "reward_mean", 0, 20) + 0.02
+    assert window(h, "reward_mean", -20, None) > window(h, "reward_mean", 0, 20) + 0.05
     assert max(r["lagrange_lambda"] for r in h[:40]) > h[0]["lagrange_lambda"]  # λ rose while violated
 
 
