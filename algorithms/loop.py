@@ -238,5 +238,9 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
     algo = algo_cls(cfg)
     with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="flowactors-") as tmp:
         if ctl.dashboard_link:
-            print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link}", file=sys.stderr)
+            from flowactors.dashboard import install_dashboard
+
+            page = install_dashboard(ctl.client)
+            print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
+                  file=sys.stderr)
         return _Run(algo, ctl, Path(tmp)).run()
