@@ -57,6 +57,8 @@ class RLConfig:
     """colocated (every model on every slot, time-shared) or split (actor+ref | critics+reward+cost)."""
     plan: str | None = None
     """A placement plan (JSON/YAML from `python -m placement.automap --json`); overrides `placement`."""
+    call_timeout_s: float | None = 1800.0
+    """Watchdog per blocking wait: past it the step fails with every stuck rank's Python stack."""
     dashboard: str | None = "127.0.0.1:8787"
     """Dashboard address of the embedded cluster; none turns it off."""
     # -- batch sizes ----------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 import flowactors as fa
-from algorithms.config import RLConfig
+from algorithms.config import RLConfig, derived_sizes
 from algorithms.runner import PromptData, build_common, open_controller, parse_args
 from flowactors.checkpoint import CheckpointStore, capture_rng, restore_rng
 
@@ -84,6 +84,10 @@ class _Run:
         self.groups = build_common(self.ctl, self.cfg, self.workdir, with_critics=self.algo.critics,
                                    with_cost=self.algo.with_cost, warm_start=not resuming)
         self.data = self.groups["data"]
+        if not resuming:
+            dp = self.groups["actor"].layout.dp
+            sizes = ", ".join(f"{k}={v}" for k, v in derived_sizes(self.cfg, dp).items())
+            print(f"[{self.algo.name}] actor data-parallel size {dp}: {sizes}", file=sys.stderr)
         self.algo.stage = self.stage
         self.algo.setup(self.ctl, self.groups)
 

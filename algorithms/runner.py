@@ -62,8 +62,8 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], descr
 
 def open_controller(cfg: RLConfig) -> Controller:
     if cfg.address:
-        return Controller.connect(cfg.address)
-    return Controller.local(cfg.n_slots, dashboard=cfg.dashboard)
+        return Controller.connect(cfg.address, call_timeout_s=cfg.call_timeout_s)
+    return Controller.local(cfg.n_slots, dashboard=cfg.dashboard, call_timeout_s=cfg.call_timeout_s)
 
 
 @dataclass

@@ -8,7 +8,8 @@ from flowactors import serialization as _serialization  # noqa: F401 - registers
 from flowactors.batch import Batch
 from flowactors.controller import CallFuture, Controller
 from flowactors.dashboard import FlowactorsDashboard, install_dashboard
-from flowactors.errors import EndpointError, FlowactorsError, PlacementError, RemoteError, WorkerLostError
+from flowactors.errors import (EndpointError, FlowactorsError, HangError, PlacementError, RemoteError,
+                               WorkerLostError)
 from flowactors.group import ActorGroup
 from flowactors.log import _configure_from_env, configure_logging
 from flowactors.protocols import (ALL_TO_ALL, DP, MESH, ONE_TO_ALL, RANK_ZERO, Layout, Protocol, ProtocolError,
@@ -20,6 +21,6 @@ _configure_from_env()
 __all__ = [
     "Batch", "Controller", "CallFuture", "ActorGroup", "Worker", "endpoint", "Layout", "Protocol",
     "register_protocol", "get_protocol", "ONE_TO_ALL", "ALL_TO_ALL", "RANK_ZERO", "DP", "MESH",
-    "FlowactorsError", "RemoteError", "WorkerLostError", "EndpointError", "PlacementError", "ProtocolError",
+    "FlowactorsError", "RemoteError", "HangError", "WorkerLostError", "EndpointError", "PlacementError", "ProtocolError",
     "configure_logging", "install_dashboard", "FlowactorsDashboard",
 ]

@@ -30,7 +30,7 @@ from distributed import Client, Future, LocalCluster
 from distributed.client import FutureCancelledError, FuturesCancelledError
 
 from flowactors import _runtime
-from flowactors.errors import PlacementError, WorkerLostError
+from flowactors.errors import HangError, PlacementError, WorkerLostError
 from flowactors.protocols import Layout, Protocol
 
 __all__ = ["Controller", "CallFuture"]
@@ -62,9 +62,16 @@ class CallFuture:
         return all(f.done() for f in self.futures)
 
     def result(self, timeout: float | None = None) -> Any:
+        """The joined output. Past `timeout` (default: the controller's watchdog, `call_timeout_s`) a
+        `HangError` reports the stack of every rank of this call."""
+        ctl = self._controller
+        timeout = ctl.call_timeout_s if timeout is None else timeout
         try:
-            outputs = self._controller.client.gather(self.futures) if timeout is None else \
-                self._controller.client.sync(_gather_within, self._controller.client, self.futures, timeout)
+            if timeout is None:
+                outputs = ctl.client.gather(self.futures)
+            else:
+                ctl.wait([self], timeout)
+                outputs = ctl.client.gather(self.futures)
         except (FutureCancelledError, FuturesCancelledError) as e:
             lost = self._controller._lost_error(self.addresses, self.label)
             if lost is not None:
@@ -97,10 +104,11 @@ class Controller:
     """A Dask client, its device slots, and the torch.distributed world over them. Use as a context manager."""
 
     def __init__(self, client: Client, cluster: LocalCluster | None = None, *,
-                 collective_timeout_s: float = 600.0) -> None:
+                 collective_timeout_s: float = 600.0, call_timeout_s: float | None = None) -> None:
         self.client = client
         self.cluster = cluster
         self.collective_timeout_s = collective_timeout_s
+        self.call_timeout_s = call_timeout_s  # watchdog of result()/wait(): past it, a HangError with stacks
         self.step: int | None = None
         self.groups: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -160,6 +168,8 @@ class Controller:
     def dashboard_link(self) -> str | None:
         """Address of the Dask dashboard (task stream, graph), or None when it is off."""
         try:
+            if "dashboard" not in self.client.scheduler_info(n_workers=0).get("services", {}):
+                return None
             return self.client.dashboard_link
         except Exception:  # noqa: BLE001 - no dashboard running
             return None
@@ -180,11 +190,20 @@ class Controller:
         return [a for *_, a in sorted(slots, key=lambda s: (s[0], _natural(s[1])))]
 
     def wait(self, calls: Sequence[CallFuture], timeout: float | None = None) -> None:
-        """Block until `calls` finished (successfully or not) without fetching their values."""
-        from distributed.client import _wait
+        """Block until `calls` finished (successfully or not) without fetching their values.
 
+        Past `timeout` (default: the watchdog `call_timeout_s`; None waits forever) raise a `HangError` that
+        reports, for every rank of every unfinished call, what its worker is executing and where."""
+        from distributed.client import _wait
+        from distributed.utils import TimeoutError as DaskTimeoutError
+
+        timeout = self.call_timeout_s if timeout is None else timeout
         try:
             self.client.sync(_wait, [f for c in calls for f in c.futures], timeout=timeout)
+        except (DaskTimeoutError, TimeoutError) as e:
+            pending = [c for c in calls if not c.done()]
+            label = ", ".join(sorted({c.label for c in pending})) or "calls"
+            raise HangError(label, float(timeout or 0), self.hang_report(pending)) from e
         except (FutureCancelledError, FuturesCancelledError) as e:
             for c in calls:
                 lost = self._lost_error(c.addresses, c.label)
@@ -217,6 +236,26 @@ class Controller:
         fut = self.client.submit(_runtime.apply, fn, args, kwargs, key=f"{label}-{_token()}", pure=False,
                                  priority=-seq)
         return CallFuture(self, [fut], _runtime.SINGLE, Layout(), label, "apply", ())
+
+    def hang_report(self, calls: Sequence[CallFuture]) -> str:
+        """What every rank of `calls` is doing: its task's stack if running, else what its worker runs instead."""
+        stacks = self.client.call_stack()  # {worker: {key: [frames]}} of every executing task
+        lines = []
+        for c in calls:
+            for rank, (f, addr) in enumerate(zip(c.futures, c.addresses or [None] * len(c.futures))):
+                if f.done():
+                    continue
+                running = stacks.get(addr, {}) if addr else {}
+                if f.key in running:
+                    where = f"running {c.label}"
+                    frames = running[f.key]
+                else:
+                    others = ", ".join(str(k) for k in running) or "nothing"
+                    where = f"waiting; its worker is running: {others}"
+                    frames = next(iter(running.values()), [])
+                tail = "".join(frames[-6:]).rstrip() if frames else "    (no Python stack)"
+                lines.append(f"- {c.group} rank {rank} on {addr}: {where}\n{tail}")
+        return "\n".join(lines) or "(no rank is still running)"
 
     # -- pinned, ordered submission -------------------------------------------------------------------------
     def submit_pinned(self, address: str, fn: Any, *args: Any, key: str, **kwargs: Any) -> Future:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["FlowactorsError", "RemoteError", "WorkerLostError", "EndpointError", "PlacementError"]
+__all__ = ["FlowactorsError", "RemoteError", "WorkerLostError", "EndpointError", "PlacementError", "HangError"]
 
 
 class FlowactorsError(RuntimeError):
@@ -45,3 +45,16 @@ class EndpointError(FlowactorsError, AttributeError):
 
 class PlacementError(FlowactorsError, ValueError):
     """A group cannot be placed as asked (too few slots, conflicting process-group settings, ...)."""
+
+
+class HangError(FlowactorsError, TimeoutError):
+    """A call ran past its watchdog; the message holds the Python stack of every rank involved."""
+
+    def __init__(self, call: str, timeout_s: float, report: str) -> None:
+        self.call, self.timeout_s, self.report = call, timeout_s, report
+        super().__init__(f"{call} did not finish within {timeout_s:g} s; where each rank is:\n{report}\n"
+                         f"Ranks blocked in a collective wait for the ones that are not in it. Raise the watchdog "
+                         f"(call_timeout_s) if the work is just slow")
+
+    def __reduce__(self) -> tuple:
+        return (HangError, (self.call, self.timeout_s, self.report))

@@ -120,3 +120,18 @@ def test_killed_worker_fails_pending_calls_promptly_naming_role_and_rank(fresh_c
     assert time.monotonic() - t0 < 10
     with pytest.raises(fa.WorkerLostError, match="victim rank 1"):
         g.all_reduce(1.0)
+
+
+def test_watchdog_reports_where_each_rank_is_stuck(fresh_controller):
+    import time
+
+    g = fa.ActorGroup(fresh_controller, Reducer, name="hang")
+    t0 = time.monotonic()
+    with pytest.raises(fa.HangError) as info:
+        g.straggle(6.0).result(timeout=1.5)
+    assert time.monotonic() - t0 < 5
+    report = info.value.report
+    rank0, rank1 = report.split("- hang rank 1")
+    assert "hang rank 0" in rank0 and "all_reduce" in rank0        # blocked in the collective
+    assert "sleep" in rank1 or "straggle" in rank1                  # the straggler, in its own code
+    assert g.straggle(0.0).result() == [2.0, 2.0]                    # the group works again afterwards

@@ -54,6 +54,15 @@ class Reducer(Worker):
     def scale_x(self, batch: Batch) -> Batch:
         return Batch({"x": batch["x"] * 2, "rank": batch["rank"]}, batch.rows)
 
+    @endpoint(protocol=ONE_TO_ALL)
+    def straggle(self, seconds: float) -> float:
+        """Rank 1 is late to a collective: rank 0 blocks in all_reduce meanwhile."""
+        if self.rank == 1:
+            time.sleep(seconds)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=self.process_group)
+        return t.item()
+
     def not_remote(self) -> None:
         pass
 
