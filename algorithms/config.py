@@ -35,6 +35,12 @@ class RLConfig:
     """Prompts in the task's dataset; epochs wrap around it."""
     metrics_file: str | None = None
     """Write one JSON object per step here (JSONL)."""
+    tensorboard_dir: str | None = None
+    """Also write the step metrics as TensorBoard scalars here (needs the tensorboard package)."""
+    log_format: str = "console"
+    """Structured logs (one event per call): console or json."""
+    log_level: str = "warning"
+    """info shows every call; warning only failures."""
     # -- checkpoints and recovery ---------------------------------------------------------------------------------
     checkpoint_dir: str | None = None
     """Checkpoint root; None disables checkpoints (and so recovery)."""

@@ -78,6 +78,15 @@ class _Run:
         self.groups: dict[str, Any] = {}
         self.data: PromptData | None = None
         self.start = 0
+        self.tensorboard = None
+        if self.cfg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tensorboard = SummaryWriter(self.cfg.tensorboard_dir)
+            except ImportError:
+                print(f"[{algo.name}] tensorboard is not installed (pip install tensorboard); metrics go to the "
+                      f"console and the metrics file only", file=sys.stderr)
 
     # -- building, saving, loading ---------------------------------------------------------------------------------
     def build(self, resuming: bool) -> None:
@@ -186,12 +195,18 @@ class _Run:
                     bar.n = i
                     continue
                 self.history.append(record)
-                self.ctl.report_metrics(i, {k: v for k, v in record.items() if isinstance(v, (int, float))})
+                scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+                self.ctl.report_metrics(i, scalars)
+                if self.tensorboard is not None:
+                    for k, v in scalars.items():
+                        self.tensorboard.add_scalar(k, v, i)
                 bar.update(1)
                 bar.set_postfix({k: f"{record[k]:.3f}" for k in self.algo.key_metrics if k in record})
                 i += 1
         finally:
             bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         self.write_metrics()
         print_summary(self.algo.name, self.history, self.algo.key_metrics)
         return self.history
@@ -239,6 +254,7 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
                 description: str) -> list[dict]:
     """Parse the command line onto the preset, open the cluster, and run the algorithm to the end."""
     cfg = parse_args(argv, preset, description)
+    fa.configure_logging(cfg.log_format, cfg.log_level)  # before the cluster starts: workers inherit it
     algo = algo_cls(cfg)
     with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="flowactors-") as tmp:
         if ctl.dashboard_link:
