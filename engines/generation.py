@@ -71,7 +71,10 @@ class HFGenerationEngine:
             raise ValueError(f"prompt length {p} + max_new_tokens {cfg.max_new_tokens} exceeds the model's context "
                              f"of {self.max_context} positions; shorten prompts or lower max_new_tokens")
         seeds = prompts["seed"].tolist() if "seed" in prompts else [seed * 1_000_003 + i for i in range(b)]
-        gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        # One uniform per row and step, drawn from the row's own generator up front: sampling is then one
+        # vectorised inverse-CDF lookup per step, and a row's tokens do not depend on its batch.
+        uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
+                                           dtype=torch.float64) for s in seeds]) if b else torch.zeros(0, 1)
         model.eval()
         out_tokens = torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long)
         out_logp = torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32)
@@ -87,8 +90,8 @@ class HFGenerationEngine:
             if greedy:
                 tok = logits.argmax(-1)
             else:
-                probs = _filter(logits, cfg.top_k, cfg.top_p).softmax(-1)
-                tok = torch.stack([torch.multinomial(probs[i], 1, generator=gens[i])[0] for i in range(b)])
+                cdf = _filter(logits, cfg.top_k, cfg.top_p).softmax(-1).double().cumsum(-1)
+                tok = (cdf < uniforms[:, t:t + 1] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
             tok = torch.where(done, torch.full_like(tok, self.pad), tok)
             out_tokens[:, t] = tok
             out_logp[:, t] = torch.where(done, torch.zeros(()), logp.gather(-1, tok[:, None])[:, 0])
