@@ -19,9 +19,10 @@ The save protocol, and why each step is there:
    rename). Ranks anywhere that share the filesystem write their shards into ``pending.role_dir(role)``.
 2. ``commit(pending, controller_state)``, called once every rank has finished writing, writes the controller's
    state, checksums every file, and writes ``MANIFEST.json`` last. Ranks that saved with ``save_sharded`` have
-   already checksummed and fsynced their own files, in parallel, into sidecars the commit merges; anything else
-   the commit reads back and fsyncs itself (the writers may have been other processes). The temporary directory is then renamed to its final name, and only after that
-   is ``latest`` replaced. A directory without a verifiable manifest is not a checkpoint, so a process killed at
+   already checksummed their files as they wrote them (in parallel, nothing read back) and fsynced them, into
+   sidecars the commit merges; anything else the commit reads back and fsyncs itself (the writers may have been
+   other processes). The temporary directory is then renamed to its final name, and only after that is
+   ``latest`` replaced. A directory without a verifiable manifest is not a checkpoint, so a process killed at
    any point leaves either the old state (the previous checkpoint intact, ``latest`` naming it) or the new one.
 3. Retention then deletes old checkpoints: keep the last ``keep_last`` and, optionally, every step divisible by
    ``keep_every``; never the newest, never the one ``latest`` names. Deletion renames the directory away first,
@@ -90,7 +91,7 @@ _STATE_TENSORS = "tensors.pt"
 _FORMAT = "flowactors-checkpoint"
 _FORMAT_VERSION = 1
 _BLOCK_BYTES = 64 << 20  # one checksum per block; blocks are the unit of parallel checksumming
-_READ_BYTES = 8 << 20  # one read call; a reused per-thread buffer of this size avoids page-faulting fresh memory
+_READ_BYTES = 1 << 20  # one read call, checksummed while still in the CPU cache (8 MiB was ~7% slower); reused
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _SIDECAR_PREFIX = ".flowactors-crc32-"  # per-rank checksums of the files it wrote; merged into the manifest

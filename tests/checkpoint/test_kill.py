@@ -61,5 +61,6 @@ def test_kill_at_each_phase(tmp_path: Path, phase: str) -> None:
 
     # The next save cleans what the killed one left and publishes normally.
     save_step(store, 3)
+    store.close()
     assert store.latest_complete().step == 3
     assert not [p.name for p in root.iterdir() if p.name.startswith(".")]

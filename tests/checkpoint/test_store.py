@@ -20,6 +20,7 @@ from flowactors.checkpoint import (
     CheckpointStore,
     capture_rng,
     restore_rng,
+    save_sharded,
 )
 
 from .conftest import save_step, write_role_files
@@ -132,7 +133,8 @@ def _flip_one_byte(path: Path, offset: int) -> None:
 @pytest.mark.parametrize(
     ("damage", "problem"),
     [
-        (lambda p: _flip_one_byte(p / "actor" / "rank1.bin", 1500), r"corrupt: actor/rank1.bin bytes 0\.\.\d+ have CRC-32"),
+        (lambda p: _flip_one_byte(p / "actor" / "rank1.bin", 1500),
+         r"corrupt: actor/rank1.bin bytes 0\.\.\d+ have CRC-32"),
         (lambda p: _flip_one_byte(p / "controller" / "state.json", 3), r"corrupt: controller/state.json"),
         (lambda p: (p / "critic" / "sub" / "weights.pt").unlink(), r"partial: critic/sub/weights.pt is listed"),
         (lambda p: os.truncate(p / "actor" / "rank0.bin", 10), r"actor/rank0.bin is 10 bytes, MANIFEST.json says 1006"),
@@ -189,6 +191,7 @@ def test_retention_keeps_last_k_and_every_nth(tmp_path: Path) -> None:
     for step in range(1, 11):
         save_step(store, step)
         assert store.steps()[-1] == step  # the newest is never deleted
+    store.close()
     assert store.steps() == [4, 8, 9, 10]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "latest", "step_000004", "step_000008", "step_000009", "step_000010"]
@@ -330,5 +333,67 @@ def test_failure_at_each_phase_keeps_the_previous_checkpoint(tmp_path: Path, pha
     if not published:
         assert restarted.load(root / "step_000001").step == 1  # intact, not only present
     save_step(restarted, 3)
+    restarted.close()
     assert restarted.latest_complete().step == 3
     assert not [p for p in root.iterdir() if p.name.startswith(".")]
+
+
+def test_rank_checksums_are_merged_and_not_read_back(store: CheckpointStore, monkeypatch) -> None:
+    import flowactors.checkpoint as checkpoint
+
+    pending = store.begin(1)
+    save_sharded({"w": torch.arange(1000.0), "meta": {"epoch": 1}}, pending.role_dir("actor"))
+    sidecars = list(pending.path.rglob(".flowactors-crc32-*"))
+    assert [p.name for p in sidecars] == [".flowactors-crc32-rank0.json"]
+    vouched = set(json.loads(sidecars[0].read_text())["files"])
+    assert vouched == {p.name for p in (pending.path / "actor").iterdir() if not p.name.startswith(".flowactors")}
+
+    read_back: list[str] = []
+    real = checkpoint._block_crcs
+    monkeypatch.setattr(checkpoint, "_block_crcs",
+                        lambda directory, sizes, **kw: read_back.extend(sizes) or real(directory, sizes, **kw))
+    done = store.commit(pending, {"x": 1})
+    assert sorted(read_back) == ["controller/state.json"]  # the rank's files were taken from its sidecar
+    assert not list(done.path.rglob(".flowactors-crc32-*"))
+    assert {f"actor/{name}" for name in vouched} <= set(done.manifest["files"])
+    monkeypatch.undo()
+    assert store.load(done.path).step == 1
+
+
+@pytest.mark.parametrize("sidecar_damage", ["garbage", "stale-size", "lying-crc"])
+def test_bad_rank_checksums_never_make_a_bad_checkpoint_pass(store: CheckpointStore, sidecar_damage) -> None:
+    pending = store.begin(1)
+    role = pending.role_dir("actor")
+    save_sharded({"w": torch.arange(1000.0)}, role)
+    sidecar = role / ".flowactors-crc32-rank0.json"
+    body = json.loads(sidecar.read_text())
+    shard = next(name for name in body["files"] if name.endswith(".distcp"))
+    if sidecar_damage == "garbage":
+        sidecar.write_text('{"block_bytes": 671')  # a rank died while writing it
+    elif sidecar_damage == "stale-size":
+        with open(role / shard, "ab") as f:  # the file changed after the rank checksummed it
+            f.write(b"more")
+    else:
+        body["files"][shard]["crc32"] = ["00000000"]
+        sidecar.write_text(json.dumps(body))
+    done = store.commit(pending, {})
+    if sidecar_damage == "lying-crc":
+        # The commit takes a rank's word for its own files; a wrong word is caught on load, never accepted.
+        with pytest.raises(CheckpointError, match=f"corrupt: actor/{shard}"):
+            store.load(done.path)
+    else:
+        assert store.load(done.path).step == 1
+
+
+@pytest.mark.parametrize("size", [0, 1, 1023, 1024, 1025, 4096, 5000])
+def test_streamed_block_checksums_equal_read_back_ones(tmp_path: Path, monkeypatch, size: int) -> None:
+    import flowactors.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "_BLOCK_BYTES", 1024)
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    streamed = checkpoint._BlockCrc()
+    for start in range(0, size, 333):  # writes that straddle block boundaries
+        streamed.update(data[start:start + 333])
+    read_back = checkpoint._block_crcs(tmp_path, {"f": size}, threads=2, fsync=False)
+    assert streamed.result() == {"size": size, "crc32": read_back["f"]}
