@@ -1,7 +1,9 @@
-"""The advantage stage of each algorithm as a function of the joined batch, run as a Dask task next to the data.
+"""The advantage stage of each algorithm, run as one Dask task next to the data.
 
-Each returns the batch with `advantages` (and `returns` for critics) plus the meta that the update protocol
-reads (`mini_batch_samples`, `epochs`, `shuffle_seed`), so the update calls take the result directly.
+Each takes the results of the scoring calls about the same samples (generated batch, log-probs, values, rewards,
+...), joins them, and returns the batch with `advantages` (and `returns` for critics) plus the meta that the update
+protocol reads (`mini_batch_samples`, `epochs`, `shuffle_seed`), so the update calls take the result directly.
+Joining inside the same task saves one scheduling hop per step.
 """
 
 from __future__ import annotations
@@ -26,17 +28,23 @@ def _gae_fields(batch: Batch, scores: torch.Tensor, values_key: str, kl_coef: fl
     return gae(rewards, batch[values_key], mask, gamma, lam)
 
 
-def ppo_advantages(batch: Batch, *, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool,
+def _join(parts: tuple[Batch, ...]) -> Batch:
+    return parts[0].union(*parts[1:])
+
+
+def ppo_advantages(*parts: Batch, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool,
                    mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+    batch = _join(parts)
     adv, ret = _gae_fields(batch, batch["rewards"], "values", kl_coef, kl_estimator, gamma, lam)
     if whiten:
         adv = masked_whiten(adv, batch["response_mask"])
     return _update_meta(batch.union(Batch({"advantages": adv, "returns": ret})), mini_batch_samples, epochs, seed)
 
 
-def safe_rlhf_advantages(batch: Batch, *, lagrange_lambda: float, gamma: float, lam: float, kl_coef: float,
+def safe_rlhf_advantages(*parts: Batch, lagrange_lambda: float, gamma: float, lam: float, kl_coef: float,
                          kl_estimator: str, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
     """Reward advantages (KL penalty in the reward) and cost advantages, combined as (A_r − λ·A_c) / (1 + λ)."""
+    batch = _join(parts)
     mask = batch["response_mask"]
     adv_r, ret_r = _gae_fields(batch, batch["rewards"], "values", kl_coef, kl_estimator, gamma, lam)
     adv_c, ret_c = _gae_fields(batch, batch["costs"], "cost_values", 0.0, kl_estimator, gamma, lam)
@@ -46,14 +54,16 @@ def safe_rlhf_advantages(batch: Batch, *, lagrange_lambda: float, gamma: float, 
     return _update_meta(out, mini_batch_samples, epochs, seed)
 
 
-def grpo_step_advantages(batch: Batch, *, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+def grpo_step_advantages(*parts: Batch, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+    batch = _join(parts)
     adv = grpo_advantages(batch["rewards"], batch["group"], batch["response_mask"])
     return _update_meta(batch.union(Batch({"advantages": adv})), mini_batch_samples, epochs, seed)
 
 
-def remax_step_advantages(batch: Batch, greedy_rewards: Batch, *, kl_coef: float, mini_batch_samples: int,
+def remax_step_advantages(*parts: Batch, greedy_rewards: Batch, kl_coef: float, mini_batch_samples: int,
                           epochs: int, seed: int) -> Batch:
     """ReMax: the greedy response's reward is the baseline; the KL penalty is subtracted from the return."""
+    batch = _join(parts)
     mask = batch["response_mask"]
     adv = remax_advantages(batch["rewards"], greedy_rewards["rewards"], mask)
     if kl_coef:

@@ -133,9 +133,18 @@ class PPOConfig(RLConfig):
     entropy_coef: float = 0.0
     critic_lr: float = 1e-3
     whiten_advantages: bool = True
+    # -- stage fusion (RLHFuse; algorithms/fusion.py) ---------------------------------------------------------------
+    fuse: bool = False
+    """Score finished samples in chunks while generation goes on (scorers on the actor's slots still wait).
+    The same samples, scores and update as without it."""
+    fuse_chunk_samples: int = 8
+    """Samples per chunk on each generation (actor data-parallel) rank: smaller chunks start scoring sooner, at
+    the cost of more calls."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.fuse_chunk_samples < 1:
+            raise ValueError(f"fuse_chunk_samples must be >= 1, got {self.fuse_chunk_samples}")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
         if not 0 <= self.lam <= 1 or not 0 <= self.gamma <= 1:
@@ -156,6 +165,12 @@ class SafeRLHFConfig(PPOConfig):
     lambda_max: float = 5.0
     ptx_coef: float = 0.0
     """Weight of the pretraining (SFT demonstration) loss mixed into actor updates; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fuse:
+            raise ValueError("fuse=true is implemented for PPO's step only (algorithms/ppo.py); Safe-RLHF's step does "
+                             "not use algorithms.fusion yet. Drop fuse=true")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from algorithms.advantages import grpo_step_advantages
 from algorithms.config import GRPOConfig
 from algorithms.core import PolicyLoss
 from algorithms.loop import Algorithm, run_program
-from algorithms.runner import join, summarize
+from algorithms.runner import summarize
 from flowactors import Batch
 
 
@@ -34,16 +34,13 @@ class GRPO(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        batch = actor.generate_sequences(prompts)
-        self.stage("generate", batch)
-        batch = ctl.apply(join, batch, actor.compute_log_prob(batch), self.ref.compute_ref_log_prob(batch),
-                          self.reward.compute_reward(batch))
-        batch = ctl.apply(grpo_step_advantages, batch, mini_batch_samples=cfg.mini_batch_samples,
-                          epochs=cfg.ppo_epochs, seed=cfg.seed + i)
-        self.stage("score", batch)
+        samples = actor.generate_sequences(prompts)
+        batch = ctl.apply(grpo_step_advantages, samples, actor.compute_log_prob(samples),
+                          self.ref.compute_ref_log_prob(samples), self.reward.compute_reward(samples),
+                          mini_batch_samples=cfg.mini_batch_samples, epochs=cfg.ppo_epochs, seed=cfg.seed + i)
         update = actor.update_actor(batch, self.policy_loss)
         metrics = ctl.apply(summarize, batch)
-        self.stage("update", update)
+        self.stage("generate", samples), self.stage("score", batch), self.stage("update", update)
         m = metrics.result()
         m.update({f"actor/{k}": v for k, v in update.result().items()})
         return m

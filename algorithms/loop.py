@@ -74,6 +74,7 @@ class _Run:
             if self.cfg.checkpoint_dir else None
         self.history: list[dict] = []
         self.stage_t: dict[str, float] = {}
+        self._stage_mark = 0.0
         self.recoveries = 0
         self.groups: dict[str, Any] = {}
         self.data: PromptData | None = None
@@ -149,17 +150,19 @@ class _Run:
 
     # -- the loop ----------------------------------------------------------------------------------------------------
     def stage(self, name: str, *calls: fa.CallFuture) -> None:
-        """Wait for a stage's calls, only to time it: the next stage depends on them anyway."""
-        t0 = time.perf_counter()
+        """Time a stage: programs issue the whole step first, then call this for each stage in order, so the
+        wait never holds back the graph; a stage's time is from the previous stage's end to its calls' end."""
         self.ctl.wait(list(calls))
-        self.stage_t[f"{name}_s"] = self.stage_t.get(f"{name}_s", 0.0) + time.perf_counter() - t0
+        now = time.perf_counter()
+        self.stage_t[f"{name}_s"] = self.stage_t.get(f"{name}_s", 0.0) + now - self._stage_mark
+        self._stage_mark = now
 
     def one_step(self, i: int) -> dict:
         assert self.data is not None
         self.ctl.step = i
         self.stage_t = {}
         prompts = self.data.next_batch(self.cfg.prompts_per_step, self.cfg.samples_per_prompt)
-        t0 = time.perf_counter()
+        t0 = self._stage_mark = time.perf_counter()
         if self.cfg.profile_controller:
             from distributed import get_task_stream
 

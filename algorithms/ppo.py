@@ -4,6 +4,10 @@ Actor (hybrid: generates and trains), critic, reference, reward. KL to the refer
 reward (fixed or adaptive coefficient, k1/k2/k3 estimator); GAE; clipped surrogate with dual clip; clipped value
 loss; optional entropy bonus; several epochs over shuffled mini-batches per step. Default task: `digit_sum`
 (reward only).
+
+`fuse=true` runs generation and scoring as one fused stage (RLHFuse, `algorithms.fusion`): the scorers that do not
+share the actor's slots score finished samples in chunks while the long tail is still generating. Same samples,
+scores and update as the unfused step.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from collections.abc import Sequence
 from algorithms.advantages import ppo_advantages
 from algorithms.config import PPOConfig
 from algorithms.core import AdaptiveKL, FixedKL, PolicyLoss, ValueLoss
+from algorithms.fusion import fused_rollout
 from algorithms.loop import Algorithm, run_program
-from algorithms.runner import join, summarize
+from algorithms.runner import summarize
 from flowactors import Batch
 
 
@@ -38,17 +43,25 @@ class PPO(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        batch = actor.generate_sequences(prompts)
-        self.stage("generate", batch)
-        batch = ctl.apply(join, batch, actor.compute_log_prob(batch), self.ref.compute_ref_log_prob(batch),
-                          self.critic.compute_values(batch), self.reward.compute_reward(batch))
-        batch = ctl.apply(ppo_advantages, batch, gamma=cfg.gamma, lam=cfg.lam, kl_coef=self.kl_ctl.value,
-                          kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
+        if cfg.fuse:
+            rollout = fused_rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
+                                                          self.critic.compute_values, self.reward.compute_reward],
+                                    chunk_samples=cfg.fuse_chunk_samples)
+            generated, parts = rollout.chunks, rollout.parts
+        else:
+            samples = actor.generate_sequences(prompts)
+            generated, parts = [samples], (samples, actor.compute_log_prob(samples),
+                                           self.ref.compute_ref_log_prob(samples), self.critic.compute_values(samples),
+                                           self.reward.compute_reward(samples))
+        batch = ctl.apply(ppo_advantages, *parts, gamma=cfg.gamma, lam=cfg.lam,
+                          kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
                           mini_batch_samples=cfg.mini_batch_samples, epochs=cfg.ppo_epochs, seed=cfg.seed + i)
-        self.stage("score", batch)
         critic_update = self.critic.update_critic(batch, ValueLoss(cfg.value_clip))
         actor_update = actor.update_actor(batch, self.policy_loss)
         metrics = ctl.apply(summarize, batch)
+        self.last_batch = batch  # the step's scored batch, for tests and benchmarks
+        self.stage("generate", *generated)
+        self.stage("score", batch)
         self.stage("update", critic_update, actor_update)
         m = metrics.result()
         m["kl_coef"] = self.kl_ctl.value

@@ -13,7 +13,7 @@ from algorithms.advantages import remax_step_advantages
 from algorithms.config import ReMaxConfig
 from algorithms.core import PolicyLoss
 from algorithms.loop import Algorithm, run_program
-from algorithms.runner import join, summarize
+from algorithms.runner import summarize
 from flowactors import Batch
 
 
@@ -34,17 +34,15 @@ class ReMax(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        batch = actor.generate_sequences(prompts)
+        samples = actor.generate_sequences(prompts)
         greedy = actor.generate_sequences(prompts.with_meta(greedy=True))
-        self.stage("generate", batch, greedy)
-        batch = ctl.apply(join, batch, actor.compute_log_prob(batch), self.ref.compute_ref_log_prob(batch),
-                          self.reward.compute_reward(batch))
-        batch = ctl.apply(remax_step_advantages, batch, self.reward.compute_reward(greedy), kl_coef=cfg.kl_coef,
+        batch = ctl.apply(remax_step_advantages, samples, actor.compute_log_prob(samples),
+                          self.ref.compute_ref_log_prob(samples), self.reward.compute_reward(samples),
+                          greedy_rewards=self.reward.compute_reward(greedy), kl_coef=cfg.kl_coef,
                           mini_batch_samples=cfg.mini_batch_samples, epochs=cfg.ppo_epochs, seed=cfg.seed + i)
-        self.stage("score", batch)
         update = actor.update_actor(batch, self.policy_loss)
         metrics = ctl.apply(summarize, batch, ("baseline_rewards",))
-        self.stage("update", update)
+        self.stage("generate", samples, greedy), self.stage("score", batch), self.stage("update", update)
         m = metrics.result()
         m.update({f"actor/{k}": v for k, v in update.result().items()})
         return m

@@ -20,7 +20,7 @@ from algorithms.advantages import safe_rlhf_advantages
 from algorithms.config import SafeRLHFConfig
 from algorithms.core import LagrangeMultiplier, PolicyLoss, SFTLoss, ValueLoss
 from algorithms.loop import Algorithm, run_program
-from algorithms.runner import join, summarize
+from algorithms.runner import summarize
 from flowactors import Batch
 
 
@@ -54,15 +54,13 @@ class SafeRLHF(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        batch = actor.generate_sequences(prompts)
-        self.stage("generate", batch)
-        batch = ctl.apply(join, batch, actor.compute_log_prob(batch), self.ref.compute_ref_log_prob(batch),
-                          self.critic.compute_values(batch), self.cost_critic.compute_values(batch),
-                          self.reward.compute_reward(batch), self.cost.compute_cost(batch))
-        batch = ctl.apply(safe_rlhf_advantages, batch, lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
+        samples = actor.generate_sequences(prompts)
+        batch = ctl.apply(safe_rlhf_advantages, samples, actor.compute_log_prob(samples),
+                          self.ref.compute_ref_log_prob(samples), self.critic.compute_values(samples),
+                          self.cost_critic.compute_values(samples), self.reward.compute_reward(samples),
+                          self.cost.compute_cost(samples), lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
                           lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                           mini_batch_samples=cfg.mini_batch_samples, epochs=cfg.ppo_epochs, seed=cfg.seed + i)
-        self.stage("score", batch)
         updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip)),
                    self.cost_critic.update_critic(batch, ValueLoss(cfg.value_clip, prefix="cost_")),
                    actor.update_actor(batch, self.policy_loss)]
@@ -70,7 +68,7 @@ class SafeRLHF(Algorithm):
             ptx = self.g["data"].sft_batch(cfg.mini_batch_samples, self.g["task"].max_new_tokens, cfg.seed + 100 + i)
             updates.append(actor.update_actor(ptx.with_meta(mini_batch_samples=len(ptx)), SFTLoss(cfg.ptx_coef)))
         metrics = ctl.apply(summarize, batch)
-        self.stage("update", *updates)
+        self.stage("generate", samples), self.stage("score", batch), self.stage("update", *updates)
         m = metrics.result()
         m["lagrange_lambda"] = self.lagrange.value  # the λ this step's advantages used
         self.lagrange.update(m["cost_mean"])

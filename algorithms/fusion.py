@@ -1,0 +1,152 @@
+"""Stage fusion (RLHFuse, Zhong et al. 2024, arXiv 2409.13221, inter-stage fusion): score samples while the long
+tail of generation is still running.
+
+Generation time is set by the longest responses; in a long-tailed length distribution most samples are done early
+and the devices of the scoring models (reference, reward, cost, critic) sit idle until the last one finishes.
+`fused_rollout` issues the rollout as a stream instead:
+
+1. `actor.start_generation(prompts, chunk_samples)` starts decoding in a background thread on each actor rank, and
+   `actor.next_generated_chunk(k)`, one call per chunk, returns the k-th `chunk_samples` rows of each rank to
+   finish (a Dask task returns once, so chunks are separate calls). Calls to one worker process run one at a time
+   in issue order, so the chunk calls queue on the actor's slots behind each other and the last one joins the
+   decoding thread before any later call on those slots runs.
+2. Every scorer whose slots do not overlap the actor's gets one call per chunk, chained on the chunk's future: it
+   starts on its own devices as soon as the chunk exists. A scorer that shares slots with the actor (colocated)
+   would compete with decoding for the same device, so it scores the whole batch after generation, as without
+   fusion. The placement decides: with `placement=split` the critic and reward stream, the reference (on the actor's
+   pool) waits.
+3. One task (`merge_chunks`) joins each chunk with its scores and puts the rows back into the original order by
+   their `row_index`.
+
+On-policy semantics are unchanged: sampling is seeded per row, so the rows are the same whatever chunk they land
+in; the chunks hold exactly the rows of the unfused call, and the reassembled batch is the same batch. On this
+machine the scores are bit-identical too (the CPU kernels give a row the same result in any batch); on GPUs
+batch-dependent kernels can change scores in the last bits unless batch-invariant kernels are used.
+
+What this leaves out. Long-tail migration (RLHFuse moves the unfinished samples to fewer generation instances
+once a threshold of samples is done, and frees the rest for scoring) needs a generation group whose rows can move
+between ranks mid-decode (re-prefill the partial responses, or ship KV caches) and scorers that can run on a
+subset of the actor's slots; with one generation rank per pool here there is nothing to migrate to. Intra-stage
+fusion (RLHFuse's fused actor/critic training pipeline, which interleaves micro-batches of the two models' 1F1B
+schedules on the same pipeline stages) needs pipeline-parallel training engines exposing per-micro-batch forward /
+backward steps and a joint schedule; the torch-native engine here runs each update as one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import flowactors as fa
+from engines.generation import ROW_INDEX
+from flowactors import Batch
+
+__all__ = ["FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated"]
+
+Scorer = Callable[[Any], fa.CallFuture]
+"""A bound group endpoint that scores a batch, e.g. `critic.compute_values`."""
+
+
+@dataclass(frozen=True)
+class FusedRollout:
+    """The futures of a fused generate-and-score stage."""
+
+    chunks: list[fa.CallFuture]
+    """Generated chunks in completion order; every row carries `row_index`, its row in the prompts."""
+    parts: tuple[fa.CallFuture, ...]
+    """Results about the same rows in the original order: first the generated batch joined with the scores
+    computed per chunk, then the whole-batch results of the colocated scorers. Their union is the unfused
+    `join(samples, *scores)`."""
+    streamed: tuple[str, ...]
+    """Scorers that ran per chunk, as `group.method`."""
+    deferred: tuple[str, ...]
+    """Scorers that shared the actor's slots and scored the whole batch after generation."""
+
+
+def colocated(a: fa.ActorGroup, b: fa.ActorGroup) -> bool:
+    """Whether two groups share a device slot (then one waits for the other)."""
+    return bool(set(a.addresses) & set(b.addresses))
+
+
+def _group_of(scorer: Scorer) -> fa.ActorGroup:
+    group = getattr(scorer, "group", None)
+    if not isinstance(group, fa.ActorGroup):
+        raise TypeError(f"fused scorers must be group endpoints such as critic.compute_values, got {scorer!r}")
+    return group
+
+
+def _chunk_rows(n_rows: int, dp: int, chunk_samples: int) -> list[int]:
+    """Rows of each chunk of the whole call: every actor DP rank contributes `chunk_samples` rows (fewer to the
+    last chunk)."""
+    per_rank = n_rows // dp
+    sizes = [chunk_samples] * (per_rank // chunk_samples) + ([per_rank % chunk_samples] if per_rank % chunk_samples
+                                                              else [])
+    return [s * dp for s in sizes]
+
+
+def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scorers: Sequence[Scorer], *,
+                  chunk_samples: int) -> FusedRollout:
+    """Generate `prompts` on `actor` and score the samples with `scorers`, overlapping the two (see the module
+    docstring). Every call is issued before this returns; nothing waits."""
+    if not isinstance(prompts, Batch):
+        raise TypeError(f"fused_rollout needs the prompts as a Batch on the controller (it counts the chunks to take), "
+                        f"got {type(prompts).__name__}")
+    if chunk_samples < 1:
+        raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
+    dp = actor.layout.dp
+    if not len(prompts) or len(prompts) % dp:
+        raise ValueError(f"{len(prompts)} prompts cannot be shared by the actor's data-parallel size {dp}; use a "
+                         f"positive multiple of {dp}")
+    rows = _chunk_rows(len(prompts), dp, chunk_samples)
+    streamed = [s for s in scorers if not colocated(_group_of(s), actor)]
+    deferred = [s for s in scorers if colocated(_group_of(s), actor)]
+    for s in streamed:
+        sdp = _group_of(s).layout.dp
+        if any(r % sdp for r in rows):
+            raise ValueError(f"fused scoring splits every chunk over {_label(s)}'s data-parallel size {sdp}, but the "
+                             f"chunks hold {sorted(set(rows))} rows ({chunk_samples} samples per chunk on each of "
+                             f"{dp} generation ranks, {len(prompts) // dp} per rank); choose fuse_chunk_samples so "
+                             f"that every chunk's rows are a multiple of {sdp}")
+
+    started = actor.start_generation(prompts, chunk_samples)
+    chunks = [actor.next_generated_chunk(k) for k in range(len(rows))]
+    scores: list[list[fa.CallFuture]] = [[] for _ in streamed]
+    for chunk in chunks:  # chunk by chunk, so each scorer slot finishes a chunk before it starts the next
+        for out, score in zip(scores, streamed):
+            out.append(score(chunk))
+    merged = ctl.apply(merge_chunks, started, chunks, *scores, name="fusion.merge_chunks")
+    parts: tuple[fa.CallFuture, ...] = (merged,)
+    if deferred:
+        samples = ctl.apply(reassemble, *chunks, name="fusion.reassemble")
+        parts += tuple(score(samples) for score in deferred)
+    return FusedRollout(chunks, parts, tuple(_label(s) for s in streamed), tuple(_label(s) for s in deferred))
+
+
+def _label(scorer: Scorer) -> str:
+    return f"{_group_of(scorer).name}.{getattr(scorer, 'name', '?')}"
+
+
+def merge_chunks(_started: None, chunks: list[Batch], *scores: list[Batch]) -> Batch:
+    """Each generated chunk joined with its per-chunk scores (`scores[j][k]` is scorer j's result for chunk k),
+    all rows back in the original order.
+
+    `_started` is the result of `start_generation` (None): taking it makes a failed start the error this raises,
+    rather than the chunk calls' "no generation is running"."""
+    if any(len(s) != len(chunks) for s in scores):
+        raise ValueError(f"every scorer needs one result per chunk ({len(chunks)}); got {[len(s) for s in scores]}")
+    return reassemble(*(chunk.union(*(s[k] for s in scores)) for k, chunk in enumerate(chunks)))
+
+
+def reassemble(*chunks: Batch) -> Batch:
+    """Chunks in completion order → one batch in the original row order (by `row_index`, which is dropped)."""
+    whole = Batch.concat(chunks)
+    index = whole[ROW_INDEX]
+    order = torch.argsort(index)
+    if not torch.equal(index[order], torch.arange(len(whole), dtype=index.dtype)):
+        raise ValueError(f"the chunks do not hold rows 0..{len(whole) - 1} once each (row_index "
+                         f"{sorted(index.tolist())}); they are not all the chunks of one generation")
+    out = whole.take(order)
+    return Batch({k: v for k, v in out.tensors.items() if k != ROW_INDEX}, out.rows, out.meta)
