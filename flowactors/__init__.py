@@ -6,6 +6,7 @@ calls into ordered, pinned Dask tasks chained by futures, and moves `Batch`es be
 
 from flowactors import serialization as _serialization  # noqa: F401 - registers Batch with Dask
 from flowactors.batch import Batch
+from flowactors.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from flowactors.controller import CallFuture, Controller
 from flowactors.dashboard import FlowactorsDashboard, install_dashboard
 from flowactors.errors import (EndpointError, FlowactorsError, HangError, PlacementError, RemoteError,
@@ -22,5 +23,6 @@ __all__ = [
     "Batch", "Controller", "CallFuture", "ActorGroup", "Worker", "endpoint", "Layout", "Protocol",
     "register_protocol", "get_protocol", "ONE_TO_ALL", "ALL_TO_ALL", "RANK_ZERO", "DP", "MESH",
     "FlowactorsError", "RemoteError", "HangError", "WorkerLostError", "EndpointError", "PlacementError", "ProtocolError",
-    "configure_logging", "install_dashboard", "FlowactorsDashboard",
+    "configure_logging", "install_dashboard", "FlowactorsDashboard", "CheckpointStore", "Checkpoint",
+    "CheckpointError",
 ]

@@ -112,9 +112,8 @@ class ActorGroup:
         if self._closed:
             raise PlacementError(f"group {self.name!r} is closed; create it again to call {method}")
         ctl = self.controller
-        args, kwargs, has_futures = _unwrap(args), {k: _unwrap_one(v) for k, v in kwargs.items()}, False
-        has_futures = _contains_future(args) or _contains_future(tuple(kwargs.values()))
-        if has_futures:
+        args, kwargs = _unwrap(args), {k: _unwrap_one(v) for k, v in kwargs.items()}
+        if _contains_future(args) or _contains_future(tuple(kwargs.values())):
             per_rank = [(args, kwargs)] * self.world_size
             split: tuple[Protocol, Layout] | None = (protocol, self.layout)
         else:
