@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines import ModelConfig
+from flowactors.slurm import SlurmSettings
 
 __all__ = ["RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "apply_overrides",
            "derived_sizes"]
@@ -56,7 +57,12 @@ class RLConfig:
     """How long a recovery waits for the lost slots to come back before using the live ones."""
     # -- cluster and placement ------------------------------------------------------------------------------------
     address: str | None = None
-    """Dask scheduler address (tcp://host:8786); None starts an embedded LocalCluster."""
+    """Dask scheduler address (tcp://host:8786); None starts the cluster named by `cluster`."""
+    cluster: str = "local"
+    """Without an address: local (an embedded LocalCluster of n_slots processes) or slurm (jobs submitted through
+    dask-jobqueue, one worker process per GPU, as set in `slurm.*`)."""
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    """The Slurm jobs of cluster=slurm: slurm.nodes=2 slurm.gpus_per_node=8 slurm.partition=gpu ..."""
     n_slots: int = 2
     """Worker processes (device slots) of the embedded cluster."""
     placement: str = "colocated"
@@ -103,6 +109,8 @@ class RLConfig:
             raise ValueError("save_every needs a checkpoint_dir (--checkpoint-dir D)")
         if self.sft_steps < 0:
             raise ValueError(f"sft_steps must be >= 0, got {self.sft_steps}")
+        if self.cluster not in ("local", "slurm"):
+            raise ValueError(f"cluster must be 'local' or 'slurm', got {self.cluster!r}")
         if self.placement not in ("colocated", "split"):
             raise ValueError(f"placement must be 'colocated' or 'split', got {self.placement!r}")
         if self.placement == "split" and self.n_slots < 2:
@@ -247,5 +255,8 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     obj_post = getattr(cfg, "__post_init__", None)
     if obj_post:
         obj_post()
-    cfg.model.__post_init__()
+    for f in dataclasses.fields(cfg):  # nested settings (model, slurm) validate their overridden fields too
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and hasattr(value, "__post_init__"):
+            value.__post_init__()
     return cfg

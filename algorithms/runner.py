@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -44,6 +45,7 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], descr
     p.add_argument("--steps", type=int)
     p.add_argument("--address", help="Dask scheduler address (tcp://host:8786); default: embedded cluster")
     p.add_argument("--metrics-file", help="write one JSON object per step to this file")
+    p.add_argument("--cluster", choices=["local", "slurm"], help="without --address: embedded (local) or Slurm jobs")
     p.add_argument("--placement", choices=["colocated", "split"])
     p.add_argument("--plan", help="placement plan file (JSON/YAML) from python -m placement.automap --json")
     p.add_argument("--seed", type=int)
@@ -52,8 +54,8 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], descr
     p.add_argument("--resume", help="auto (newest complete checkpoint), never, or a checkpoint path")
     args = p.parse_intermixed_args(argv)
     cfg = preset()
-    for name in ("steps", "address", "metrics_file", "placement", "seed", "plan", "checkpoint_dir", "save_every",
-                 "resume"):
+    for name in ("steps", "address", "cluster", "metrics_file", "placement", "seed", "plan", "checkpoint_dir",
+                 "save_every", "resume"):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)
@@ -63,6 +65,12 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], descr
 def open_controller(cfg: RLConfig) -> Controller:
     if cfg.address:
         return Controller.connect(cfg.address, call_timeout_s=cfg.call_timeout_s)
+    if cfg.cluster == "slurm":
+        from flowactors.slurm import open_slurm
+
+        # the scheduler runs in this process, like the embedded cluster's: one dashboard setting for both
+        return open_slurm(dataclasses.replace(cfg.slurm, dashboard_address=cfg.dashboard),
+                          call_timeout_s=cfg.call_timeout_s)
     return Controller.local(cfg.n_slots, dashboard=cfg.dashboard, call_timeout_s=cfg.call_timeout_s)
 
 
@@ -81,7 +89,7 @@ _SCORERS = ("critic", "cost_critic", "reward", "cost")
 
 def place(ctl: Controller, cfg: RLConfig) -> Pools:
     """Colocated, split, or a placement plan (which also fixes each model's parallel sizes)."""
-    slots = ctl.slots[:cfg.n_slots] if cfg.address is None else ctl.slots
+    slots = ctl.slots[:cfg.n_slots] if cfg.address is None and cfg.cluster == "local" else ctl.slots
     if not slots:
         raise fa.PlacementError("the cluster has no device slots; start workers with --nthreads 1 --resources slot=1")
     if cfg.plan:

@@ -56,14 +56,20 @@ _GROUPS: dict[str, _GroupContext] = {}
 _WORLD: dict[str, Any] = {}
 
 
-def free_port(_after: Any = None) -> tuple[str, int]:
-    """A free TCP port on this worker's host, for the world's rendezvous store."""
+def free_port(_after: Any = None) -> tuple[str, int, bool]:
+    """A free TCP port on this worker's host, for the world's rendezvous store, and whether it has CUDA."""
     from distributed import get_worker
 
     host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
     with socket.socket() as s:
         s.bind((host, 0))
-        return host, s.getsockname()[1]
+        return host, s.getsockname()[1], torch_cuda_available()
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def init_world(rank: int, world_size: int, host: str, port: int, backend: str, timeout_s: float, device: int,
@@ -76,7 +82,7 @@ def init_world(rank: int, world_size: int, host: str, port: int, backend: str, t
             return "already"
         teardown_world()
     if backend == "nccl":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device % torch.cuda.device_count())  # 0 in a process pinned to one device
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     _WORLD.update(key=(world_size, host, port), rank=rank, backend=backend)

@@ -339,10 +339,8 @@ class Controller:
 
     # -- world ----------------------------------------------------------------------------------------------
     def _ensure_world(self, backend: str | None) -> None:
-        import torch
-
-        want = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if self._world is not None:
+            want = backend or self._backend
             if want != self._backend:
                 raise PlacementError(f"the process-group backend of this controller is {self._backend!r}; a group "
                                      f"cannot use {want!r} on the same worker processes. Use one backend for all "
@@ -351,7 +349,9 @@ class Controller:
         if self._lost:
             raise WorkerLostError(next(iter(self._lost)), [], call="init_world")
         world = list(self.slots)
-        host, port = self.submit_pinned(world[0], _runtime.free_port, key=f"world.port-{_token()}").result()
+        # CUDA is asked of a worker: the controller may run on a machine without GPUs (a Slurm login node)
+        host, port, cuda = self.submit_pinned(world[0], _runtime.free_port, key=f"world.port-{_token()}").result()
+        want = backend or ("nccl" if cuda else "gloo")
         futs = [self.submit_pinned(a, _runtime.init_world, r, len(world), host, port, want,
                                    self.collective_timeout_s, r, key=f"world.init-{r}-{_token()}")
                 for r, a in enumerate(world)]

@@ -17,9 +17,11 @@ Design decisions, and why:
 - **One job per node's worth of GPUs**, not one multi-node job: that is dask-jobqueue's model, and it lets jobs
   start as nodes free up. Jobs of fewer GPUs than a node may share a node; add `--exclusive` to
   `job_directives` to get whole nodes.
-- **A bounded wait.** Pending jobs are the usual failure (wrong partition, account or gres; a busy cluster). Past
+- **Fail early, then a bounded wait.** The job script first goes through `sbatch --test-only`, so a wrong
+  partition or more GPUs than any node has fail at once with sbatch's words (dask-jobqueue would only log them in
+  the background). Pending jobs (a busy cluster, a wrong account or QOS) are the other usual failure: past
   `startup_timeout_s`, or as soon as a job ends before its workers joined, the error quotes squeue's view of each
-  job and where its log is; the cluster is closed (its jobs cancelled) before raising.
+  job and where its log is. Either way the cluster is closed (its jobs cancelled) before raising.
 - **dask-jobqueue is optional** (`pip install "flowactors[slurm]"`) and imported only by `open_slurm`.
 """
 
@@ -32,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowactors._slurm_preload import PIN_DEVICES_ENV, WORKERS_PER_JOB_ENV
+from flowactors._slurm_preload import JOB_DEVICES_ENV, PIN_DEVICES_ENV, WORKERS_PER_JOB_ENV
 from flowactors.controller import Controller
 from flowactors.errors import FlowactorsError
 
@@ -99,7 +101,7 @@ class SlurmSettings:
         procs = self.workers_per_node
         if self.cores_per_job is not None and (not isinstance(self.cores_per_job, int) or self.cores_per_job < procs):
             raise ValueError(f"SlurmSettings.cores_per_job={self.cores_per_job!r} is fewer than the {procs} worker "
-                             f"processes of a job (one per GPU); use at least {procs}, or None")
+                             f"processes of a job (one per GPU, or per CPU slot); use at least {procs}, or None")
         for name in ("partition", "account", "interface", "scheduler_host", "python", "local_directory",
                      "log_directory"):
             value = getattr(self, name)
@@ -154,13 +156,15 @@ class SlurmSettings:
         procs = self.workers_per_node
         cores = self.cores_per_job or procs
         resources = "GPU=1,slot=1" if self.gpus_per_node else "slot=1"
-        prologue = [f"export {WORKERS_PER_JOB_ENV}={procs}", f"export OMP_NUM_THREADS={cores // procs}",
+        # sbatch exports the submitter's environment: drop a pinning that process may carry itself
+        prologue = [f"unset {JOB_DEVICES_ENV} LOCAL_RANK LOCAL_WORLD_SIZE",
+                    f"export {WORKERS_PER_JOB_ENV}={procs}", f"export OMP_NUM_THREADS={cores // procs}",
                     f"export MKL_NUM_THREADS={cores // procs}", "export TOKENIZERS_PARALLELISM=false"]
         if not self.gpus_per_node:
             prologue.append(f"export {PIN_DEVICES_ENV}=0")
-        scheduler: dict[str, Any] = {"dashboard_address": self.dashboard_address}
-        if self.dashboard_address is None:
-            scheduler["dashboard"] = False
+        # With the dashboard off the scheduler still serves health checks over HTTP: on any free port, not 8787.
+        scheduler: dict[str, Any] = ({"dashboard_address": self.dashboard_address} if self.dashboard_address
+                                     else {"dashboard": False, "dashboard_address": ":0"})
         if self.scheduler_host is not None:
             scheduler["host"] = self.scheduler_host
         return {
@@ -202,6 +206,7 @@ def open_slurm(settings: SlurmSettings, **controller_kwargs: Any) -> Controller:
     cluster = _import_slurm_cluster()(**settings.cluster_kwargs())
     client = None
     try:
+        _test_submission(cluster.job_script(), settings)
         cluster.scale(jobs=settings.nodes)
         client = Client(cluster, set_as_default=False)
         _wait_for_workers(client, cluster, settings)
@@ -211,6 +216,30 @@ def open_slurm(settings: SlurmSettings, **controller_kwargs: Any) -> Controller:
             client.close()
         cluster.close()
         raise
+
+
+def _test_submission(script: str, settings: SlurmSettings) -> None:
+    """`sbatch --test-only` the job script: a wrong partition or account, or more GPUs than any node has, fails
+    here with sbatch's own words instead of as a silent background error and a timeout."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".sh", prefix="flowactors-job-") as f:
+        f.write(script)
+        f.flush()
+        try:
+            out = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise SlurmStartupError("sbatch not found: run the controller on a Slurm login node (or a node that "
+                                    "can submit jobs), with Slurm's commands on PATH") from None
+        except subprocess.TimeoutExpired:
+            raise SlurmStartupError("`sbatch --test-only` did not answer within 60 s; is slurmctld reachable "
+                                    "(`sinfo`)?") from None
+    if out.returncode != 0:
+        said = " ".join(out.stderr.split()) or f"exit code {out.returncode}"
+        raise SlurmStartupError(f"Slurm would not accept the worker job: {said}. Check partition="
+                                f"{settings.partition!r}, account={settings.account!r}, gpus_per_node="
+                                f"{settings.gpus_per_node} and job_directives={settings.job_directives} against "
+                                f"`sinfo -o '%P %G %D %t'`; the job script is SLURMCluster(...).job_script()")
 
 
 def _wait_for_workers(client: Any, cluster: Any, settings: SlurmSettings, poll_s: float = 1.0,

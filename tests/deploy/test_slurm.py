@@ -1,0 +1,278 @@
+"""Running on Slurm through dask-jobqueue (DESIGN §8).
+
+The first half needs no Slurm: the preload's choice of device and LOCAL_RANK from a worker's name and its job's
+environment, the settings' validation, and the job script the settings produce. The second half brings up a real,
+private single-node Slurm (munged, slurmctld, slurmd; `tests/deploy/slurm_local.py`) with two fake GPUs, opens
+`open_slurm` on it, and checks what a user relies on: one worker process per GPU, each pinned to a different
+device with LOCAL_RANK 0/1, a group collective across them, and an algorithm program run against the Slurm
+workers. The fake GPUs are character devices, so torch sees no CUDA and the workers use gloo; the pinning is
+checked through the environment. When Slurm cannot be installed or its daemons do not come up, these tests are
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flowactors._slurm_preload import JOB_DEVICES_ENV, WORKERS_PER_JOB_ENV, select_device
+from flowactors.slurm import SlurmSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- device selection (no Slurm) -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, env, device, local_rank", [
+    ("SLURMCluster-0-0", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "0", "0"),
+    ("SLURMCluster-0-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "1", "1"),
+    ("SLURMCluster-12-3", {WORKERS_PER_JOB_ENV: "4", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "7", "3"),
+    # a single-process job whose name ends in a number is process 0, not process 7
+    ("SLURMCluster-7", {WORKERS_PER_JOB_ENV: "1", "CUDA_VISIBLE_DEVICES": "3"}, "3", "0"),
+    # device UUIDs (MIG slices, some sites) pass through
+    ("j-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}, "GPU-bb", "1"),
+    # no CUDA_VISIBLE_DEVICES from Slurm (no gres configuration): process i takes the node's GPU i
+    ("j-2", {WORKERS_PER_JOB_ENV: "8"}, "2", "2"),
+    # more GPUs in the job than processes: the first ones, in order
+    ("j-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "2,3,5"}, "3", "1"),
+])
+def test_select_device_takes_the_processs_own_gpu_from_the_jobs_list(name, env, device, local_rank):
+    out = select_device(name, env)
+    assert out["CUDA_VISIBLE_DEVICES"] == device
+    assert out["LOCAL_RANK"] == local_rank
+    assert out["LOCAL_WORLD_SIZE"] == env[WORKERS_PER_JOB_ENV]
+
+
+def test_select_device_is_idempotent_so_nanny_and_worker_preloads_and_restarts_agree():
+    env = {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "4,6"}
+    first = select_device("SLURMCluster-3-1", env)
+    again = select_device("SLURMCluster-3-1", {**env, **first})  # CUDA_VISIBLE_DEVICES is now "6" alone
+    assert first == again and first["CUDA_VISIBLE_DEVICES"] == "6" and first[JOB_DEVICES_ENV] == "4,6"
+
+
+def test_select_device_without_pinning_sets_only_local_rank():
+    out = select_device("cpu-0-2", {WORKERS_PER_JOB_ENV: "3", "FLOWACTORS_PIN_DEVICES": "0",
+                                    "CUDA_VISIBLE_DEVICES": "0"})
+    assert out == {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}
+
+
+@pytest.mark.parametrize("name, env, match", [
+    ("SLURMCluster-0-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0"}, r"1 GPU\(s\).*--gres=gpu:2"),
+    ("SLURMCluster-0-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": ""}, r"0 GPU\(s\)"),
+    ("worker", {WORKERS_PER_JOB_ENV: "2"}, r"does not end in -<index>.*--nworkers 2"),
+    ("SLURMCluster-0-2", {WORKERS_PER_JOB_ENV: "2"}, r"index 2.*only 2 worker processes"),
+    ("SLURMCluster-0-0", {WORKERS_PER_JOB_ENV: "two"}, r"FLOWACTORS_WORKERS_PER_JOB='two'"),
+])
+def test_select_device_errors_say_what_is_wrong(name, env, match):
+    with pytest.raises(ValueError, match=match):
+        select_device(name, env)
+
+
+# -- settings (no Slurm) -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"nodes": 0}, r"SlurmSettings\.nodes must be an integer >= 1"),
+    ({"gpus_per_node": -1}, r"SlurmSettings\.gpus_per_node"),
+    ({"gpus_per_node": 0, "cpu_workers_per_node": 0}, r"SlurmSettings\.cpu_workers_per_node"),
+    ({"gpus_per_node": 4, "cores_per_job": 2}, r"SlurmSettings\.cores_per_job=2 is fewer than the 4 worker"),
+    ({"walltime": "1h"}, r"SlurmSettings\.walltime='1h'.*HH:MM:SS"),
+    ({"memory_per_job": "lots"}, r"SlurmSettings\.memory_per_job='lots'.*'64GB'"),
+    ({"memory_per_job": "0GB"}, r"SlurmSettings\.memory_per_job"),
+    ({"partition": "gpu large"}, r"SlurmSettings\.partition"),
+    ({"account": ""}, r"SlurmSettings\.account"),
+    ({"job_directives": ["#SBATCH --exclusive"]}, r"SlurmSettings\.job_directives.*without '#SBATCH'"),
+    ({"job_directives": ["--gres=gpu:4"]}, r"SlurmSettings\.job_directives.*gpus_per_node already"),
+    ({"job_directives": "--exclusive"}, r"SlurmSettings\.job_directives must be a list"),
+    ({"setup_commands": [""]}, r"SlurmSettings\.setup_commands"),
+    ({"startup_timeout_s": 0}, r"SlurmSettings\.startup_timeout_s must be > 0"),
+])
+def test_settings_validation_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SlurmSettings(**kwargs)
+
+
+@pytest.mark.parametrize("walltime", ["30", "30:00", "04:00:00", "2-00:00:00", "1-12"])
+def test_slurm_walltime_formats_are_accepted(walltime):
+    assert SlurmSettings(walltime=walltime).walltime == walltime
+
+
+def test_settings_defaults_and_derived_sizes():
+    s = SlurmSettings(nodes=2, gpus_per_node=8, dashboard_address="none")
+    assert (s.workers_per_node, s.total_workers, s.dashboard_address) == (8, 16, None)
+    assert SlurmSettings(gpus_per_node=0, cpu_workers_per_node=3).workers_per_node == 3
+
+
+def test_cluster_kwargs_give_one_single_threaded_pinned_worker_per_gpu():
+    kw = SlurmSettings(gpus_per_node=4, cores_per_job=16, partition="gpu", account="proj", walltime="02:00:00",
+                       memory_per_job="200GB", job_directives=["--exclusive"],
+                       setup_commands=["module load cuda"]).cluster_kwargs()
+    assert (kw["processes"], kw["cores"], kw["job_cpu"]) == (4, 4, 16)  # 1 thread per process, 16 cores booked
+    assert kw["job_extra_directives"] == ["--gres=gpu:4", "--exclusive"]
+    assert kw["worker_extra_args"] == ["--resources", "GPU=1,slot=1", "--preload", "flowactors._slurm_preload"]
+    assert kw["job_script_prologue"][:2] == [f"unset {JOB_DEVICES_ENV} LOCAL_RANK LOCAL_WORLD_SIZE",
+                                             f"export {WORKERS_PER_JOB_ENV}=4"]
+    assert "export OMP_NUM_THREADS=4" in kw["job_script_prologue"]
+    assert kw["job_script_prologue"][-1] == "module load cuda"
+    cpu = SlurmSettings(gpus_per_node=0, cpu_workers_per_node=2).cluster_kwargs()
+    assert cpu["job_extra_directives"] == [] and cpu["worker_extra_args"][1] == "slot=1"
+    assert "export FLOWACTORS_PIN_DEVICES=0" in cpu["job_script_prologue"]
+
+
+def test_dask_setup_pins_a_worker_process_and_refuses_after_cuda_started(monkeypatch):
+    from types import SimpleNamespace
+
+    import flowactors._slurm_preload as preload
+
+    env = {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "2,3"}
+    monkeypatch.setattr(os, "environ", dict(env))  # a private environment: nothing leaks into later jobs
+    preload.dask_setup(SimpleNamespace(name="SLURMCluster-5-1"))
+    assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ["LOCAL_RANK"]) == ("3", "1")
+    monkeypatch.setattr(os, "environ", dict(env))
+    monkeypatch.setattr(preload, "_cuda_initialised", lambda: True)
+    with pytest.raises(RuntimeError, match=r"CUDA was initialised .* before .* device 3.*--preload-nanny"):
+        preload.dask_setup(SimpleNamespace(name="SLURMCluster-5-1"))
+
+
+def test_job_script_as_dask_jobqueue_writes_it():
+    pytest.importorskip("dask_jobqueue", reason='pip install "flowactors[slurm]"')
+    from dask_jobqueue.slurm import SLURMJob
+
+    kw = SlurmSettings(gpus_per_node=2, partition="debug", memory_per_job="8GB", walltime="00:30:00",
+                       interface="lo").cluster_kwargs()
+    kw.pop("scheduler_options")
+    script = SLURMJob("tcp://127.0.0.1:8786", name="flowactors-0", **kw).job_script()
+    for line in ("#SBATCH -p debug", "#SBATCH --cpus-per-task=2", "#SBATCH --mem=8G", "#SBATCH -t 00:30:00",
+                 "#SBATCH --gres=gpu:2", f"export {WORKERS_PER_JOB_ENV}=2"):
+        assert line in script.splitlines(), (line, script)
+    for arg in ("--nworkers 2", "--nthreads 1", "--resources GPU=1,slot=1", "--preload flowactors._slurm_preload",
+                "--interface lo", "--nanny"):
+        assert arg in script, (arg, script)
+
+
+def test_open_slurm_without_dask_jobqueue_says_how_to_install(monkeypatch):
+    from flowactors.slurm import open_slurm
+
+    monkeypatch.setitem(sys.modules, "dask_jobqueue", None)
+    with pytest.raises(ImportError, match=r'pip install "flowactors\[slurm\]"'):
+        open_slurm(SlurmSettings())
+
+
+# -- a real Slurm ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def local_slurm(tmp_path_factory):
+    """A private single-node Slurm with 2 fake GPUs for this session; skipped (with the reason) where impossible."""
+    pytest.importorskip("dask_jobqueue", reason='pip install "flowactors[slurm]"')
+    from tests.deploy.slurm_local import LocalSlurm, SlurmUnavailable
+
+    if os.geteuid() != 0:
+        pytest.skip("a private Slurm needs root (slurmd runs jobs as their user)")
+    slurm = LocalSlurm(tmp_path_factory.mktemp("slurm"), gpus=2)
+    try:
+        slurm.start()
+    except SlurmUnavailable as e:
+        pytest.skip(f"no local Slurm: {e}")
+    saved = os.environ.get("SLURM_CONF")
+    os.environ.update(slurm.env)  # sbatch, squeue and scancel (called by dask-jobqueue) find this Slurm
+    yield slurm
+    slurm.stop()
+    if saved is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = saved
+
+
+def _settings(slurm, tmp_path: Path, **kw) -> SlurmSettings:
+    return SlurmSettings(**{"nodes": 1, "gpus_per_node": 2, "partition": slurm.partition, "memory_per_job": "4GB",
+                            "walltime": "00:10:00", "interface": "lo", "dashboard_address": None,
+                            "log_directory": str(tmp_path / "jobs"), "startup_timeout_s": 60, **kw})
+
+
+def _wait_no_jobs(slurm, timeout: float = 20) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (jobs := slurm.job_ids()) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return jobs
+
+
+def _pinning() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "SLURM_JOB_ID")}
+
+
+def test_slurm_workers_are_pinned_one_gpu_each_and_form_a_group(local_slurm, tmp_path, monkeypatch):
+    import flowactors as fa
+    from flowactors.slurm import open_slurm
+    from tests.runtime.workers import Reducer
+
+    # sbatch exports this process's environment to the job; a pinning of the submitter must not carry over
+    monkeypatch.setenv(JOB_DEVICES_ENV, "7,9")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with open_slurm(_settings(local_slurm, tmp_path), collective_timeout_s=60) as ctl:
+        assert len(ctl.slots) == 2
+        info = ctl.client.scheduler_info(n_workers=-1)["workers"]
+        assert all(info[a]["nthreads"] == 1 and info[a]["resources"] == {"GPU": 1, "slot": 1} for a in ctl.slots)
+        env = ctl.client.run(_pinning)
+        pinned = [env[a] for a in ctl.slots]  # in slot (rank) order
+        assert [p["LOCAL_RANK"] for p in pinned] == ["0", "1"]
+        assert sorted(p["CUDA_VISIBLE_DEVICES"] for p in pinned) == ["0", "1"]  # one device each, different
+        assert pinned[0]["SLURM_JOB_ID"] == pinned[1]["SLURM_JOB_ID"] in local_slurm.job_ids()
+
+        group = fa.ActorGroup(ctl, Reducer, name="reducer", slots=ctl.slots, layout=fa.Layout(dp=2))
+        assert group.all_reduce(1.0).result() == [3.0, 3.0]  # 1*1 + 1*2 summed over the two ranks
+        group.close()
+    assert _wait_no_jobs(local_slurm) == [], "closing the controller should scancel its Slurm jobs"
+
+
+def test_cpu_only_slurm_jobs_give_cpu_slots(local_slurm, tmp_path):
+    from flowactors.slurm import open_slurm
+
+    settings = _settings(local_slurm, tmp_path, gpus_per_node=0, cpu_workers_per_node=2)
+    with open_slurm(settings) as ctl:
+        info = ctl.client.scheduler_info(n_workers=-1)["workers"]
+        assert [info[a]["resources"] for a in ctl.slots] == [{"slot": 1}, {"slot": 1}]
+        env = ctl.client.run(_pinning)
+        assert [env[a]["LOCAL_RANK"] for a in ctl.slots] == ["0", "1"]
+        assert all(env[a]["CUDA_VISIBLE_DEVICES"] is None for a in ctl.slots)  # no --gres, nothing pinned
+    assert _wait_no_jobs(local_slurm) == []
+
+
+def test_algorithm_program_runs_on_slurm_workers(local_slurm, tmp_path):
+    from flowactors.slurm import open_slurm
+
+    metrics = tmp_path / "m.jsonl"
+    with open_slurm(_settings(local_slurm, tmp_path)) as ctl:
+        address = ctl.client.scheduler.address
+        out = subprocess.run([sys.executable, str(ROOT / "algorithms" / "grpo.py"), "--address", address,
+                              "--steps", "2", "sft_steps=2", "dashboard=none", "--metrics-file", str(metrics)],
+                             capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert "data-parallel size 2" in out.stderr  # both Slurm workers became ranks of the groups
+    assert _wait_no_jobs(local_slurm) == []
+
+
+def test_pending_jobs_fail_with_squeues_view_and_are_cancelled(local_slurm, tmp_path):
+    from flowactors.slurm import SlurmStartupError, open_slurm
+
+    t0 = time.monotonic()
+    with pytest.raises(SlurmStartupError, match=r"0 of 2 worker processes joined\. squeue: job \d+ PENDING BeginTime"):
+        open_slurm(_settings(local_slurm, tmp_path, job_directives=["--begin=now+3600"], startup_timeout_s=3))
+    assert time.monotonic() - t0 < 20
+    assert _wait_no_jobs(local_slurm) == []
+
+
+def test_a_job_slurm_cannot_run_is_refused_at_once_with_sbatchs_words(local_slurm, tmp_path):
+    from flowactors.slurm import SlurmStartupError, open_slurm
+
+    t0 = time.monotonic()
+    with pytest.raises(SlurmStartupError, match=r"would not accept.*Requested node configuration is not available"):
+        open_slurm(_settings(local_slurm, tmp_path, gpus_per_node=4))  # the node has 2
+    assert time.monotonic() - t0 < 10
+    assert local_slurm.job_ids() == []
