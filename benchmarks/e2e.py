@@ -39,17 +39,18 @@ def flowactors_row(steps: int) -> dict:
             "step_s": round(statistics.median(r["step_s"] for r in history), 4)}
 
 
-def trl_row(steps: int) -> dict | None:
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        print("# trl not installed: no trl row (pip install trl==1.16.0 datasets)", file=sys.stderr)
+def trl_row(steps: int, python: str) -> dict | None:
+    """TRL in `python` (its own environment if TRL's pins differ from ours)."""
+    probe = subprocess.run([python, "-c", "import trl, datasets"], capture_output=True)
+    if probe.returncode:
+        print(f"# trl not importable by {python}: no trl row (pip install trl==1.16.0 datasets, or --trl-python)",
+              file=sys.stderr)
         return None
     script = ROOT.parent / "shared" / "ref" / "peers" / "trl_grpo_cpu.py"
     if not script.exists():
         print(f"# {script} not found: no trl row", file=sys.stderr)
         return None
-    out = subprocess.run([sys.executable, str(script), "grpo"], capture_output=True, text=True,
+    out = subprocess.run([python, str(script), "grpo"], capture_output=True, text=True,
                          env={**__import__("os").environ, "STEPS": str(steps)}, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("RESULT"))
     fields = dict(kv.split("=", 1) for kv in line.split()[1:])
@@ -61,8 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--trl-python", default=sys.executable, help="interpreter of an environment with trl installed")
     args = p.parse_args(argv)
-    rows = [r for r in (flowactors_row(args.steps), trl_row(args.steps)) if r]
+    rows = [r for r in (flowactors_row(args.steps), trl_row(args.steps, args.trl_python)) if r]
     if args.json:
         for r in rows:
             print(json.dumps(r))
