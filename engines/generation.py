@@ -10,10 +10,28 @@ Greedy decoding gives the same tokens as `generate(do_sample=False)` (tested).
 Output layout (verl's): prompts (B, P) left-padded; responses (B, R) right-padded to exactly `max_new_tokens`;
 input_ids = prompts | responses; attention_mask; position_ids; response_mask (1 up to and including EOS);
 rollout_log_probs (B, R).
+
+Streaming (stage fusion, DESIGN §7): `stream()` runs the same loop and yields the finished rows in chunks, in the
+order they finish, each row carrying its index in the call (`row_index`); `GenerationStream` runs a stream in a
+background thread, so a worker can hand the chunks out one call at a time while decoding goes on. Both paths share
+one loop (`_decode`) and one output assembly (`_assemble`, row-wise), so a streamed row is bit-identical to the
+same row of `generate()`.
+
+Per-row stop lengths: a `stop_at` tensor in the prompt batch ends row i after `stop_at[i]` tokens (EOS still ends
+it earlier unless `ignore_eos`); benchmarks shape long-tailed length distributions with it.
+
+`SamplingConfig.evict_finished` drops finished rows from the running batch and its KV cache, so a long tail
+decodes only the rows still running: the shrinking half of continuous batching. There is no admission half
+(every prompt of a call is known when it starts, and admitting rows mid-loop would need ragged KV caches). It is
+off by default because smaller matmuls round differently: on this machine's CPU kernels the rollout log-probs
+then differ from the full-batch loop's in the last bit (the tokens did not, in our checks).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +39,12 @@ import torch
 from engines.ops import position_ids_from_mask, response_mask_from_tokens
 from flowactors import Batch
 
-__all__ = ["SamplingConfig", "HFGenerationEngine"]
+__all__ = ["SamplingConfig", "HFGenerationEngine", "GenerationStream", "ROW_INDEX", "STOP_AT"]
+
+ROW_INDEX = "row_index"
+"""Field of a streamed chunk: each row's index in the call's prompt batch."""
+STOP_AT = "stop_at"
+"""Optional prompt field: row i stops after stop_at[i] new tokens."""
 
 
 @dataclass
@@ -33,6 +56,9 @@ class SamplingConfig:
     """0 disables top-k."""
     ignore_eos: bool = False
     """Generate exactly max_new_tokens (benchmarks with fixed token counts, as vLLM's ignore_eos)."""
+    evict_finished: bool = False
+    """Drop finished rows from the running batch and KV cache (fast long tails; log-probs may differ in the last
+    bit from the full-batch loop, see the module docstring)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -62,23 +88,56 @@ class HFGenerationEngine:
     def __init__(self, eos_token_id: int, pad_token_id: int, max_context: int | None = None) -> None:
         self.eos, self.pad, self.max_context = eos_token_id, pad_token_id, max_context
 
-    @torch.no_grad()
     def generate(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, *, greedy: bool = False,
                  seed: int = 0) -> Batch:
+        tokens, logp = self._buffers(len(prompts), cfg)
+        for _ in self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed):
+            pass
+        return self._assemble(prompts, tokens, logp, cfg)
+
+    def stream(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
+               greedy: bool = False, seed: int = 0, row_offset: int = 0) -> Iterator[Batch]:
+        """The samples of `generate()`, yielded as chunks of `chunk_rows` finished rows in the order they finish
+        (rows finishing at the same step by index; the last chunk may be shorter). Each chunk has `row_index`:
+        the row's index in `prompts` plus `row_offset` (a data-parallel rank passes its share's offset)."""
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        tokens, logp = self._buffers(len(prompts), cfg)
+        pending: list[int] = []
+        for finished in self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed):
+            pending += finished
+            while len(pending) >= chunk_rows:
+                yield self._chunk(prompts, tokens, logp, pending[:chunk_rows], cfg, row_offset)
+                pending = pending[chunk_rows:]
+        if pending:
+            yield self._chunk(prompts, tokens, logp, pending, cfg, row_offset)
+
+    def _buffers(self, b: int, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
+                torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32))
+
+    @torch.no_grad()
+    def _decode(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, out_tokens: torch.Tensor,
+                out_logp: torch.Tensor, *, greedy: bool, seed: int) -> Iterator[list[int]]:
+        """Fill `out_tokens` and `out_logp`; after each step, yield the rows (indices) that finished in it.
+
+        `live` holds the rows of the running batch: every row, unless `evict_finished` drops finished ones.
+        A row that finished but stays in the batch keeps decoding, and its outputs are overwritten with pad/0."""
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
         b, p = ids.shape
         if self.max_context is not None and p + cfg.max_new_tokens > self.max_context:
             raise ValueError(f"prompt length {p} + max_new_tokens {cfg.max_new_tokens} exceeds the model's context "
                              f"of {self.max_context} positions; shorten prompts or lower max_new_tokens")
+        stop = _stop_lengths(prompts)
         seeds = prompts["seed"].tolist() if "seed" in prompts else [seed * 1_000_003 + i for i in range(b)]
         # One uniform per row and step, drawn from the row's own generator up front: sampling is then one
         # vectorised inverse-CDF lookup per step, and a row's tokens do not depend on its batch.
         uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
                                            dtype=torch.float64) for s in seeds]) if b else torch.zeros(0, 1)
         model.eval()
-        out_tokens = torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long)
-        out_logp = torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32)
         done = torch.zeros(b, dtype=torch.bool)
+        reported = torch.zeros(b, dtype=torch.bool)
+        live = torch.arange(b)
         attn = mask.clone()
         pos = position_ids_from_mask(attn)
         cur, cache = ids, None
@@ -91,18 +150,39 @@ class HFGenerationEngine:
                 tok = logits.argmax(-1)
             else:
                 cdf = _filter(logits, cfg.top_k, cfg.top_p).softmax(-1).double().cumsum(-1)
-                tok = (cdf < uniforms[:, t:t + 1] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
-            tok = torch.where(done, torch.full_like(tok, self.pad), tok)
-            out_tokens[:, t] = tok
-            out_logp[:, t] = torch.where(done, torch.zeros(()), logp.gather(-1, tok[:, None])[:, 0])
+                tok = (cdf < uniforms[live, t:t + 1] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+            was_done = done[live]
+            tok = torch.where(was_done, torch.full_like(tok, self.pad), tok)
+            out_tokens[live, t] = tok
+            out_logp[live, t] = torch.where(was_done, torch.zeros(()), logp.gather(-1, tok[:, None])[:, 0])
+            now_done = was_done
             if not cfg.ignore_eos:
-                done |= tok == self.eos
+                now_done = now_done | (tok == self.eos)
+            if stop is not None:
+                now_done = now_done | (stop[live] <= t + 1)
+            done[live] = now_done
+            ended = now_done if t < cfg.max_new_tokens - 1 else torch.ones_like(now_done)
+            finished = live[ended & ~reported[live]]
+            reported[finished] = True
+            yield finished.tolist()
             if bool(done.all()):
                 break
             cur = tok[:, None]
-            attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype)], dim=1)  # finished rows are ignored
+            attn = torch.cat([attn, torch.ones((len(live), 1), dtype=attn.dtype)], dim=1)  # finished rows are ignored
             pos = pos[:, -1:] + 1
+            if cfg.evict_finished and bool(now_done.any()):
+                keep = (~now_done).nonzero()[:, 0]
+                _select_rows(cache, keep)
+                live, cur, attn, pos = live[keep], cur[keep], attn[keep], pos[keep]
+
+    def _assemble(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor,
+                  cfg: SamplingConfig) -> Batch:
+        """The output batch of these rows (row-wise ops only: a subset of rows assembles to the same values)."""
+        ids, mask = prompts["input_ids"], prompts["attention_mask"]
         resp_mask = torch.ones_like(out_tokens) if cfg.ignore_eos else response_mask_from_tokens(out_tokens, self.eos)
+        stop = _stop_lengths(prompts)
+        if stop is not None:
+            resp_mask = resp_mask * (torch.arange(out_tokens.shape[1]) < stop[:, None])
         out_tokens = torch.where(resp_mask.bool(), out_tokens, torch.full_like(out_tokens, self.pad))
         full_mask = torch.cat([mask, resp_mask], dim=1)
         tensors = {
@@ -113,3 +193,102 @@ class HFGenerationEngine:
         keep = {k: v for k, v in prompts.tensors.items() if k not in tensors and k not in ("input_ids",
                                                                                            "attention_mask")}
         return Batch({**keep, **tensors}, prompts.rows, prompts.meta)
+
+    def _chunk(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor, rows: list[int],
+               cfg: SamplingConfig, row_offset: int) -> Batch:
+        idx = torch.tensor(rows, dtype=torch.long)
+        out = self._assemble(prompts.take(idx), out_tokens[idx], out_logp[idx], cfg)
+        return Batch({**out.tensors, ROW_INDEX: idx + row_offset}, out.rows, out.meta)
+
+
+def _stop_lengths(prompts: Batch) -> torch.Tensor | None:
+    if STOP_AT not in prompts:
+        return None
+    stop = prompts[STOP_AT].long()
+    if stop.dim() != 1 or (len(stop) and int(stop.min()) < 1):
+        raise ValueError(f"prompt field {STOP_AT!r} must hold one length >= 1 per row (the new tokens after which "
+                         f"the row stops); got shape {tuple(stop.shape)}"
+                         f"{f', min {int(stop.min())}' if stop.numel() else ''}")
+    return stop
+
+
+def _select_rows(cache: object, keep: torch.Tensor) -> None:
+    select = getattr(cache, "batch_select_indices", None)
+    if select is None:
+        raise TypeError(f"evict_finished needs a KV cache that can drop rows (transformers' DynamicCache has "
+                        f"batch_select_indices); this model returned {type(cache).__name__}. Set "
+                        f"SamplingConfig.evict_finished=False")
+    select(keep)
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+class GenerationStream:
+    """A chunk stream decoded in a background thread, handed out in order by `take(k)`.
+
+    Why a thread: a Dask task returns once, so a worker hands out chunks as separate calls, and decoding must go on
+    between them. The calling (task) thread blocks in `take` until chunk k is complete; calls to a worker process
+    run one at a time, so every later call to it waits behind the stream, and taking the last chunk joins the
+    thread: nothing else touches the model while it decodes. The thread runs no collectives.
+    """
+
+    def __init__(self, chunks: Iterator[Batch], n_chunks: int, *, name: str = "flowactors-generation") -> None:
+        self.n_chunks = n_chunks
+        self._chunks = chunks
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._next = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for chunk in self._chunks:
+                if self._stop.is_set():
+                    break
+                self._queue.put(chunk)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of take()
+            self._queue.put(_Failed(e))
+        finally:
+            close = getattr(self._chunks, "close", None)
+            if close is not None:
+                close()
+            self._queue.put(_END)
+
+    @property
+    def finished(self) -> bool:
+        """Every chunk was taken, or decoding failed; the thread has ended."""
+        return (self._next >= self.n_chunks or self._error is not None) and not self._thread.is_alive()
+
+    def take(self, k: int) -> Batch:
+        """Chunk k (0, 1, ... in turn), waiting for it; a decoding error is raised here (and by later takes)."""
+        if self._error is not None:
+            raise self._error
+        if k != self._next:
+            raise RuntimeError(f"generated chunk {k} was asked for, but chunk {self._next} is next; chunks are "
+                               f"taken in order, once each ({self.n_chunks} in all)")
+        item = self._queue.get()
+        if isinstance(item, _Failed):
+            self._error = item.error
+            self._thread.join()
+            raise item.error
+        if item is _END:
+            self._thread.join()
+            self._error = RuntimeError(f"generation ended after {k} chunks; {self.n_chunks} were expected")
+            raise self._error
+        self._next += 1
+        if self._next == self.n_chunks:
+            self.close()
+        return item
+
+    def close(self) -> None:
+        """Stop decoding (at the next chunk) and wait for the thread to end."""
+        self._stop.set()
+        self._thread.join()

@@ -8,6 +8,12 @@ The actor is hybrid: it trains and generates on the same weights. Until the 3D-H
 transition, a sharded actor gathers its full weights into an unsharded generation copy before sampling and drops
 them afterwards (the "all-gather" baseline of HybridFlow Table 2); an unsharded actor samples from its training
 model directly.
+
+Stage fusion (DESIGN §7): `start_generation` + `next_generated_chunk(k)` sample the same rows as
+`generate_sequences`, handed out in chunks in the order they finish, while decoding goes on in a background
+thread (`engines.generation.GenerationStream`). Weights are gathered in `start_generation`, in the task thread, so
+the thread runs no collective; the call that takes the last chunk joins the thread, and calls to one worker process
+run one at a time in issue order, so no later call on the actor runs beside the decoding.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engines.generation import HFGenerationEngine, SamplingConfig
+from engines.generation import GenerationStream, HFGenerationEngine, SamplingConfig
 from engines.models import ModelConfig, build_model, build_tokenizer, save_pretrained
 from engines.parallel import parallelize
 from engines.protocols import MINIBATCH
@@ -123,6 +129,7 @@ class ActorWorker(ModelWorker):
         self.generator = HFGenerationEngine(self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
                                             max_context=self.engine.model.config.max_position_embeddings)
         self._gen_model: torch.nn.Module | None = None
+        self._stream: GenerationStream | None = None
 
     def _generation_model(self) -> torch.nn.Module:
         if not self.sharded:
@@ -139,6 +146,39 @@ class ActorWorker(ModelWorker):
         out = self.generator.generate(model, prompts, self.sampling, greedy=bool(prompts.meta.get("greedy")),
                                       seed=int(prompts.meta.get("seed", 0)))
         return out
+
+    @endpoint(protocol=MESH)
+    def start_generation(self, prompts: Batch, chunk_samples: int) -> None:
+        """Begin sampling `prompts` (what `generate_sequences` would sample) in a background thread; take the
+        samples with `next_generated_chunk(0)`, `(1)`, ... : ceil(rows of this rank / chunk_samples) chunks on
+        every rank, each of `chunk_samples` rows except the last, in the order the rows finish."""
+        if chunk_samples < 1:
+            raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
+        self._end_stream()  # one left over from a step that stopped early
+        model = self._generation_model()
+        chunks = self.generator.stream(model, prompts, self.sampling, chunk_samples,
+                                       greedy=bool(prompts.meta.get("greedy")), seed=int(prompts.meta.get("seed", 0)),
+                                       row_offset=self.coords[1] * len(prompts))
+        self._stream = GenerationStream(chunks, n_chunks=-(-len(prompts) // chunk_samples),
+                                        name=f"{self.group_name}-rank{self.rank}-generation")
+
+    @endpoint(protocol=MESH)
+    def next_generated_chunk(self, k: int) -> Batch:
+        """Chunk k of the running generation, once complete: generated rows plus `row_index`, their index in the
+        prompts of `start_generation`. Taking the last chunk waits for the decoding thread to end."""
+        if self._stream is None:
+            raise RuntimeError(f"no generation is running on {self.group_name} rank {self.rank}; call "
+                               f"start_generation(prompts, chunk_samples) before next_generated_chunk({k})")
+        try:
+            return self._stream.take(k)
+        finally:
+            if self._stream.finished:
+                self._stream = None
+
+    def _end_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     @endpoint(protocol=MESH)
     def compute_log_prob(self, batch: Batch) -> Batch:
