@@ -18,15 +18,23 @@ and the devices of the scoring models (reference, reward, cost, critic) sit idle
 3. One task (`merge_chunks`) joins each chunk with its scores and puts the rows back into the original order by
    their `row_index`.
 
-On-policy semantics are unchanged: sampling is seeded per row, so the rows are the same whatever chunk they land
-in; the chunks hold exactly the rows of the unfused call, and the reassembled batch is the same batch. On this
-machine the scores are bit-identical too (the CPU kernels give a row the same result in any batch); on GPUs
-batch-dependent kernels can change scores in the last bits unless batch-invariant kernels are used.
+On-policy semantics are unchanged: the decode loop is the one `generate_sequences` runs (the thread only hands its
+finished rows out early), so the samples are bit-identical; the chunks hold exactly the rows of the unfused call and
+`merge_chunks` rebuilds the same batch; every scorer sees the same rows, only in smaller batches. Whether a score is
+then bit-identical too depends on the kernels being batch-invariant. On this CPU (torch 2.13, fp32) the transformer
+layers and the LM head are; the one-column heads of the critic and reward models (a Linear to 1 output) are not,
+unless a forward's rows x sequence width is a multiple of 8, which holds whatever the chunking when the sequence
+width (prompt width + max_new_tokens) is a multiple of 8. Otherwise values and model rewards differ from the
+unfused ones in the last bit (about 1e-8), and since Adam's first steps amplify such differences in near-zero
+gradients, the two runs then drift apart like any two runs on different kernels. Computing those heads as a
+row-wise reduction (`(hidden * weight).sum(-1) + bias`, batch-invariant) in the engines would make every width exact.
 
 What this leaves out. Long-tail migration (RLHFuse moves the unfinished samples to fewer generation instances
-once a threshold of samples is done, and frees the rest for scoring) needs a generation group whose rows can move
-between ranks mid-decode (re-prefill the partial responses, or ship KV caches) and scorers that can run on a
-subset of the actor's slots; with one generation rank per pool here there is nothing to migrate to. Intra-stage
+once a threshold of samples is done, and frees the others for scoring) needs rows that move between actor ranks
+mid-decode (ship their KV caches and sampling state; re-prefilling the partial responses would change their numerics
+and so the samples), a stop-and-hand-over call the decoding thread obeys, and scorer groups placed on the actor slots
+that migration frees (the placement would have to plan those). Not done here; with the split placement of a 2-slot
+machine the actor has a single rank and nothing to migrate to. Intra-stage
 fusion (RLHFuse's fused actor/critic training pipeline, which interleaves micro-batches of the two models' 1F1B
 schedules on the same pipeline stages) needs pipeline-parallel training engines exposing per-micro-batch forward /
 backward steps and a joint schedule; the torch-native engine here runs each update as one call.

@@ -1,21 +1,36 @@
 """Stage fusion (RLHFuse): PPO steps on a long-tailed workload, fused against unfused, in one run.
 
-    python benchmarks/fusion.py [--json] [--steps 4]
+    python benchmarks/fusion.py [--json] [--steps 6] [--evict] [--reward-layers 4]
 
-Workload: response lengths drawn per step from a Pareto distribution (seeded, so both modes draw the same): most
-responses are a few tokens, a few run to `max_new_tokens`. Each row's length is forced (`stop_at`, `ignore_eos`),
-so token counts do not depend on an untrained model's EOS. Split placement on two slots: the actor alone on slot 0;
-reference, critic and a model-based reward on slot 1 (the reference is moved from the actor's pool to the scorers'
-so that it is one of the models that can overlap generation; with it on slot 0 only critic and reward would). All
-four models have the actor's size. The generation engine drops finished rows from its batch (`evict_finished`) in
-both modes, so the long tail is decoded by a shrinking batch and the comparison measures fusion alone.
+Workload. Response lengths are drawn per step from a Pareto distribution (seeded, so both modes draw the same):
+most responses are a few tokens, about one in ten runs to `max_new_tokens`. Each row's length is forced
+(`stop_at` with `ignore_eos`), so token counts do not depend on an untrained model's EOS.
 
-Each mode runs on a freshly started cluster with the same seeds (the critic's dropout draws from its process's RNG,
-so sharing processes would make the two runs diverge), a warm-up step, then `--steps` measured steps. Tokens per
-second = (prompt + response tokens) / step time, median over the measured steps. `samples_digest` hashes every
-measured step's generated token ids: equal digests mean both modes sampled the same responses (from actors that
-received the same updates). The stage timeline shows one measured step per mode, per slot, from the Dask task
-stream: G generation, S scoring, U update, a tasks that run next to the data (joins, advantages), '.' idle.
+Placement. Split, two slots: the actor alone on slot 0; reference, critic and a model-based reward on slot 1. The
+reference is moved from the actor's pool (where `placement=split` puts it) to the scorers': on slot 0 it would wait
+for generation like the actor's own log-probs, and only critic and reward could overlap.
+
+Models. Actor, reference and critic are the same Llama (256 wide, 4 layers); the reward model is twice as deep
+(reward models are often larger than the policy they judge). Why not all four the same: PPO's update stage cannot
+overlap anything, and after generation the actor's own log-probs must still run on slot 0, so with scorers as
+heavy as one actor forward F each (3F on slot 1), updates of about 3F and generation G >= 3F, the best fused step
+is (G + F + 3F) against (G + 3F + 3F): at most 9/7 = 1.29x even with perfect overlap. `--reward-layers 4` measures
+that case.
+
+Generation. By default the engine keeps finished rows in its batch (its default), so every decode step costs the
+same until the longest response ends: the cost profile of a GPU, where a memory-bound decode step costs about as
+much for 4 rows as for 64, which is what makes the long tail expensive there. `--evict` drops finished rows
+(`SamplingConfig.evict_finished`, continuous batching's shrinking half): on a CPU, compute then shrinks with the
+batch, the tail is nearly free, generation is much shorter than scoring and there is little to overlap.
+
+Measurement. Each mode has its own 2-slot cluster with the same seeds (the critic's dropout draws from its worker
+process's RNG, so two modes sharing processes would diverge); both stay up and the steps alternate between them,
+the order alternating too, so load from outside the benchmark affects both modes alike. One warm-up step, then
+`--steps` measured steps each. Tokens per second = (prompt + response tokens) / step time, median over the
+measured steps; the paired per-step ratio is printed too. `samples_digest` hashes every measured step's generated
+token ids: equal digests mean both modes sampled the same responses from actors that received the same updates.
+The stage timeline shows each mode's last measured step per slot, from the Dask task stream: G generation,
+S scoring, U update, a tasks run next to the data (merging chunks, advantages), '.' idle.
 """
 
 from __future__ import annotations
@@ -46,19 +61,21 @@ from flowactors import Batch, Layout  # noqa: E402
 
 @dataclass
 class Workload:
-    prompts: int = 32
+    prompts: int = 64
+    """Prompts per step, 16 tokens each (the `digits` task), one sample each."""
     max_new_tokens: int = 128
-    """With 16-token prompts, 144-token sequences (a multiple of 8: exact scores, see algorithms/fusion.py)."""
+    """144-token sequences: a multiple of 8, which keeps the value and score heads' results bit-identical across
+    chunkings on this CPU (algorithms/fusion.py), so the two modes' updates, and then samples, stay identical."""
     pareto_alpha: float = 0.6
     """Tail index of the response lengths (smaller: heavier tail)."""
     min_tokens: int = 4
     """Scale of the Pareto distribution: the shortest responses."""
-    chunk_samples: int = 4
-    evict_finished: bool = True
+    chunk_samples: int = 16
+    evict_finished: bool = False
     hidden_size: int = 256
     num_layers: int = 4
     """Actor, reference and critic."""
-    reward_layers: int = 4
+    reward_layers: int = 8
     """The reward model's depth (same width)."""
 
     @property
@@ -92,52 +109,56 @@ def build(ctl: fa.Controller, w: Workload) -> dict:
             "reward": group("reward", RewardModelWorker, scorer_slot, w.reward_model)}
 
 
-def run_mode(fuse: bool, w: Workload, steps: int, warmup: int) -> dict:
-    """One mode on a fresh 2-slot cluster: warm-up steps, then `steps` measured ones."""
-    from distributed import get_task_stream
+class _Mode:
+    """One mode's own 2-slot cluster, groups and PPO program."""
 
-    cfg = PPOConfig(prompts_per_step=w.prompts, mini_batch_samples=w.prompts, micro_batch_tokens=4096,
-                    fuse=fuse, fuse_chunk_samples=w.chunk_samples, dashboard="none", kl_coef=0.02)
-    data = PromptData(get_task("digits"), build_tokenizer(w.model), 256, seed=0)
-    out: dict = {"step_s": [], "tokens": [], "responses": [], "timeline": []}
-    with fa.Controller.local(2, dashboard=None) as ctl:
-        algo = PPO(cfg)
-        algo.setup(ctl, build(ctl, w))
+    def __init__(self, fuse: bool, w: Workload) -> None:
+        self.w = w
+        self.name = "fused" if fuse else "unfused"
+        self.ctl = fa.Controller.local(2, dashboard=None)
+        cfg = PPOConfig(prompts_per_step=w.prompts, mini_batch_samples=w.prompts, micro_batch_tokens=4096,
+                        fuse=fuse, fuse_chunk_samples=w.chunk_samples, dashboard="none")
+        self.algo = PPO(cfg)
+        self.algo.setup(self.ctl, build(self.ctl, w))
+        self.data = PromptData(get_task("digits"), build_tokenizer(w.model), 256, seed=0)
+        self.step_s: list[float] = []
+        self.tokens: list[float] = []
+        self.digest = hashlib.sha256()
+        self.timeline: list[dict] = []
+
+    def step(self, i: int, measured: bool) -> None:
+        from distributed import get_task_stream
+
+        p = self.data.next_batch(self.w.prompts, 1)
+        prompts = Batch({**p.tensors, "stop_at": self.w.lengths(i)}, p.rows, p.meta)
+        with get_task_stream(client=self.ctl.client) as ts:
+            wall0, t0 = time.time(), time.perf_counter()
+            m = self.algo.step(prompts, i)
+            dt = time.perf_counter() - t0
+        if measured:
+            self.step_s.append(dt)
+            self.tokens.append(m["prompt_tokens"] + m["response_tokens"])
+            self.digest.update(self.algo.last_batch.result()["responses"].numpy().tobytes())
+            self.timeline = _timeline(ts.data, self.ctl.slots, wall0, dt)
+
+    def row(self) -> dict:
+        step_s = statistics.median(self.step_s)
+        return {"mode": self.name, "tokens_per_s": round(statistics.median(self.tokens) / step_s, 1),
+                "step_s": round(step_s, 4), "samples_digest": self.digest.hexdigest()[:16]}
+
+
+def measure(w: Workload, steps: int, warmup: int) -> tuple[list[dict], dict[str, list[dict]], list[float]]:
+    """Both modes side by side, steps alternating between them (see the module docstring)."""
+    modes = [_Mode(False, w), _Mode(True, w)]
+    try:
         for i in range(warmup + steps):
-            p = data.next_batch(w.prompts, 1)
-            prompts = Batch({**p.tensors, "stop_at": w.lengths(i)}, p.rows, p.meta)
-            with get_task_stream(client=ctl.client) as ts:
-                wall0, t0 = time.time(), time.perf_counter()
-                m = algo.step(prompts, i)
-                dt = time.perf_counter() - t0
-            if i < warmup:
-                continue
-            out["step_s"].append(dt)
-            out["tokens"].append(m["prompt_tokens"] + m["response_tokens"])
-            out["responses"].append(algo.last_batch.result()["responses"].numpy().tobytes())
-            out["timeline"] = _timeline(ts.data, ctl.slots, wall0, dt)
-    return out
-
-
-def measure(w: Workload, rounds: int, steps: int, warmup: int) -> tuple[list[dict], dict[str, list[dict]]]:
-    """`rounds` rounds of both modes, the order alternating (machine load drifts); each round restarts from the
-    same initial models, so every round samples the same responses."""
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for r in range(rounds):
-        for fuse in ((False, True) if r % 2 == 0 else (True, False)):
-            runs[fuse].append(run_mode(fuse, w, steps, warmup))
-    rows, timelines = [], {}
-    for fuse, rs in runs.items():
-        mode = "fused" if fuse else "unfused"
-        step_s = statistics.median(t for r in rs for t in r["step_s"])
-        tokens = statistics.median(t for r in rs for t in r["tokens"])
-        digest = hashlib.sha256(b"".join(rs[0]["responses"])).hexdigest()[:16]
-        if any(hashlib.sha256(b"".join(r["responses"])).hexdigest()[:16] != digest for r in rs):
-            digest += "!"  # rounds of one mode disagree: not reproducible
-        rows.append({"mode": mode, "tokens_per_s": round(tokens / step_s, 1), "step_s": round(step_s, 4),
-                     "samples_digest": digest})
-        timelines[mode] = rs[-1]["timeline"]
-    return rows, timelines
+            for m in (modes if i % 2 == 0 else modes[::-1]):
+                m.step(i, measured=i >= warmup)
+    finally:
+        for m in modes:
+            m.ctl.close()
+    paired = [u / f for u, f in zip(modes[0].step_s, modes[1].step_s)]
+    return [m.row() for m in modes], {m.name: m.timeline for m in modes}, paired
 
 
 _KIND = {"generate_sequences": "G", "start_generation": "G", "next_generated_chunk": "G", "update_actor": "U",
@@ -145,6 +166,7 @@ _KIND = {"generate_sequences": "G", "start_generation": "G", "next_generated_chu
 
 
 def _kind(key: str) -> str:
+    """Stage of a task from its key: `group.method-rank-token` (calls) or `name-token` (apply)."""
     name = key.rsplit("-", 2)[0] if key.count("-") >= 2 else key.rsplit("-", 1)[0]
     method = name.split(".")[-1]
     return _KIND.get(method, "S" if method.startswith("compute_") else "a")
@@ -167,9 +189,8 @@ def _bars(spans: list[dict], width: int = 72) -> list[str]:
         bar = ["."] * width
         for s in sorted((s for s in spans if s["slot"] == slot), key=lambda s: s["start"]):
             a, b = int(max(0.0, s["start"]) / dt * width), int(min(dt, s["stop"]) / dt * width)
-            for c in range(a, max(a + 1, b)):
-                if c < width:
-                    bar[c] = s["kind"]
+            for c in range(a, min(width, max(a + 1, b))):
+                bar[c] = s["kind"]
         busy = {k: sum(s["stop"] - s["start"] for s in spans if s["slot"] == slot and s["kind"] == k) for k in "GSUa"}
         lines.append(f"  slot {slot} |{''.join(bar)}|  " + "  ".join(f"{k} {v:.2f}s" for k, v in busy.items() if v))
     return lines
@@ -178,39 +199,41 @@ def _bars(spans: list[dict], width: int = 72) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     d = Workload()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of both modes, each on fresh clusters")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per mode and round")
+    p.add_argument("--json", action="store_true", help="print one JSON line per mode first")
+    p.add_argument("--steps", type=int, default=6, help="measured steps per mode")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompts", type=int, default=d.prompts)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--alpha", type=float, default=d.pareto_alpha, help="Pareto tail index of the lengths")
     p.add_argument("--chunk-samples", type=int, default=d.chunk_samples)
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--num-layers", type=int, default=d.num_layers, help="actor, reference and critic")
     p.add_argument("--reward-layers", type=int, default=d.reward_layers)
-    p.add_argument("--no-evict", action="store_true", help="keep finished rows in the decode batch")
+    p.add_argument("--evict", action="store_true", help="drop finished rows from the decode batch")
     args = p.parse_args(argv)
     w = Workload(prompts=args.prompts, max_new_tokens=args.max_new_tokens, pareto_alpha=args.alpha,
-                 chunk_samples=args.chunk_samples, evict_finished=not args.no_evict, hidden_size=args.hidden_size,
+                 chunk_samples=args.chunk_samples, evict_finished=args.evict, hidden_size=args.hidden_size,
                  num_layers=args.num_layers, reward_layers=args.reward_layers)
-    rows, timelines = measure(w, args.rounds, args.steps, args.warmup)
+    rows, timelines, paired = measure(w, args.steps, args.warmup)
     if args.json:
         for r in rows:
             print(json.dumps(r))
     lengths = torch.cat([w.lengths(i) for i in range(args.warmup, args.warmup + args.steps)]).float()
     print(f"\n{w.prompts} prompts/step of 16 tokens; response lengths Pareto(alpha={w.pareto_alpha}, "
           f"min={w.min_tokens}) capped at {w.max_new_tokens}: median {lengths.median():.0f}, mean "
-          f"{lengths.mean():.1f}, {(lengths >= w.max_new_tokens).float().mean():.0%} at the cap; four Llama "
-          f"{w.hidden_size}x{w.num_layers} models; slot 0: actor | slot 1: ref, critic, reward model; chunks of "
-          f"{w.chunk_samples} samples; evict_finished={w.evict_finished}; {args.rounds} rounds x {args.steps} steps")
+          f"{lengths.mean():.1f}, {(lengths >= w.max_new_tokens).float().mean():.0%} at the cap. Llama "
+          f"{w.hidden_size} wide: actor, ref, critic {w.num_layers} layers, reward model {w.reward_layers}. "
+          f"Slot 0: actor | slot 1: ref, critic, reward. Chunks of {w.chunk_samples} samples; "
+          f"evict_finished={w.evict_finished}; {args.steps} measured steps per mode.")
     base = next(r for r in rows if r["mode"] == "unfused")
     print(f"\n{'mode':<8} {'tokens/s':>9} {'step s':>8} {'samples digest':>18} {'vs unfused':>11}")
     for r in rows:
         print(f"{r['mode']:<8} {r['tokens_per_s']:>9.1f} {r['step_s']:>8.3f} {r['samples_digest']:>18} "
               f"{r['tokens_per_s'] / base['tokens_per_s']:>10.2f}x")
-    print("\nstage timeline, last measured step of each mode (G generation, S scoring, U update, a joins and "
-          "advantages, . idle):")
+    print(f"paired per-step speed-up: median {statistics.median(paired):.2f}x, range {min(paired):.2f}-"
+          f"{max(paired):.2f}x")
+    print("\nstage timeline, last measured step of each mode (G generation, S scoring, U update, a merging chunks "
+          "and advantages, . idle):")
     for r in rows:
         spans = timelines[r["mode"]]
         print(f" {r['mode']} ({spans[0]['step_s'] if spans else 0:.2f} s)")

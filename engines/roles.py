@@ -169,11 +169,10 @@ class ActorWorker(ModelWorker):
         if self._stream is None:
             raise RuntimeError(f"no generation is running on {self.group_name} rank {self.rank}; call "
                                f"start_generation(prompts, chunk_samples) before next_generated_chunk({k})")
-        try:
-            return self._stream.take(k)
-        finally:
-            if self._stream.finished:
-                self._stream = None
+        chunk = self._stream.take(k)  # a decoding error is raised here, and by every later chunk call
+        if self._stream.finished:
+            self._stream = None
+        return chunk
 
     def _end_stream(self) -> None:
         if self._stream is not None:
