@@ -245,11 +245,16 @@ class GenerationStream:
         self._stop = threading.Event()
         self._next = 0
         self._error: BaseException | None = None
+        # the current CUDA device is per thread: decode on the one the worker pinned, not on device 0
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
+            if self._device is not None:
+                torch.cuda.set_device(self._device)
             for chunk in self._chunks:
                 if self._stop.is_set():
                     break

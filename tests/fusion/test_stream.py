@@ -43,7 +43,7 @@ def test_stream_yields_generate_rows_in_completion_order(tiny, sampling, chunk_r
     p = prompts(tok, STOPS)
     whole = eng.generate(model, p, sampling)
     chunks = list(eng.stream(model, p, sampling, chunk_rows, row_offset=100))
-    assert [len(c) for c in chunks] == [chunk_rows] * (10 // chunk_rows) + ([10 % chunk_rows] if 10 % chunk_rows else [])
+    assert [len(c) for c in chunks] == [chunk_rows] * (10 // chunk_rows) + [10 % chunk_rows] * bool(10 % chunk_rows)
     stream = Batch.concat(chunks)
     # completion order: a row finishing at step t has t + 1 response tokens; same step -> by row index
     finish = [(int(n), int(i)) for n, i in zip(stream["response_mask"].sum(-1), stream[ROW_INDEX])]
