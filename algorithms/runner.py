@@ -6,7 +6,7 @@
 - `PromptData`: the task's prompts with a data position (epoch, index) that checkpoints can save.
 - `run_warm_start`: supervised fine-tuning through `update_actor` with an NLL loss, then the SFT model is exported as
   a Hugging Face folder from which the reference and the critics start (SFT → RLHF, as real pipelines do).
-- Batch-level helpers (`join`, `summarize`) that run as Dask tasks next to the data.
+- `summarize`: the per-step metrics, run as a Dask task next to the data.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from algorithms.config import RLConfig, apply_overrides, derived_sizes
 from algorithms.core import SFTLoss, masked_mean
 from algorithms.tasks import Task, get_task
 from engines import ModelConfig, OptimConfig, SamplingConfig, build_tokenizer
+from engines.generation import assemble_samples
 from flowactors import Batch, Controller, Layout
 
-__all__ = ["parse_args", "open_controller", "Pools", "place", "PromptData", "run_warm_start", "join", "summarize",
+__all__ = ["parse_args", "open_controller", "Pools", "place", "PromptData", "run_warm_start", "summarize",
            "build_common"]
 
 
@@ -159,18 +160,13 @@ class PromptData:
         rng = random.Random(seed)
         examples = [self.examples[rng.randrange(len(self.examples))] for _ in range(samples)]
         ids, mask = self.encode(examples)
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        resp = torch.full((samples, max_new_tokens), pad, dtype=torch.long)
+        eos = self.tokenizer.eos_token_id
+        resp = torch.full((samples, max_new_tokens), self.tokenizer.pad_token_id, dtype=torch.long)
         for r, (_, demo, _) in enumerate(examples):
             toks = (self.tokenizer(demo, add_special_tokens=False).input_ids + [eos])[:max_new_tokens]
             resp[r, :len(toks)] = torch.tensor(toks)
-        rmask = (torch.arange(max_new_tokens)[None] < torch.tensor(
-            [min(len(self.tokenizer(d, add_special_tokens=False).input_ids) + 1, max_new_tokens)
-             for _, d, _ in examples])[:, None]).long()
-        full = torch.cat([mask, rmask], 1)
-        from engines.ops import position_ids_from_mask
-        return Batch({"prompts": ids, "responses": resp, "input_ids": torch.cat([ids, resp], 1),
-                      "attention_mask": full, "position_ids": position_ids_from_mask(full), "response_mask": rmask})
+        return assemble_samples(Batch({"input_ids": ids, "attention_mask": mask}), resp, torch.zeros(resp.shape),
+                                eos=eos, pad=self.tokenizer.pad_token_id)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
@@ -205,11 +201,6 @@ def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, task: 
 
 
 # -- batch-level helpers that run as tasks ----------------------------------------------------------------------------
-
-def join(*batches: Batch) -> Batch:
-    """Fields of several results about the same samples side by side."""
-    return batches[0].union(*batches[1:])
-
 
 def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
     """Per-step metrics, computed next to the data; only this small dict reaches the controller."""

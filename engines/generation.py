@@ -39,7 +39,7 @@ import torch
 from engines.ops import position_ids_from_mask, response_mask_from_tokens
 from flowactors import Batch
 
-__all__ = ["SamplingConfig", "HFGenerationEngine", "GenerationStream", "ROW_INDEX", "STOP_AT"]
+__all__ = ["assemble_samples", "SamplingConfig", "HFGenerationEngine", "GenerationStream", "ROW_INDEX", "STOP_AT"]
 
 ROW_INDEX = "row_index"
 """Field of a streamed chunk: each row's index in the call's prompt batch."""
@@ -177,28 +177,36 @@ class HFGenerationEngine:
 
     def _assemble(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor,
                   cfg: SamplingConfig) -> Batch:
-        """The output batch of these rows (row-wise ops only: a subset of rows assembles to the same values)."""
-        ids, mask = prompts["input_ids"], prompts["attention_mask"]
-        resp_mask = torch.ones_like(out_tokens) if cfg.ignore_eos else response_mask_from_tokens(out_tokens, self.eos)
-        stop = _stop_lengths(prompts)
-        if stop is not None:
-            resp_mask = resp_mask * (torch.arange(out_tokens.shape[1]) < stop[:, None])
-        out_tokens = torch.where(resp_mask.bool(), out_tokens, torch.full_like(out_tokens, self.pad))
-        full_mask = torch.cat([mask, resp_mask], dim=1)
-        tensors = {
-            "prompts": ids, "responses": out_tokens, "input_ids": torch.cat([ids, out_tokens], dim=1),
-            "attention_mask": full_mask, "position_ids": position_ids_from_mask(full_mask),
-            "response_mask": resp_mask, "rollout_log_probs": out_logp * resp_mask,
-        }
-        keep = {k: v for k, v in prompts.tensors.items() if k not in tensors and k not in ("input_ids",
-                                                                                           "attention_mask")}
-        return Batch({**keep, **tensors}, prompts.rows, prompts.meta)
+        return assemble_samples(prompts, out_tokens, out_logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
 
     def _chunk(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor, rows: list[int],
                cfg: SamplingConfig, row_offset: int) -> Batch:
         idx = torch.tensor(rows, dtype=torch.long)
         out = self._assemble(prompts.take(idx), out_tokens[idx], out_logp[idx], cfg)
         return Batch({**out.tensors, ROW_INDEX: idx + row_offset}, out.rows, out.meta)
+
+
+def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tensor, *, eos: int, pad: int,
+                     ignore_eos: bool = False) -> Batch:
+    """Prompts plus sampled (or demonstrated) response tokens in the module's output layout.
+
+    The response mask runs up to and including the first EOS (or over every token with `ignore_eos`, or up to a
+    row's `stop_at`); tokens after it become `pad`. Row-wise ops only: a subset of rows assembles to the same
+    values. Shared by every generation engine and by demonstrations for supervised warm starts."""
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    resp_mask = torch.ones_like(tokens) if ignore_eos else response_mask_from_tokens(tokens, eos)
+    stop = _stop_lengths(prompts)
+    if stop is not None:
+        resp_mask = resp_mask * (torch.arange(tokens.shape[1]) < stop[:, None])
+    tokens = torch.where(resp_mask.bool(), tokens, torch.full_like(tokens, pad))
+    full_mask = torch.cat([mask, resp_mask], dim=1)
+    tensors = {
+        "prompts": ids, "responses": tokens, "input_ids": torch.cat([ids, tokens], dim=1),
+        "attention_mask": full_mask, "position_ids": position_ids_from_mask(full_mask),
+        "response_mask": resp_mask, "rollout_log_probs": log_probs * resp_mask,
+    }
+    keep = {k: v for k, v in prompts.tensors.items() if k not in tensors and k not in ("input_ids", "attention_mask")}
+    return Batch({**keep, **tensors}, prompts.rows, prompts.meta)
 
 
 def _stop_lengths(prompts: Batch) -> torch.Tensor | None:

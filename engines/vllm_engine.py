@@ -16,12 +16,9 @@ the two engines are interchangeable for the roles. This module is exercised wher
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
-
 import torch
 
-from engines.generation import SamplingConfig
-from engines.ops import position_ids_from_mask, response_mask_from_tokens
+from engines.generation import SamplingConfig, assemble_samples
 from flowactors import Batch
 
 __all__ = ["VLLMGenerationEngine"]
@@ -78,10 +75,4 @@ class VLLMGenerationEngine:
         if self.sleep_between_rollouts:
             self.llm.sleep(level=1)
             self._asleep = True
-        resp_mask = torch.ones_like(tokens) if cfg.ignore_eos else response_mask_from_tokens(tokens, self.eos)
-        tokens = torch.where(resp_mask.bool(), tokens, torch.full_like(tokens, self.pad))
-        full = torch.cat([mask, resp_mask], dim=1)
-        keep: dict[str, Any] = {k: v for k, v in prompts.tensors.items() if k not in ("input_ids", "attention_mask")}
-        return Batch({**keep, "prompts": ids, "responses": tokens, "input_ids": torch.cat([ids, tokens], 1),
-                      "attention_mask": full, "position_ids": position_ids_from_mask(full), "response_mask": resp_mask,
-                      "rollout_log_probs": logp * resp_mask}, prompts.rows, prompts.meta)
+        return assemble_samples(prompts, tokens, logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
