@@ -13,7 +13,7 @@ import torch
 from algorithms.core import gae, grpo_advantages, kl_penalty, masked_whiten, remax_advantages, token_rewards
 from flowactors import Batch
 
-__all__ = ["ppo_advantages", "safe_rlhf_advantages", "grpo_step_advantages", "remax_step_advantages"]
+__all__ = ["join", "ppo_advantages", "safe_rlhf_advantages", "grpo_step_advantages", "remax_step_advantages"]
 
 
 def _update_meta(batch: Batch, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
@@ -28,13 +28,14 @@ def _gae_fields(batch: Batch, scores: torch.Tensor, values_key: str, kl_coef: fl
     return gae(rewards, batch[values_key], mask, gamma, lam)
 
 
-def _join(parts: tuple[Batch, ...]) -> Batch:
-    return parts[0].union(*parts[1:])
+def join(*batches: Batch) -> Batch:
+    """Fields of several results about the same samples side by side."""
+    return batches[0].union(*batches[1:])
 
 
 def ppo_advantages(*parts: Batch, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool,
                    mini_batch_samples: int, epochs: int, seed: int) -> Batch:
-    batch = _join(parts)
+    batch = join(*parts)
     adv, ret = _gae_fields(batch, batch["rewards"], "values", kl_coef, kl_estimator, gamma, lam)
     if whiten:
         adv = masked_whiten(adv, batch["response_mask"])
@@ -44,7 +45,7 @@ def ppo_advantages(*parts: Batch, gamma: float, lam: float, kl_coef: float, kl_e
 def safe_rlhf_advantages(*parts: Batch, lagrange_lambda: float, gamma: float, lam: float, kl_coef: float,
                          kl_estimator: str, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
     """Reward advantages (KL penalty in the reward) and cost advantages, combined as (A_r − λ·A_c) / (1 + λ)."""
-    batch = _join(parts)
+    batch = join(*parts)
     mask = batch["response_mask"]
     adv_r, ret_r = _gae_fields(batch, batch["rewards"], "values", kl_coef, kl_estimator, gamma, lam)
     adv_c, ret_c = _gae_fields(batch, batch["costs"], "cost_values", 0.0, kl_estimator, gamma, lam)
@@ -55,7 +56,7 @@ def safe_rlhf_advantages(*parts: Batch, lagrange_lambda: float, gamma: float, la
 
 
 def grpo_step_advantages(*parts: Batch, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
-    batch = _join(parts)
+    batch = join(*parts)
     adv = grpo_advantages(batch["rewards"], batch["group"], batch["response_mask"])
     return _update_meta(batch.union(Batch({"advantages": adv})), mini_batch_samples, epochs, seed)
 
@@ -63,7 +64,7 @@ def grpo_step_advantages(*parts: Batch, mini_batch_samples: int, epochs: int, se
 def remax_step_advantages(*parts: Batch, greedy_rewards: Batch, kl_coef: float, mini_batch_samples: int,
                           epochs: int, seed: int) -> Batch:
     """ReMax: the greedy response's reward is the baseline; the KL penalty is subtracted from the return."""
-    batch = _join(parts)
+    batch = join(*parts)
     mask = batch["response_mask"]
     adv = remax_advantages(batch["rewards"], greedy_rewards["rewards"], mask)
     if kl_coef:

@@ -14,7 +14,8 @@ import flowactors as fa
 from algorithms.config import PPOConfig
 from algorithms.fusion import fused_rollout
 from algorithms.ppo import PPO
-from algorithms.runner import PromptData, join
+from algorithms.advantages import join
+from algorithms.runner import PromptData
 from algorithms.tasks import get_task
 from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RuleRewardWorker, SamplingConfig,
                      build_tokenizer)
