@@ -219,9 +219,9 @@ class _Run:
         if not self.cfg.metrics_file:
             return
         path = Path(self.cfg.metrics_file)
-        mine = {r["step"] for r in self.history}
+        first = self.history[0]["step"] if self.history else float("inf")  # this run's steps are contiguous
         old = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-        rows = [r for r in old if r["step"] not in mine and r["step"] < min(mine, default=0)] + self.history
+        rows = [r for r in old if r["step"] < first] + self.history
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
