@@ -125,10 +125,7 @@ class TensorRule:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return torch.Size(self.shape).numel()
 
     def shard_shape(self, tp_size: int) -> tuple[int, ...]:
         if self.split_dim is None:
@@ -226,10 +223,7 @@ class ShardEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return torch.Size(self.shape).numel()
 
 
 @dataclass(frozen=True)
