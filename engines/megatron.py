@@ -1,0 +1,418 @@
+"""The megatron-core training engine: the GPU production path for TP / PP / DP (DESIGN §4).
+
+`MegatronEngine` has the public interface of the torch-native `engines.training.TrainEngine` (`log_probs`,
+`policy_outputs`, `update`, `set_lr`, `full_state_dict`), so a role can hold either. Inside, everything is
+megatron-core's own machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the
+transformers config, `parallel_state.initialize_model_parallel` for the TP × DP × PP rank grid (the same order as
+our meshes: tp fastest, then dp, then pp), its `DistributedDataParallel` with the distributed optimizer, and the
+pipeline schedules of `get_forward_backward_func` (1F1B when pp > 1). Weights come in and go out in Hugging Face
+format through `engines.megatron_convert`.
+
+Version. megatron-core is pinned to 0.16.1, the last release that installs on Python 3.11 (0.17 and later need
+Python >= 3.12). It is imported lazily: `import engines.megatron` works without it; only building an engine
+needs it.
+
+Loss aggregation matches TrainEngine: token-mean over the whole mini-batch across data-parallel ranks. We use
+megatron's own per-token mode (`calculate_per_token_loss`): each micro-batch returns its summed weighted token
+loss and its response-token count, DDP sums gradients over DP, and `finalize_model_grads` divides by the token
+count all-reduced over DP. The update is therefore independent of the DP size and the micro-batch split.
+
+Log-probs and entropy are computed vocab-parallel (the logits stay split over TP): max and sum-exp are
+all-reduced over the TP group with megatron's autograd-aware reduction, so no rank materialises the full-vocab
+logits.
+
+Differences from TrainEngine worth knowing:
+
+* weight decay follows megatron's default grouping (no decay on biases and norm weights); TrainEngine decays
+  every parameter. Identical when weight_decay = 0.
+* the rotary embedding is applied by sequence index, not by `position_ids`; for left-padded rows this is the
+  same attention (rotary scores depend on position differences only), up to float rounding.
+* only the causal-LM head (actor, reference) is built here; critics and reward models use TrainEngine.
+
+What runs where. On GPUs the engine runs as is (NCCL, CUDA). On CPU, megatron-core 0.16.1 still reaches for CUDA
+in a few non-mathematical places (`torch.cuda.current_device`, the CUDA RNG tracker, literal `device="cuda"` in
+the schedules and optimizer, `'torch.cuda.FloatTensor'` type checks); the tests redirect those with a shim that
+lives in tests/engines/megatron_shim.py and never in this package. With it, TP, PP (1F1B), DP with the
+distributed optimizer, and their combinations run on gloo and match a plain transformers model. GPU-only: bf16 /
+fp16 mixed precision as a tested path, Transformer Engine layer specs (fused kernels, sequence parallel, which
+megatron's torch-norm path refuses), overlapped gradient reduction and parameter gathering.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engines.megatron_convert import MegatronGeometry, check_megatron_fits, hf_to_megatron, megatron_to_hf
+from engines.ops import response_logits
+from engines.training import LossFn, OptimConfig
+from flowactors import Batch
+
+__all__ = ["MegatronEngine", "megatron_available"]
+
+_GRAD_CLIP_OFF = 1e30
+"""megatron computes the gradient norm only when clipping; with grad_clip = 0 we clip at a norm never reached."""
+
+
+def megatron_available() -> bool:
+    """Whether megatron-core can be imported here (it is an optional extra: pip install '.[megatron]')."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_hf_config(config) -> None:
+    """Refuse transformers settings this GPTModel does not reproduce, naming the setting."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r}: the megatron engine builds SwiGLU (silu) MLPs only")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type={rope.get('rope_type')!r} (rope scaling) is not converted to megatron-core here; "
+                         f"use a checkpoint with default rotary embeddings or the torch-native TrainEngine")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("use_sliding_window=True is not supported by the megatron engine")
+
+
+def _rope_theta(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _transformer_config(config, g: MegatronGeometry, tp: int, pp: int, dtype: torch.dtype):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=g.num_layers, hidden_size=g.hidden_size, ffn_hidden_size=g.intermediate_size,
+        num_attention_heads=g.num_heads, num_query_groups=g.num_kv_heads, kv_channels=g.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=float(config.rms_norm_eps),
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=g.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        # micro-batches differ in rows and width; the pipeline exchanges shapes before activations
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # unused (no experts), but the default refuses variable lengths
+        calculate_per_token_loss=True,
+        # weights are loaded from the HF checkpoint right after construction
+        perform_initialization=False, use_cpu_initialization=not torch.cuda.is_available(),
+        # the fused kernels need CUDA (and some Apex / TE); the plain paths are numerically the reference ones
+        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+    )
+
+
+def _init_model_parallel(tp: int, pp: int) -> None:
+    """megatron's parallel_state is process-global: initialise it once, or check it matches."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised; the megatron engine runs inside a process group "
+                           "(a flowactors group, or dist.init_process_group for a single process)")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of tp × pp = {tp} × {pp}; choose tp and pp whose "
+                         f"product divides the number of ranks (the rest is data parallel)")
+    if mpu.model_parallel_is_initialized():
+        have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise ValueError(f"megatron's parallel state is already initialised with (tp, pp) = {have}, not "
+                             f"{(tp, pp)}; every megatron engine in one process must share one layout")
+        return
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)  # dropout streams; required by the attention layer
+
+
+def _attention_mask(mask: torch.Tensor) -> torch.Tensor:
+    """megatron's boolean mask [b, 1, s, s], True where a query must NOT attend: causal and key padding."""
+    t = mask.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=mask.device).tril()
+    return ~(causal[None] & mask.bool()[:, None, :])[:, None]
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                             with_entropy: bool) -> dict[str, torch.Tensor]:
+    """log p(token) (and entropy) in float32 from logits split over the TP group's vocabulary shards."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+    z = logits.float() / temperature
+    local_vocab = z.shape[-1]
+    start = mpu.get_tensor_model_parallel_rank() * local_vocab
+    peak = z.detach().max(-1).values  # a constant shift, so no gradient through the max
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+    z = z - peak.unsqueeze(-1)
+    exp = z.exp()
+    log_norm = tp_sum(exp.sum(-1)).log()
+    local = tokens - start
+    inside = (local >= 0) & (local < local_vocab)
+    picked = z.gather(-1, local.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1) * inside
+    out = {"log_probs": tp_sum(picked) - log_norm}
+    if with_entropy:
+        out["entropy"] = log_norm - tp_sum((exp * z).sum(-1)) / log_norm.exp()
+    return out
+
+
+def _mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """Tag TP-sharded weights the way megatron's initialisers do.
+
+    megatron-core 0.16.1 sets `tensor_model_parallel` / `partition_dim` on a parallel layer's weight only inside
+    its random initialisers, which we skip (perform_initialization=False: the weights come from the checkpoint).
+    Untagged shards count as TP replicas, so the gradient norm (and with it clipping) would drop every TP rank's
+    shard but rank 0's."""
+    from megatron.core import tensor_parallel as mtp
+
+    dims = {mtp.ColumnParallelLinear: 0, mtp.VocabParallelEmbedding: 0, mtp.RowParallelLinear: 1}
+    for module in model.modules():
+        dim = next((d for cls, d in dims.items() if isinstance(module, cls)), None)
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            mtp.set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+
+class MegatronEngine:
+    """A megatron-core GPTModel shard (this rank's TP × PP piece) with megatron's DDP and optimizer."""
+
+    def __init__(self, hf_config, state_dict: Mapping[str, torch.Tensor], optim: OptimConfig | None, *,
+                 tp: int = 1, pp: int = 1, trainable: bool = True, distributed_optimizer: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
+        _check_hf_config(hf_config)
+        self.geometry = MegatronGeometry.from_hf_config(hf_config)
+        check_megatron_fits(self.geometry, tp, pp)  # before any collective
+        try:
+            from megatron.core import parallel_state as mpu
+        except ImportError as e:
+            raise ImportError("the megatron engine needs megatron-core==0.16.1: pip install '.[megatron]'") from e
+        self.hf_config, self.cfg = hf_config, optim or OptimConfig()
+        self.tp, self.pp = tp, pp
+        _init_model_parallel(tp, pp)
+        self.dp_size = mpu.get_data_parallel_world_size()
+        self.tp_rank, self.pp_rank = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
+        self.first_stage, self.last_stage = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        dtype = dtype or state_dict["model.embed_tokens.weight"].dtype
+        self.config = _transformer_config(hf_config, self.geometry, tp, pp, dtype)
+        self.module = self._build_model(state_dict, dtype)
+        self.model: torch.nn.Module = self.module
+        self.optimizer = None
+        self._peak_lr, self._steps = self.cfg.lr, 0
+        if trainable:
+            self._wrap_for_training(distributed_optimizer)
+        else:
+            self.module.requires_grad_(False)
+        self._pending: tuple[Batch, torch.Tensor] | None = None
+
+    @classmethod
+    def from_hf_model(cls, model: torch.nn.Module, optim: OptimConfig | None, **kwargs: Any) -> MegatronEngine:
+        """Build from a transformers causal-LM (e.g. engines.build_model(cfg, "lm")); every rank passes the same."""
+        return cls(model.config, model.state_dict(), optim, **kwargs)
+
+    # -- construction -----------------------------------------------------------------------------------------
+    def _build_model(self, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.nn.Module:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        g = self.geometry
+        model = GPTModel(
+            config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=g.vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
+            pre_process=self.first_stage, post_process=self.last_stage,
+            share_embeddings_and_output_weights=g.tied_embeddings, position_embedding_type="rope",
+            rotary_base=_rope_theta(self.hf_config), parallel_output=True,
+        )
+        shard = hf_to_megatron(state_dict, g, self.tp_rank, self.tp, self.pp_rank, self.pp)
+        expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+        if set(shard) != expected:
+            raise RuntimeError(f"converted shard and GPTModel disagree: missing {sorted(expected - set(shard))}, "
+                               f"unexpected {sorted(set(shard) - expected)}")
+        model.load_state_dict({k: v.to(dtype) for k, v in shard.items()}, strict=False)
+        _mark_tensor_parallel(model)
+        return model.to(self.device)
+
+    def _wrap_for_training(self, distributed_optimizer: bool) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=distributed_optimizer)
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.module)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+        c = self.cfg
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.betas[0],
+                            adam_beta2=c.betas[1], adam_eps=1e-8, clip_grad=c.grad_clip or _GRAD_CLIP_OFF,
+                            use_distributed_optimizer=distributed_optimizer, bf16=self.config.bf16,
+                            fp16=self.config.fp16, params_dtype=self.config.params_dtype),
+            [self.model])
+        self._apply_lr()
+
+    # -- learning rate ----------------------------------------------------------------------------------------
+    def _lr_factor(self, step: int) -> float:
+        if step < self.cfg.warmup_steps:
+            return (step + 1) / self.cfg.warmup_steps
+        if self.cfg.lr_schedule == "cosine":
+            t = min(1.0, (step - self.cfg.warmup_steps) / max(1, self.cfg.total_steps - self.cfg.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0
+
+    def _apply_lr(self) -> float:
+        lr = self._peak_lr * self._lr_factor(self._steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def set_lr(self, lr: float) -> None:
+        """Set the peak learning rate the schedule scales (e.g. warm start and RL use different rates)."""
+        self._peak_lr = lr
+        if self.optimizer is not None:
+            self._apply_lr()
+
+    # -- forward passes ---------------------------------------------------------------------------------------
+    def micro_batches(self, batch: Batch) -> list[Batch]:
+        width = int(batch["input_ids"].shape[1])
+        rows = max(1, self.cfg.micro_batch_tokens // max(1, width))
+        return batch.chunk(rows) if len(batch) else []
+
+    def _run_model(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        ids = mb["input_ids"].to(self.device)
+        mask = mb["attention_mask"].to(self.device)
+        pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)  # rope uses sequence index anyway
+        return model(input_ids=ids, position_ids=pos, attention_mask=_attention_mask(mask))
+
+    def _logits(self, mb: Batch) -> torch.Tensor:
+        """This micro-batch's vocab-sharded logits (B, T, V/tp): the schedule's output when inside one."""
+        if self._pending is not None and self._pending[0] is mb:
+            return self._pending[1]
+        if self.pp > 1:
+            raise RuntimeError("with pp > 1 the logits exist only inside the pipeline schedule; call log_probs or "
+                               "update, whose outputs_fn is evaluated on the last stage")
+        return self._run_model(self.model, mb)
+
+    def policy_outputs(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        resp = mb["responses"].to(self.device)
+        logits = response_logits(self._logits(mb), resp.shape[1])
+        return vocab_parallel_log_probs(logits, resp, temperature, with_entropy)
+
+    def value_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("the megatron engine builds causal-LM heads only; critics use TrainEngine")
+
+    def _schedule(self, mbs: list[Batch], loss_step: Callable[[Batch, torch.Tensor], tuple], forward_only: bool
+                  ) -> list[Any]:
+        """Run megatron's forward(-backward) schedule over the micro-batches; returns the last stage's records."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            return self._run_model(model, mb), partial(loss_step, mb)
+
+        first = mbs[0]["input_ids"].shape
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
+            seq_length=int(first[1]), micro_batch_size=int(first[0]), forward_only=forward_only)
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """Every PP stage gets the last stage's Python object (outputs, metrics)."""
+        if self.pp == 1:
+            return obj
+        from megatron.core import parallel_state as mpu
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
+                                   group=mpu.get_pipeline_model_parallel_group())
+        return box[0]
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
+        self.model.eval()
+        mbs = self.micro_batches(batch)
+        if not mbs:
+            return Batch()
+
+        def loss_step(mb: Batch, output: torch.Tensor):
+            self._pending = (mb, output)
+            try:
+                out = self.policy_outputs(mb, temperature, with_entropy)
+            finally:
+                self._pending = None
+            return torch.zeros((), device=self.device), {k: v.cpu() for k, v in out.items()}
+
+        records = self._from_last_stage(self._schedule(mbs, loss_step, forward_only=True))
+        return Batch({k: torch.cat([r[k] for r in records]) for k in records[0]})
+
+    def values(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError("the megatron engine builds causal-LM heads only; critics use TrainEngine")
+
+    def scores(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError("the megatron engine builds causal-LM heads only; reward models use TrainEngine")
+
+    # -- updates ----------------------------------------------------------------------------------------------
+    def update(self, mini_batches: list[Batch], loss_fn: LossFn,
+               outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
+        """One optimizer step per mini-batch; returns metrics averaged over the steps (token-weighted).
+
+        `outputs_fn(mb)` is evaluated on the last pipeline stage inside the schedule, where `policy_outputs`
+        reads the schedule's logits instead of running a forward of its own."""
+        if self.optimizer is None:
+            raise RuntimeError("this engine was built without an optimizer (trainable=False); it cannot update")
+        self.model.train()
+        sums: dict[str, float] = {}
+        tokens, norms = 0.0, []
+
+        def loss_step(mb: Batch, output: torch.Tensor):
+            self._pending = (mb, output)
+            try:
+                outs = outputs_fn(mb)
+            finally:
+                self._pending = None
+            token_loss, weight, metrics = loss_fn(outs, mb)
+            count = mb["response_mask"].sum().to(device=self.device, dtype=torch.int)
+            loss = (token_loss.to(self.device) * weight.to(self.device)).sum()
+            return loss, count, {"metrics": {k: float(v) for k, v in metrics.items()}, "tokens": float(count)}
+
+        for mini in mini_batches:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            records = self._schedule(self.micro_batches(mini), loss_step, forward_only=False)
+            for r in records if self.last_stage else []:
+                for k, v in r["metrics"].items():
+                    sums[k] = sums.get(k, 0.0) + v * r["tokens"]
+                tokens += r["tokens"]
+            self._apply_lr()
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok:
+                raise FloatingPointError("megatron's optimizer skipped the step (non-finite gradients)")
+            norms.append(float(grad_norm))
+            self._steps += 1
+        out = self._from_last_stage({k: v / max(tokens, 1e-9) for k, v in sums.items()})
+        out["grad_norm"] = sum(norms) / max(len(norms), 1)
+        out["lr"] = self._peak_lr * self._lr_factor(self._steps)
+        return out
+
+    # -- weights ----------------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded Hugging Face state dict on CPU (every rank of the model-parallel group must call this: it
+        gathers every TP × PP shard)."""
+        from megatron.core import parallel_state as mpu
+
+        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
+        mine = ((self.pp_rank, self.tp_rank), local)
+        if self.tp * self.pp == 1:
+            gathered = [mine]
+        else:
+            group = mpu.get_model_parallel_group()
+            gathered = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+        return megatron_to_hf(dict(gathered), self.geometry, self.tp, self.pp)

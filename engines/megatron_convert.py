@@ -1,0 +1,203 @@
+"""Hugging Face Llama/Qwen2 weights <-> megatron-core GPTModel shards, as pure functions over tensors.
+
+megatron-core's GPTModel (local layer spec) names and fuses a decoder differently from transformers:
+
+===============================================  ====================================================
+Hugging Face                                     megatron-core (layer index local to the PP stage)
+===============================================  ====================================================
+model.embed_tokens.weight                        embedding.word_embeddings.weight      (first stage)
+model.layers.i.input_layernorm.weight            decoder.layers.j.input_layernorm.weight
+model.layers.i.self_attn.{q,k,v}_proj.{w,b}      decoder.layers.j.self_attention.linear_qkv.{w,b}
+model.layers.i.self_attn.o_proj.weight           decoder.layers.j.self_attention.linear_proj.weight
+model.layers.i.post_attention_layernorm.weight   decoder.layers.j.pre_mlp_layernorm.weight
+model.layers.i.mlp.{gate,up}_proj.weight         decoder.layers.j.mlp.linear_fc1.weight
+model.layers.i.mlp.down_proj.weight              decoder.layers.j.mlp.linear_fc2.weight
+model.norm.weight                                decoder.final_layernorm.weight        (last stage)
+lm_head.weight                                   output_layer.weight                   (last stage)
+===============================================  ====================================================
+
+Fused q/k/v. megatron-core 0.16.1 (`SelfAttention.get_query_key_value_tensors`) views the output of
+`linear_qkv` as [num_query_groups, (q_per_group + 2) * head_dim]: the rows are interleaved *per query group*,
+``[q heads of group 0; k_0; v_0; q heads of group 1; k_1; v_1; ...]``, and TP shard r is the contiguous block of
+groups r·ng/t … (r+1)·ng/t − 1. This differs from the layout in engines/hybrid/shards.py (``[q_r; k_r; v_r]`` per
+shard), which is the training layout of our own resharder, not megatron-core's.
+
+Fused gate/up. `linear_fc1` is column-parallel over 2·ffn rows and the gated MLP splits each shard's output in
+two halves (``torch.chunk(x, 2, -1)``, first half through SiLU), so TP shard r is ``[gate_r; up_r]``.
+
+Pipeline stages hold contiguous, equal blocks of layers (megatron's default split). With tied embeddings the last
+stage holds its own copy of the embedding as ``output_layer.weight`` (megatron keeps the two copies equal by
+all-reducing their gradients over the embedding group); `megatron_to_hf` reads the tied weight from stage 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MegatronGeometry", "hf_to_megatron", "megatron_to_hf", "check_megatron_fits"]
+
+
+@dataclass(frozen=True)
+class MegatronGeometry:
+    """The sizes of a Llama/Qwen2 decoder that decide its megatron-core shards."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    qkv_bias: bool
+    tied_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> MegatronGeometry:
+        """Read a transformers LlamaConfig/Qwen2Config; refuse bias layouts megatron-core cannot express."""
+        model_type = getattr(config, "model_type", "")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"model_type {model_type!r} has no megatron-core conversion here; supported: llama, "
+                             f"qwen2")
+        if getattr(config, "mlp_bias", False) or (model_type == "llama" and getattr(config, "attention_bias", False)):
+            # megatron's add_bias_linear puts biases on every linear (qkv, proj, fc1, fc2) at once
+            raise ValueError("Llama with attention_bias or mlp_bias has no megatron-core equivalent of its bias "
+                             "layout; use a model without them or the torch-native TrainEngine")
+        heads = config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=config.num_key_value_heads or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            qkv_bias=model_type == "qwen2",
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def q_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def stage_layers(self, pp_rank: int, pp_size: int) -> range:
+        per = self.num_layers // pp_size
+        return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def check_megatron_fits(geometry: MegatronGeometry, tp_size: int, pp_size: int) -> None:
+    """Raise ValueError, naming the fix, when the model cannot be cut tp × pp ways (call before any collective)."""
+    g = geometry
+    if tp_size < 1 or pp_size < 1:
+        raise ValueError(f"tp ({tp_size}) and pp ({pp_size}) must be >= 1")
+    for field, size, fix in (
+        ("num_attention_heads", g.num_heads, "a tp that divides it"),
+        ("num_key_value_heads", g.num_kv_heads, "a tp that divides it (key/value heads are split, never "
+                                                "replicated, in this conversion)"),
+        ("intermediate_size", g.intermediate_size, "a tp that divides it"),
+        ("vocab_size", g.vocab_size, "a tp that divides it, or pad the vocabulary to a multiple of tp"),
+    ):
+        if size % tp_size:
+            raise ValueError(f"tensor-parallel size tp={tp_size} does not divide the model's {field} ({size}); "
+                             f"choose {fix}")
+    if g.num_layers % pp_size:
+        raise ValueError(f"pipeline-parallel size pp={pp_size} does not divide num_hidden_layers "
+                         f"({g.num_layers}); choose a pp that divides {g.num_layers} (stages get equal layer counts)")
+
+
+def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
+    n = t.shape[dim] // size
+    return t.narrow(dim, rank * n, n)
+
+
+def _fuse_qkv(g: MegatronGeometry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp_rank: int,
+              tp_size: int) -> torch.Tensor:
+    """TP shard of the per-group interleaved [q_g; k_g; v_g] tensor (weights or biases: rows are dim 0)."""
+    d, qpg = g.head_dim, g.q_per_group
+    groups = range(tp_rank * g.num_kv_heads // tp_size, (tp_rank + 1) * g.num_kv_heads // tp_size)
+    parts = []
+    for grp in groups:
+        parts += [q[grp * qpg * d:(grp + 1) * qpg * d], k[grp * d:(grp + 1) * d], v[grp * d:(grp + 1) * d]]
+    return torch.cat(parts)
+
+
+def _split_qkv(g: MegatronGeometry, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of the full (all TP shards concatenated) per-group interleave."""
+    d, qpg = g.head_dim, g.q_per_group
+    per_group = fused.reshape(g.num_kv_heads, (qpg + 2) * d, *fused.shape[1:])
+    q, k, v = torch.split(per_group, [qpg * d, d, d], dim=1)
+    tail = fused.shape[1:]
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int, pp_rank: int,
+                   pp_size: int) -> dict[str, torch.Tensor]:
+    """The GPTModel state dict of shard (pp_rank, tp_rank), cut from a full Hugging Face causal-LM state dict."""
+    g = config if isinstance(config, MegatronGeometry) else MegatronGeometry.from_hf_config(config)
+    check_megatron_fits(g, tp_size, pp_size)
+    sd, out = state_dict, {}
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = _rows(sd["model.embed_tokens.weight"], tp_rank, tp_size)
+    for local, i in enumerate(g.stage_layers(pp_rank, pp_size)):
+        hf, mg = f"model.layers.{i}", f"decoder.layers.{local}"
+        attn = f"{hf}.self_attn"
+        out[f"{mg}.input_layernorm.weight"] = sd[f"{hf}.input_layernorm.weight"]
+        kinds = ("weight", "bias") if g.qkv_bias else ("weight",)
+        for kind in kinds:
+            out[f"{mg}.self_attention.linear_qkv.{kind}"] = _fuse_qkv(
+                g, sd[f"{attn}.q_proj.{kind}"], sd[f"{attn}.k_proj.{kind}"], sd[f"{attn}.v_proj.{kind}"],
+                tp_rank, tp_size)
+        out[f"{mg}.self_attention.linear_proj.weight"] = _rows(sd[f"{attn}.o_proj.weight"], tp_rank, tp_size, 1)
+        out[f"{mg}.pre_mlp_layernorm.weight"] = sd[f"{hf}.post_attention_layernorm.weight"]
+        out[f"{mg}.mlp.linear_fc1.weight"] = torch.cat(
+            [_rows(sd[f"{hf}.mlp.gate_proj.weight"], tp_rank, tp_size),
+             _rows(sd[f"{hf}.mlp.up_proj.weight"], tp_rank, tp_size)])
+        out[f"{mg}.mlp.linear_fc2.weight"] = _rows(sd[f"{hf}.mlp.down_proj.weight"], tp_rank, tp_size, 1)
+    if pp_rank == pp_size - 1:
+        out["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
+        if not g.tied_embeddings:
+            out["output_layer.weight"] = _rows(sd["lm_head.weight"], tp_rank, tp_size)
+        elif pp_size > 1:  # the last stage's own copy of the tied embedding; with one stage it is the embedding
+            out["output_layer.weight"] = _rows(sd["model.embed_tokens.weight"], tp_rank, tp_size)
+    return {k: v.clone() for k, v in out.items()}
+
+
+def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], config, tp_size: int,
+                   pp_size: int) -> dict[str, torch.Tensor]:
+    """Merge every shard {(pp_rank, tp_rank): GPTModel state dict} back into one Hugging Face state dict."""
+    g = config if isinstance(config, MegatronGeometry) else MegatronGeometry.from_hf_config(config)
+    check_megatron_fits(g, tp_size, pp_size)
+    missing = [(p, t) for p in range(pp_size) for t in range(tp_size) if (p, t) not in shards]
+    if missing:
+        raise ValueError(f"megatron_to_hf needs every (pp_rank, tp_rank) shard; missing {missing}")
+
+    def cat(stage: int, name: str, dim: int = 0) -> torch.Tensor:
+        return torch.cat([shards[(stage, t)][name] for t in range(tp_size)], dim=dim)
+
+    def one(stage: int, name: str) -> torch.Tensor:
+        return shards[(stage, 0)][name]
+
+    out = {"model.embed_tokens.weight": cat(0, "embedding.word_embeddings.weight")}
+    for stage in range(pp_size):
+        for local, i in enumerate(g.stage_layers(stage, pp_size)):
+            hf, mg = f"model.layers.{i}", f"decoder.layers.{local}"
+            out[f"{hf}.input_layernorm.weight"] = one(stage, f"{mg}.input_layernorm.weight")
+            for kind in ("weight", "bias") if g.qkv_bias else ("weight",):
+                q, k, v = _split_qkv(g, cat(stage, f"{mg}.self_attention.linear_qkv.{kind}"))
+                out[f"{hf}.self_attn.q_proj.{kind}"] = q
+                out[f"{hf}.self_attn.k_proj.{kind}"] = k
+                out[f"{hf}.self_attn.v_proj.{kind}"] = v
+            out[f"{hf}.self_attn.o_proj.weight"] = cat(stage, f"{mg}.self_attention.linear_proj.weight", 1)
+            out[f"{hf}.post_attention_layernorm.weight"] = one(stage, f"{mg}.pre_mlp_layernorm.weight")
+            halves = [shards[(stage, t)][f"{mg}.mlp.linear_fc1.weight"].chunk(2) for t in range(tp_size)]
+            out[f"{hf}.mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
+            out[f"{hf}.mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])
+            out[f"{hf}.mlp.down_proj.weight"] = cat(stage, f"{mg}.mlp.linear_fc2.weight", 1)
+    last = pp_size - 1
+    out["model.norm.weight"] = one(last, "decoder.final_layernorm.weight")
+    out = {k: v.detach().clone() for k, v in out.items()}
+    # tied: transformers' state_dict() lists lm_head.weight as the embedding itself, so mirror that
+    out["lm_head.weight"] = out["model.embed_tokens.weight"] if g.tied_embeddings else cat(last, "output_layer.weight")
+    return out
