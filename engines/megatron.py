@@ -282,9 +282,11 @@ class MegatronEngine:
 
     # -- forward passes ---------------------------------------------------------------------------------------
     def micro_batches(self, batch: Batch) -> list[Batch]:
+        """Token-budget micro-batches, on this rank's device (so the algorithm's loss sees device tensors)."""
         width = int(batch["input_ids"].shape[1])
         rows = max(1, self.cfg.micro_batch_tokens // max(1, width))
-        return batch.chunk(rows) if len(batch) else []
+        return [Batch({k: v.to(self.device) for k, v in mb.tensors.items()}, mb.rows, mb.meta)
+                for mb in (batch.chunk(rows) if len(batch) else [])]
 
     def _run_model(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
         ids = mb["input_ids"].to(self.device)
