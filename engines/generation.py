@@ -89,9 +89,11 @@ class HFGenerationEngine:
         self.eos, self.pad, self.max_context = eos_token_id, pad_token_id, max_context
 
     def generate(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, *, greedy: bool = False,
-                 seed: int = 0) -> Batch:
+                 seed: int = 0, seed_offset: int = 0) -> Batch:
+        """Sample every row. A row without a `seed` column draws from seed·1000003 + seed_offset + its index, so a
+        caller that samples rows a:b of a batch separately passes seed_offset=a and gets the same samples."""
         tokens, logp = self._buffers(len(prompts), cfg)
-        for _ in self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed):
+        for _ in self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset):
             pass
         return self._assemble(prompts, tokens, logp, cfg)
 
@@ -118,7 +120,7 @@ class HFGenerationEngine:
 
     @torch.no_grad()
     def _decode(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, out_tokens: torch.Tensor,
-                out_logp: torch.Tensor, *, greedy: bool, seed: int) -> Iterator[list[int]]:
+                out_logp: torch.Tensor, *, greedy: bool, seed: int, seed_offset: int = 0) -> Iterator[list[int]]:
         """Fill `out_tokens` and `out_logp`; after each step, yield the rows (indices) that finished in it.
 
         `live` holds the rows of the running batch: every row, unless `evict_finished` drops finished ones.
@@ -129,7 +131,8 @@ class HFGenerationEngine:
             raise ValueError(f"prompt length {p} + max_new_tokens {cfg.max_new_tokens} exceeds the model's context "
                              f"of {self.max_context} positions; shorten prompts or lower max_new_tokens")
         stop = _stop_lengths(prompts)
-        seeds = prompts["seed"].tolist() if "seed" in prompts else [seed * 1_000_003 + i for i in range(b)]
+        seeds = prompts["seed"].tolist() if "seed" in prompts else [seed * 1_000_003 + seed_offset + i
+                                                                     for i in range(b)]
         # One uniform per row and step, drawn from the row's own generator up front: sampling is then one
         # vectorised inverse-CDF lookup per step, and a row's tokens do not depend on its batch.
         uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)),

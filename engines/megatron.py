@@ -253,7 +253,7 @@ class MegatronEngine:
         c = self.cfg
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.betas[0],
-                            adam_beta2=c.betas[1], adam_eps=1e-8, clip_grad=c.grad_clip or _GRAD_CLIP_OFF,
+                            adam_beta2=c.betas[1], adam_eps=c.eps, clip_grad=c.grad_clip or _GRAD_CLIP_OFF,
                             use_distributed_optimizer=distributed_optimizer, bf16=self.config.bf16,
                             fp16=self.config.fp16, params_dtype=self.config.params_dtype),
             [self.model])

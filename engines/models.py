@@ -53,6 +53,9 @@ class ModelConfig:
     """Parameter dtype: float32, bfloat16 or float16."""
     seed: int = 0
     """Initialisation seed when building (identical on every rank)."""
+    pad_vocab_to: int = 1
+    """Round the vocabulary of a built model up to a multiple of this (Megatron's make-vocab-size-divisible-by),
+    so a vocab-parallel split (the 3D-HybridEngine's training layout) divides it."""
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH:
@@ -63,6 +66,8 @@ class ModelConfig:
             if self.hidden_size % self.num_heads:
                 raise ValueError(f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
                                  f"({self.num_heads})")
+            if self.pad_vocab_to < 1:
+                raise ValueError(f"ModelConfig.pad_vocab_to must be >= 1, got {self.pad_vocab_to}")
             if self.num_heads % self.num_kv_heads:
                 raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads "
                                  f"({self.num_kv_heads})")
@@ -118,7 +123,7 @@ def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokeni
     else:
         config_cls, heads = _ARCH[cfg.arch]
         hf_config = getattr(transformers, config_cls)(
-            vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+            vocab_size=-(-len(tokenizer) // cfg.pad_vocab_to) * cfg.pad_vocab_to, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
             intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,

@@ -3,9 +3,12 @@
 The runtime gives each rank a mesh with dims ("pp", "dp", "tp"). Tensor parallel follows Megatron's split of a
 decoder layer: q/k/v and gate/up column-parallel, o and down row-parallel, so each layer needs one all-reduce in
 attention and one in the MLP; HF attention reshapes with -1 heads, so local head counts need no patching.
-Embeddings, norms and the output head stay replicated (small at the sizes this path targets). FSDP2
-(`fully_shard`) then shards every decoder layer and the root over "dp"; with tp > 1 it composes into 2-D.
-Pipeline parallel is the Megatron engine's job; asking for it here is an error.
+Embeddings, norms and the output head stay replicated (small at the sizes this path targets), unless
+`vocab_parallel`: then, as in Megatron, the embedding and the output head are split over the vocabulary (the
+layout the 3D-HybridEngine reshards). FSDP2 (`fully_shard`) then shards every decoder layer and the root over
+"dp"; with tp > 1 it composes into 2-D. With `fsdp=False` the DP ranks keep whole replicas of their TP shard
+(Megatron's DDP layout; the engine averages gradients). Pipeline parallel is the Megatron engine's job; asking for
+it here is an error.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["parallelize", "check_divisible"]
+__all__ = ["parallelize", "tensor_parallel", "check_divisible"]
 
 _COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
@@ -28,25 +31,45 @@ def check_divisible(config, tp: int) -> None:
                              f"that divides {field}")
 
 
+def tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = False) -> torch.nn.Module:
+    """Megatron's TP split of every decoder layer over a 1-D mesh (also a model on the meta device: generation
+    skeletons are parallelized before their weights exist)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    check_divisible(model.config, tp)
+    plan = {**{n: ColwiseParallel() for n in _COLWISE}, **{n: RowwiseParallel() for n in _ROWWISE}}
+    for layer in _layers(model):
+        parallelize_module(layer, tp_mesh, plan)
+    if vocab_parallel:
+        vocab = model.config.vocab_size
+        if vocab % tp:
+            raise ValueError(f"vocab_size={vocab} cannot be split over tp={tp}; pad the vocabulary to a multiple of "
+                             f"{tp} (ModelConfig.pad_vocab_to)")
+        base = getattr(model, model.base_model_prefix)
+        parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+        head = getattr(model, "lm_head", None)
+        if head is not None:
+            parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    return model
+
+
 def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     base = getattr(model, model.base_model_prefix)
     return base.layers
 
 
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, fsdp: bool = True,
+                vocab_parallel: bool = False) -> torch.nn.Module:
     """Apply TP over mesh["tp"] and FSDP2 over mesh["dp"] in place; returns the model."""
     pp, dp, tp = (mesh.size(mesh.mesh_dim_names.index(d)) for d in ("pp", "dp", "tp"))
     if pp > 1:
         raise ValueError(f"the torch-native engine has no pipeline parallel (pp={pp}); use pp=1 here or the "
                          f"megatron engine for pipeline stages")
     if tp > 1:
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        check_divisible(model.config, tp)
-        plan = {**{n: ColwiseParallel() for n in _COLWISE}, **{n: RowwiseParallel() for n in _ROWWISE}}
-        for layer in _layers(model):
-            parallelize_module(layer, mesh["tp"], plan)
-    if dp > 1:
+        tensor_parallel(model, mesh["tp"], vocab_parallel=vocab_parallel)
+    if dp > 1 and fsdp:
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = mesh["dp"]

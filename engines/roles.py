@@ -4,10 +4,12 @@ Each role owns one model on its ranks and says, per primitive, how a call is spl
 rank, replicated over tensor-parallel ranks; `MINIBATCH` for updates). Roles know nothing about a particular
 algorithm: losses arrive as functions with the update call.
 
-The actor is hybrid: it trains and generates on the same weights. Until the 3D-HybridEngine takes over the
-transition, a sharded actor gathers its full weights into an unsharded generation copy before sampling and drops
-them afterwards (the "all-gather" baseline of HybridFlow Table 2); an unsharded actor samples from its training
-model directly.
+The actor is hybrid: it trains and generates on the same weights. With `rollout_tp=t_g` the 3D-HybridEngine
+(engines.hybrid_engine) does the transition: training is TP over the mesh's tp dim with whole DP replicas
+(Megatron's layout, vocab-parallel embeddings), and generation reshards inside micro-DP groups to TP = t_g, each
+of the d_g generation replicas sampling its part of the rows. Without it, a sharded actor (FSDP2) gathers its full
+weights into an unsharded generation copy before sampling and drops them afterwards (the "all-gather" baseline
+of HybridFlow Table 2); an unsharded actor samples from its training model directly.
 
 Stage fusion (DESIGN §7): `start_generation` + `next_generated_chunk(k)` sample the same rows as
 `generate_sequences`, handed out in chunks in the order they finish, while decoding goes on in a background
@@ -29,7 +31,7 @@ from engines.models import ModelConfig, build_model, build_tokenizer, save_pretr
 from engines.parallel import parallelize
 from engines.protocols import MINIBATCH
 from engines.training import LossFn, OptimConfig, TrainEngine
-from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Worker, endpoint
+from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Layout, Worker, endpoint
 
 __all__ = ["ActorWorker", "RefWorker", "CriticWorker", "RewardModelWorker", "RuleRewardWorker", "ModelWorker"]
 
@@ -39,16 +41,24 @@ class ModelWorker(Worker):
 
     head = "lm"
 
-    def _setup(self, model: ModelConfig, optim: OptimConfig | None, trainable: bool) -> None:
+    def _setup(self, model: ModelConfig, optim: OptimConfig | None, trainable: bool,
+               rollout_tp: int | None = None) -> None:
         torch.manual_seed(model.seed)
         self.model_config = model
         self.tokenizer = build_tokenizer(model)
         net = build_model(model, self.head, self.tokenizer)
         self.sharded = self.layout.dp > 1 or self.layout.tp > 1
-        if self.sharded:
+        self.hybrid = None
+        if rollout_tp is not None:
+            from engines.hybrid_engine import HybridEngine, untie_embeddings
+
+            untie_embeddings(net)
+            net = parallelize(net, self.mesh, fsdp=False, vocab_parallel=True)
+            self.hybrid = HybridEngine(net, self.mesh, rollout_tp, self.subgroups)
+        elif self.sharded:
             net = parallelize(net, self.mesh)
         self.engine = TrainEngine(net, optim, dp_group=self.mesh["dp"].get_group(), dp_size=self.layout.dp,
-                                  trainable=trainable)
+                                  trainable=trainable, sync_grads=self.hybrid is not None)
 
     def _update(self, shares: list[Batch], loss_fn: LossFn,
                 outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -123,15 +133,31 @@ class ActorWorker(ModelWorker):
     """Hybrid actor: generate_sequences, compute_log_prob, update_actor."""
 
     def __init__(self, model: ModelConfig, optim: OptimConfig | None = None,
-                 sampling: SamplingConfig | None = None) -> None:
-        self._setup(model, optim or OptimConfig(), trainable=True)
+                 sampling: SamplingConfig | None = None, rollout_tp: int | None = None) -> None:
+        """`rollout_tp`: generation tensor-parallel size t_g (dividing the group's tp) for the 3D-HybridEngine;
+        None keeps the FSDP2 training layout and gathers whole weights to generate."""
+        self._setup(model, optim or OptimConfig(), trainable=True, rollout_tp=rollout_tp)
         self.sampling = sampling or SamplingConfig()
         self.generator = HFGenerationEngine(self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
                                             max_context=self.engine.model.config.max_position_embeddings)
         self._gen_model: torch.nn.Module | None = None
         self._stream: GenerationStream | None = None
 
+    @classmethod
+    def process_groups(cls, layout: Layout, model: ModelConfig, optim: OptimConfig | None = None,
+                       sampling: SamplingConfig | None = None, rollout_tp: int | None = None
+                       ) -> list[tuple[int, ...]]:
+        """The 3D-HybridEngine's resharding and generation-TP groups (none without rollout_tp); an impossible
+        rollout_tp fails here, on the controller, before any rank starts."""
+        if rollout_tp is None:
+            return []
+        from engines.hybrid_engine import HybridEngine, layout_of
+
+        return HybridEngine.process_groups(layout_of((layout.pp, layout.dp, layout.tp), rollout_tp))
+
     def _generation_model(self) -> torch.nn.Module:
+        if self.hybrid is not None:
+            return self.hybrid.generation_model()
         if not self.sharded:
             return self.engine.model
         if self._gen_model is None:
@@ -142,10 +168,18 @@ class ActorWorker(ModelWorker):
     @endpoint(protocol=MESH)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Sample one response per prompt row. meta: `greedy` (bool), `seed` (int) when rows carry no seed."""
-        model = self._generation_model()
-        out = self.generator.generate(model, prompts, self.sampling, greedy=bool(prompts.meta.get("greedy")),
-                                      seed=int(prompts.meta.get("seed", 0)))
-        return out
+        greedy, seed = bool(prompts.meta.get("greedy")), int(prompts.meta.get("seed", 0))
+        if self.hybrid is None:
+            return self.generator.generate(self._generation_model(), prompts, self.sampling, greedy=greedy,
+                                           seed=seed)
+        rows = self.hybrid.micro_slice(len(prompts))  # this generation replica's rows of the DP share
+        model = self.hybrid.generation_model()
+        try:
+            part = self.generator.generate(model, prompts.slice(rows.start, rows.stop), self.sampling,
+                                           greedy=greedy, seed=seed, seed_offset=rows.start)
+        finally:
+            self.hybrid.release()
+        return self.hybrid.gather_micro(part)
 
     @endpoint(protocol=MESH)
     def start_generation(self, prompts: Batch, chunk_samples: int) -> None:
@@ -172,12 +206,18 @@ class ActorWorker(ModelWorker):
         chunk = self._stream.take(k)  # a decoding error is raised here, and by every later chunk call
         if self._stream.finished:
             self._stream = None
+            self._release_generation()
         return chunk
 
     def _end_stream(self) -> None:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        self._release_generation()
+
+    def _release_generation(self) -> None:
+        if self.hybrid is not None and self.hybrid.in_generation:
+            self.hybrid.release()
 
     @endpoint(protocol=MESH)
     def compute_log_prob(self, batch: Batch) -> Batch:

@@ -38,6 +38,8 @@ class OptimConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    """Adam's epsilon: a gradient element much smaller than it moves its weight by less than lr."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 disables clipping)."""
     warmup_steps: int = 0
@@ -61,15 +63,17 @@ class TrainEngine:
     """A (possibly sharded) transformers model with its optimiser. `dp_group` is the data-parallel group."""
 
     def __init__(self, model: torch.nn.Module, optim: OptimConfig | None, *, dp_group: Any = None,
-                 dp_size: int = 1, trainable: bool = True) -> None:
+                 dp_size: int = 1, trainable: bool = True, sync_grads: bool = False) -> None:
         self.model = model
         self.cfg = optim or OptimConfig()
         self.dp_group, self.dp_size = dp_group, dp_size
+        # sync_grads: DP ranks hold whole replicas (no FSDP), so the engine averages gradients over dp_group itself
+        self.sync_grads = sync_grads and dp_size > 1
         self.optimizer = None
         self.scheduler = None
         if trainable:
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
-                                               weight_decay=self.cfg.weight_decay)
+                                               eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         else:
             model.requires_grad_(False)
@@ -145,6 +149,8 @@ class TrainEngine:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * w
                 tokens += w
+            if self.sync_grads:
+                self._average_grads()
             norms.append(self._clip())
             self.optimizer.step()
             self.scheduler.step()
@@ -158,6 +164,18 @@ class TrainEngine:
         self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["lr"] = lr * self._lr_factor(self.scheduler.last_epoch)
+
+    def _average_grads(self) -> None:
+        """Mean of the replicas' gradients (what FSDP2's reduce-scatter gives), all tensors in flight at once."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        works = [dist.all_reduce(g, group=self.dp_group, async_op=True) for g in locals_]
+        for work in works:
+            work.wait()
+        for g in locals_:
+            g.div_(self.dp_size)
 
     def _clip(self) -> float:
         """Global gradient norm over all parameters (sharded DTensors and plain tensors alike), then clip."""

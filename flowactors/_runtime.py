@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,7 @@ class _GroupContext:
     layout: Layout
     process_group: Any
     mesh: Any
+    subgroups: dict = field(default_factory=dict)
     instance: Any = None
 
 
@@ -100,8 +101,10 @@ def teardown_world(_after: Any = None) -> None:
         dist.destroy_process_group()
 
 
-def new_group(name: str, global_ranks: list[int], layout: Layout, _after: Any = None) -> bool:
-    """Create the group's process group and mesh; every world rank runs this, members keep the result."""
+def new_group(name: str, global_ranks: list[int], layout: Layout, subgroups: list[tuple[int, ...]] = (),
+              _after: Any = None) -> bool:
+    """Create the group's process group, mesh and subgroups (tuples of group ranks); every world rank runs this,
+    members keep the result."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -113,8 +116,13 @@ def new_group(name: str, global_ranks: list[int], layout: Layout, _after: Any = 
     mesh = DeviceMesh(device_type, torch.tensor(global_ranks).reshape(layout.pp, layout.dp, layout.tp),
                       mesh_dim_names=("pp", "dp", "tp"))
     me = dist.get_rank()
+    mine = {}
+    for sub in subgroups:
+        group = dist.new_group([global_ranks[r] for r in sub])
+        if me in global_ranks and global_ranks.index(me) in sub:
+            mine[tuple(sub)] = group
     if me in global_ranks:
-        _GROUPS[name] = _GroupContext(name, global_ranks.index(me), layout, pg, mesh)
+        _GROUPS[name] = _GroupContext(name, global_ranks.index(me), layout, pg, mesh, mine)
         return True
     return False
 
@@ -127,6 +135,7 @@ def construct(name: str, cls: type, args: tuple, kwargs: dict, _after: Any = Non
         inst = cls.__new__(cls)
         inst.rank, inst.world_size, inst.layout = ctx.rank, ctx.layout.world_size, ctx.layout
         inst.group_name, inst.process_group, inst.mesh = name, ctx.process_group, ctx.mesh
+        inst.subgroups = ctx.subgroups
         inst.device = torch.device("cuda", torch.cuda.current_device()) if ctx.mesh.device_type == "cuda" \
             else torch.device("cpu")
         inst.__init__(*args, **kwargs)

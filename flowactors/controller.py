@@ -362,8 +362,10 @@ class Controller:
         assert self._world is not None
         return self._world.index(address)
 
-    def new_group_ranks(self, name: str, addresses: Sequence[str], layout: Layout, backend: str | None) -> None:
-        """Create the group's process group on every world rank (all must take part, in the same order)."""
+    def new_group_ranks(self, name: str, addresses: Sequence[str], layout: Layout, backend: str | None,
+                        subgroups: Sequence[tuple[int, ...]] = ()) -> None:
+        """Create the group's process group, and its `subgroups` (group ranks), on every world rank (all must take
+        part, in the same order)."""
         self._ensure_world(backend)
         assert self._world is not None
         missing = [a for a in addresses if a not in self._world]
@@ -372,7 +374,8 @@ class Controller:
                                  f"recreate the controller to include them")
         ranks = [self._world.index(a) for a in addresses]
         token = _token()
-        futs = [self.submit_pinned(a, _runtime.new_group, name, ranks, layout, key=f"{name}.new_group-{r}-{token}")
+        futs = [self.submit_pinned(a, _runtime.new_group, name, ranks, layout, list(subgroups),
+                                   key=f"{name}.new_group-{r}-{token}")
                 for r, a in enumerate(self._world)]
         self.client.gather(futs)
         for rank, a in enumerate(addresses):

@@ -75,11 +75,16 @@ class ActorGroup:
         if unknown:
             raise PlacementError(f"group {name!r} was given slots the cluster does not have: {unknown}; use "
                                  f"addresses from controller.slots")
+        subgroups = [tuple(int(r) for r in g) for g in cls.process_groups(layout, *args, **(kwargs or {}))]
+        bad = [g for g in subgroups if not g or any(not 0 <= r < layout.world_size for r in g) or len(set(g)) < len(g)]
+        if bad:
+            raise PlacementError(f"{cls.__name__}.process_groups returned {bad}: each must be distinct group ranks "
+                                 f"in 0..{layout.world_size - 1}")
         self.controller, self.cls, self.name, self.layout = controller, cls, name, layout
         self.addresses = addresses
         self.endpoints = endpoints_of(cls)
         self._closed = False
-        controller.new_group_ranks(name, addresses, layout, backend)
+        controller.new_group_ranks(name, addresses, layout, backend, subgroups)
         controller.groups[name] = self
         for method, proto in self.endpoints.items():
             setattr(self, method, _Method(self, method, proto))

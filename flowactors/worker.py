@@ -49,7 +49,8 @@ class Worker:
 
     Before `__init__` runs on a rank, the runtime sets: `rank`, `world_size`, `layout` (pp, dp, tp),
     `process_group` (the group's torch.distributed group) and `mesh` (a DeviceMesh with dims ("pp", "dp",
-    "tp")), and `device` (the torch device of this slot). `__init__` may therefore run collectives.
+    "tp")), `subgroups` (see `subgroups()`), and `device` (the torch device of this slot). `__init__` may
+    therefore run collectives.
     """
 
     rank: int
@@ -58,7 +59,17 @@ class Worker:
     group_name: str
     process_group: "dist.ProcessGroup"
     mesh: "DeviceMesh"
+    subgroups: dict[tuple[int, ...], "dist.ProcessGroup"]
     device: Any
+
+    @classmethod
+    def process_groups(cls, layout: Layout, *args: Any, **kwargs: Any) -> list[tuple[int, ...]]:
+        """Extra process groups among this group's ranks (tuples of group ranks) that `__init__(*args, **kwargs)`
+        will need. The runtime creates them with the group, on every rank of the torch.distributed world (torch
+        requires every rank to take part, in one order, which ranks inside `__init__` cannot arrange), and a member
+        rank finds each in `self.subgroups[ranks]`. Runs on the controller, before any rank starts: raise
+        ValueError here for arguments that cannot work."""
+        return []
 
     @property
     def coords(self) -> tuple[int, int, int]:

@@ -55,7 +55,7 @@ every rank of the group raises instead of hanging.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal, get_args
@@ -97,6 +97,24 @@ class ReshardGroups:
     """Training pipeline column (dp, tp) (replicated tensors of the baselines); None when p = 1."""
     world: dist.ProcessGroup | None = None
     methods: tuple[Method, ...] = field(default=())
+    global_ranks: tuple[int, ...] = ()
+    """torch.distributed rank of each layout rank (the identity when the layout is the whole world)."""
+
+    @staticmethod
+    def needed(layout: HybridLayout, methods: Iterable[Method] = ("micro-dp",)) -> list[tuple[int, ...]]:
+        """Every group (layout ranks, singletons left out) `methods` use, in creation order: what a runtime that
+        creates process groups up front (flowactors' `Worker.subgroups`) must make."""
+        needed: list[tuple[int, ...]] = []
+        methods = tuple(methods)
+        if "micro-dp" in methods:
+            needed += layout.micro_dp_groups() + layout.stage_peer_groups()
+        if "tp-pp" in methods:
+            needed += layout.model_parallel_groups()
+        if "tp-pp" in methods or "all" in methods:
+            needed += layout.train_pp_groups()
+        if "all" in methods:
+            needed.append(tuple(range(layout.world_size)))
+        return [g for g in dict.fromkeys(needed) if len(g) > 1]
 
     @classmethod
     def create(
@@ -104,23 +122,36 @@ class ReshardGroups:
         layout: HybridLayout,
         methods: Iterable[Method] = ("micro-dp",),
         timeout: timedelta = timedelta(minutes=5),
+        *,
+        global_ranks: Iterable[int] | None = None,
+        existing: Mapping[tuple[int, ...], dist.ProcessGroup] | None = None,
     ) -> ReshardGroups:
-        """Create the groups `methods` need. Every rank must call this with the same arguments: torch creates a
-        group only when all ranks call new_group for it, in the same order."""
+        """The groups `methods` need. Without `existing` the layout is the whole world and this creates them:
+        collective over the world, every rank calling with the same arguments (torch creates a group only when all
+        ranks call new_group for it, in the same order). With `existing` (this rank's groups, keyed by their layout
+        ranks, as listed by `needed`) and `global_ranks` (the world rank of each layout rank), for a layout inside
+        a larger world, nothing is created."""
         methods = tuple(methods)
         for method in methods:
             _check_method(method)
-        _check_world(layout)
-        rank = dist.get_rank()
-        groups = cls(layout=layout, rank=rank, methods=methods)
+        ranks = _check_world(layout, global_ranks)
+        rank = ranks.index(dist.get_rank())
+        groups = cls(layout=layout, rank=rank, methods=methods, global_ranks=ranks)
 
         def make(all_groups: list[tuple[int, ...]]) -> dist.ProcessGroup | None:
             mine = None
-            for ranks in all_groups:
-                if len(ranks) == 1:
+            for members in all_groups:
+                if len(members) == 1:
                     continue  # every rank skips the same singletons
-                group = dist.new_group(list(ranks), timeout=timeout)
-                if rank in ranks:
+                if existing is not None:
+                    if rank in members:
+                        if members not in existing:
+                            raise ValueError(f"process group {members} (layout ranks) was not created; create every "
+                                             f"group of ReshardGroups.needed(layout, {methods})")
+                        mine = existing[members]
+                    continue
+                group = dist.new_group([ranks[m] for m in members], timeout=timeout)
+                if rank in members:
                     mine = group
             return mine
 
@@ -132,7 +163,7 @@ class ReshardGroups:
         if "tp-pp" in methods or "all" in methods:
             groups.train_pp = make(layout.train_pp_groups())
         if "all" in methods:
-            groups.world = dist.group.WORLD
+            groups.world = make([tuple(range(layout.world_size))]) if existing is not None else dist.group.WORLD
         return groups
 
 
@@ -230,7 +261,7 @@ class Resharder:
         check_model_fits(geometry, layout)
         if engine is not None and method == "micro-dp":
             engine.check(geometry, layout)
-        _check_world(layout)
+        _check_world(layout, groups.global_ranks)
         if groups.layout != layout or method not in groups.methods:
             raise ValueError(f"groups were created for {groups.layout.describe()} and methods {groups.methods}; "
                              f"create them with ReshardGroups.create(layout, methods=[..., {method!r}])")
@@ -288,7 +319,7 @@ class Resharder:
             replicated[pp] = piece
             peer_sends.append((piece, peer))
         received = _broadcast_all(
-            [(self.groups.micro_dp, sends), (self.groups.stage_peers, peer_sends)], self.rank)
+            [(self.groups.micro_dp, sends), (self.groups.stage_peers, peer_sends)], self.rank, self.groups.global_ranks)
         g = layout.gen_coord(self.rank)
         gen = GenerationShard(self.geometry, layout, g.pp, g.tp, layout.gen_pp, layout.gen_tp, sharded, replicated)
         return gen, received
@@ -321,7 +352,8 @@ class Resharder:
         replicated[me.pp].copy_(train.replicated)
         column = layout.train_pp_group(self.rank)
         peer_sends = [(replicated[layout.train_coord(r).pp], r) for r in column]
-        received = _broadcast_all([(main, sends), (self.groups.train_pp, peer_sends)], self.rank)
+        received = _broadcast_all([(main, sends), (self.groups.train_pp, peer_sends)], self.rank,
+                                  self.groups.global_ranks)
         return GenerationShard(self.geometry, layout, 0, 0, 1, 1, sharded, replicated), received
 
     # ---- helpers -------------------------------------------------------------------------------------------
@@ -358,14 +390,16 @@ class Resharder:
                             train_param_bytes=train.nbytes, seconds=seconds)
 
 
-def _broadcast_all(batches: list[tuple[dist.ProcessGroup | None, list[tuple[torch.Tensor, int]]]], rank: int) -> int:
-    """Broadcast each (tensor, source) in its group, all in flight at once; return the bytes this rank received."""
+def _broadcast_all(batches: list[tuple[dist.ProcessGroup | None, list[tuple[torch.Tensor, int]]]], rank: int,
+                   global_ranks: tuple[int, ...]) -> int:
+    """Broadcast each (tensor, source layout rank) in its group, all in flight at once; return the bytes this rank
+    received."""
     works, received = [], 0
     for group, sends in batches:
         if group is None:
             continue  # a group of one: the rank's own piece is all there is
         for tensor, src in sends:
-            works.append(dist.broadcast(tensor, src=src, group=group, async_op=True))
+            works.append(dist.broadcast(tensor, src=global_ranks[src], group=group, async_op=True))
             if src != rank:
                 received += tensor.numel() * tensor.element_size()
     for work in works:
@@ -390,9 +424,18 @@ def _check_method(method: str) -> None:
         raise ValueError(f"unknown resharding method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def _check_world(layout: HybridLayout) -> None:
+def _check_world(layout: HybridLayout, global_ranks: Iterable[int] | None) -> tuple[int, ...]:
+    """The world rank of each layout rank, after checking they exist and include this process."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call init_process_group before resharding")
-    if dist.get_world_size() != layout.world_size:
-        raise ValueError(f"{layout.describe()} needs {layout.world_size} ranks, the process group has "
-                         f"{dist.get_world_size()}")
+    if global_ranks is None or not tuple(global_ranks):
+        if dist.get_world_size() != layout.world_size:
+            raise ValueError(f"{layout.describe()} needs {layout.world_size} ranks, the process group has "
+                             f"{dist.get_world_size()}")
+        return tuple(range(layout.world_size))
+    ranks = tuple(global_ranks)
+    if len(ranks) != layout.world_size or len(set(ranks)) != len(ranks):
+        raise ValueError(f"{layout.describe()} needs {layout.world_size} distinct ranks, got global_ranks={ranks}")
+    if dist.get_rank() not in ranks:
+        raise ValueError(f"world rank {dist.get_rank()} is not one of the layout's global_ranks {ranks}")
+    return ranks

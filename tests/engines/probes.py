@@ -7,6 +7,7 @@ import torch
 from engines.models import ModelConfig, build_model, build_tokenizer
 from engines.parallel import parallelize
 from engines.training import OptimConfig, TrainEngine
+from engines.roles import ActorWorker
 from flowactors import ALL_TO_ALL, ONE_TO_ALL, Batch, Worker, endpoint
 
 
@@ -52,4 +53,45 @@ class ParallelProbe(Worker):
         mb = len(shares[0]) // 2 if len(shares[0]) > 1 else 1
         self.engine.update([m for s in shares for m in s.chunk(mb)], pg_loss,
                            lambda b: self.engine.policy_outputs(b, 1.0, False))
+        return self.engine.full_state_dict()
+
+
+class HybridActorProbe(ActorWorker):
+    """The actor with the 3D-HybridEngine, plus a look at what its generation model is bound to."""
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def reshard_report(self) -> dict:
+        """Reshard once; compare the bound generation weights with the slice of the full weights they must be."""
+        from engines.hybrid import expected_generation_state_dict, expected_received_bytes
+
+        hy = self.hybrid
+        full = self.engine.full_state_dict()
+        hy.generation_model()
+        try:
+            got = dict(hy.generation_weights())
+            want = expected_generation_state_dict(full, hy.geometry, hy.layout, hy.rank)
+            flat = hy.train.flat
+            lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+            report = {
+                "names_match": sorted(got) == sorted(want),
+                "max_err": max(float((got[k] - want[k]).abs().max()) for k in want),
+                "received": hy.stats.received_bytes,
+                "expected_received": expected_received_bytes(hy.geometry, hy.layout, hy.rank, "micro-dp",
+                                                              flat.element_size()),
+                "redundant": hy.stats.redundant_bytes,
+                "gen_param_bytes": hy.stats.gen_param_bytes,
+                "model_bytes": hy.geometry.numel * flat.element_size(),
+                "bound_to_training_memory": sum(lo <= t.data_ptr() < hi for t in got.values()),
+                "gen_coord": tuple(hy.layout.gen_coord(hy.rank)),
+            }
+        finally:
+            hy.release()
+        # training parameters are still the views of the flat buffer
+        report["training_params_in_buffer"] = all(
+            lo <= (p.to_local() if hasattr(p, "to_local") else p).data_ptr() < hi
+            for p in self.engine.model.parameters())
+        return report
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def full_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.full_state_dict()

@@ -1,0 +1,125 @@
+"""The 3D-HybridEngine inside the actor: real 4-rank actor groups (gloo) against an unsharded reference model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flowactors as fa
+from engines.generation import HFGenerationEngine, SamplingConfig
+from engines.hybrid import ModelGeometry
+from engines.models import ModelConfig, build_model, build_tokenizer
+from engines.roles import ActorWorker
+from engines.training import OptimConfig
+from tests.engines.probes import HybridActorProbe, pg_loss
+
+# 4 query and 4 key/value heads so TP 4 splits them; the vocabulary padded to a multiple of 4 for the
+# vocab-parallel embedding and output head.
+CFG = ModelConfig(num_heads=4, num_kv_heads=4, pad_vocab_to=4, seed=5)
+SAMPLING = SamplingConfig(max_new_tokens=6, temperature=1.0)
+# Adam's eps well above float noise: a first Adam step moves a weight by ~lr·g/(|g| + eps), so with the default 1e-8
+# a gradient element of ~1e-9 (float noise of a different reduction order under TP) would move by up to lr.
+OPTIM = OptimConfig(lr=5e-3, eps=1e-4, grad_clip=0.0, micro_batch_tokens=64)
+# (dp, tp, t_g): micro-DP 2 with t_g = 1; micro-DP 2 with t_g = 2; t_g = t (no exchange at all)
+LAYOUTS = [(2, 2, 1), (1, 4, 2), (2, 2, 2)]
+
+
+def _prompts(tok, greedy: bool, seeded: bool) -> fa.Batch:
+    """8 prompts; `seeded` gives each row its own seed (samples independent of the DP split), otherwise rows draw
+    from the batch seed and their index (the micro-DP split must then pass its row offset)."""
+    enc = tok([f"sum {i * 7 + 3}:" for i in range(6)] + ["1", "22+3="], padding=True, return_tensors="pt")
+    tensors = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}
+    if seeded:
+        tensors["seed"] = torch.arange(8) * 13 + 100
+    return fa.Batch(tensors, meta={"greedy": greedy, "seed": 11})
+
+
+def _reference(tok, prompts: fa.Batch, state: dict | None = None) -> fa.Batch:
+    model = build_model(CFG, "lm", tok)
+    if state is not None:
+        model.load_state_dict(state)
+    engine = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id)
+    return engine.generate(model, prompts, SAMPLING, greedy=bool(prompts.meta["greedy"]), seed=11)
+
+
+def _group(controller, name: str, dp: int, tp: int, t_g: int) -> fa.ActorGroup:
+    return fa.ActorGroup(controller, HybridActorProbe, name=name, slots=controller.slots[:dp * tp],
+                         layout=fa.Layout(dp=dp, tp=tp), args=(CFG, OPTIM, SAMPLING), kwargs={"rollout_tp": t_g})
+
+
+@pytest.mark.parametrize("dp,tp,t_g", LAYOUTS)
+def test_generation_shards_bytes_and_memory(controller4, dp, tp, t_g):
+    actor = _group(controller4, f"hy_report_{dp}{tp}{t_g}", dp, tp, t_g)
+    try:
+        reports = actor.reshard_report().result()
+    finally:
+        actor.close()
+    tok = build_tokenizer(CFG)
+    geometry = ModelGeometry.from_hf_config(build_model(CFG, "lm", tok).config)
+    sharded_bytes = 4 * (geometry.numel - geometry.replicated_numel)
+    for rank, rep in enumerate(reports):
+        assert rep["names_match"] and rep["max_err"] == 0.0, rep
+        # HybridFlow Table 2, micro-DP row, p = p_g = 1: (t − t_g)/(t_g·t) of the sharded model
+        assert rep["received"] == rep["expected_received"] == sharded_bytes * (tp - t_g) // (t_g * tp), rep
+        assert rep["redundant"] == 0
+        assert rep["gen_param_bytes"] == sharded_bytes // t_g + 4 * geometry.replicated_numel
+        assert rep["training_params_in_buffer"]
+        assert rep["bound_to_training_memory"] > 0  # norms, and every tensor when t_g = t, are training memory
+    assert len({rep["gen_coord"] for rep in reports}) == dp * tp  # every rank its own generation coordinate
+
+
+@pytest.mark.parametrize("dp,tp,t_g", LAYOUTS[:2])
+def test_train_generate_cycle_serves_updated_weights(controller4, dp, tp, t_g):
+    """Sampled and greedy rows equal the unsharded model's; after an update the hybrid weights equal an unsharded
+    actor's after the same update, and the next generation samples from them."""
+    tok = build_tokenizer(CFG)
+    hybrid = _group(controller4, f"hy_cycle_{dp}{tp}{t_g}", dp, tp, t_g)
+    plain = fa.ActorGroup(controller4, HybridActorProbe, name=f"hy_plain_{dp}{tp}{t_g}",
+                          slots=controller4.slots[:1], args=(CFG, OPTIM, SAMPLING))  # no rollout_tp: unsharded
+    try:
+        sampled = _prompts(tok, greedy=False, seeded=dp > 1)
+        first = hybrid.generate_sequences(sampled).result()
+        ref = _reference(tok, sampled)
+        assert torch.equal(first["responses"], ref["responses"])
+        torch.testing.assert_close(first["rollout_log_probs"], ref["rollout_log_probs"], atol=1e-5, rtol=0)
+
+        g = torch.Generator().manual_seed(0)
+        batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)},
+                         meta={"mini_batch_samples": 4})
+        m_h = hybrid.update_actor(batch, pg_loss).result()
+        m_p = plain.update_actor(batch, pg_loss).result()
+        assert m_h["grad_norm"] == pytest.approx(m_p["grad_norm"], rel=1e-4)
+        w_h, w_p = hybrid.full_weights().result()[0], plain.full_weights().result()[0]
+        moved = max(float((w_p[k] - v).abs().max()) for k, v in ActorWorker_initial(tok).items())
+        assert moved > 1e-3  # the update changed the weights, so the comparison below means something
+        for k in w_p:
+            torch.testing.assert_close(w_h[k], w_p[k], atol=2e-5, rtol=0, msg=k)
+
+        greedy = _prompts(tok, greedy=True, seeded=dp > 1)
+        second = hybrid.generate_sequences(greedy).result()
+        assert torch.equal(second["responses"], _reference(tok, greedy, w_h)["responses"])
+        assert not torch.equal(second["responses"], _reference(tok, greedy)["responses"])  # not the old weights
+        after = hybrid.reshard_report().result()
+        assert all(rep["max_err"] == 0.0 for rep in after)
+    finally:
+        hybrid.close()
+        plain.close()
+
+
+def ActorWorker_initial(tok) -> dict[str, torch.Tensor]:  # noqa: N802 - reads as "the actor's initial weights"
+    return {k: v.detach() for k, v in build_model(CFG, "lm", tok).state_dict().items()}
+
+
+def test_bad_rollout_tp_fails_before_any_collective(controller4):
+    # an impossible generation layout is refused on the controller, before any rank starts
+    with pytest.raises(ValueError, match="gen_tp=3 must divide train_tp=2"):
+        _group(controller4, "hy_bad_tp", 2, 2, 3)
+    assert "hy_bad_tp" not in controller4.groups
+    # a model the layout cannot cut is refused by every rank before its first collective
+    odd_vocab = ModelConfig(num_heads=4, num_kv_heads=4)  # 51 characters: not divisible by tp 2
+    with pytest.raises(fa.RemoteError, match="pad the vocabulary"):
+        fa.ActorGroup(controller4, ActorWorker, name="hy_bad_vocab", slots=controller4.slots[:2],
+                      layout=fa.Layout(dp=1, tp=2), args=(odd_vocab,), kwargs={"rollout_tp": 1})
+    # the slots are still usable: a valid group forms on them afterwards
+    ok = _group(controller4, "hy_after_bad", 1, 2, 1)
+    ok.close()
