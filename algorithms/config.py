@@ -85,6 +85,10 @@ class RLConfig:
     # -- model and sampling ---------------------------------------------------------------------------------------
     model: ModelConfig = field(default_factory=ModelConfig)
     actor_lr: float = 2e-4
+    rollout_tp: int = 0
+    """Generation TP size t_g of the actor under the 3D-HybridEngine (must divide the actor's tp; a plan's actor
+    "generate" sizes set it); 0: off, a sharded actor gathers its whole weights to generate. With the actor's
+    tp > 1 its vocabulary must divide tp: set model.pad_vocab_to."""
     temperature: float = 1.0
     max_new_tokens: int = 0
     """0: the task's default."""
@@ -103,6 +107,8 @@ class RLConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.rollout_tp < 0:
+            raise ValueError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
         if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:
             raise ValueError("save_every must be >= 0, keep_last >= 1 and max_recoveries >= 0")
         if self.save_every and not self.checkpoint_dir:

@@ -88,6 +88,22 @@ class Pools:
 _SCORERS = ("critic", "cost_critic", "reward", "cost")
 
 
+def rollout_tp(cfg: RLConfig) -> int | None:
+    """The actor's generation TP size under the 3D-HybridEngine: a plan's actor "generate" sizes, else
+    cfg.rollout_tp; None when off."""
+    if cfg.plan:
+        from placement import Plan
+
+        actor = next(m for m in Plan.load(cfg.plan).models if m.role == "actor")
+        if actor.generate is not None:
+            p_g, t_g = actor.generate
+            if p_g != 1:
+                raise ValueError(f"the plan generates the actor over p_g={p_g} pipeline stages; the transformers "
+                                 f"generation engine has none: plan generate [1, t_g]")
+            return t_g
+    return cfg.rollout_tp or None
+
+
 def place(ctl: Controller, cfg: RLConfig) -> Pools:
     """Colocated, split, or a placement plan (which also fixes each model's parallel sizes)."""
     slots = ctl.slots[:cfg.n_slots] if cfg.address is None and cfg.cluster == "local" else ctl.slots
@@ -245,7 +261,8 @@ def build_common(ctl: Controller, cfg: RLConfig, workdir: Path, with_critics: Se
         slots, layout = pools[role]
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
 
-    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg, cfg.actor_lr), sampling(cfg, task))
+    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg, cfg.actor_lr), sampling(cfg, task),
+                  rollout_tp(cfg))
     sft = run_warm_start(actor, data, cfg, task, workdir) if warm_start else cfg.model
     groups: dict[str, Any] = {"task": task, "data": data, "pools": pools, "actor": actor, "sft": sft}
     groups["ref"] = group("ref", RefWorker, sft, cfg.temperature)

@@ -54,18 +54,22 @@ def test_two_data_parallel_ranks_match_one(tmp_path):
 
 
 def test_plan_with_tensor_parallel_actor_matches_data_parallel(tmp_path):
+    """A TP=2 actor generating through the 3D-HybridEngine at TP=1 (micro-DP 2), a TP=2 FSDP actor that gathers
+    its weights, and a DP=2 actor: same metrics."""
     from algorithms.ppo import main
     from placement import ModelPlan, Plan
 
     runs = []
-    for name, actor_train in (("tp", (1, 2, 1)), ("dp", (1, 1, 2))):
+    for name, actor_train, generate in (("hybrid", (1, 2, 1), (1, 1)), ("tp", (1, 2, 1), None),
+                                        ("dp", (1, 1, 2), None)):
         plan = Plan(placement=[["actor", "ref", "critic", "reward"]],
-                    models=[ModelPlan("actor", 2, actor_train, (1, 1)), ModelPlan("ref", 2, (1, 1, 2)),
+                    models=[ModelPlan("actor", 2, actor_train, generate), ModelPlan("ref", 2, (1, 1, 2)),
                             ModelPlan("critic", 2, (1, 2, 1)), ModelPlan("reward", 2, (1, 1, 2))])
         (tmp_path / name).mkdir()
         plan.save(tmp_path / name / "plan.json")
         runs.append(run(main, tmp_path / name, "--plan", str(tmp_path / name / "plan.json"), "--steps", "3",
-                        "sft_steps=10"))
-    for a, b in zip(*runs):
+                        "sft_steps=10", "model.pad_vocab_to=2"))  # the hybrid actor's vocab splits over tp=2
+    for a, b, c in zip(*runs):
         for key in ("reward_mean", "kl", "entropy", "response_length_mean"):
-            assert a[key] == pytest.approx(b[key], abs=2e-3), (a["step"], key)
+            assert a[key] == pytest.approx(c[key], abs=2e-3), (a["step"], key)
+            assert b[key] == pytest.approx(c[key], abs=2e-3), (b["step"], key)
