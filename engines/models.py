@@ -53,6 +53,9 @@ class ModelConfig:
     """Parameter dtype: float32, bfloat16 or float16."""
     seed: int = 0
     """Initialisation seed when building (identical on every rank)."""
+    engine: str = "torch"
+    """Training engine: torch (FSDP2 / DTensor TP, every head) or megatron (megatron-core GPTModel with TP/PP/DP;
+    causal-LM heads: actor and reference)."""
     pad_vocab_to: int = 1
     """Round the vocabulary of a built model up to a multiple of this (Megatron's make-vocab-size-divisible-by),
     so a vocab-parallel split (the 3D-HybridEngine's training layout) divides it."""
@@ -60,6 +63,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in _ARCH:
             raise ValueError(f"ModelConfig.arch must be one of {sorted(_ARCH)}, got {self.arch!r}")
+        if self.engine not in ("torch", "megatron"):
+            raise ValueError(f"ModelConfig.engine must be 'torch' or 'megatron', got {self.engine!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.path is None:

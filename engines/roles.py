@@ -47,8 +47,12 @@ class ModelWorker(Worker):
         self.model_config = model
         self.tokenizer = build_tokenizer(model)
         net = build_model(model, self.head, self.tokenizer)
+        self.hf_config = net.config
         self.sharded = self.layout.dp > 1 or self.layout.tp > 1
         self.hybrid = None
+        if model.engine == "megatron":
+            self._setup_megatron(net, optim, trainable, rollout_tp)
+            return
         if rollout_tp is not None:
             from engines.hybrid_engine import HybridEngine, untie_embeddings
 
@@ -59,6 +63,30 @@ class ModelWorker(Worker):
             net = parallelize(net, self.mesh)
         self.engine = TrainEngine(net, optim, dp_group=self.mesh["dp"].get_group(), dp_size=self.layout.dp,
                                   trainable=trainable, sync_grads=self.hybrid is not None)
+
+    def _setup_megatron(self, net: torch.nn.Module, optim: OptimConfig | None, trainable: bool,
+                        rollout_tp: int | None) -> None:
+        """megatron-core's parallel state is process-global and spans the whole torch.distributed world, so a
+        megatron model must be placed on every slot, in world order (colocated placement); it builds causal-LM
+        heads only, and generation gathers its full weights (the 3D-HybridEngine is wired to the torch engine)."""
+        import torch.distributed as dist
+
+        from engines.megatron import MegatronEngine
+
+        if self.head != "lm":
+            raise ValueError(f"{type(self).__name__} needs a {self.head!r} head; the megatron engine builds causal-LM "
+                             f"heads only (actor, reference): use engine='torch' for critics and reward models")
+        if rollout_tp is not None:
+            raise ValueError("rollout_tp (the 3D-HybridEngine) runs on the torch engine; drop it or use "
+                             "engine='torch'")
+        world = dist.get_world_size()
+        if self.mesh.mesh.flatten().tolist() != list(range(world)):
+            raise ValueError(f"the megatron engine's parallel state spans the whole torch.distributed world "
+                             f"({world} ranks, in order); this group holds ranks {self.mesh.mesh.flatten().tolist()}: "
+                             f"place it on every slot (colocated) or use engine='torch'")
+        self.engine = MegatronEngine.from_hf_model(net, optim, tp=self.layout.tp, pp=self.layout.pp,
+                                                   trainable=trainable)
+        self.sharded = True  # generation gathers the full weights from the TP × PP shards
 
     def _update(self, shares: list[Batch], loss_fn: LossFn,
                 outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -115,6 +143,9 @@ class ModelWorker(Worker):
     def _train_state(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if self.model_config.engine != "torch":
+            raise NotImplementedError("checkpoints of the megatron engine (megatron dist-ckpt) are not wired yet; "
+                                      "export_hf saves its weights")
         opt = self.engine.optimizer
         model_sd, optim_sd = get_state_dict(self.engine.model, opt if opt is not None else [])
         state = {"model": model_sd}
@@ -139,7 +170,7 @@ class ActorWorker(ModelWorker):
         self._setup(model, optim or OptimConfig(), trainable=True, rollout_tp=rollout_tp)
         self.sampling = sampling or SamplingConfig()
         self.generator = HFGenerationEngine(self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
-                                            max_context=self.engine.model.config.max_position_embeddings)
+                                            max_context=self.hf_config.max_position_embeddings)
         self._gen_model: torch.nn.Module | None = None
         self._stream: GenerationStream | None = None
 
