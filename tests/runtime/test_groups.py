@@ -6,7 +6,7 @@ import torch
 import flowactors as fa
 from flowactors import Batch, Layout
 from flowactors import serialization as ser
-from tests.runtime.workers import BrokenInit, Reducer
+from tests.runtime.workers import BrokenInit, PairReducer, Reducer
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +135,24 @@ def test_watchdog_reports_where_each_rank_is_stuck(fresh_controller):
     assert "hang rank 0" in rank0 and "all_reduce" in rank0        # blocked in the collective
     assert "sleep" in rank1 or "straggle" in rank1                  # the straggler, in its own code
     assert g.straggle(0.0).result() == [2.0, 2.0]                    # the group works again afterwards
+
+
+@pytest.mark.parametrize("stride, pairs", [(1, [(0, 1), (0, 1), (2, 3), (2, 3)]), (2, [(0, 2), (1, 3), (0, 2), (1, 3)])])
+def test_declared_subgroups_are_created_with_the_group(controller4, groups, stride, pairs):
+    """Worker.process_groups: extra groups among a group's ranks, created on every world rank with the group (while
+    other groups live on the same processes), each rank holding its own."""
+    g = fa.ActorGroup(controller4, PairReducer, name=f"rt_pairs{stride}", args=(stride,))
+    try:
+        out = g.pair_sum().result()
+    finally:
+        g.close()
+    assert [pair for pair, _ in out] == pairs
+    assert [total for _, total in out] == [float(sum(pair)) for pair in pairs]
+    a, _, _ = groups
+    assert a.all_reduce(1.0).result() == [10.0] * 4  # the older groups still work
+
+
+def test_impossible_subgroups_fail_on_the_controller(controller4):
+    with pytest.raises(ValueError, match="cannot form pairs at stride 3"):
+        fa.ActorGroup(controller4, PairReducer, name="rt_pairs_bad", args=(3,))
+    assert "rt_pairs_bad" not in controller4.groups

@@ -71,3 +71,24 @@ class BrokenInit(Worker):
     def __init__(self) -> None:
         if self.rank == 1:
             raise RuntimeError("cannot load weights on rank 1")
+
+
+class PairReducer(Worker):
+    """Declares pair subgroups ({0,1}, {2,3}, … or a stride) and all-reduces inside its own pair."""
+
+    @classmethod
+    def process_groups(cls, layout, stride: int = 1) -> list[tuple[int, ...]]:
+        if layout.world_size % (2 * stride):
+            raise ValueError(f"{layout.world_size} ranks cannot form pairs at stride {stride}")
+        n = layout.world_size
+        return [(i, i + stride) for i in range(n) if (i // stride) % 2 == 0]
+
+    def __init__(self, stride: int = 1) -> None:
+        self.pair = next(g for g in self.subgroups if self.rank in g)
+        assert len(self.subgroups) == 1
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def pair_sum(self) -> tuple[tuple[int, ...], float]:
+        t = torch.tensor([float(self.rank)])
+        dist.all_reduce(t, group=self.subgroups[self.pair])
+        return self.pair, t.item()
