@@ -39,12 +39,14 @@ class VLLMGenerationEngine:
 
     `kv_cache_bytes` sizes the KV cache explicitly (vLLM's `kv_cache_memory_bytes`; on CPU it also skips vLLM's
     warm-up pass); None lets vLLM size it (`gpu_memory_utilization` on GPU, VLLM_CPU_KVCACHE_SPACE GiB on CPU).
-    `max_model_len` None takes the model's `max_position_embeddings`."""
+    `max_model_len` None takes the model's `max_position_embeddings`. `engine_args` go to `vllm.LLM` as they are
+    (e.g. `block_size`, `enable_prefix_caching`)."""
 
     def __init__(self, model_dir: str, *, tp: int = 1, eos_token_id: int, pad_token_id: int,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  kv_cache_bytes: int | None = None, dtype: str = "auto", seed: int = 0,
-                 sleep_between_rollouts: bool = True, enforce_eager: bool | None = None) -> None:
+                 sleep_between_rollouts: bool = True, enforce_eager: bool | None = None,
+                 engine_args: dict | None = None) -> None:
         try:
             from vllm import LLM
         except ImportError as e:
@@ -55,6 +57,7 @@ class VLLMGenerationEngine:
         on_gpu = torch.cuda.is_available()
         self.sleep_between_rollouts = sleep_between_rollouts and on_gpu
         extra = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None else {}
+        extra.update(engine_args or {})
         self.llm = LLM(model=model_dir, tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
                        seed=seed, enable_sleep_mode=self.sleep_between_rollouts,

@@ -57,6 +57,74 @@ def vllm_import():
     import vllm  # noqa: F401
     return vllm.__version__
 
+VLLM_SMOKE = r"""
+import json, sys, tempfile, time
+import torch
+from engines import ModelConfig, build_model, build_tokenizer, save_pretrained
+from engines.ops import position_ids_from_mask
+from engines.generation import SamplingConfig
+from engines.vllm_engine import VLLMGenerationEngine
+from flowactors import Batch
+
+cfg = ModelConfig(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512,
+                  max_position_embeddings=128)
+tok = build_tokenizer(cfg)
+model = build_model(cfg, "lm", tok)
+d = str(save_pretrained(model, tok, tempfile.mkdtemp()))
+enc = tok(["sum 17:", "ab", "hello world", "the quick brown fox jumps over the lazy dog"], padding=True,
+          return_tensors="pt")
+prompts = Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+n = 8
+
+def reference(m):  # greedy without a KV cache in transformers on CPU (float32): tokens and their log-probs
+    ids, mask, logp = enc.input_ids, enc.attention_mask, []
+    for _ in range(n):
+        with torch.no_grad():
+            last = m(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[:, -1]
+        tok_ = last.argmax(-1, keepdim=True)
+        logp.append(last.float().log_softmax(-1).gather(-1, tok_))
+        ids, mask = torch.cat([ids, tok_], 1), torch.cat([mask, torch.ones_like(tok_)], 1)
+    return ids[:, -n:], torch.cat(logp, 1)
+
+ref_tokens, ref_logp = reference(model)
+g = torch.Generator().manual_seed(1)
+new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+model.load_state_dict(new)
+new_tokens, _ = reference(model)
+sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True)
+t0 = time.time()
+engine = VLLMGenerationEngine(d, tp=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="float32",
+                              kv_cache_bytes=1 << 28, enforce_eager=True)  # sleeps between rollouts on CUDA
+start = time.time() - t0
+out = engine.generate(prompts, sampling, greedy=True)  # then sleeps (level 1)
+err = float((out["rollout_log_probs"] - ref_logp).abs().max())
+t0 = time.time()
+engine.load_weights(new.items())  # wakes, reloads in place, resets the prefix cache
+reload_s = time.time() - t0
+out_new = engine.generate(prompts, sampling, greedy=True)
+print(json.dumps({"start_s": start, "reload_s": reload_s, "logp_err": err,
+                  "tokens_equal": bool(torch.equal(out["responses"], ref_tokens)),
+                  "reload_tokens_equal": bool(torch.equal(out_new["responses"], new_tokens)),
+                  "reload_changed": not bool(torch.equal(new_tokens, ref_tokens))}))
+"""
+
+def vllm_engine():
+    """engines.vllm_engine on CUDA in a fresh process (external_launcher, world of one): greedy tokens and
+    log-probs vs transformers, a sleep/wake cycle, in-memory reload_weights vs transformers with those weights."""
+    import json, os, subprocess
+    import vllm  # noqa: F401  (ImportError: skipped)
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29547", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-c", VLLM_SMOKE], env=env, capture_output=True, text=True, timeout=400)
+    if p.returncode != 0:
+        print(p.stdout[-3000:], p.stderr[-6000:], sep="\n")
+        raise RuntimeError(f"vLLM smoke exited {p.returncode}")
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["tokens_equal"] and r["reload_tokens_equal"] and r["reload_changed"], r
+    assert r["logp_err"] < 1e-3, r
+    return (f"start {r['start_s']:.0f}s, greedy tokens = transformers, log-prob err {r['logp_err']:.1e}, "
+            f"reload {r['reload_s']:.2f}s = transformers")
+
 def megatron_import():
     import megatron.core  # noqa: F401
     return "megatron.core importable"
@@ -111,6 +179,7 @@ def megatron_tp1():
 check("flowactors NCCL group all_reduce", nccl_group)
 check("transformers model on CUDA", engine_cuda)
 check("vllm import", vllm_import)
+check("vllm engine TP=1 on CUDA vs transformers", vllm_engine)
 check("megatron-core import", megatron_import)
 check("megatron engine TP=1 on CUDA (no shim)", megatron_tp1)
 print(f"\n{'check':<36} {'result':<8} {'time':>6}  detail")
