@@ -33,6 +33,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from engines import (HFGenerationEngine, ModelConfig, SamplingConfig, build_model, build_tokenizer,  # noqa: E402
                      save_pretrained)
+from engines.generation import STOP_AT  # noqa: E402
 from engines.ops import position_ids_from_mask, response_logits, token_log_probs  # noqa: E402
 from flowactors import Batch  # noqa: E402
 
@@ -114,6 +115,8 @@ def setup(tmp_path_factory):
     generated = generated[:, prompts["input_ids"].shape[1]:]
     assert torch.equal(ref["responses"][:, :generated.shape[1]], generated), "the transformers reference is off"
     ref_sampled = hf.generate(ref_model, prompts, SAMPLED, seed=5)
+    stopped = Batch({**prompts.tensors, STOP_AT: torch.tensor([1, 3, 8, 2, 5])})
+    ref_stopped = hf.generate(ref_model, stopped, GREEDY, greedy=True)
     original = {k: v.clone() for k, v in model.state_dict().items()}
     new = perturbed(original)
     model.load_state_dict(new)
@@ -126,6 +129,7 @@ def setup(tmp_path_factory):
     engine = build_engine(model_dir, tok, tp=1)
     print(f"\nvLLM engine start (TP=1, in process): {time.time() - t0:.1f} s")
     return dict(tok=tok, model=model, model_dir=model_dir, prompts=prompts, ref=ref, ref_sampled=ref_sampled,
+                stopped=stopped, ref_stopped=ref_stopped,
                 ref_new=ref_new, original=original, new=new, engine=engine)
 
 
@@ -137,6 +141,10 @@ def test_greedy_tokens_and_log_probs_equal_transformers(setup):
     err = float((out["rollout_log_probs"] - ref["rollout_log_probs"]).abs().max())
     print(f"\ngreedy: {int(ref['response_mask'].sum())} tokens equal; log-prob max error {err:.2e}")
     assert err < LOGP_TOL
+    # per-row stop lengths (stop_at) become per-request max_tokens; the layout is the transformers engine's
+    stopped = setup["engine"].generate(setup["stopped"], GREEDY, greedy=True)
+    for k in setup["ref_stopped"].keys():
+        assert torch.allclose(stopped[k].double(), setup["ref_stopped"][k].double(), atol=LOGP_TOL, rtol=0), k
 
 
 def test_sampled_rows_reproducible_and_layout_equals_transformers(setup):
