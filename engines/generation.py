@@ -144,8 +144,9 @@ class HFGenerationEngine:
         attn = mask.clone()
         pos = position_ids_from_mask(attn)
         cur, cache = ids, None
+        cache_arg = _cache_argument(model)
         for t in range(cfg.max_new_tokens):
-            out = model(input_ids=cur, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
+            out = model(input_ids=cur, attention_mask=attn, position_ids=pos, use_cache=True, **{cache_arg: cache})
             cache = getattr(out, "cache", None) or out.past_key_values
             logits = out.logits[:, -1].float() / cfg.temperature
             logp = logits.log_softmax(-1)
@@ -210,6 +211,14 @@ def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tens
     }
     keep = {k: v for k, v in prompts.tensors.items() if k not in tensors and k not in ("input_ids", "attention_mask")}
     return Batch({**keep, **tensors}, prompts.rows, prompts.meta)
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: `cache` in transformers >= 5.20, `past_key_values` before
+    (an older model silently ignores the unknown name and decodes every step without its past)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _stop_lengths(prompts: Batch) -> torch.Tensor | None:

@@ -250,6 +250,16 @@ class ActorWorker(ModelWorker):
         if self.hybrid is not None and self.hybrid.in_generation:
             self.hybrid.release()
 
+    @endpoint(protocol=ONE_TO_ALL)
+    def reshard_stats(self) -> dict[str, Any] | None:
+        """This rank's figures of its last train → generate transition under the 3D-HybridEngine (bytes received,
+        generation parameter bytes, redundant bytes, seconds); None without rollout_tp."""
+        if self.hybrid is None or self.hybrid.stats is None:
+            return None
+        from dataclasses import asdict
+
+        return asdict(self.hybrid.stats)
+
     @endpoint(protocol=MESH)
     def compute_log_prob(self, batch: Batch) -> Batch:
         lp = self.engine.log_probs(batch, self.sampling.temperature, with_entropy=True)
