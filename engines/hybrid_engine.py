@@ -10,7 +10,9 @@ optimizer, checkpoints and forward passes see ordinary (D)Tensor parameters; onl
 training buffer itself) and binds the generation shard to a parameter-less copy of the model, split over the
 generation TP group (t_g ranks at stride t/t_g) with the same TP plan: the tensors are bound, not copied, so a
 generation shard built from one piece is training memory and one built from r pieces is the merged tensor (see
-reshard.py). `release()` unbinds them and frees the received pieces; training memory was never written.
+reshard.py). `release()` unbinds them and frees the received pieces; training memory was never written. What the
+merge costs: with r = t/t_g > 1 each sharded weight is concatenated once while binding (`bound_copy_bytes`,
+M_s/t_g per rank, on top of the gathered pieces of HybridFlow Table 2); with t_g = t nothing is copied or sent.
 
 Generation then runs at data-parallel size d·d_g: `micro_slice` gives each generation replica its part of the
 rows of its training replica, and `gather_micro` joins the parts again (over the micro-DP group, in micro order),
@@ -144,6 +146,10 @@ class HybridEngine:
             members = self.layout.gen_tp_group(self.rank)
             self._gen_mesh = DeviceMesh.from_group(subgroups[members], mesh.device_type,
                                                    mesh=[global_ranks[r] for r in members], mesh_dim_names=("tp",))
+        self.bound_copy_bytes = 0
+        """Bytes of the merged tensors the last binding made: with r = t/t_g > 1 a transformers weight of the
+        generation shard is one contiguous tensor built from r gathered pieces (reshard.py), a copy the Table-2
+        accounting of the pieces does not include; 0 when t_g = t (every tensor is training memory)."""
         self._skeleton: torch.nn.Module | None = None
         self._meta: dict[str, torch.nn.Parameter] = {}
 
@@ -205,7 +211,11 @@ class HybridEngine:
             self.release()
         shard = self.resharder.to_generation(self.train)
         model = self._skeleton_model()
+        pieces = {p.untyped_storage().data_ptr() for p in shard.pieces()}
+        self.bound_copy_bytes = 0
         for name, tensor in shard.named_weights("hf"):
+            if tensor.untyped_storage().data_ptr() not in pieces:  # merged from r sub-shards: a contiguous copy
+                self.bound_copy_bytes += tensor.numel() * tensor.element_size()
             _rebind(model, name, tensor, like=self._meta[name], requires_grad=False)
         return model
 

@@ -258,7 +258,7 @@ class ActorWorker(ModelWorker):
             return None
         from dataclasses import asdict
 
-        return asdict(self.hybrid.stats)
+        return {**asdict(self.hybrid.stats), "bound_copy_bytes": self.hybrid.bound_copy_bytes}
 
     @endpoint(protocol=MESH)
     def compute_log_prob(self, batch: Batch) -> Batch:
