@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.ops import position_ids_from_mask, response_mask_from_tokens
+from engines.ops import compute_precision, position_ids_from_mask, response_mask_from_tokens
 from flowactors import Batch
 
 __all__ = ["assemble_samples", "SamplingConfig", "HFGenerationEngine", "GenerationStream", "ROW_INDEX", "STOP_AT"]
@@ -85,8 +85,12 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 class HFGenerationEngine:
     """Sample responses from a transformers causal LM (`model` is unsharded on this rank)."""
 
-    def __init__(self, eos_token_id: int, pad_token_id: int, max_context: int | None = None) -> None:
+    def __init__(self, eos_token_id: int, pad_token_id: int, max_context: int | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        """`compute_dtype`: autocast dtype of the decoding forwards (a float32-master model sampling in bf16);
+        applied inside the decode loop, so also in a streaming thread."""
         self.eos, self.pad, self.max_context = eos_token_id, pad_token_id, max_context
+        self.compute_dtype = compute_dtype
 
     def generate(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, *, greedy: bool = False,
                  seed: int = 0, seed_offset: int = 0) -> Batch:
@@ -146,7 +150,8 @@ class HFGenerationEngine:
         cur, cache = ids, None
         cache_arg = _cache_argument(model)
         for t in range(cfg.max_new_tokens):
-            out = model(input_ids=cur, attention_mask=attn, position_ids=pos, use_cache=True, **{cache_arg: cache})
+            with compute_precision(model, self.compute_dtype):
+                out = model(input_ids=cur, attention_mask=attn, position_ids=pos, use_cache=True, **{cache_arg: cache})
             cache = getattr(out, "cache", None) or out.past_key_values
             logits = out.logits[:, -1].float() / cfg.temperature
             logp = logits.log_softmax(-1)

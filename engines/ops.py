@@ -7,10 +7,13 @@ position t predict token t+1, so the response's log-probs come from positions P-
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["position_ids_from_mask", "response_logits", "token_log_probs", "entropy_from_logits",
+__all__ = ["compute_precision", "position_ids_from_mask", "response_logits", "token_log_probs", "entropy_from_logits",
            "response_mask_from_tokens"]
 
 
@@ -40,3 +43,12 @@ def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int) -> tor
     is_eos = responses == eos_token_id
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
     return (~after_eos).long()
+
+
+def compute_precision(model: torch.nn.Module, dtype: torch.dtype | None) -> Any:
+    """Autocast to `dtype` on the model's device type, or a no-op for None/float32."""
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    param = next(model.parameters(), None)
+    device = param.device.type if param is not None else "cpu"
+    return torch.autocast(device_type=device, dtype=dtype)

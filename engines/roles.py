@@ -53,6 +53,9 @@ class ModelWorker(Worker):
         if model.engine == "megatron":
             self._setup_megatron(net, optim, trainable, rollout_tp)
             return
+        compute_dtype = None
+        if trainable and model.torch_dtype != torch.float32:
+            net, compute_dtype = net.float(), model.torch_dtype  # float32 master weights, low-precision compute
         if rollout_tp is not None:
             from engines.hybrid_engine import HybridEngine, untie_embeddings
 
@@ -62,7 +65,8 @@ class ModelWorker(Worker):
         elif self.sharded:
             net = parallelize(net, self.mesh)
         self.engine = TrainEngine(net, optim, dp_group=self.mesh["dp"].get_group(), dp_size=self.layout.dp,
-                                  trainable=trainable, sync_grads=self.hybrid is not None)
+                                  trainable=trainable, sync_grads=self.hybrid is not None,
+                                  compute_dtype=compute_dtype)
 
     def _setup_megatron(self, net: torch.nn.Module, optim: OptimConfig | None, trainable: bool,
                         rollout_tp: int | None) -> None:
@@ -170,7 +174,8 @@ class ActorWorker(ModelWorker):
         self._setup(model, optim or OptimConfig(), trainable=True, rollout_tp=rollout_tp)
         self.sampling = sampling or SamplingConfig()
         self.generator = HFGenerationEngine(self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
-                                            max_context=self.hf_config.max_position_embeddings)
+                                            max_context=self.hf_config.max_position_embeddings,
+                                            compute_dtype=getattr(self.engine, "compute_dtype", None))
         self._gen_model: torch.nn.Module | None = None
         self._stream: GenerationStream | None = None
 

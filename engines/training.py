@@ -4,6 +4,11 @@ One interface for every role (DESIGN §4): `log_probs`, `values` and `scores` ru
 without gradients; `update` runs mini-batch steps where the algorithm supplies the loss. The engine owns
 micro-batching (by a token budget), gradient accumulation, clipping, AdamW and the LR schedule.
 
+Mixed precision. A trainable model given in bfloat16/float16 is trained with float32 parameters (the optimizer's
+master weights, as Megatron keeps "main params") and computes in its low-precision dtype under autocast: steps
+smaller than half a bf16 ulp would otherwise round away (an RL learning rate of 1e-6 on weights of ~0.1 moves
+nothing). Frozen models (reference, reward) keep their low-precision weights.
+
 Loss aggregation is token-mean over the whole mini-batch across data-parallel ranks: each micro-batch's summed
 token loss is divided by the mini-batch's global token count (one all-reduce), and multiplied by the DP size
 because FSDP2 averages gradients over ranks. The update is therefore the same whatever the DP size or the
@@ -20,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines.ops import position_ids_from_mask, response_logits, token_log_probs, entropy_from_logits
+from engines.ops import (compute_precision, entropy_from_logits, position_ids_from_mask, response_logits,
+                         token_log_probs)
 from flowactors import Batch
 
 __all__ = ["OptimConfig", "TrainEngine", "LossFn"]
@@ -63,7 +69,20 @@ class TrainEngine:
     """A (possibly sharded) transformers model with its optimiser. `dp_group` is the data-parallel group."""
 
     def __init__(self, model: torch.nn.Module, optim: OptimConfig | None, *, dp_group: Any = None,
-                 dp_size: int = 1, trainable: bool = True, sync_grads: bool = False) -> None:
+                 dp_size: int = 1, trainable: bool = True, sync_grads: bool = False,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        """`compute_dtype`: autocast dtype of forward passes (bfloat16/float16), for a model whose float32
+        parameters are the master weights; a plain trainable model given in low precision is converted here."""
+        low = [p for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
+        if trainable and low:
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in low):
+                raise ValueError("a sharded model in low precision has no float32 master weights to train: build it "
+                                 "in float32 before parallelizing and pass compute_dtype (the roles do)")
+            compute_dtype = compute_dtype or low[0].dtype
+            model.float()
+        self.compute_dtype = compute_dtype
         self.model = model
         self.cfg = optim or OptimConfig()
         self.dp_group, self.dp_size = dp_group, dp_size
@@ -92,10 +111,15 @@ class TrainEngine:
         rows = max(1, self.cfg.micro_batch_tokens // max(1, width))
         return batch.chunk(rows) if len(batch) else []
 
+    def autocast(self) -> Any:
+        """The forward passes' precision context (a no-op for float32 compute)."""
+        return compute_precision(self.model, self.compute_dtype)
+
     def _forward(self, mb: Batch) -> Any:
         mask = mb["attention_mask"]
         pos = mb["position_ids"] if "position_ids" in mb else position_ids_from_mask(mask)
-        return self.model(input_ids=mb["input_ids"], attention_mask=mask, position_ids=pos, use_cache=False)
+        with self.autocast():
+            return self.model(input_ids=mb["input_ids"], attention_mask=mask, position_ids=pos, use_cache=False)
 
     def policy_outputs(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
         resp = mb["responses"]
@@ -187,7 +211,7 @@ class TrainEngine:
         squares = torch.zeros((), dtype=torch.float64)
         for group in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
             if group:
-                n = torch.nn.utils.get_total_norm(group)
+                n = torch.nn.utils.get_total_norm([g.float() for g in group])  # a bf16 norm rounds to ~0.4 %
                 squares = squares + (n.full_tensor() if isinstance(n, DTensor) else n).double() ** 2
         norm = float(squares.sqrt())
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:

@@ -137,6 +137,8 @@ class Controller:
         cluster = LocalCluster(
             n_workers=n_slots, threads_per_worker=1, processes=True, host="127.0.0.1",
             dashboard_address=dashboard, resources=resources, silence_logs=logging.WARNING,
+            # without a dashboard the scheduler still serves /health on an HTTP port: a free one, not 8787
+            scheduler_kwargs=None if dashboard else {"dashboard_address": "127.0.0.1:0"},
             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
         )
         return cls(Client(cluster, set_as_default=False), cluster, **kwargs)
