@@ -1,17 +1,38 @@
 """engines: multi-controller model workers (training, generation, the RLHF roles) over flowactors groups.
 
 Knows nothing about a particular RLHF algorithm: losses come in with update calls.
+
+The names below load on first use (PEP 562), so importing a light submodule (e.g. `engines.hybrid`, which needs
+only torch) does not pay for transformers in every spawned rank.
 """
 
-from engines.generation import HFGenerationEngine, SamplingConfig
-from engines.models import ModelConfig, build_model, build_tokenizer, check_model_dir, save_pretrained
-from engines.protocols import MINIBATCH, plan_minibatches
-from engines.roles import ActorWorker, CriticWorker, RefWorker, RewardModelWorker, RuleRewardWorker
-from engines.tokenizer import char_tokenizer
-from engines.training import LossFn, OptimConfig, TrainEngine
+from __future__ import annotations
 
-__all__ = [
-    "ModelConfig", "OptimConfig", "SamplingConfig", "build_model", "build_tokenizer", "check_model_dir",
-    "save_pretrained", "char_tokenizer", "TrainEngine", "HFGenerationEngine", "LossFn", "MINIBATCH",
-    "plan_minibatches", "ActorWorker", "RefWorker", "CriticWorker", "RewardModelWorker", "RuleRewardWorker",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "HFGenerationEngine": "engines.generation", "SamplingConfig": "engines.generation",
+    "ModelConfig": "engines.models", "build_model": "engines.models", "build_tokenizer": "engines.models",
+    "check_model_dir": "engines.models", "save_pretrained": "engines.models",
+    "MINIBATCH": "engines.protocols", "plan_minibatches": "engines.protocols",
+    "ActorWorker": "engines.roles", "CriticWorker": "engines.roles", "RefWorker": "engines.roles",
+    "RewardModelWorker": "engines.roles", "RuleRewardWorker": "engines.roles",
+    "char_tokenizer": "engines.tokenizer",
+    "LossFn": "engines.training", "OptimConfig": "engines.training", "TrainEngine": "engines.training",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engines' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
