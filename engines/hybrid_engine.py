@@ -12,7 +12,8 @@ generation TP group (t_g ranks at stride t/t_g) with the same TP plan: the tenso
 generation shard built from one piece is training memory and one built from r pieces is the merged tensor (see
 reshard.py). `release()` unbinds them and frees the received pieces; training memory was never written. What the
 merge costs: with r = t/t_g > 1 each sharded weight is concatenated once while binding (`bound_copy_bytes`,
-M_s/t_g per rank, on top of the gathered pieces of HybridFlow Table 2); with t_g = t nothing is copied or sent.
+M_s/t_g per rank, on top of the gathered pieces of HybridFlow Table 2), after which the received pieces are
+dropped, so decoding holds training memory + M_s/t_g; with t_g = t nothing is copied or sent.
 
 Generation then runs at data-parallel size d·d_g: `micro_slice` gives each generation replica its part of the
 rows of its training replica, and `gather_micro` joins the parts again (over the micro-DP group, in micro order),
@@ -205,6 +206,17 @@ class HybridEngine:
     def in_generation(self) -> bool:
         return self.resharder.in_generation
 
+    @property
+    def extra_generation_bytes(self) -> int:
+        """Parameter bytes this rank holds for generation beyond its training memory: the merged copies plus the
+        received pieces still held (0 in training)."""
+        gen = self.resharder.generation
+        if gen is None:
+            return 0
+        own = self.train.flat.untyped_storage().data_ptr()
+        received = sum(p.numel() * p.element_size() for p in gen.pieces() if p.untyped_storage().data_ptr() != own)
+        return self.bound_copy_bytes + received
+
     def generation_model(self) -> torch.nn.Module:
         """Reshard to the generation layout (collective) and return the model bound to the generation shard."""
         if self.resharder.in_generation:
@@ -212,11 +224,16 @@ class HybridEngine:
         shard = self.resharder.to_generation(self.train)
         model = self._skeleton_model()
         pieces = {p.untyped_storage().data_ptr() for p in shard.pieces()}
-        self.bound_copy_bytes = 0
+        own = self.train.flat.untyped_storage().data_ptr()
+        self.bound_copy_bytes, keeps_received = 0, False
         for name, tensor in shard.named_weights("hf"):
             if tensor.untyped_storage().data_ptr() not in pieces:  # merged from r sub-shards: a contiguous copy
                 self.bound_copy_bytes += tensor.numel() * tensor.element_size()
+            else:
+                keeps_received |= tensor.untyped_storage().data_ptr() != own
             _rebind(model, name, tensor, like=self._meta[name], requires_grad=False)
+        if not keeps_received:
+            shard.drop_pieces()  # every received byte now lives in a merged copy: free the gathered pieces
         return model
 
     def release(self) -> None:

@@ -223,7 +223,8 @@ class GenerationShard:
         engine (vLLM ``reload_weights(weights_iterator=...)``, ``param.copy_`` into a TP transformers model) holds
         at most one merged tensor at a time."""
         if self._sharded is None:
-            raise RuntimeError("this generation shard was released by to_training(); call to_generation() again")
+            raise RuntimeError("this generation shard was released (to_training() or drop_pieces()); call "
+                               "to_generation() again")
         return generation_tensors(self.geometry, self.layout, self.gen_stage, self.gen_tp_rank, self._sharded,
                                   self._replicated, fmt, gen_pp=self.gen_pp, gen_tp=self.gen_tp)
 
@@ -236,6 +237,12 @@ class GenerationShard:
         if self._sharded is None:
             return []
         return [*self._sharded.values(), *self._replicated.values()]
+
+    def drop_pieces(self) -> None:
+        """Let go of every gathered piece (received memory is freed once nothing else holds it; local pieces are
+        training memory and stay). For an engine that has taken its own merged copies of every tensor that needed
+        received pieces; reading the shard afterwards raises. `Resharder.to_training` still ends the transition."""
+        self._sharded = self._replicated = None
 
     def _release(self) -> None:
         self._sharded = self._replicated = None
@@ -275,6 +282,11 @@ class Resharder:
     @property
     def in_generation(self) -> bool:
         return self._generation is not None
+
+    @property
+    def generation(self) -> GenerationShard | None:
+        """The current generation shard (None in training)."""
+        return self._generation
 
     def to_generation(self, train: TrainShard) -> GenerationShard:
         """All-gather the generation shard; the local piece is `train.flat` itself. Collective."""
