@@ -8,7 +8,7 @@ TP size (Megatron-layout shards resharded inside micro-DP groups; each of the d_
 part of the rows under TP = t_g). Rounds interleave the modes; the figure is the median round. Prints one JSON
 object per mode and a table: generate_sequences seconds and their ratio to "gather", bytes received and parameter
 bytes held per rank for generation (the hybrid engine's own accounting; the gather path holds the whole model),
-and the merged copies the transformers engine's contiguous weights cost when t_g < t.
+and what a rank holds beyond its training memory while generating.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                [model_bytes * (t - 1) // t] * t,
                "gen_param_bytes_per_rank": [s["gen_param_bytes"] for s in st] if st[0] else [model_bytes] * t,
                "redundant_bytes_per_rank": [s["redundant_bytes"] for s in st] if st[0] else [model_bytes // t] * t,
-               "bound_copy_bytes_per_rank": [s["bound_copy_bytes"] for s in st] if st[0] else [0] * t,
+               "extra_bytes_during_generation_per_rank": [s["extra_generation_bytes"] for s in st] if st[0] else
+               [model_bytes] * t,
                "bytes": "measured" if st[0] else "formula (the gather path does not count its bytes)",
                "same_tokens_as_gather": same}
         rows.append(row)
@@ -86,12 +87,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"\nactor TP={t}, {args.rows} rows x {args.new_tokens} new tokens, model {model_bytes / 2**20:.1f} MiB "
           f"({geometry.num_layers} layers); median of {args.rounds} rounds; tokens identical across modes: {same}")
     print(f"{'mode':<14}{'generate s':>11}{'vs gather':>10}{'recv MiB/rank':>15}{'gen params MiB/rank':>21}"
-          f"{'redundant MiB':>15}{'merge copies MiB':>18}")
+          f"{'redundant MiB':>15}{'extra held MiB':>16}")
     for row in rows:
         print(f"{row['mode']:<14}{row['seconds']:>11.3f}{row['seconds'] / base:>9.2f}x"
               f"{max(row['received_bytes_per_rank']) / 2**20:>15.2f}{max(row['gen_param_bytes_per_rank']) / 2**20:>21.2f}"
               f"{max(row['redundant_bytes_per_rank']) / 2**20:>15.2f}"
-              f"{max(row['bound_copy_bytes_per_rank']) / 2**20:>18.2f}")
+              f"{max(row['extra_bytes_during_generation_per_rank']) / 2**20:>16.2f}")
     print("gather: bytes by formula, not counted: every rank receives (t-1)/t of the model and holds a whole copy "
           "beside its training shard")
     return rows

@@ -7,13 +7,14 @@ parameter's local tensor becomes a view of that buffer, q/k/v and gate/up side b
 optimizer, checkpoints and forward passes see ordinary (D)Tensor parameters; only their memory moved.
 
 `generation_model()` reshards with `Resharder` (all-gather inside micro-DP groups, the local piece being the
-training buffer itself) and binds the generation shard to a parameter-less copy of the model, split over the
-generation TP group (t_g ranks at stride t/t_g) with the same TP plan: the tensors are bound, not copied, so a
-generation shard built from one piece is training memory and one built from r pieces is the merged tensor (see
-reshard.py). `release()` unbinds them and frees the received pieces; training memory was never written. What the
-merge costs: with r = t/t_g > 1 each sharded weight is concatenated once while binding (`bound_copy_bytes`,
-M_s/t_g per rank, on top of the gathered pieces of HybridFlow Table 2), after which the received pieces are
-dropped, so decoding holds training memory + M_s/t_g; with t_g = t nothing is copied or sent.
+training buffer itself) and builds the generation model around the gathered pieces where they lie: every linear,
+the embedding and the output head of a parameter-less (meta) copy of the model is replaced by a module that
+computes on the r = t/t_g sub-shards of its generation shard (`named_pieces`: column-parallel pieces give
+adjacent output features, row-parallel ones sum over their input blocks, vocab pieces cover adjacent id ranges),
+with Megatron's TP collectives over the generation TP group (t_g ranks at stride r): an all-reduce after each
+row-parallel layer and the embedding, an all-gather of the logits. Nothing is copied, so generation holds the
+training memory plus the received pieces, HybridFlow Table 2's figures exactly. `release()` drops the model and
+frees the received pieces; training memory was never written.
 
 Generation then runs at data-parallel size d·d_g: `micro_slice` gives each generation replica its part of the
 rows of its training replica, and `gather_micro` joins the parts again (over the micro-DP group, in micro order),
@@ -142,17 +143,17 @@ class HybridEngine:
         self.train = bind_training_shard(model, self.geometry, self.layout, self.rank)
         self.resharder = Resharder(self.geometry, self.layout, groups, method=method, engine=limits)
         self.gen_tp = gen_tp if method == "micro-dp" else 1  # the baselines gather the whole model
-        self._gen_mesh = None
+        self._tp_group: dist.ProcessGroup | None = None  # the generation TP group's collectives
+        self._tp_order: list[int] = []  # group rank of generation TP rank 0, 1, …
         if self.gen_tp > 1:
             members = self.layout.gen_tp_group(self.rank)
-            self._gen_mesh = DeviceMesh.from_group(subgroups[members], mesh.device_type,
-                                                   mesh=[global_ranks[r] for r in members], mesh_dim_names=("tp",))
-        self.bound_copy_bytes = 0
-        """Bytes of the merged tensors the last binding made: with r = t/t_g > 1 a transformers weight of the
-        generation shard is one contiguous tensor built from r gathered pieces (reshard.py), a copy the Table-2
-        accounting of the pieces does not include; 0 when t_g = t (every tensor is training memory)."""
-        self._skeleton: torch.nn.Module | None = None
-        self._meta: dict[str, torch.nn.Parameter] = {}
+            self._tp_group = subgroups[members]
+            by_tp = {global_ranks[m]: self.layout.gen_coord(m).tp for m in members}
+            ranks = dist.get_process_group_ranks(self._tp_group)
+            self._tp_order = sorted(range(len(ranks)), key=lambda i: by_tp[ranks[i]])
+        self._model: torch.nn.Module | None = None
+        self.held_extra_bytes = 0
+        """extra_generation_bytes during the last generation (kept after release, for reports)."""
 
     @staticmethod
     def process_groups(layout: HybridLayout, method: Method = "micro-dp") -> list[tuple[int, ...]]:
@@ -208,69 +209,126 @@ class HybridEngine:
 
     @property
     def extra_generation_bytes(self) -> int:
-        """Parameter bytes this rank holds for generation beyond its training memory: the merged copies plus the
-        received pieces still held (0 in training)."""
+        """Parameter bytes this rank holds for generation beyond its training memory: the received pieces (0 in
+        training). The generation model adds none of its own."""
         gen = self.resharder.generation
         if gen is None:
             return 0
         own = self.train.flat.untyped_storage().data_ptr()
-        received = sum(p.numel() * p.element_size() for p in gen.pieces() if p.untyped_storage().data_ptr() != own)
-        return self.bound_copy_bytes + received
+        return sum(p.numel() * p.element_size() for p in gen.pieces() if p.untyped_storage().data_ptr() != own)
 
     def generation_model(self) -> torch.nn.Module:
-        """Reshard to the generation layout (collective) and return the model bound to the generation shard."""
+        """Reshard to the generation layout (collective) and return a model that computes on the gathered pieces."""
         if self.resharder.in_generation:
             self.release()
         shard = self.resharder.to_generation(self.train)
-        model = self._skeleton_model()
-        pieces = {p.untyped_storage().data_ptr() for p in shard.pieces()}
-        own = self.train.flat.untyped_storage().data_ptr()
-        self.bound_copy_bytes, keeps_received = 0, False
-        for name, tensor in shard.named_weights("hf"):
-            if tensor.untyped_storage().data_ptr() not in pieces:  # merged from r sub-shards: a contiguous copy
-                self.bound_copy_bytes += tensor.numel() * tensor.element_size()
+        model = self._skeleton()
+        modules: dict[str, dict[str, tuple[list[torch.Tensor], int | None]]] = {}
+        for name, views, dim in shard.named_pieces():
+            module, attr = _split_name(name)
+            modules.setdefault(module, {})[attr] = (views, dim)
+        vocab_per_rank = self.geometry.vocab_size // self.gen_tp
+        start = self.layout.gen_coord(self.rank).tp * vocab_per_rank if self.method == "micro-dp" else 0
+        for module, tensors in modules.items():
+            views, dim = tensors["weight"]
+            bias = tensors.get("bias", (None, None))[0]
+            if dim is None:  # norms: the replicated weight itself
+                _rebind(model, f"{module}.weight", views[0], like=views[0], requires_grad=False)
+                continue
+            parent, attr = _split_name(module)
+            if attr == "embed_tokens":
+                piece = _VocabPieces(views, start, self._tp_group)
+            elif dim == 0:
+                piece = _ColumnPieces(views, bias, self._tp_group if attr == "lm_head" else None, self._tp_order)
             else:
-                keeps_received |= tensor.untyped_storage().data_ptr() != own
-            _rebind(model, name, tensor, like=self._meta[name], requires_grad=False)
-        if not keeps_received:
-            shard.drop_pieces()  # every received byte now lives in a merged copy: free the gathered pieces
+                piece = _RowPieces(views, bias[0] if bias else None, self._tp_group)
+            setattr(model.get_submodule(parent), attr, piece)
+        self._model = model
+        self.held_extra_bytes = self.extra_generation_bytes
         return model
 
     def release(self) -> None:
-        """Back to training: unbind the generation model and free the received pieces. Local."""
-        if self._skeleton is not None:
-            for name, meta in self._meta.items():
-                module_name, attr = _split_name(name)
-                self._skeleton.get_submodule(module_name)._parameters[attr] = meta
+        """Back to training: drop the generation model and free the received pieces. Local."""
+        self._model = None
         if self.resharder.in_generation:
             self.resharder.to_training()
 
     def generation_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The bound generation shard's tensors (local shards, HF names), for checks and other engines."""
-        if self._skeleton is None or not self.in_generation:
+        """The generation shard as whole tensors (HF names; merged tensors are copies), for checks and for
+        engines that load weights (vLLM)."""
+        if not self.in_generation:
             raise RuntimeError("not in generation; call generation_model() first")
-        for name, param in self._skeleton.named_parameters():
-            yield name, _local(param.data)
+        return self.resharder.generation.named_weights("hf")
 
-    def _skeleton_model(self) -> torch.nn.Module:
-        """A parameter-less (meta) copy of the training model under the generation TP plan, built once."""
-        if self._skeleton is None:
-            from engines.parallel import tensor_parallel
+    def _skeleton(self) -> torch.nn.Module:
+        """A parameter-less (meta) copy of the training model; its linears and embedding get replaced by pieces."""
+        config = copy.deepcopy(self.train_model.config)
+        with torch.device("meta"):
+            model = type(self.train_model)(config)
+        base = getattr(model, model.base_model_prefix)
+        rotary = getattr(base, "rotary_emb", None)
+        if rotary is not None:  # its inv_freq buffer is computed, not loaded: build it for real
+            base.rotary_emb = type(rotary)(config=config)
+        meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+        if meta_buffers:
+            raise ValueError(f"generation skeleton has computed buffers this engine cannot rebuild: {meta_buffers}")
+        return model.eval()
 
-            config = copy.deepcopy(self.train_model.config)
-            with torch.device("meta"):
-                model = type(self.train_model)(config)
-            base = getattr(model, model.base_model_prefix)
-            rotary = getattr(base, "rotary_emb", None)
-            if rotary is not None:  # its inv_freq buffer is computed, not loaded: build it for real
-                base.rotary_emb = type(rotary)(config=config)
-            if self._gen_mesh is not None:
-                tensor_parallel(model, self._gen_mesh, vocab_parallel=True)
-            meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
-            if meta_buffers:
-                raise ValueError(f"generation skeleton has computed buffers this engine cannot rebuild: "
-                                 f"{meta_buffers}")
-            model.eval()
-            self._meta = dict(model.named_parameters())
-            self._skeleton = model
-        return self._skeleton
+
+class _ColumnPieces(torch.nn.Module):
+    """A column-parallel linear over r sub-shards: their outputs are adjacent blocks of the output features.
+    With a group (the output head), the generation TP ranks' blocks are all-gathered into whole logits."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None,
+                 group: dist.ProcessGroup | None = None, order: list[int] | None = None) -> None:
+        super().__init__()
+        self.weights, self.biases = weights, biases or [None] * len(weights)
+        self.group, self.order = group, order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [torch.nn.functional.linear(x, w, b) for w, b in zip(self.weights, self.biases)]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.group is None:
+            return y
+        parts = [torch.empty_like(y) for _ in self.order]
+        dist.all_gather(parts, y.contiguous(), group=self.group)
+        return torch.cat([parts[i] for i in self.order], dim=-1)
+
+
+class _RowPieces(torch.nn.Module):
+    """A row-parallel linear over r sub-shards: each takes its block of the input features; the partial sums of
+    the generation TP ranks are all-reduced, then the (replicated) bias is added."""
+
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None,
+                 group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.weights, self.bias, self.group = weights, bias, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = torch.split(x, [w.shape[1] for w in self.weights], dim=-1)
+        y = torch.nn.functional.linear(blocks[0], self.weights[0])
+        for block, w in zip(blocks[1:], self.weights[1:]):
+            y = y + torch.nn.functional.linear(block, w)
+        if self.group is not None:
+            dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class _VocabPieces(torch.nn.Module):
+    """A vocab-parallel embedding over r sub-tables covering adjacent id ranges from `start`; ids outside this
+    generation TP rank's range embed to zero and the ranks' embeddings are all-reduced (Megatron's scheme)."""
+
+    def __init__(self, tables: list[torch.Tensor], start: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.tables, self.start, self.group = tables, start, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.tables[0].shape[0]
+        local = ids - self.start
+        out = self.tables[0].new_zeros((*ids.shape, self.tables[0].shape[1]))
+        for i, table in enumerate(self.tables):
+            hit = (local >= i * rows) & (local < (i + 1) * rows)
+            out[hit] = table[local[hit] - i * rows]
+        if self.group is not None:
+            dist.all_reduce(out, group=self.group)
+        return out

@@ -267,12 +267,13 @@ class ActorWorker(ModelWorker):
     @endpoint(protocol=ONE_TO_ALL)
     def reshard_stats(self) -> dict[str, Any] | None:
         """This rank's figures of its last train → generate transition under the 3D-HybridEngine (bytes received,
-        generation parameter bytes, redundant bytes, seconds); None without rollout_tp."""
+        generation parameter bytes, redundant bytes, seconds; extra_generation_bytes: what it held beyond
+        training memory while generating); None without rollout_tp."""
         if self.hybrid is None or self.hybrid.stats is None:
             return None
         from dataclasses import asdict
 
-        return {**asdict(self.hybrid.stats), "bound_copy_bytes": self.hybrid.bound_copy_bytes}
+        return {**asdict(self.hybrid.stats), "extra_generation_bytes": self.hybrid.held_extra_bytes}
 
     @endpoint(protocol=MESH)
     def compute_log_prob(self, batch: Batch) -> Batch:

@@ -70,6 +70,7 @@ from engines.hybrid.shards import (
     TrainShard,
     WeightFormat,
     check_model_fits,
+    generation_pieces,
     generation_tensors,
     shard_layout,
     stage_layers,
@@ -223,10 +224,18 @@ class GenerationShard:
         engine (vLLM ``reload_weights(weights_iterator=...)``, ``param.copy_`` into a TP transformers model) holds
         at most one merged tensor at a time."""
         if self._sharded is None:
-            raise RuntimeError("this generation shard was released (to_training() or drop_pieces()); call "
-                               "to_generation() again")
+            raise RuntimeError("this generation shard was released by to_training(); call to_generation() again")
         return generation_tensors(self.geometry, self.layout, self.gen_stage, self.gen_tp_rank, self._sharded,
                                   self._replicated, fmt, gen_pp=self.gen_pp, gen_tp=self.gen_tp)
+
+    def named_pieces(self) -> Iterator[tuple[str, list[torch.Tensor], int | None]]:
+        """(HF name, its r sub-shards, split dim) in model order, nothing copied: for an engine that computes on
+        the sub-shards where they lie (engines.hybrid_engine), so the generation shard costs no memory beyond the
+        gathered pieces."""
+        if self._sharded is None:
+            raise RuntimeError("this generation shard was released by to_training(); call to_generation() again")
+        return generation_pieces(self.geometry, self.layout, self.gen_stage, self.gen_tp_rank, self._sharded,
+                                 self._replicated, gen_pp=self.gen_pp, gen_tp=self.gen_tp)
 
     def state_dict(self, fmt: WeightFormat = "hf") -> dict[str, torch.Tensor]:
         """All tensors at once (merged tensors are copies; single pieces stay views)."""
@@ -237,12 +246,6 @@ class GenerationShard:
         if self._sharded is None:
             return []
         return [*self._sharded.values(), *self._replicated.values()]
-
-    def drop_pieces(self) -> None:
-        """Let go of every gathered piece (received memory is freed once nothing else holds it; local pieces are
-        training memory and stay). For an engine that has taken its own merged copies of every tensor that needed
-        received pieces; reading the shard afterwards raises. `Resharder.to_training` still ends the transition."""
-        self._sharded = self._replicated = None
 
     def _release(self) -> None:
         self._sharded = self._replicated = None

@@ -46,6 +46,7 @@ __all__ = [
     "build_train_shard",
     "check_model_fits",
     "expected_generation_state_dict",
+    "generation_pieces",
     "generation_tensors",
     "merge_generation_shards",
     "model_rules",
@@ -338,6 +339,62 @@ def build_train_shard(
 # ---- generation shards --------------------------------------------------------------------------------------
 
 
+def _generation_rules(
+    geometry: ModelGeometry,
+    layout: HybridLayout,
+    gen_stage: int,
+    gen_tp_rank: int,
+    sharded: Mapping[tuple[int, int], torch.Tensor],
+    replicated: Mapping[int, torch.Tensor],
+    gen_pp: int | None,
+    gen_tp: int | None,
+) -> Iterator[tuple[TensorRule, list[torch.Tensor]]]:
+    """(rule, its r sub-shard views, or the one view of a replicated tensor) in model order."""
+    p, t = layout.train_pp, layout.train_tp
+    gen_pp = layout.gen_pp if gen_pp is None else gen_pp
+    gen_tp = layout.gen_tp if gen_tp is None else gen_tp
+    r, s = t // gen_tp, p // gen_pp
+    subs = range(gen_tp_rank * r, (gen_tp_rank + 1) * r)
+    for stage in range(gen_stage * s, (gen_stage + 1) * s):
+        spec = shard_layout(geometry, p, stage, t)
+        for entry in sorted(spec.entries, key=lambda e: _model_position(geometry, e.rule.name)):
+            if entry.rule.split_dim is None:
+                start = entry.offset - spec.sharded_numel
+                yield entry.rule, [replicated[stage][start : start + entry.numel].view(entry.shape)]
+            else:
+                yield entry.rule, [sharded[(stage, tp)][entry.offset : entry.offset + entry.numel].view(entry.shape)
+                                   for tp in subs]
+
+
+def generation_pieces(
+    geometry: ModelGeometry,
+    layout: HybridLayout,
+    gen_stage: int,
+    gen_tp_rank: int,
+    sharded: Mapping[tuple[int, int], torch.Tensor],
+    replicated: Mapping[int, torch.Tensor],
+    gen_pp: int | None = None,
+    gen_tp: int | None = None,
+) -> Iterator[tuple[str, list[torch.Tensor], int | None]]:
+    """Yield the generation shard (gen_stage, gen_tp_rank) as (HF name, its r sub-shards, split dim), copying
+    nothing: each sub-shard is a view of the gathered payload it came in, in order along the split dim (a
+    replicated tensor comes as one view with dim None).
+
+    sharded[(pp, tp)] is the sharded payload of training shard (pp, tp), replicated[pp] the replicated payload of
+    training stage pp, for every piece the generation shard needs. Generation sizes default to the layout's
+    (gen_pp, gen_tp); the baselines pass (1, 1) to build the full model.
+    """
+    t = layout.train_tp
+    for rule, pieces in _generation_rules(geometry, layout, gen_stage, gen_tp_rank, sharded, replicated, gen_pp,
+                                          gen_tp):
+        if rule.split_dim is None:
+            yield rule.parts[0][0], pieces, None
+            continue
+        per_part = [rule.part_views(piece, t) for piece in pieces]  # [sub][part]
+        for k, (hf_name, _) in enumerate(rule.parts):
+            yield hf_name, [sub[k] for sub in per_part], rule.split_dim
+
+
 def generation_tensors(
     geometry: ModelGeometry,
     layout: HybridLayout,
@@ -351,34 +408,23 @@ def generation_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the generation shard (gen_stage, gen_tp_rank) tensor by tensor, built from gathered payloads.
 
-    sharded[(pp, tp)] is the sharded payload of training shard (pp, tp), replicated[pp] the replicated payload of
-    training stage pp, for every piece the generation shard needs. Generation sizes default to the layout's
-    (gen_pp, gen_tp); the baselines pass (1, 1) to build the full model. A tensor that needs one piece is a view
-    of it; one that merges r TP sub-shards is concatenated here, one tensor at a time.
+    A tensor that needs one piece is a view of it; one that merges r TP sub-shards (`generation_pieces`) is
+    concatenated here, one tensor at a time. "fused" re-fuses q/k/v and gate/up per generation shard.
     """
-    p, t = layout.train_pp, layout.train_tp
-    gen_pp = layout.gen_pp if gen_pp is None else gen_pp
-    gen_tp = layout.gen_tp if gen_tp is None else gen_tp
-    r, s = t // gen_tp, p // gen_pp
-    subs = range(gen_tp_rank * r, (gen_tp_rank + 1) * r)
-    for stage in range(gen_stage * s, (gen_stage + 1) * s):
-        spec = shard_layout(geometry, p, stage, t)
-        for entry in sorted(spec.entries, key=lambda e: _model_position(geometry, e.rule.name)):
-            rule = entry.rule
-            if rule.split_dim is None:
-                start = entry.offset - spec.sharded_numel
-                view = replicated[stage][start : start + entry.numel].view(entry.shape)
-                yield (rule.parts[0][0] if fmt == "hf" else rule.name), view
-                continue
-            pieces = [sharded[(stage, tp)][entry.offset : entry.offset + entry.numel].view(entry.shape) for tp in subs]
-            per_part = [rule.part_views(piece, t) for piece in pieces]  # [sub][part]
-            merged = [_cat([sub[k] for sub in per_part], rule.split_dim) for k in range(len(rule.parts))]
-            if fmt == "hf":
-                yield from ((hf_name, tensor) for (hf_name, _), tensor in zip(rule.parts, merged))
-            elif len(pieces) == 1:
-                yield rule.name, pieces[0]
-            else:
-                yield rule.name, _cat(merged, rule.split_dim)
+    if fmt == "hf":
+        for name, views, dim in generation_pieces(geometry, layout, gen_stage, gen_tp_rank, sharded, replicated,
+                                                  gen_pp, gen_tp):
+            yield name, views[0] if dim is None else _cat(views, dim)
+        return
+    t = layout.train_tp
+    for rule, pieces in _generation_rules(geometry, layout, gen_stage, gen_tp_rank, sharded, replicated, gen_pp,
+                                          gen_tp):
+        if rule.split_dim is None or len(pieces) == 1:
+            yield rule.name, pieces[0]
+            continue
+        per_part = [rule.part_views(piece, t) for piece in pieces]  # [sub][part]
+        merged = [_cat([sub[k] for sub in per_part], rule.split_dim) for k in range(len(rule.parts))]
+        yield rule.name, _cat(merged, rule.split_dim)
 
 
 def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:

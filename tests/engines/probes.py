@@ -82,7 +82,6 @@ class HybridActorProbe(ActorWorker):
                 "gen_param_bytes": hy.stats.gen_param_bytes,
                 "model_bytes": hy.geometry.numel * flat.element_size(),
                 "bound_to_training_memory": sum(lo <= t.data_ptr() < hi for t in got.values()),
-                "bound_copy_bytes": hy.bound_copy_bytes,
                 "extra_generation_bytes": hy.extra_generation_bytes,
                 "gen_coord": tuple(hy.layout.gen_coord(hy.rank)),
             }
