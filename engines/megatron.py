@@ -40,7 +40,6 @@ megatron's torch-norm path refuses), overlapped gradient reduction and parameter
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -261,12 +260,7 @@ class MegatronEngine:
 
     # -- learning rate ----------------------------------------------------------------------------------------
     def _lr_factor(self, step: int) -> float:
-        if step < self.cfg.warmup_steps:
-            return (step + 1) / self.cfg.warmup_steps
-        if self.cfg.lr_schedule == "cosine":
-            t = min(1.0, (step - self.cfg.warmup_steps) / max(1, self.cfg.total_steps - self.cfg.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-        return 1.0
+        return self.cfg.lr_factor(step)
 
     def _apply_lr(self) -> float:
         lr = self._peak_lr * self._lr_factor(self._steps)

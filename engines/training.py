@@ -64,6 +64,15 @@ class OptimConfig:
         if self.micro_batch_tokens < 1:
             raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
 
+    def lr_factor(self, step: int) -> float:
+        """The schedule's multiplier of `lr` after `step` optimizer steps (linear warm-up, then constant/cosine)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.lr_schedule == "cosine":
+            t = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+        return 1.0
+
 
 class TrainEngine:
     """A (possibly sharded) transformers model with its optimiser. `dp_group` is the data-parallel group."""
@@ -98,12 +107,7 @@ class TrainEngine:
             model.requires_grad_(False)
 
     def _lr_factor(self, step: int) -> float:
-        if step < self.cfg.warmup_steps:
-            return (step + 1) / self.cfg.warmup_steps
-        if self.cfg.lr_schedule == "cosine":
-            t = min(1.0, (step - self.cfg.warmup_steps) / max(1, self.cfg.total_steps - self.cfg.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-        return 1.0
+        return self.cfg.lr_factor(step)
 
     # -- forward passes ---------------------------------------------------------------------------------------
     def micro_batches(self, batch: Batch) -> list[Batch]:
