@@ -180,12 +180,6 @@ class SafeRLHFConfig(PPOConfig):
     ptx_coef: float = 0.0
     """Weight of the pretraining (SFT demonstration) loss mixed into actor updates; 0 disables it."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.fuse:
-            raise ValueError("fuse=true is implemented for PPO's step only (algorithms/ppo.py); Safe-RLHF's step does "
-                             "not use algorithms.fusion yet. Drop fuse=true")
-
 
 @dataclass
 class GRPOConfig(RLConfig):

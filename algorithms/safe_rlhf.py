@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from algorithms.advantages import safe_rlhf_advantages
 from algorithms.config import SafeRLHFConfig
 from algorithms.core import LagrangeMultiplier, PolicyLoss, SFTLoss, ValueLoss
+from algorithms.fusion import fused_rollout
 from algorithms.loop import Algorithm, run_program
 from algorithms.runner import summarize
 from flowactors import Batch
@@ -67,11 +68,15 @@ class SafeRLHF(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        samples = actor.generate_sequences(prompts)
-        batch = ctl.apply(safe_rlhf_advantages, samples, actor.compute_log_prob(samples),
-                          self.ref.compute_ref_log_prob(samples), self.critic.compute_values(samples),
-                          self.cost_critic.compute_values(samples), self.reward.compute_reward(samples),
-                          self.cost.compute_cost(samples), lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
+        scorers = [actor.compute_log_prob, self.ref.compute_ref_log_prob, self.critic.compute_values,
+                   self.cost_critic.compute_values, self.reward.compute_reward, self.cost.compute_cost]
+        if cfg.fuse:  # score finished samples while the long tail still generates (algorithms.fusion)
+            rollout = fused_rollout(ctl, actor, prompts, scorers, chunk_samples=cfg.fuse_chunk_samples)
+            generated, parts = rollout.chunks, rollout.parts
+        else:
+            samples = actor.generate_sequences(prompts)
+            generated, parts = [samples], (samples, *(score(samples) for score in scorers))
+        batch = ctl.apply(safe_rlhf_advantages, *parts, lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
                           lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                           mini_batch_samples=cfg.mini_batch_samples, epochs=cfg.ppo_epochs, seed=cfg.seed + i)
         updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip)),
@@ -81,7 +86,7 @@ class SafeRLHF(Algorithm):
             ptx = self.g["data"].sft_batch(cfg.mini_batch_samples, self.g["task"].max_new_tokens, cfg.seed + 100 + i)
             updates.append(actor.update_actor(ptx.with_meta(mini_batch_samples=len(ptx)), SFTLoss(cfg.ptx_coef)))
         metrics = ctl.apply(summarize, batch)
-        self.stage("generate", samples), self.stage("score", batch), self.stage("update", *updates)
+        self.stage("generate", *generated), self.stage("score", batch), self.stage("update", *updates)
         m = metrics.result()
         m["lagrange_lambda"] = self.lagrange.value  # the λ this step's advantages used
         self.lagrange.update(m["cost_mean"])

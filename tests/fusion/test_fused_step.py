@@ -168,3 +168,29 @@ def test_data_parallel_actor_offsets_rows_and_colocated_scorers_wait(ctl, data):
         assert fused.equals(join(samples.result(), *(s(samples).result() for s in scorers)))
     finally:
         close(g)
+
+
+def test_safe_rlhf_fused_steps_give_the_unfused_metrics_and_updates(ctl, data):
+    """Safe-RLHF's six scorers (log-probs, reference, two critics, reward, cost) through the fused stage."""
+    from algorithms.config import SafeRLHFConfig
+    from algorithms.safe_rlhf import SafeRLHF
+
+    prompts = [long_tail(data.next_batch(N, 1)) for _ in range(2)]
+    runs = {}
+    for fuse in (False, True):
+        tag = f"safe{int(fuse)}"
+        g = groups(ctl, tag, actor_slots=ctl.slots[:1], scorer_slots=ctl.slots[1:])
+        g["cost_critic"] = fa.ActorGroup(ctl, CriticWorker, name=f"cost_critic_{tag}", slots=ctl.slots[1:],
+                                         args=(MODEL, OptimConfig(lr=1e-3, micro_batch_tokens=512), "cost_values"))
+        g["cost"] = fa.ActorGroup(ctl, RuleRewardWorker, name=f"cost_{tag}", slots=ctl.slots[1:],
+                                  args=(TASK.cost, MODEL))
+        try:
+            algo = SafeRLHF(SafeRLHFConfig(prompts_per_step=N, mini_batch_samples=8, fuse=fuse, fuse_chunk_samples=3,
+                                           dashboard="none"))
+            algo.setup(ctl, g)
+            metrics = [algo.step(p, i) for i, p in enumerate(prompts)]
+            runs[fuse] = metrics, [g[r].parameter_digest().result() for r in ("actor", "critic", "cost_critic")]
+        finally:
+            close(g)
+    assert runs[True] == runs[False]
+    assert runs[True][0][0]["cost_mean"] > 0  # the cost scorer ran on the fused chunks
