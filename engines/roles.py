@@ -182,18 +182,17 @@ class ActorWorker(ModelWorker):
     @classmethod
     def process_groups(cls, layout: Layout, *args: Any, **kwargs: Any) -> list[tuple[int, ...]]:
         """The 3D-HybridEngine's resharding and generation-TP groups (none without rollout_tp); an impossible
-        rollout_tp fails here, on the controller, before any rank starts. Reads rollout_tp as this class's
-        constructor would bind it, so subclasses with other signatures keep working."""
+        rollout_tp fails here, on the controller, before any rank starts. Reads rollout_tp as ActorWorker's
+        constructor would bind the arguments (a subclass forwarding them keeps working; its own extra keywords are
+        left out)."""
         import inspect
 
+        signature = inspect.signature(ActorWorker.__init__)
+        known = {k: v for k, v in kwargs.items() if k in signature.parameters}
         try:
-            bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
+            rollout_tp = signature.bind(None, *args, **known).arguments.get("rollout_tp")
         except TypeError:
             return []  # the constructor itself will name the bad arguments
-        rollout_tp = bound.get("rollout_tp", bound.get("kwargs", {}).get("rollout_tp"))
-        if rollout_tp is None and cls.__init__ is not ActorWorker.__init__:
-            sup = [a for a in bound.get("args", ())]
-            rollout_tp = sup[3] if len(sup) > 3 else None  # passed positionally through *args to ActorWorker
         if rollout_tp is None:
             return []
         from engines.hybrid_engine import HybridEngine, layout_of
