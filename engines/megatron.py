@@ -1,7 +1,8 @@
 """The megatron-core training engine: the GPU production path for TP / PP / DP (DESIGN §4).
 
 `MegatronEngine` has the public interface of the torch-native `engines.training.TrainEngine` (`log_probs`,
-`policy_outputs`, `update`, `set_lr`, `full_state_dict`), so a role can hold either. Inside, everything is
+`policy_outputs`, `values`, `value_outputs`, `scores`, `update`, `set_lr`, `full_state_dict`), so a role can hold
+either. Inside, everything is
 megatron-core's own machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the
 transformers config, `parallel_state.initialize_model_parallel` for the TP × DP × PP rank grid (the same order as
 our meshes: tp fastest, then dp, then pp), its `DistributedDataParallel` with the distributed optimizer, and the
@@ -17,6 +18,16 @@ megatron's own per-token mode (`calculate_per_token_loss`): each micro-batch ret
 loss and its response-token count, DDP sums gradients over DP, and `finalize_model_grads` divides by the token
 count all-reduced over DP. The update is therefore independent of the DP size and the micro-batch split.
 
+Heads (as verl's megatron critic and reward model do). "lm" keeps GPTModel's vocab-parallel output layer. "value"
+(critic) and "score" (reward / cost model) swap it, on the last stage, for a scalar linear (`_ScalarHead`, the
+transformers `score` layer) that is replicated over TP rather than split: a [1, hidden] weight gains nothing from
+sharding, and replicated it needs no collective. Every TP rank computes the same head gradient from the same
+final hidden states, and megatron's grad norm counts an untagged parameter on TP rank 0 only, as for the norms.
+GPTModel 0.16.1 has no switch to leave its vocab projection out, so it is built and dropped before the
+weights load: a transient (vocab / tp) × hidden allocation on the last stage.
+Values are read at the positions that predict each response token (as TrainEngine does); a score at the last
+token that is not `pad_token_id`, the pooling of transformers' *ForSequenceClassification.
+
 Log-probs and entropy are computed vocab-parallel (the logits stay split over TP): max and sum-exp are
 all-reduced over the TP group with megatron's autograd-aware reduction, so no rank materialises the full-vocab
 logits.
@@ -27,7 +38,8 @@ Differences from TrainEngine worth knowing:
   every parameter. Identical when weight_decay = 0.
 * the rotary embedding is applied by sequence index, not by `position_ids`; for left-padded rows this is the
   same attention (rotary scores depend on position differences only), up to float rounding.
-* only the causal-LM head (actor, reference) is built here; critics and reward models use TrainEngine.
+* the value head has no dropout in training; transformers' *ForTokenClassification applies
+  `classifier_dropout` (0.1 unless the config says otherwise) before its `score`. verl sets it to 0 for critics.
 
 What runs where. On GPUs the engine runs as is (NCCL, CUDA). On CPU, megatron-core 0.16.1 still reaches for CUDA
 in a few non-mathematical places (`torch.cuda.current_device`, the CUDA RNG tracker, literal `device="cuda"` in
@@ -48,7 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engines.megatron_convert import MegatronGeometry, check_megatron_fits, hf_to_megatron, megatron_to_hf
+from engines.megatron_convert import HEADS, MegatronGeometry, check_megatron_fits, hf_to_megatron, megatron_to_hf
 from engines.ops import response_logits
 from engines.training import LossFn, OptimConfig
 from flowactors import Batch
@@ -179,13 +191,39 @@ def _mark_tensor_parallel(model: torch.nn.Module) -> None:
             mtp.set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
+class _ScalarHead(torch.nn.Linear):
+    """A value/score head in place of GPTModel's `output_layer`: TP-replicated, called the way GPTModel calls its
+    output layer (`weight` / `runtime_gather_output` keywords, an (output, bias) pair back)."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        return super().forward(hidden), None
+
+
+def _head_of(model: torch.nn.Module) -> str:
+    """The engines.models head of a transformers model, from its class name."""
+    name = type(model).__name__
+    for suffix, head in (("ForCausalLM", "lm"), ("ForTokenClassification", "value"),
+                         ("ForSequenceClassification", "score")):
+        if name.endswith(suffix):
+            return head
+    raise ValueError(f"{name} is not a causal-LM, token- or sequence-classification model; pass head= explicitly")
+
+
 class MegatronEngine:
-    """A megatron-core GPTModel shard (this rank's TP × PP piece) with megatron's DDP and optimizer."""
+    """A megatron-core GPTModel shard (this rank's TP × PP piece) with megatron's DDP and optimizer.
+
+    `head`: "lm" (causal LM: actor, reference), "value" (a scalar per token: critic) or "score" (a scalar per
+    sequence: reward / cost model); `state_dict` is the matching transformers model's."""
 
     def __init__(self, hf_config, state_dict: Mapping[str, torch.Tensor], optim: OptimConfig | None, *,
                  tp: int = 1, pp: int = 1, trainable: bool = True, distributed_optimizer: bool = True,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, head: str = "lm") -> None:
         _check_hf_config(hf_config)
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+        self.head = head
+        self.pad_token_id = getattr(hf_config, "pad_token_id", None)
         self.geometry = MegatronGeometry.from_hf_config(hf_config)
         check_megatron_fits(self.geometry, tp, pp)  # before any collective
         try:
@@ -214,7 +252,9 @@ class MegatronEngine:
 
     @classmethod
     def from_hf_model(cls, model: torch.nn.Module, optim: OptimConfig | None, **kwargs: Any) -> MegatronEngine:
-        """Build from a transformers causal-LM (e.g. engines.build_model(cfg, "lm")); every rank passes the same."""
+        """Build from a transformers model (e.g. engines.build_model(cfg, head)); every rank passes the same. The
+        head follows the class (*ForCausalLM, *ForTokenClassification, *ForSequenceClassification) unless given."""
+        kwargs.setdefault("head", _head_of(model))
         return cls(model.config, model.state_dict(), optim, **kwargs)
 
     # -- construction -----------------------------------------------------------------------------------------
@@ -223,14 +263,17 @@ class MegatronEngine:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         g = self.geometry
+        scalar = self.head != "lm"
         model = GPTModel(
             config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
             vocab_size=g.vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
             pre_process=self.first_stage, post_process=self.last_stage,
-            share_embeddings_and_output_weights=g.tied_embeddings, position_embedding_type="rope",
+            share_embeddings_and_output_weights=g.tied_embeddings and not scalar, position_embedding_type="rope",
             rotary_base=_rope_theta(self.hf_config), parallel_output=True,
         )
-        shard = hf_to_megatron(state_dict, g, self.tp_rank, self.tp, self.pp_rank, self.pp)
+        if scalar and self.last_stage:  # the vocab projection GPTModel built goes; the scalar head takes its place
+            model.output_layer = _ScalarHead(g.hidden_size, 1, bias="score.bias" in state_dict, dtype=dtype)
+        shard = hf_to_megatron(state_dict, g, self.tp_rank, self.tp, self.pp_rank, self.pp, self.head)
         expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
         if set(shard) != expected:
             raise RuntimeError(f"converted shard and GPTModel disagree: missing {sorted(expected - set(shard))}, "
@@ -289,21 +332,47 @@ class MegatronEngine:
         return model(input_ids=ids, position_ids=pos, attention_mask=_attention_mask(mask))
 
     def _logits(self, mb: Batch) -> torch.Tensor:
-        """This micro-batch's vocab-sharded logits (B, T, V/tp): the schedule's output when inside one."""
+        """This micro-batch's head output: vocab-sharded logits (B, T, V/tp), or (B, T, 1) from a scalar head; the
+        schedule's output when inside one."""
         if self._pending is not None and self._pending[0] is mb:
             return self._pending[1]
         if self.pp > 1:
-            raise RuntimeError("with pp > 1 the logits exist only inside the pipeline schedule; call log_probs or "
-                               "update, whose outputs_fn is evaluated on the last stage")
+            raise RuntimeError("with pp > 1 the head's output exists only inside the pipeline schedule; call "
+                               "log_probs / values / scores or update, whose outputs_fn runs on the last stage")
         return self._run_model(self.model, mb)
 
+    def _require(self, head: str, what: str) -> None:
+        if self.head != head:
+            raise RuntimeError(f"{what} needs the {head!r} head; this engine was built with head={self.head!r}")
+
     def policy_outputs(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        self._require("lm", "policy_outputs")
         resp = mb["responses"].to(self.device)
         logits = response_logits(self._logits(mb), resp.shape[1])
         return vocab_parallel_log_probs(logits, resp, temperature, with_entropy)
 
     def value_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("the megatron engine builds causal-LM heads only; critics use TrainEngine")
+        """{"values": (B, R) float32}: the value head at the positions that predict each response token."""
+        self._require("value", "value_outputs")
+        return {"values": response_logits(self._logits(mb), mb["responses"].shape[1]).squeeze(-1).float()}
+
+    def score_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
+        """{"scores": (B,) float32}: the score head at each row's last token that is not padding.
+
+        As transformers' *ForSequenceClassification pools: the rightmost token != pad_token_id (so left and right
+        padding both work), the last token when the config has no pad token and the micro-batch one row."""
+        self._require("score", "score_outputs")
+        out = self._logits(mb).squeeze(-1)
+        ids = mb["input_ids"].to(out.device)
+        if self.pad_token_id is None:
+            if ids.shape[0] != 1:
+                raise ValueError("the score model's config has no pad_token_id, so the last real token of a padded "
+                                 "row is unknown; set config.pad_token_id (engines.build_model does)")
+            last = torch.full((1,), ids.shape[1] - 1, device=out.device)
+        else:
+            index = torch.arange(ids.shape[1], device=out.device)
+            last = (index * (ids != self.pad_token_id)).argmax(-1)
+        return {"scores": out[torch.arange(ids.shape[0], device=out.device), last].float()}
 
     def _schedule(self, mbs: list[Batch], loss_step: Callable[[Batch, torch.Tensor], tuple], forward_only: bool
                   ) -> list[Any]:
@@ -331,7 +400,9 @@ class MegatronEngine:
         return box[0]
 
     @torch.no_grad()
-    def log_probs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
+    def _forward_only(self, batch: Batch, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> Batch:
+        """`outputs_fn` of every micro-batch, evaluated on the last stage inside a forward-only schedule and
+        handed to every stage; concatenated over the micro-batches."""
         self.model.eval()
         mbs = self.micro_batches(batch)
         if not mbs:
@@ -340,7 +411,7 @@ class MegatronEngine:
         def loss_step(mb: Batch, output: torch.Tensor):
             self._pending = (mb, output)
             try:
-                out = self.policy_outputs(mb, temperature, with_entropy)
+                out = outputs_fn(mb)
             finally:
                 self._pending = None
             return torch.zeros((), device=self.device), {k: v.cpu() for k, v in out.items()}
@@ -348,19 +419,26 @@ class MegatronEngine:
         records = self._from_last_stage(self._schedule(mbs, loss_step, forward_only=True))
         return Batch({k: torch.cat([r[k] for r in records]) for k in records[0]})
 
+    def log_probs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
+        return self._forward_only(batch, lambda mb: self.policy_outputs(mb, temperature, with_entropy))
+
     def values(self, batch: Batch) -> torch.Tensor:
-        raise NotImplementedError("the megatron engine builds causal-LM heads only; critics use TrainEngine")
+        """(B, R) float32 values over the response (critic head)."""
+        self._require("value", "values")
+        return self._forward_only(batch, self.value_outputs)["values"]
 
     def scores(self, batch: Batch) -> torch.Tensor:
-        raise NotImplementedError("the megatron engine builds causal-LM heads only; reward models use TrainEngine")
+        """(B,) float32, one scalar per sequence (score head: reward or cost model)."""
+        self._require("score", "scores")
+        return self._forward_only(batch, self.score_outputs)["scores"]
 
     # -- updates ----------------------------------------------------------------------------------------------
     def update(self, mini_batches: list[Batch], loss_fn: LossFn,
                outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step per mini-batch; returns metrics averaged over the steps (token-weighted).
 
-        `outputs_fn(mb)` is evaluated on the last pipeline stage inside the schedule, where `policy_outputs`
-        reads the schedule's logits instead of running a forward of its own."""
+        `outputs_fn(mb)` is evaluated on the last pipeline stage inside the schedule, where `policy_outputs` /
+        `value_outputs` read the schedule's output instead of running a forward of their own."""
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (trainable=False); it cannot update")
         self.model.train()
@@ -411,4 +489,4 @@ class MegatronEngine:
             group = mpu.get_model_parallel_group()
             gathered = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, mine, group=group)
-        return megatron_to_hf(dict(gathered), self.geometry, self.tp, self.pp)
+        return megatron_to_hf(dict(gathered), self.geometry, self.tp, self.pp, self.head)

@@ -14,7 +14,14 @@ model.layers.i.mlp.{gate,up}_proj.weight         decoder.layers.j.mlp.linear_fc1
 model.layers.i.mlp.down_proj.weight              decoder.layers.j.mlp.linear_fc2.weight
 model.norm.weight                                decoder.final_layernorm.weight        (last stage)
 lm_head.weight                                   output_layer.weight                   (last stage)
+score.weight (and score.bias), scalar heads      output_layer.weight (and .bias)       (last stage, whole)
 ===============================================  ====================================================
+
+Scalar heads. A critic ("value": transformers *ForTokenClassification) or a reward/cost model ("score":
+*ForSequenceClassification) with num_labels = 1 replaces the vocabulary projection by `score`, a [1, hidden]
+linear (the token classifier also has a bias). The engine builds it as a plain, TP-replicated `torch.nn.Linear`
+in place of `output_layer`, so it is never split: every TP rank of the last stage holds it whole. Such models
+have no output embedding, so `tie_word_embeddings` does not apply to them.
 
 Fused q/k/v. megatron-core 0.16.1 (`SelfAttention.get_query_key_value_tensors`) views the output of
 `linear_qkv` as [num_query_groups, (q_per_group + 2) * head_dim]: the rows are interleaved *per query group*,
@@ -37,7 +44,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MegatronGeometry", "hf_to_megatron", "megatron_to_hf", "check_megatron_fits"]
+__all__ = ["MegatronGeometry", "hf_to_megatron", "megatron_to_hf", "check_megatron_fits", "HEADS"]
+
+HEADS = ("lm", "value", "score")
+"""Output heads (engines.models): the causal LM's vocabulary projection, or a scalar `score` linear."""
+
+
+def _check_head(head: str) -> None:
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
 
 
 @dataclass(frozen=True)
@@ -133,10 +148,12 @@ def _split_qkv(g: MegatronGeometry, fused: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int, pp_rank: int,
-                   pp_size: int) -> dict[str, torch.Tensor]:
-    """The GPTModel state dict of shard (pp_rank, tp_rank), cut from a full Hugging Face causal-LM state dict."""
+                   pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
+    """The GPTModel state dict of shard (pp_rank, tp_rank), cut from a full Hugging Face state dict of a causal LM
+    (head "lm") or of a scalar-head model (head "value" / "score", whose `score` must have one output)."""
     g = config if isinstance(config, MegatronGeometry) else MegatronGeometry.from_hf_config(config)
     check_megatron_fits(g, tp_size, pp_size)
+    _check_head(head)
     sd, out = state_dict, {}
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = _rows(sd["model.embed_tokens.weight"], tp_rank, tp_size)
@@ -157,7 +174,14 @@ def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], config, tp_rank: int,
         out[f"{mg}.mlp.linear_fc2.weight"] = _rows(sd[f"{hf}.mlp.down_proj.weight"], tp_rank, tp_size, 1)
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
-        if not g.tied_embeddings:
+        if head != "lm":
+            if sd["score.weight"].shape[0] != 1:
+                raise ValueError(f"the {head} head has {sd['score.weight'].shape[0]} outputs; the megatron engine "
+                                 f"builds scalar heads only (num_labels=1)")
+            out["output_layer.weight"] = sd["score.weight"]
+            if "score.bias" in sd:
+                out["output_layer.bias"] = sd["score.bias"]
+        elif not g.tied_embeddings:
             out["output_layer.weight"] = _rows(sd["lm_head.weight"], tp_rank, tp_size)
         elif pp_size > 1:  # the last stage's own copy of the tied embedding; with one stage it is the embedding
             out["output_layer.weight"] = _rows(sd["model.embed_tokens.weight"], tp_rank, tp_size)
@@ -165,10 +189,12 @@ def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], config, tp_rank: int,
 
 
 def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], config, tp_size: int,
-                   pp_size: int) -> dict[str, torch.Tensor]:
-    """Merge every shard {(pp_rank, tp_rank): GPTModel state dict} back into one Hugging Face state dict."""
+                   pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
+    """Merge every shard {(pp_rank, tp_rank): GPTModel state dict} back into one Hugging Face state dict, named as
+    the transformers class of `head` names it (lm_head for "lm", score for "value" / "score")."""
     g = config if isinstance(config, MegatronGeometry) else MegatronGeometry.from_hf_config(config)
     check_megatron_fits(g, tp_size, pp_size)
+    _check_head(head)
     missing = [(p, t) for p in range(pp_size) for t in range(tp_size) if (p, t) not in shards]
     if missing:
         raise ValueError(f"megatron_to_hf needs every (pp_rank, tp_rank) shard; missing {missing}")
@@ -197,6 +223,11 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
             out[f"{hf}.mlp.down_proj.weight"] = cat(stage, f"{mg}.mlp.linear_fc2.weight", 1)
     last = pp_size - 1
     out["model.norm.weight"] = one(last, "decoder.final_layernorm.weight")
+    if head != "lm":  # TP-replicated: TP rank 0's copy is the head
+        out["score.weight"] = one(last, "output_layer.weight")
+        if "output_layer.bias" in shards[(last, 0)]:
+            out["score.bias"] = one(last, "output_layer.bias")
+        return {k: v.detach().clone() for k, v in out.items()}
     out = {k: v.detach().clone() for k, v in out.items()}
     # tied: transformers' state_dict() lists lm_head.weight as the embedding itself, so mirror that
     out["lm_head.weight"] = out["model.embed_tokens.weight"] if g.tied_embeddings else cat(last, "output_layer.weight")

@@ -71,15 +71,13 @@ class ModelWorker(Worker):
     def _setup_megatron(self, net: torch.nn.Module, optim: OptimConfig | None, trainable: bool,
                         rollout_tp: int | None) -> None:
         """megatron-core's parallel state is process-global and spans the whole torch.distributed world, so a
-        megatron model must be placed on every slot, in world order (colocated placement); it builds causal-LM
-        heads only, and generation gathers its full weights (the 3D-HybridEngine is wired to the torch engine)."""
+        megatron model must be placed on every slot, in world order (colocated placement); it builds every head
+        (causal LM for actor and reference, value for critics, score for reward and cost models), and generation
+        gathers its full weights (the 3D-HybridEngine is wired to the torch engine)."""
         import torch.distributed as dist
 
         from engines.megatron import MegatronEngine
 
-        if self.head != "lm":
-            raise ValueError(f"{type(self).__name__} needs a {self.head!r} head; the megatron engine builds causal-LM "
-                             f"heads only (actor, reference): use engine='torch' for critics and reward models")
         if rollout_tp is not None:
             raise ValueError("rollout_tp (the 3D-HybridEngine) runs on the torch engine; drop it or use "
                              "engine='torch'")
@@ -89,7 +87,7 @@ class ModelWorker(Worker):
                              f"({world} ranks, in order); this group holds ranks {self.mesh.mesh.flatten().tolist()}: "
                              f"place it on every slot (colocated) or use engine='torch'")
         self.engine = MegatronEngine.from_hf_model(net, optim, tp=self.layout.tp, pp=self.layout.pp,
-                                                   trainable=trainable)
+                                                   trainable=trainable, head=self.head)
         self.sharded = True  # generation gathers the full weights from the TP × PP shards
 
     def _update(self, shares: list[Batch], loss_fn: LossFn,

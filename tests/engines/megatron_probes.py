@@ -1,25 +1,68 @@
 """Worker classes running the megatron engine inside flowactors groups on CPU (importable on worker processes).
 
 They apply the test-only CUDA shim (tests/engines/megatron_shim.py) in the worker process before building the role,
-which is the only difference from the product's ActorWorker."""
+which is the only difference from the product's roles. `TorchCriticNoDropout` is the torch-engine reference for a
+megatron critic: transformers' token classifier applies dropout (0.1) before its head in training, the megatron
+value head none."""
 
 from __future__ import annotations
 
 import torch
 
-from engines.roles import ActorWorker
-from flowactors import ONE_TO_ALL, endpoint
+from engines.roles import ActorWorker, CriticWorker, RewardModelWorker
+from flowactors import ONE_TO_ALL, Batch, endpoint
+
+
+def _shim() -> None:
+    from tests.engines import megatron_shim
+
+    megatron_shim.apply()
 
 
 class ShimmedActor(ActorWorker):
     """ActorWorker on CPU with megatron-core's CUDA calls redirected (a test shim, named as such)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        from tests.engines import megatron_shim
-
-        megatron_shim.apply()
+        _shim()
         super().__init__(*args, **kwargs)
 
     @endpoint(protocol=ONE_TO_ALL)
     def full_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.full_state_dict()
+
+
+class ShimmedCritic(CriticWorker):
+    """CriticWorker on CPU with megatron-core's CUDA calls redirected."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        _shim()
+        super().__init__(*args, **kwargs)
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return self.engine.full_state_dict()
+
+
+class ShimmedRewardModel(RewardModelWorker):
+    """RewardModelWorker on CPU with megatron-core's CUDA calls redirected."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        _shim()
+        super().__init__(*args, **kwargs)
+
+
+class TorchCriticNoDropout(CriticWorker):
+    """The torch-engine critic without the token classifier's dropout (what the megatron value head computes)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine.model.dropout.p = 0.0
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return self.engine.full_state_dict()
+
+
+def squared_value_loss(outputs: dict[str, torch.Tensor], mb: Batch):
+    """0.5 (V - return)^2 over the response tokens."""
+    return 0.5 * (outputs["values"] - mb["returns"]) ** 2, mb["response_mask"].float(), {"vf": 1.0}

@@ -1,5 +1,6 @@
-"""The actor role on the megatron engine (TP=2, PP=2) inside a real 2-slot flowactors group, against the torch
-engine's actor on one slot: same log-probs, same greedy samples, same weights after one update."""
+"""The roles on the megatron engine (TP=2, PP=2) inside a real 2-slot flowactors group, against the torch engine's
+roles on one slot: the actor (same log-probs, greedy samples and weights after one update), the critic (same values
+and weights after one update) and the reward model (same scores)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import torch
 import flowactors as fa
 from engines.generation import SamplingConfig
 from engines.models import ModelConfig, build_tokenizer
+from engines.roles import RewardModelWorker
 from engines.training import OptimConfig
 from tests.engines.probes import HybridActorProbe, pg_loss
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]' pulls it)")
 
-from tests.engines.megatron_probes import ShimmedActor  # noqa: E402
+from tests.engines.megatron_probes import (ShimmedActor, ShimmedCritic, ShimmedRewardModel,  # noqa: E402
+                                           TorchCriticNoDropout, squared_value_loss)
 
 CFG = dict(num_heads=4, num_kv_heads=2, pad_vocab_to=2, seed=7)
 SAMPLING = SamplingConfig(max_new_tokens=5)
@@ -57,13 +60,60 @@ def test_megatron_actor_matches_torch_actor(fresh_controller, layout):
         ref.close()
 
 
+def _scored(tok) -> fa.Batch:
+    """Left-padded prompts and responses, one right-padded with pad tokens, as the actor hands them on."""
+    prompts = _prompts(tok)
+    g = torch.Generator().manual_seed(3)
+    responses = torch.randint(3, 40, (len(prompts), 4), generator=g)
+    response_mask = torch.ones_like(responses)
+    response_mask[1, -2:] = 0
+    responses[response_mask == 0] = tok.pad_token_id
+    return fa.Batch({"input_ids": torch.cat([prompts["input_ids"], responses], 1),
+                     "attention_mask": torch.cat([prompts["attention_mask"], response_mask], 1),
+                     "responses": responses, "response_mask": response_mask,
+                     "returns": torch.randn(responses.shape, generator=g)}, meta={"mini_batch_samples": 4})
+
+
+@pytest.mark.parametrize("layout", [fa.Layout(tp=2), fa.Layout(pp=2)], ids=["tp2", "pp2"])
+def test_megatron_critic_and_reward_model_match_torch(fresh_controller, layout):
+    ctl = fresh_controller
+    tok = build_tokenizer(ModelConfig(**CFG))
+    batch = _scored(tok)
+    mask = batch["response_mask"].bool()
+    groups = {
+        "mega_critic": fa.ActorGroup(ctl, ShimmedCritic, name="mega_critic", slots=ctl.slots, layout=layout,
+                                     args=(ModelConfig(engine="megatron", **CFG), OPTIM)),
+        "torch_critic": fa.ActorGroup(ctl, TorchCriticNoDropout, name="torch_critic", slots=ctl.slots[:1],
+                                      args=(ModelConfig(**CFG), OPTIM)),
+    }
+    try:
+        v_m = groups["mega_critic"].compute_values(batch).result()
+        v_t = groups["torch_critic"].compute_values(batch).result()
+        torch.testing.assert_close(v_m["values"][mask], v_t["values"][mask], atol=1e-5, rtol=0)
+        m_m = groups["mega_critic"].update_critic(batch, squared_value_loss).result()
+        m_t = groups["torch_critic"].update_critic(batch, squared_value_loss).result()
+        assert m_m["grad_norm"] == pytest.approx(m_t["grad_norm"], rel=1e-4)
+        w_m, w_t = groups["mega_critic"].full_weights().result()[0], groups["torch_critic"].full_weights().result()[0]
+        assert set(w_m) == set(w_t)
+        for k, v in w_t.items():
+            torch.testing.assert_close(w_m[k], v, atol=2e-5, rtol=0, msg=k)
+        for g in groups.values():
+            g.close()
+        groups = {
+            "mega_rm": fa.ActorGroup(ctl, ShimmedRewardModel, name="mega_rm", slots=ctl.slots, layout=layout,
+                                     args=(ModelConfig(engine="megatron", **CFG),)),
+            "torch_rm": fa.ActorGroup(ctl, RewardModelWorker, name="torch_rm", slots=ctl.slots[:1],
+                                      args=(ModelConfig(**CFG),)),
+        }
+        r_m, r_t = groups["mega_rm"].compute_reward(batch).result(), groups["torch_rm"].compute_reward(batch).result()
+        torch.testing.assert_close(r_m["rewards"], r_t["rewards"], atol=1e-5, rtol=0)
+    finally:
+        for g in groups.values():
+            g.close()
+
+
 def test_megatron_engine_refuses_what_it_cannot_do(fresh_controller):
     ctl = fresh_controller
-    from engines.roles import CriticWorker
-
-    with pytest.raises(fa.RemoteError, match="causal-LM heads only"):
-        fa.ActorGroup(ctl, CriticWorker, name="mega_critic", slots=ctl.slots, layout=fa.Layout(tp=2),
-                      args=(ModelConfig(engine="megatron", **CFG),))
     with pytest.raises(fa.RemoteError, match="spans the whole torch.distributed world"):
         fa.ActorGroup(ctl, ShimmedActor, name="mega_half", slots=ctl.slots[1:],
                       args=(ModelConfig(engine="megatron", **CFG),))
