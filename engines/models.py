@@ -54,8 +54,8 @@ class ModelConfig:
     seed: int = 0
     """Initialisation seed when building (identical on every rank)."""
     engine: str = "torch"
-    """Training engine: torch (FSDP2 / DTensor TP, every head) or megatron (megatron-core GPTModel with TP/PP/DP;
-    causal-LM heads: actor and reference)."""
+    """Training engine: torch (FSDP2 / DTensor TP) or megatron (megatron-core GPTModel with TP/PP/DP); both build
+    every head (lm, value, score)."""
     pad_vocab_to: int = 1
     """Round the vocabulary of a built model up to a multiple of this (Megatron's make-vocab-size-divisible-by),
     so a vocab-parallel split (the 3D-HybridEngine's training layout) divides it."""
@@ -114,7 +114,8 @@ def check_model_dir(path: str | Path) -> dict:
 
 def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokenizerBase | None = None
                 ) -> torch.nn.Module:
-    """A transformers model with the given head, on CPU, in `cfg.dtype`."""
+    """A transformers model with the given head, on CPU, in `cfg.dtype`. Value and score heads have no dropout
+    (as verl's critics): a critic's values are then a function of its weights alone, on every engine."""
     import transformers
 
     transformers.logging.set_verbosity_error()  # "newly initialized head" notices are expected for critics
@@ -123,16 +124,17 @@ def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokeni
         hf_cfg = check_model_dir(cfg.path)
         arch = hf_cfg["model_type"]
         cls = getattr(transformers, _ARCH[arch][1][head])
-        kwargs = {"num_labels": 1} if head != "lm" else {}
+        kwargs = {"num_labels": 1, "classifier_dropout": 0.0} if head != "lm" else {}
         model = cls.from_pretrained(cfg.path, dtype=cfg.torch_dtype, **kwargs)
     else:
         config_cls, heads = _ARCH[cfg.arch]
+        vocab = -(-len(tokenizer) // cfg.pad_vocab_to) * cfg.pad_vocab_to
         hf_config = getattr(transformers, config_cls)(
-            vocab_size=-(-len(tokenizer) // cfg.pad_vocab_to) * cfg.pad_vocab_to, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+            vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
             intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, num_labels=1,
+            eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, num_labels=1, classifier_dropout=0.0,
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)

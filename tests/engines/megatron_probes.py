@@ -1,9 +1,8 @@
 """Worker classes running the megatron engine inside flowactors groups on CPU (importable on worker processes).
 
 They apply the test-only CUDA shim (tests/engines/megatron_shim.py) in the worker process before building the role,
-which is the only difference from the product's roles. `TorchCriticNoDropout` is the torch-engine reference for a
-megatron critic: transformers' token classifier applies dropout (0.1) before its head in training, the megatron
-value head none."""
+which is the only difference from the product's roles. `TorchCritic` is the torch-engine reference for a megatron
+critic, with an endpoint to read its weights."""
 
 from __future__ import annotations
 
@@ -51,12 +50,8 @@ class ShimmedRewardModel(RewardModelWorker):
         super().__init__(*args, **kwargs)
 
 
-class TorchCriticNoDropout(CriticWorker):
-    """The torch-engine critic without the token classifier's dropout (what the megatron value head computes)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.engine.model.dropout.p = 0.0
+class TorchCritic(CriticWorker):
+    """The torch-engine critic (no dropout before its head, like the megatron value head: engines.models)."""
 
     @endpoint(protocol=ONE_TO_ALL)
     def full_weights(self) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from tests.engines.probes import HybridActorProbe, pg_loss
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]' pulls it)")
 
 from tests.engines.megatron_probes import (ShimmedActor, ShimmedCritic, ShimmedRewardModel,  # noqa: E402
-                                           TorchCriticNoDropout, squared_value_loss)
+                                           TorchCritic, squared_value_loss)
 
 CFG = dict(num_heads=4, num_kv_heads=2, pad_vocab_to=2, seed=7)
 SAMPLING = SamplingConfig(max_new_tokens=5)
@@ -83,7 +83,7 @@ def test_megatron_critic_and_reward_model_match_torch(fresh_controller, layout):
     groups = {
         "mega_critic": fa.ActorGroup(ctl, ShimmedCritic, name="mega_critic", slots=ctl.slots, layout=layout,
                                      args=(ModelConfig(engine="megatron", **CFG), OPTIM)),
-        "torch_critic": fa.ActorGroup(ctl, TorchCriticNoDropout, name="torch_critic", slots=ctl.slots[:1],
+        "torch_critic": fa.ActorGroup(ctl, TorchCritic, name="torch_critic", slots=ctl.slots[:1],
                                       args=(ModelConfig(**CFG), OPTIM)),
     }
     try:
