@@ -38,8 +38,8 @@ Differences from TrainEngine worth knowing:
   every parameter. Identical when weight_decay = 0.
 * the rotary embedding is applied by sequence index, not by `position_ids`; for left-padded rows this is the
   same attention (rotary scores depend on position differences only), up to float rounding.
-* the value head has no dropout, as engines.models builds the torch critics (classifier_dropout = 0, as verl's);
-  a checkpoint whose config sets classifier_dropout > 0 trains differently on the torch engine.
+* neither engine's value or score head has dropout (engines.models builds them with classifier_dropout = 0, as
+  verl does for critics), so the two engines' critics agree.
 
 What runs where. On GPUs the engine runs as is (NCCL, CUDA). On CPU, megatron-core 0.16.1 still reaches for CUDA
 in a few non-mathematical places (`torch.cuda.current_device`, the CUDA RNG tracker, literal `device="cuda"` in
