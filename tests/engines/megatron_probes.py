@@ -18,36 +18,28 @@ def _shim() -> None:
     megatron_shim.apply()
 
 
-class ShimmedActor(ActorWorker):
+class _Shimmed:
+    """First in the MRO: redirects megatron-core's CUDA calls before the role builds, and reads the full weights."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        _shim()
+        super().__init__(*args, **kwargs)
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return self.engine.full_state_dict()
+
+
+class ShimmedActor(_Shimmed, ActorWorker):
     """ActorWorker on CPU with megatron-core's CUDA calls redirected (a test shim, named as such)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        _shim()
-        super().__init__(*args, **kwargs)
 
-    @endpoint(protocol=ONE_TO_ALL)
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        return self.engine.full_state_dict()
-
-
-class ShimmedCritic(CriticWorker):
+class ShimmedCritic(_Shimmed, CriticWorker):
     """CriticWorker on CPU with megatron-core's CUDA calls redirected."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        _shim()
-        super().__init__(*args, **kwargs)
 
-    @endpoint(protocol=ONE_TO_ALL)
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        return self.engine.full_state_dict()
-
-
-class ShimmedRewardModel(RewardModelWorker):
+class ShimmedRewardModel(_Shimmed, RewardModelWorker):
     """RewardModelWorker on CPU with megatron-core's CUDA calls redirected."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        _shim()
-        super().__init__(*args, **kwargs)
 
 
 class TorchCritic(CriticWorker):
