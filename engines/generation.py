@@ -102,15 +102,17 @@ class HFGenerationEngine:
         return self._assemble(prompts, tokens, logp, cfg)
 
     def stream(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
-               greedy: bool = False, seed: int = 0, row_offset: int = 0) -> Iterator[Batch]:
-        """The samples of `generate()`, yielded as chunks of `chunk_rows` finished rows in the order they finish
-        (rows finishing at the same step by index; the last chunk may be shorter). Each chunk has `row_index`:
-        the row's index in `prompts` plus `row_offset` (a data-parallel rank passes its share's offset)."""
+               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0) -> Iterator[Batch]:
+        """The samples of `generate()` (with the same `seed_offset`), yielded as chunks of `chunk_rows` finished
+        rows in the order they finish (rows finishing at the same step by index; the last chunk may be shorter).
+        Each chunk has `row_index`: the row's index in `prompts` plus `row_offset` (a data-parallel rank passes its
+        share's offset)."""
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         tokens, logp = self._buffers(len(prompts), cfg)
         pending: list[int] = []
-        for finished in self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed):
+        for finished in self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed,
+                                     seed_offset=seed_offset):
             pending += finished
             while len(pending) >= chunk_rows:
                 yield self._chunk(prompts, tokens, logp, pending[:chunk_rows], cfg, row_offset)

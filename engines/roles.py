@@ -176,6 +176,7 @@ class ActorWorker(ModelWorker):
                                             compute_dtype=getattr(self.engine, "compute_dtype", None))
         self._gen_model: torch.nn.Module | None = None
         self._stream: GenerationStream | None = None
+        self._split_stream = False
 
     @classmethod
     def process_groups(cls, layout: Layout, *args: Any, **kwargs: Any) -> list[tuple[int, ...]]:
@@ -227,14 +228,21 @@ class ActorWorker(ModelWorker):
     def start_generation(self, prompts: Batch, chunk_samples: int) -> None:
         """Begin sampling `prompts` (what `generate_sequences` would sample) in a background thread; take the
         samples with `next_generated_chunk(0)`, `(1)`, ... : ceil(rows of this rank / chunk_samples) chunks on
-        every rank, each of `chunk_samples` rows except the last, in the order the rows finish."""
+        every rank, each of `chunk_samples` rows except the last, in the order the rows finish. Under the
+        3D-HybridEngine the d_g generation replicas each stream their rows (chunk_samples/d_g per chunk) when d_g
+        divides both; otherwise every replica samples all rows of the share."""
         if chunk_samples < 1:
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
         self._end_stream()  # one left over from a step that stopped early
+        rows, per_chunk = slice(0, len(prompts)), chunk_samples
+        d_g = self.hybrid.micro_size if self.hybrid is not None else 1
+        self._split_stream = d_g > 1 and len(prompts) % d_g == 0 and chunk_samples % d_g == 0
+        if self._split_stream:  # each generation replica streams its rows; chunk k joins their k-th chunks
+            rows, per_chunk = self.hybrid.micro_slice(len(prompts)), chunk_samples // d_g
         model = self._generation_model()
-        chunks = self.generator.stream(model, prompts, self.sampling, chunk_samples,
+        chunks = self.generator.stream(model, prompts.slice(rows.start, rows.stop), self.sampling, per_chunk,
                                        greedy=bool(prompts.meta.get("greedy")), seed=int(prompts.meta.get("seed", 0)),
-                                       row_offset=self.coords[1] * len(prompts))
+                                       row_offset=self.coords[1] * len(prompts) + rows.start, seed_offset=rows.start)
         self._stream = GenerationStream(chunks, n_chunks=-(-len(prompts) // chunk_samples),
                                         name=f"{self.group_name}-rank{self.rank}-generation")
 
@@ -249,7 +257,7 @@ class ActorWorker(ModelWorker):
         if self._stream.finished:
             self._stream = None
             self._release_generation()
-        return chunk
+        return self.hybrid.gather_micro(chunk) if self._split_stream else chunk
 
     def _end_stream(self) -> None:
         if self._stream is not None:

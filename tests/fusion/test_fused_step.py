@@ -194,3 +194,36 @@ def test_safe_rlhf_fused_steps_give_the_unfused_metrics_and_updates(ctl, data):
             close(g)
     assert runs[True] == runs[False]
     assert runs[True][0][0]["cost_mean"] > 0  # the cost scorer ran on the fused chunks
+
+
+def test_hybrid_actor_streams_split_rows_and_matches_unfused(ctl, data):
+    """A TP=2 actor under the 3D-HybridEngine (rollout_tp=1: two generation replicas) streams each replica's rows
+    and joins chunk k of both: the fused step's batch and update equal the unfused step's."""
+    model = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                        pad_vocab_to=2)  # the vocabulary splits over tp=2
+    prompts = [long_tail(data.next_batch(N, 1)) for _ in range(2)]
+    optim = OptimConfig(lr=1e-3, micro_batch_tokens=512)
+    runs = {}
+    for fuse in (False, True):
+        tag = f"hyfuse{int(fuse)}"
+        two = Layout(dp=2)
+        g = {"actor": fa.ActorGroup(ctl, ActorWorker, name=f"actor_{tag}", layout=Layout(tp=2),
+                                    args=(model, optim, SamplingConfig(max_new_tokens=ALIGNED)),
+                                    kwargs={"rollout_tp": 1}),
+             "ref": fa.ActorGroup(ctl, RefWorker, name=f"ref_{tag}", layout=two, args=(model,)),
+             "critic": fa.ActorGroup(ctl, CriticWorker, name=f"critic_{tag}", layout=two, args=(model, optim)),
+             "reward": fa.ActorGroup(ctl, RuleRewardWorker, name=f"reward_{tag}", layout=two,
+                                     args=(TASK.reward, model))}
+        try:
+            algo = PPO(PPOConfig(prompts_per_step=N, mini_batch_samples=8, ppo_epochs=2, fuse=fuse,
+                                 fuse_chunk_samples=4, dashboard="none"))  # 4 = 2 rows from each replica
+            algo.setup(ctl, g)
+            steps = [(algo.step(p, i), algo.last_batch.result()) for i, p in enumerate(prompts)]
+            runs[fuse] = steps, [g[r].parameter_digest().result() for r in ("actor", "critic")]
+        finally:
+            close(g)
+    (plain, plain_digests), (fused, fused_digests) = runs[False], runs[True]
+    for (m_plain, b_plain), (m_fused, b_fused) in zip(plain, fused):
+        assert b_fused.equals(b_plain)
+        assert m_fused == m_plain
+    assert fused_digests == plain_digests
