@@ -124,7 +124,11 @@ def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokeni
         hf_cfg = check_model_dir(cfg.path)
         arch = hf_cfg["model_type"]
         cls = getattr(transformers, _ARCH[arch][1][head])
-        kwargs = {"num_labels": 1, "classifier_dropout": 0.0} if head != "lm" else {}
+        kwargs = {}
+        if head != "lm":  # set on the config: a config that lacks the field would pass it to the model's __init__
+            config = transformers.AutoConfig.from_pretrained(cfg.path, num_labels=1)
+            config.classifier_dropout = 0.0
+            kwargs["config"] = config
         model = cls.from_pretrained(cfg.path, dtype=cfg.torch_dtype, **kwargs)
     else:
         config_cls, heads = _ARCH[cfg.arch]

@@ -116,3 +116,22 @@ def test_tokenizer_without_pad_is_rejected(tmp_path):
     (tmp_path / "special_tokens_map.json").unlink(missing_ok=True)
     with pytest.raises(ValueError, match="no pad token"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("head", ["value", "score"])
+def test_critic_and_reward_heads_from_any_causal_lm_folder_have_no_dropout(tmp_path, head):
+    """A folder saved by plain transformers (its config has no classifier_dropout field, like SmolLM2's) loads as a
+    value/score model with the backbone's weights and no dropout before the head."""
+    import transformers
+
+    tok = build_tokenizer(ModelConfig())
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, pad_token_id=tok.pad_token_id)
+    assert "classifier_dropout" not in config.to_dict()
+    lm = transformers.LlamaForCausalLM(config)
+    lm.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model = build_model(ModelConfig(path=str(tmp_path)), head)
+    assert model.config.classifier_dropout == 0.0
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    torch.testing.assert_close(model.model.embed_tokens.weight, lm.model.embed_tokens.weight, atol=0, rtol=0)
