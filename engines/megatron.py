@@ -399,6 +399,15 @@ class MegatronEngine:
                                    group=mpu.get_pipeline_model_parallel_group())
         return box[0]
 
+    def _outputs_at(self, mb: Batch, output: torch.Tensor,
+                    outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """`outputs_fn(mb)` inside the schedule's loss step, reading the schedule's `output` for `mb`."""
+        self._pending = (mb, output)
+        try:
+            return outputs_fn(mb)
+        finally:
+            self._pending = None
+
     @torch.no_grad()
     def _forward_only(self, batch: Batch, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> Batch:
         """`outputs_fn` of every micro-batch, evaluated on the last stage inside a forward-only schedule and
@@ -409,11 +418,7 @@ class MegatronEngine:
             return Batch()
 
         def loss_step(mb: Batch, output: torch.Tensor):
-            self._pending = (mb, output)
-            try:
-                out = outputs_fn(mb)
-            finally:
-                self._pending = None
+            out = self._outputs_at(mb, output, outputs_fn)
             return torch.zeros((), device=self.device), {k: v.cpu() for k, v in out.items()}
 
         records = self._from_last_stage(self._schedule(mbs, loss_step, forward_only=True))
@@ -446,12 +451,7 @@ class MegatronEngine:
         tokens, norms = 0.0, []
 
         def loss_step(mb: Batch, output: torch.Tensor):
-            self._pending = (mb, output)
-            try:
-                outs = outputs_fn(mb)
-            finally:
-                self._pending = None
-            token_loss, weight, metrics = loss_fn(outs, mb)
+            token_loss, weight, metrics = loss_fn(self._outputs_at(mb, output, outputs_fn), mb)
             count = mb["response_mask"].sum().to(device=self.device, dtype=torch.int)
             loss = (token_loss.to(self.device) * weight.to(self.device)).sum()
             return loss, count, {"metrics": {k: float(v) for k, v in metrics.items()}, "tokens": float(count)}

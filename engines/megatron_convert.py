@@ -80,18 +80,13 @@ class MegatronGeometry:
             # megatron's add_bias_linear puts biases on every linear (qkv, proj, fc1, fc2) at once
             raise ValueError("Llama with attention_bias or mlp_bias has no megatron-core equivalent of its bias "
                              "layout; use a model without them or the torch-native TrainEngine")
-        heads = config.num_attention_heads
-        return cls(
-            num_layers=config.num_hidden_layers,
-            hidden_size=config.hidden_size,
-            num_heads=heads,
-            num_kv_heads=config.num_key_value_heads or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-            qkv_bias=model_type == "qwen2",
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
+        from engines.hybrid.shards import ModelGeometry
+
+        g = ModelGeometry.from_hf_config(config)  # the one reader of a Llama-family config's sizes
+        return cls(num_layers=g.num_layers, hidden_size=g.hidden_size, num_heads=g.num_heads,
+                   num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, intermediate_size=g.intermediate_size,
+                   vocab_size=g.vocab_size, qkv_bias=g.qkv_bias,
+                   tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
     @property
     def q_per_group(self) -> int:
