@@ -106,7 +106,7 @@ def _chromium(url: str, tmp_path: Path, *mode: str) -> subprocess.CompletedProce
 
 def test_page_renders_in_headless_chromium(page, tmp_path):
     if not Path(CHROMIUM).exists():
-        pytest.skip("chromium not installed: apt-get install chromium")
+        pytest.skip(f"chromium is not installed ({CHROMIUM}): `.ci/run` installs it, or: apt-get install chromium")
     _, url, d = page
     shot = tmp_path / "flowactors.png"
     _chromium(url, tmp_path, f"--screenshot={shot}")

@@ -11,9 +11,10 @@ second instance (or a forgotten one) does not collide.
     python -m tests.deploy.slurm_local start /tmp/slurm     # prints `export SLURM_CONF=...`
     python -m tests.deploy.slurm_local stop /tmp/slurm      # scancels every job, then stops the three daemons
 
-Needs root (slurmd runs jobs as their submitter and must be able to become it). `ensure_installed()` installs the
-packages with apt-get only if a binary is missing. Any failure raises `SlurmUnavailable` with the reason and the
-tail of the daemon logs, which the test turns into a skip.
+Needs root (slurmd runs jobs as their submitter and must be able to become it) and the packages installed. It never
+installs them, since tests must not change the machine they run on: `.ci/run` installs them (a user: `apt-get install
+slurm-wlm munge`), and `require_installed()` only says what is missing. Any failure raises `SlurmUnavailable` with
+the reason (and the tail of the daemon logs), which the test turns into a skip.
 """
 
 from __future__ import annotations
@@ -29,38 +30,30 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LocalSlurm", "SlurmUnavailable", "ensure_installed"]
+__all__ = ["LocalSlurm", "SlurmUnavailable", "require_installed"]
 
 _BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")
 _FAKE_GPU_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty")
 
 
 class SlurmUnavailable(RuntimeError):
-    """Slurm could not be installed or its daemons did not come up; the message says why."""
+    """Slurm is not installed here or its daemons did not come up; the message says why."""
 
 
-def ensure_installed(timeout_s: float = 900.0) -> None:
-    """Install slurm-wlm and munge with apt-get if any of their programs is missing (root only)."""
+INSTALL_HINT = "`.ci/run` installs them, or: apt-get install slurm-wlm munge"
+
+
+def require_installed() -> None:
+    """Raise `SlurmUnavailable` naming the Slurm and munge programs that are not installed, and how to get them."""
     missing = [b for b in _BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
-    if not missing:
-        return
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise SlurmUnavailable(f"Slurm programs missing ({', '.join(missing)}) and they cannot be installed here "
-                               f"(needs root and apt-get): apt-get install -y slurm-wlm munge")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
-            raise SlurmUnavailable(f"`{' '.join(cmd)}` did not finish within {timeout_s:.0f} s") from None
-        if out.returncode != 0:
-            raise SlurmUnavailable(f"`{' '.join(cmd)}` failed ({out.returncode}): {out.stderr.strip()[-800:]}")
+    if missing:
+        raise SlurmUnavailable(f"Slurm programs not installed ({', '.join(missing)}); {INSTALL_HINT}")
 
 
 def _which(name: str) -> str:
     found = shutil.which(name) or (str(Path("/usr/sbin", name)) if Path("/usr/sbin", name).exists() else None)
     if found is None:
-        raise SlurmUnavailable(f"{name} not found; apt-get install -y slurm-wlm munge")
+        raise SlurmUnavailable(f"{name} not found; {INSTALL_HINT}")
     return found
 
 
@@ -103,9 +96,9 @@ class LocalSlurm:
 
     # -- start ------------------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 60.0) -> "LocalSlurm":
+        require_installed()
         if os.geteuid() != 0:
             raise SlurmUnavailable("a private slurmd must run as root (it becomes the job's user)")
-        ensure_installed()
         self.root.mkdir(parents=True, exist_ok=True)
         for d in ("state", "spool"):
             (self.root / d).mkdir(exist_ok=True)

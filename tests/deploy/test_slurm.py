@@ -6,8 +6,8 @@ private single-node Slurm (munged, slurmctld, slurmd; `tests/deploy/slurm_local.
 `open_slurm` on it, and checks what a user relies on: one worker process per GPU, each pinned to a different
 device with LOCAL_RANK 0/1, a group collective across them, and an algorithm program run against the Slurm
 workers. The fake GPUs are character devices, so torch sees no CUDA and the workers use gloo; the pinning is
-checked through the environment. When Slurm cannot be installed or its daemons do not come up, these tests are
-skipped with the reason.
+checked through the environment. The tests never install anything: where slurm-wlm and munge are missing (`.ci/run`
+installs them), without root, or when the daemons do not come up, these tests are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_dask_setup_pins_a_worker_process_and_refuses_after_cuda_started(monkeyp
 
 
 def test_job_script_as_dask_jobqueue_writes_it():
-    pytest.importorskip("dask_jobqueue", reason='pip install "flowactors[slurm]"')
+    pytest.importorskip("dask_jobqueue", reason='dask-jobqueue is not installed: pip install "flowactors[slurm]"')
     from dask_jobqueue.slurm import SLURMJob
 
     kw = SlurmSettings(gpus_per_node=2, partition="debug", memory_per_job="8GB", walltime="00:30:00",
@@ -168,9 +168,13 @@ def test_open_slurm_without_dask_jobqueue_says_how_to_install(monkeypatch):
 @pytest.fixture(scope="session")
 def local_slurm(tmp_path_factory):
     """A private single-node Slurm with 2 fake GPUs for this session; skipped (with the reason) where impossible."""
-    pytest.importorskip("dask_jobqueue", reason='pip install "flowactors[slurm]"')
-    from tests.deploy.slurm_local import LocalSlurm, SlurmUnavailable
+    pytest.importorskip("dask_jobqueue", reason='dask-jobqueue is not installed: pip install "flowactors[slurm]"')
+    from tests.deploy.slurm_local import LocalSlurm, SlurmUnavailable, require_installed
 
+    try:
+        require_installed()
+    except SlurmUnavailable as e:
+        pytest.skip(str(e))
     if os.geteuid() != 0:
         pytest.skip("a private Slurm needs root (slurmd runs jobs as their user)")
     slurm = LocalSlurm(tmp_path_factory.mktemp("slurm"), gpus=2)
