@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", action="append", default=[], metavar="ROLE=SIZE",
                     help=f"a model: role ({', '.join(ROLES)}) = 7b|13b|34b|70b or "
                          "'hidden=..,layers=..,heads=..,ffn=..[,kv_heads=..,vocab=..]'; repeat per model")
-    ap.add_argument("--algorithm", choices=sorted(ALGORITHMS), help="fill the algorithm's roles with --size")
+    ap.add_argument("--algorithm", type=algorithm_name, metavar="NAME",
+                    help=f"fill the algorithm's roles with --size: {_accepted_algorithms()}")
     ap.add_argument("--size", default="7b", help="model size for --algorithm roles not given by --model")
     ap.add_argument("--gpus", type=int, required=True, help="devices in the cluster")
     ap.add_argument("--gpu", default="a100-80gb", choices=sorted(PROFILES), help="hardware profile")
@@ -39,6 +40,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--save", metavar="PATH", help="also write the plan to PATH (.json, or .yaml with PyYAML)")
     return ap
+
+
+def algorithm_name(name: str) -> str:
+    """The `ALGORITHMS` key of an algorithm given by its program's name (`safe_rlhf`, as in algorithms/safe_rlhf.py)
+    or by the dashed name the simulator uses (`safe-rlhf`)."""
+    key = name.strip().lower().replace("_", "-")
+    if key not in ALGORITHMS:
+        raise argparse.ArgumentTypeError(f"unknown algorithm {name!r}; choose one of {_accepted_algorithms()}")
+    return key
+
+
+def _accepted_algorithms() -> str:
+    return ", ".join(a if "-" not in a else f"{a.replace('-', '_')} (or {a})" for a in sorted(ALGORITHMS))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,30 +88,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+# (header, alignment) of the plan table's columns; widths come from the content, so long pool names keep it aligned
+_COLUMNS = (("pool", "<"), ("gpus", ">"), ("model", "<"), ("train p,t,d", "<"), ("gen p,t", "<"),
+            ("generate s", ">"), ("transit s", ">"), ("infer s", ">"), ("train s", ">"), ("peak GiB", ">"))
+
+
 def format_table(result: SearchResult, cluster: str) -> str:
     """The plan and its estimate as a table for people."""
     def num(x: float) -> str:
         return f"{x:.2f}" if x else "-"
 
-    lines = [f"auto device mapping on {cluster}: {result.placements} placements searched in {result.search_s:.2f} s",
-             "",
-             f"{'pool':<34}{'gpus':>5}  {'model':<12}{'train p,t,d':<13}{'gen p,t':<9}"
-             f"{'generate s':>11}{'transit s':>10}{'infer s':>9}{'train s':>9}{'peak GiB':>9}"]
+    rows = []
     for s in result.sets:
         for i, m in enumerate(s.models):
             first = i == 0
-            pool, gpus = ("+".join(s.roles), str(s.gpus)) if first else ("", "")
-            peak = f"{s.peak_bytes / 2**30:.1f}" if first else ""
-            gen = ",".join(map(str, m.parallel.generate)) if m.parallel.generate else "-"
-            lines.append(f"{pool:<34}{gpus:>5}  {m.role:<12}{','.join(map(str, m.parallel.train)):<13}{gen:<9}"
-                         f"{num(m.generate_s):>11}{num(m.transition_s):>10}{num(m.inference_s):>9}"
-                         f"{num(m.train_s):>9}{peak:>9}")
+            rows.append(["+".join(s.roles) if first else "", str(s.gpus) if first else "", m.role,
+                         ",".join(map(str, m.parallel.train)),
+                         ",".join(map(str, m.parallel.generate)) if m.parallel.generate else "-",
+                         num(m.generate_s), num(m.transition_s), num(m.inference_s), num(m.train_s),
+                         f"{s.peak_bytes / 2**30:.1f}" if first else ""])
+    lines = [f"auto device mapping on {cluster}: {result.placements} placements searched in {result.search_s:.2f} s",
+             "", *_aligned([h for h, _ in _COLUMNS], rows, [a for _, a in _COLUMNS])]
     lines += ["", "stage       seconds (slowest pool; models in one pool add up)"]
     lines += [f"{name:<10}{t:>9.2f}" for name, t in result.stages.items()]
     lines += [f"{'iteration':<10}{result.estimated_iteration_s:>9.2f}", "",
               f"placements within {RUNNER_UP_MARGIN:.0%} of the best (iteration s):"]
     lines += [f"{cost:>9.2f} s  " + "  ".join("[" + ", ".join(s) + "]" for s in p) for p, cost in result.ranking]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _aligned(header: list[str], rows: list[list[str]], align: list[str]) -> list[str]:
+    """Header and rows as lines of columns as wide as their widest cell, two spaces apart."""
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    return ["  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths)) for row in [header, *rows]]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -66,3 +67,44 @@ def test_runs_as_a_module():
     out = subprocess.run([sys.executable, "-m", "placement.automap", "--algorithm", "grpo", "--gpus", "8", "--json"],
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["placement"] == [["actor", "ref", "reward"]]
+
+
+@pytest.mark.parametrize("name", ["safe_rlhf", "safe-rlhf", "Safe_RLHF"])
+def test_algorithm_accepts_the_program_name_with_underscores(name, capsys):
+    assert main(["--algorithm", name, "--gpus", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(out["gpus"]) == sorted(ALGORITHMS["safe-rlhf"])
+
+
+def test_unknown_algorithm_lists_the_accepted_names(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--algorithm", "dpo", "--gpus", "16"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown algorithm 'dpo'" in err
+    assert all(name in err for name in ("grpo", "ppo", "remax", "safe_rlhf", "safe-rlhf"))
+
+
+def _columns(lines: list[str]) -> list[tuple[int, int]]:
+    """(start, end) of each column of a text table: stretches of text that every line leaves apart by 2+ spaces."""
+    width = max(map(len, lines))
+    used = "".join("x" if any(c < len(line) and line[c] != " " for line in lines) else " " for c in range(width))
+    return [m.span() for m in re.finditer(r"x(?: ?x)*", used)]
+
+
+def test_table_columns_stay_aligned_with_long_pool_names(capsys):
+    assert main(["--algorithm", "safe_rlhf", "--gpus", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith("pool "))
+    table = lines[top:lines.index("", top)]
+    rows = [[row[a:b].strip() for a, b in _columns(table)] for row in table]
+    # every header is a column of its own and every row has a cell (or blank) under each
+    assert rows[0] == ["pool", "gpus", "model", "train p,t,d", "gen p,t", "generate s", "transit s", "infer s",
+                       "train s", "peak GiB"]
+    pools = [r[0] for r in rows[1:] if r[0]]
+    assert max(map(len, pools)) > 34, f"this case should have a pool name longer than the old 34 columns: {pools}"
+    assert sorted(r[2] for r in rows[1:]) == sorted(ALGORITHMS["safe-rlhf"])
+    for r in rows[1:]:
+        assert re.fullmatch(r"\d+,\d+,\d+", r[3]), r
+        assert all(re.fullmatch(r"-|\d+\.\d+|", x) for x in r[5:]), r
+    assert sum(int(r[1]) for r in rows[1:] if r[1]) == 16
