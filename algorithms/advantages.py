@@ -1,9 +1,9 @@
 """The advantage stage of each algorithm, run as one Dask task next to the data.
 
 Each takes the results of the scoring calls about the same samples (generated batch, log-probs, values, rewards,
-...), joins them, and returns the batch with `advantages` (and `returns` for critics) plus the meta that the update
-protocol reads (`mini_batch_samples`, `epochs`, `shuffle_seed`), so the update calls take the result directly.
-Joining inside the same task saves one scheduling hop per step.
+...), joins them, and returns the batch with `advantages` (and `returns` for critics), so the update calls take
+the result directly (how they walk it travels beside it, as an `UpdateSpec`). Joining inside the same task saves
+one scheduling hop per step.
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ from algorithms.core import gae, grpo_advantages, kl_penalty, masked_whiten, rem
 from flowactors import Batch
 
 __all__ = ["join", "ppo_advantages", "safe_rlhf_advantages", "grpo_step_advantages", "remax_step_advantages"]
-
-
-def _update_meta(batch: Batch, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
-    return batch.with_meta(mini_batch_samples=mini_batch_samples, epochs=epochs, shuffle_seed=seed)
 
 
 def _gae_fields(batch: Batch, scores: torch.Tensor, values_key: str, kl_coef: float, kl_estimator: str,
@@ -33,17 +29,16 @@ def join(*batches: Batch) -> Batch:
     return batches[0].union(*batches[1:])
 
 
-def ppo_advantages(*parts: Batch, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool,
-                   mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+def ppo_advantages(*parts: Batch, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool) -> Batch:
     batch = join(*parts)
     adv, ret = _gae_fields(batch, batch["rewards"], "values", kl_coef, kl_estimator, gamma, lam)
     if whiten:
         adv = masked_whiten(adv, batch["response_mask"])
-    return _update_meta(batch.union(Batch({"advantages": adv, "returns": ret})), mini_batch_samples, epochs, seed)
+    return batch.union(Batch({"advantages": adv, "returns": ret}))
 
 
 def safe_rlhf_advantages(*parts: Batch, lagrange_lambda: float, gamma: float, lam: float, kl_coef: float,
-                         kl_estimator: str, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+                         kl_estimator: str) -> Batch:
     """Reward advantages (KL penalty in the reward) and cost advantages, combined as (A_r − λ·A_c) / (1 + λ)."""
     batch = join(*parts)
     mask = batch["response_mask"]
@@ -51,18 +46,16 @@ def safe_rlhf_advantages(*parts: Batch, lagrange_lambda: float, gamma: float, la
     adv_c, ret_c = _gae_fields(batch, batch["costs"], "cost_values", 0.0, kl_estimator, gamma, lam)
     # whiten the combination, not each part: a cost that no sample incurs has no variance to normalise
     adv = masked_whiten((adv_r - lagrange_lambda * adv_c) / (1 + lagrange_lambda), mask)
-    out = batch.union(Batch({"advantages": adv, "returns": ret_r, "cost_returns": ret_c}))
-    return _update_meta(out, mini_batch_samples, epochs, seed)
+    return batch.union(Batch({"advantages": adv, "returns": ret_r, "cost_returns": ret_c}))
 
 
-def grpo_step_advantages(*parts: Batch, mini_batch_samples: int, epochs: int, seed: int) -> Batch:
+def grpo_step_advantages(*parts: Batch) -> Batch:
     batch = join(*parts)
     adv = grpo_advantages(batch["rewards"], batch["group"], batch["response_mask"])
-    return _update_meta(batch.union(Batch({"advantages": adv})), mini_batch_samples, epochs, seed)
+    return batch.union(Batch({"advantages": adv}))
 
 
-def remax_step_advantages(*parts: Batch, greedy_rewards: Batch, kl_coef: float, mini_batch_samples: int,
-                          epochs: int, seed: int) -> Batch:
+def remax_step_advantages(*parts: Batch, greedy_rewards: Batch, kl_coef: float) -> Batch:
     """ReMax: the greedy response's reward is the baseline; the KL penalty is subtracted from the return."""
     batch = join(*parts)
     mask = batch["response_mask"]
@@ -70,5 +63,4 @@ def remax_step_advantages(*parts: Batch, greedy_rewards: Batch, kl_coef: float, 
     if kl_coef:
         kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
         adv = adv - kl_coef * kl.sum(-1, keepdim=True) * mask
-    out = batch.union(Batch({"advantages": adv, "baseline_rewards": greedy_rewards["rewards"]}))
-    return _update_meta(out, mini_batch_samples, epochs, seed)
+    return batch.union(Batch({"advantages": adv, "baseline_rewards": greedy_rewards["rewards"]}))

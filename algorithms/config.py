@@ -8,18 +8,27 @@ changing a few fields. Overrides use the same dataclass: `model.hidden_size=128 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import inspect
 import json
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines import ModelConfig
+from engines.models import ModelConfig
+from engines.training import OptimConfig
 from flowactors.slurm import SlurmSettings
 
-__all__ = ["RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "apply_overrides",
-           "derived_sizes"]
+__all__ = ["RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError", "apply_overrides",
+           "derived_sizes", "describe_settings", "field_docs", "validate"]
+
+
+class ConfigError(ValueError):
+    """A setting the user gave cannot work; the message names it and says what to change."""
 
 
 @dataclass
@@ -30,6 +39,7 @@ class RLConfig:
     steps: int = 40
     """RL steps (one generate → score → update round each)."""
     seed: int = 0
+    """Seeds the data order, the per-row sampling seeds and the controller's RNG; models have model.seed."""
     task: str = "digit_sum"
     """Synthetic task (algorithms.tasks): digit_sum, add, reverse."""
     dataset_prompts: int = 512
@@ -41,7 +51,7 @@ class RLConfig:
     log_format: str = "console"
     """Structured logs (one event per call): console or json."""
     log_level: str = "warning"
-    """info shows every call; warning only failures."""
+    """debug: every call and the traceback of a user error (= --debug); info: every call; warning: failures only."""
     # -- checkpoints and recovery ---------------------------------------------------------------------------------
     checkpoint_dir: str | None = None
     """Checkpoint root; None disables checkpoints (and so recovery)."""
@@ -75,56 +85,69 @@ class RLConfig:
     """Dashboard address of the embedded cluster; none turns it off."""
     # -- batch sizes ----------------------------------------------------------------------------------------------
     prompts_per_step: int = 32
+    """Prompts drawn from the dataset each RL step (global, across data-parallel ranks)."""
     samples_per_prompt: int = 1
+    """Responses sampled per prompt (GRPO's group size); a step trains on prompts_per_step x this samples."""
     mini_batch_samples: int = 32
     """Samples per optimizer step (global, across data-parallel ranks)."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
-    micro_batch_tokens: int = 2048
+    micro_batch_tokens: int = OptimConfig.micro_batch_tokens
     """Tokens per forward/backward on one rank (gradient accumulation beyond it)."""
     # -- model and sampling ---------------------------------------------------------------------------------------
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy (and the models started from it): model.path=DIR loads a Hugging Face folder, else sizes."""
     actor_lr: float = 2e-4
+    """Actor learning rate (AdamW) during RL."""
     rollout_tp: int = 0
     """Generation TP size t_g of the actor under the 3D-HybridEngine (must divide the actor's tp; a plan's actor
     "generate" sizes set it); 0: off, a sharded actor gathers its whole weights to generate. With the actor's
     tp > 1 its vocabulary must divide tp: set model.pad_vocab_to."""
     temperature: float = 1.0
+    """Sampling temperature; log-probs of the actor and the reference use the same one."""
     max_new_tokens: int = 0
-    """0: the task's default."""
+    """Longest response in tokens; 0: the task's default."""
     ignore_eos: bool = False
     """Always generate max_new_tokens (fixed token counts for benchmarks)."""
     profile_controller: bool = False
     """Record each step's controller share: the fraction of step time in which no worker was computing."""
     # -- supervised warm start ------------------------------------------------------------------------------------
     sft_steps: int = 150
+    """Supervised steps on the task's demonstrations before RL (0: none); the reference and critics start from
+    the result."""
     sft_samples_per_step: int = 64
+    """Demonstrations per supervised step."""
     sft_lr: float = 3e-3
+    """Learning rate of the supervised warm start."""
 
     def __post_init__(self) -> None:
         positive = ("steps", "n_slots", "prompts_per_step", "samples_per_prompt", "mini_batch_samples",
                     "ppo_epochs", "micro_batch_tokens", "dataset_prompts", "sft_samples_per_step")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.rollout_tp < 0:
-            raise ValueError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
+            raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
         if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:
-            raise ValueError("save_every must be >= 0, keep_last >= 1 and max_recoveries >= 0")
+            raise ConfigError("save_every must be >= 0, keep_last >= 1 and max_recoveries >= 0")
         if self.save_every and not self.checkpoint_dir:
-            raise ValueError("save_every needs a checkpoint_dir (--checkpoint-dir D)")
+            raise ConfigError("save_every needs a checkpoint_dir (--checkpoint-dir D)")
         if self.sft_steps < 0:
-            raise ValueError(f"sft_steps must be >= 0, got {self.sft_steps}")
+            raise ConfigError(f"sft_steps must be >= 0, got {self.sft_steps}")
         if self.cluster not in ("local", "slurm"):
-            raise ValueError(f"cluster must be 'local' or 'slurm', got {self.cluster!r}")
+            raise ConfigError(f"cluster must be 'local' or 'slurm', got {self.cluster!r}")
         if self.placement not in ("colocated", "split"):
-            raise ValueError(f"placement must be 'colocated' or 'split', got {self.placement!r}")
+            raise ConfigError(f"placement must be 'colocated' or 'split', got {self.placement!r}")
         if self.placement == "split" and self.n_slots < 2:
-            raise ValueError("placement=split needs n_slots >= 2 (one pool for the actor, one for the scorers)")
+            raise ConfigError("placement=split needs n_slots >= 2 (one pool for the actor, one for the scorers)")
         samples = self.prompts_per_step * self.samples_per_prompt
         if samples % self.mini_batch_samples:
-            raise ValueError(f"mini_batch_samples={self.mini_batch_samples} does not divide the "
+            raise ConfigError(f"mini_batch_samples={self.mini_batch_samples} does not divide the "
                              f"{samples} samples of a step (prompts_per_step x samples_per_prompt); choose a divisor")
+        if self.log_format not in ("console", "json"):
+            raise ConfigError(f"log_format must be 'console' or 'json', got {self.log_format!r}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.dashboard in ("none", "None", ""):
             self.dashboard = None
 
@@ -134,19 +157,31 @@ class PPOConfig(RLConfig):
     task: str = "digit_sum"
     sft_steps: int = 60
     gamma: float = 1.0
+    """Discount of GAE (1: undiscounted, the RLHF norm)."""
     lam: float = 0.95
+    """GAE's lambda: 1 is Monte-Carlo returns, 0 one-step TD."""
     kl_coef: float = 0.02
     """KL penalty in the reward (per token, against the reference)."""
     adaptive_kl: bool = False
+    """Adapt kl_coef so the measured KL tracks kl_target (Ziegler et al.'s controller)."""
     kl_target: float = 0.1
+    """KL per token the adaptive controller aims for."""
     kl_horizon: int = 500
+    """Samples over which the adaptive controller corrects a KL error."""
     kl_estimator: str = "k1"
+    """KL estimator in the reward penalty: k1 (log-ratio), k2 (squared) or k3 (Schulman's unbiased, positive)."""
     clip_ratio: float = 0.2
+    """PPO's clip range of the probability ratio."""
     dual_clip: float = 3.0
+    """Dual-clip bound on negative advantages (Ye et al. 2020); must be > 1."""
     value_clip: float = 0.2
+    """Clip range of the critic's value change per update."""
     entropy_coef: float = 0.0
+    """Entropy bonus in the policy loss (0: none)."""
     critic_lr: float = 1e-3
+    """Critic learning rate (AdamW)."""
     whiten_advantages: bool = True
+    """Normalise advantages to zero mean, unit variance over the step's tokens."""
     # -- stage fusion (RLHFuse; algorithms/fusion.py) ---------------------------------------------------------------
     fuse: bool = False
     """Score finished samples in chunks while generation goes on (scorers on the actor's slots still wait).
@@ -158,11 +193,11 @@ class PPOConfig(RLConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.fuse_chunk_samples < 1:
-            raise ValueError(f"fuse_chunk_samples must be >= 1, got {self.fuse_chunk_samples}")
+            raise ConfigError(f"fuse_chunk_samples must be >= 1, got {self.fuse_chunk_samples}")
         if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
+            raise ConfigError(f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
         if not 0 <= self.lam <= 1 or not 0 <= self.gamma <= 1:
-            raise ValueError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
+            raise ConfigError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
 
 
 @dataclass
@@ -175,8 +210,11 @@ class SafeRLHFConfig(PPOConfig):
     cost_threshold: float = 0.3
     """Constraint: expected cost per sample ≤ this."""
     lambda_init: float = 0.5
+    """Starting Lagrange multiplier λ."""
     lambda_lr: float = 0.1
+    """Dual-ascent step of log λ per unit of constraint violation."""
     lambda_max: float = 5.0
+    """Upper bound of λ."""
     ptx_coef: float = 0.0
     """Weight of the pretraining (SFT demonstration) loss mixed into actor updates; 0 disables it."""
 
@@ -191,7 +229,9 @@ class GRPOConfig(RLConfig):
     kl_coef: float = 0.04
     """KL to the reference, in the loss (k3)."""
     clip_ratio: float = 0.2
+    """PPO's clip range of the probability ratio."""
     entropy_coef: float = 0.0
+    """Entropy bonus in the policy loss (0: none)."""
 
 
 @dataclass
@@ -199,17 +239,19 @@ class ReMaxConfig(RLConfig):
     task: str = "digit_sum"
     sft_steps: int = 60
     kl_coef: float = 0.02
+    """KL penalty subtracted from each sample's return (k1, against the reference)."""
     clip_ratio: float = 0.2
+    """PPO's clip range of the probability ratio."""
 
 
 def derived_sizes(cfg: RLConfig, dp: int) -> dict[str, int]:
     """The numbers a user would otherwise compute by hand, checked for divisibility over `dp` ranks."""
     samples = cfg.prompts_per_step * cfg.samples_per_prompt
     if cfg.mini_batch_samples % dp:
-        raise ValueError(f"mini_batch_samples={cfg.mini_batch_samples} cannot be split over data-parallel size {dp}; "
+        raise ConfigError(f"mini_batch_samples={cfg.mini_batch_samples} cannot be split over data-parallel size {dp}; "
                          f"use a multiple of {dp}")
     if cfg.prompts_per_step % dp:
-        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} cannot be split over data-parallel size {dp}; "
+        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} cannot be split over data-parallel size {dp}; "
                          f"use a multiple of {dp}")
     return {"samples_per_step": samples, "samples_per_rank": samples // dp,
             "optimizer_steps_per_rl_step": samples // cfg.mini_batch_samples * cfg.ppo_epochs,
@@ -228,35 +270,98 @@ def _coerce(value: str, tp: Any) -> Any:
             return True
         if value.lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"expected a boolean, got {value!r}")
+        raise ConfigError(f"expected a boolean, got {value!r}")
     if tp in (int, float, str):
         return tp(value)
     return json.loads(value)
 
 
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
-    """`key=value` (nested with dots) onto a config dataclass; unknown keys are an error listing the known ones."""
+    """`key=value` (nested with dots) onto a config dataclass, then validate it and its nested settings.
+
+    Every mistake is a `ConfigError` naming the setting: unknown keys (with the closest known one), values of the
+    wrong type, and values the dataclasses' own checks reject."""
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} is not key=value")
+            raise ConfigError(f"{item!r} is not a key=value setting (e.g. steps=10); --help lists them all")
         key, value = item.split("=", 1)
-        target, *path = key.split(".")
-        obj, name = cfg, target
-        for part in path:
-            obj, name = getattr(obj, name), part
-        fields = {f.name: f for f in dataclasses.fields(obj)}
-        if name not in fields:
-            raise ValueError(f"unknown setting {key!r}; {type(obj).__name__} has: {', '.join(sorted(fields))}")
+        obj, name = _resolve(cfg, key)
         hints = typing.get_type_hints(type(obj))
         try:
             setattr(obj, name, _coerce(value, hints[name]))
         except ValueError as e:
-            raise ValueError(f"bad value for {key}: {e}") from None
-    obj_post = getattr(cfg, "__post_init__", None)
-    if obj_post:
-        obj_post()
-    for f in dataclasses.fields(cfg):  # nested settings (model, slurm) validate their overridden fields too
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value) and hasattr(value, "__post_init__"):
-            value.__post_init__()
+            raise ConfigError(f"bad value for {key}: {e}") from None
+    try:
+        validate(cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a nested dataclass's own check (ModelConfig, SlurmSettings)
+        raise ConfigError(str(e)) from None
     return cfg
+
+
+def validate(cfg: Any) -> None:
+    """Run the `__post_init__` checks of `cfg` and of every dataclass nested in it (after fields were set)."""
+    post = getattr(cfg, "__post_init__", None)
+    if post:
+        post()
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            validate(value)
+
+
+def _resolve(cfg: Any, key: str) -> tuple[Any, str]:
+    """The dataclass holding dotted `key` and the field's name in it."""
+    obj, parts = cfg, key.split(".")
+    for depth, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(obj)]
+        if part not in names:
+            prefix = ".".join(parts[:depth])
+            known = [f"{prefix}.{n}" if prefix else n for n in names]
+            close = difflib.get_close_matches(part, names, n=1)
+            if close:
+                raise ConfigError(f"unknown setting {key!r}; did you mean {prefix + '.' if prefix else ''}{close[0]}? "
+                                  f"(--help lists every setting)")
+            raise ConfigError(f"unknown setting {key!r}; {type(obj).__name__} has: {', '.join(sorted(known))}")
+        if depth == len(parts) - 1:
+            return obj, part
+        child = getattr(obj, part)
+        if not dataclasses.is_dataclass(child):
+            raise ConfigError(f"{'.'.join(parts[:depth + 1])} has no settings inside it; set it as a whole "
+                              f"({'.'.join(parts[:depth + 1])}=VALUE)")
+        obj = child
+    raise AssertionError("unreachable")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (and its bases), read from the source: the one place
+    a setting is documented is where it is declared."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe_settings(cfg: Any, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, current value, doc) of every setting of `cfg`, nested dataclasses flattened with dots."""
+    docs = field_docs(type(cfg))
+    out: list[tuple[str, str, str]] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out += describe_settings(value, f"{prefix}{f.name}.")
+        else:
+            shown = json.dumps(value) if isinstance(value, (list, dict)) else "none" if value is None else str(value)
+            out.append((prefix + f.name, shown, docs.get(f.name, "")))
+    return out

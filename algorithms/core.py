@@ -19,14 +19,10 @@ import torch
 from flowactors import Batch
 
 __all__ = [
-    "masked_mean", "masked_sum", "masked_whiten", "kl_penalty", "token_rewards", "gae", "grpo_advantages",
+    "masked_mean", "masked_whiten", "kl_penalty", "token_rewards", "gae", "grpo_advantages",
     "remax_advantages", "policy_loss", "value_loss", "PolicyLoss", "ValueLoss", "SFTLoss", "FixedKL",
     "AdaptiveKL", "LagrangeMultiplier",
 ]
-
-
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -147,14 +143,14 @@ class PolicyLoss:
         mask = mb["response_mask"].float()
         loss, clipped = policy_loss(out["log_probs"], mb["old_log_probs"], mb["advantages"], self.clip_ratio,
                                     self.dual_clip)
-        metrics = {"pg_loss": float(masked_mean(loss, mask)), "pg_clipfrac": float(masked_mean(clipped, mask))}
+        metrics = {"pg_loss": float(masked_mean(loss.detach(), mask)), "pg_clipfrac": float(masked_mean(clipped, mask))}
         if self.entropy_coef:
             loss = loss - self.entropy_coef * out["entropy"]
         if self.kl_coef:
             kl = kl_penalty(out["log_probs"], mb["ref_log_probs"], self.kl_estimator)
             loss = loss + self.kl_coef * kl
-            metrics["kl_loss"] = float(masked_mean(kl, mask))
-        metrics["entropy"] = float(masked_mean(out["entropy"], mask))
+            metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
+        metrics["entropy"] = float(masked_mean(out["entropy"].detach(), mask))
         return loss, mask, metrics
 
 
@@ -168,7 +164,7 @@ class ValueLoss:
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mask = mb["response_mask"].float()
         loss = value_loss(out["values"], mb[f"{self.prefix}values"], mb[f"{self.prefix}returns"], self.clip)
-        return loss, mask, {"vf_loss": float(masked_mean(loss, mask))}
+        return loss, mask, {"vf_loss": float(masked_mean(loss.detach(), mask))}
 
 
 @dataclass
@@ -181,7 +177,7 @@ class SFTLoss:
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mask = mb["response_mask"].float()
         nll = -out["log_probs"]
-        return self.coef * nll, mask, {"sft_loss": float(masked_mean(nll, mask))}
+        return self.coef * nll, mask, {"sft_loss": float(masked_mean(nll.detach(), mask))}
 
 
 @dataclass

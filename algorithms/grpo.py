@@ -14,8 +14,10 @@ from algorithms.advantages import grpo_step_advantages
 from algorithms.config import GRPOConfig
 from algorithms.core import PolicyLoss
 from algorithms.loop import Algorithm, run_program
-from algorithms.runner import summarize
-from flowactors import Batch
+from algorithms.metrics import summarize
+from algorithms.data import PromptData
+from algorithms.roles import Roles
+from flowactors import Batch, Controller
 
 
 def grpo_tiny_cpu() -> GRPOConfig:
@@ -29,16 +31,15 @@ class GRPO(Algorithm):
         super().__init__(cfg)
         self.policy_loss = PolicyLoss(cfg.clip_ratio, None, cfg.entropy_coef, kl_coef=cfg.kl_coef, kl_estimator="k3")
 
-    def setup(self, ctl, g) -> None:
-        self.ctl, self.actor, self.ref, self.reward = ctl, g["actor"], g["ref"], g["reward"]
+    def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
+        self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
         samples = actor.generate_sequences(prompts)
         batch = ctl.apply(grpo_step_advantages, samples, actor.compute_log_prob(samples),
-                          self.ref.compute_ref_log_prob(samples), self.reward.compute_reward(samples),
-                          mini_batch_samples=cfg.mini_batch_samples, epochs=cfg.ppo_epochs, seed=cfg.seed + i)
-        update = actor.update_actor(batch, self.policy_loss)
+                          self.ref.compute_ref_log_prob(samples), self.reward.compute_reward(samples))
+        update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch)
         self.stage("generate", samples), self.stage("score", batch), self.stage("update", update)
         m = metrics.result()

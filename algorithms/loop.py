@@ -19,7 +19,6 @@ multiplier). `run_program` does the rest:
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -27,16 +26,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 import flowactors as fa
+from algorithms.cli import open_controller, parse_args, user_errors
 from algorithms.config import RLConfig, derived_sizes
-from algorithms.runner import PromptData, build_common, open_controller, parse_args
+from algorithms.data import PromptData
+from algorithms.metrics import MetricsFile, print_summary
+from algorithms.roles import Roles, build_roles, check_before_start
+from algorithms.tasks import get_task
+from engines import UpdateSpec, build_tokenizer
 from flowactors.checkpoint import CheckpointStore, capture_rng, restore_rng
 
 __all__ = ["Algorithm", "run_program"]
-
-log = structlog.get_logger("flowactors.algorithms")
 
 
 class Algorithm:
@@ -52,17 +52,27 @@ class Algorithm:
         self.cfg = cfg
         self.stage: Callable[..., None] = lambda name, *calls: None
 
-    def setup(self, ctl: fa.Controller, groups: dict[str, Any]) -> None:
+    def setup(self, ctl: fa.Controller, roles: Roles, data: PromptData) -> None:
+        """Bind the groups (called again after a recovery rebuilt them) and the prompt data."""
         raise NotImplementedError
 
     def step(self, prompts: fa.Batch, i: int) -> dict[str, float]:
         raise NotImplementedError
+
+    def update_spec(self, i: int) -> UpdateSpec:
+        """How step i's updates walk its samples: `mini_batch_samples` per optimizer step, `ppo_epochs` passes,
+        shuffled by a seed of the step (so a resumed run shuffles as an uninterrupted one)."""
+        return UpdateSpec(self.cfg.mini_batch_samples, epochs=self.cfg.ppo_epochs, shuffle_seed=self.cfg.seed + i)
 
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def summary_notes(self, history: list[dict]) -> dict[str, str]:
+        """Text printed after a metric's line in the end-of-run summary (e.g. a constraint and whether it holds)."""
+        return {}
 
 
 class _Run:
@@ -72,12 +82,14 @@ class _Run:
         self.algo, self.cfg, self.ctl, self.workdir = algo, algo.cfg, ctl, workdir
         self.store = CheckpointStore(self.cfg.checkpoint_dir, keep_last=self.cfg.keep_last) \
             if self.cfg.checkpoint_dir else None
+        self.metrics_file = MetricsFile(self.cfg.metrics_file) if self.cfg.metrics_file else None
         self.history: list[dict] = []
         self.stage_t: dict[str, float] = {}
         self._stage_mark = 0.0
         self.recoveries = 0
-        self.groups: dict[str, Any] = {}
-        self.data: PromptData | None = None
+        self.roles: Roles | None = None
+        self.data = PromptData(get_task(self.cfg.task), build_tokenizer(self.cfg.model), self.cfg.dataset_prompts,
+                               self.cfg.seed)
         self.start = 0
         self.tensorboard = None
         if self.cfg.tensorboard_dir:
@@ -91,22 +103,26 @@ class _Run:
 
     # -- building, saving, loading ---------------------------------------------------------------------------------
     def build(self, resuming: bool) -> None:
-        self.groups = build_common(self.ctl, self.cfg, self.workdir, with_critics=self.algo.critics,
-                                   with_cost=self.algo.with_cost, warm_start=not resuming)
-        self.data = self.groups["data"]
+        t0 = time.perf_counter()
+        self.roles = build_roles(self.ctl, self.cfg, self.data, self.workdir, critics=self.algo.critics,
+                                 with_cost=self.algo.with_cost, warm_start=not resuming)
         if not resuming:
-            dp = self.groups["actor"].layout.dp
+            dp = self.roles.actor.layout.dp
             sizes = ", ".join(f"{k}={v}" for k, v in derived_sizes(self.cfg, dp).items())
-            print(f"[{self.algo.name}] actor data-parallel size {dp}: {sizes}", file=sys.stderr)
+            warm = f"{self.cfg.sft_steps} warm-start steps, " if self.cfg.sft_steps else ""
+            print(f"[{self.algo.name}] {len(self.roles.groups())} roles ({', '.join(self.roles.groups())}) ready: "
+                  f"{warm}{time.perf_counter() - t0:.1f} s; actor data-parallel size {dp}: {sizes}",
+                  file=sys.stderr)
         self.algo.stage = self.stage
-        self.algo.setup(self.ctl, self.groups)
+        self.algo.setup(self.ctl, self.roles, self.data)
 
     def model_groups(self) -> dict[str, fa.ActorGroup]:
-        return {k: g for k, g in self.groups.items()
-                if isinstance(g, fa.ActorGroup) and "save_checkpoint" in g.endpoints}
+        assert self.roles is not None
+        return {k: g for k, g in self.roles.groups().items() if "save_checkpoint" in g.endpoints}
 
-    def save(self, step: int) -> None:
-        assert self.store is not None and self.data is not None
+    def save(self, step: int) -> float:
+        """Save a checkpoint of every model role and the controller's state; returns the seconds it took."""
+        assert self.store is not None
         t0 = time.perf_counter()
         pending = self.store.begin(step)
         try:
@@ -119,10 +135,9 @@ class _Run:
         except BaseException:
             self.store.abort(pending)
             raise
-        self.stage_t["checkpoint_s"] = time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def load(self, ckpt: Any) -> int:
-        assert self.data is not None
         calls = [g.load_checkpoint(str(ckpt.role_dir(name))) for name, g in self.model_groups().items()]
         for c in calls:
             c.result()
@@ -144,9 +159,12 @@ class _Run:
         print(f"[{self.algo.name}] {error}\n[{self.algo.name}] recovering ({self.recoveries}/"
               f"{self.cfg.max_recoveries}): rebuilding groups on live slots", file=sys.stderr)
         self.ctl.recover(wait_s=self.cfg.recovery_wait_s)
+        self.roles = None  # the old groups went with the lost worker's world
         self.build(resuming=True)
         self.start = self.load(self.store.latest_complete())
         self.history = [r for r in self.history if r["step"] < self.start]
+        if self.metrics_file is not None:
+            self.metrics_file.restart_at(self.start)
 
     # -- the loop ----------------------------------------------------------------------------------------------------
     def stage(self, name: str, *calls: fa.CallFuture) -> None:
@@ -164,12 +182,10 @@ class _Run:
         prompts = self.data.next_batch(self.cfg.prompts_per_step, self.cfg.samples_per_prompt)
         t0 = self._stage_mark = time.perf_counter()
         if self.cfg.profile_controller:
-            from distributed import get_task_stream
-
-            with get_task_stream(client=self.ctl.client) as ts:
+            with self.ctl.profile() as profile:
                 metrics = self.algo.step(prompts, i)
                 dt = time.perf_counter() - t0
-            metrics["controller_share"] = 1 - _busy_seconds(ts.data, t0, t0 + dt) / dt
+            metrics["controller_share"] = profile.controller_share
         else:
             metrics = self.algo.step(prompts, i)
             dt = time.perf_counter() - t0
@@ -183,6 +199,8 @@ class _Run:
         ckpt = self.store.resolve(self.cfg.resume) if self.store else None
         if ckpt is not None:
             self.start = self.load(ckpt)
+        if self.metrics_file is not None:
+            self.metrics_file.restart_at(self.start)
         bar = tqdm(total=self.cfg.steps, initial=self.start, desc=self.algo.name, file=sys.stderr,
                    dynamic_ncols=True)
         i = self.start
@@ -191,79 +209,54 @@ class _Run:
                 try:
                     record = self.one_step(i)
                     if self.store and self.cfg.save_every and (i + 1) % self.cfg.save_every == 0:
-                        self.save(i + 1)
+                        record["checkpoint_s"] = self.save(i + 1)
                 except fa.WorkerLostError as e:
                     self.recover(e)
                     i = self.start
                     bar.n = i
                     continue
-                self.history.append(record)
-                scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
-                self.ctl.report_metrics(i, scalars)
-                if self.tensorboard is not None:
-                    for k, v in scalars.items():
-                        self.tensorboard.add_scalar(k, v, i)
+                self.record(record)
                 bar.update(1)
                 bar.set_postfix({k: f"{record[k]:.3f}" for k in self.algo.key_metrics if k in record})
                 i += 1
         finally:
             bar.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        self.write_metrics()
-        print_summary(self.algo.name, self.history, self.algo.key_metrics)
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+        print_summary(self.algo.name, self.history, self.algo.key_metrics, self.algo.summary_notes(self.history))
         return self.history
 
-    def write_metrics(self) -> None:
-        """The metrics file holds one line per step; lines of steps this run redid (after a resume) are replaced."""
-        if not self.cfg.metrics_file:
-            return
-        path = Path(self.cfg.metrics_file)
-        first = self.history[0]["step"] if self.history else float("inf")  # this run's steps are contiguous
-        old = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-        rows = [r for r in old if r["step"] < first] + self.history
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def print_summary(name: str, history: list[dict], keys: Sequence[str]) -> None:
-    if not history:
-        return
-    w = max(1, len(history) // 4)
-    first, last = history[:w], history[-w:]
-    lines = [f"[{name}] {len(history)} steps; mean of the first and last {w} steps:"]
-    for k in keys:
-        if k in history[0]:
-            lines.append(f"  {k:<22} {sum(r[k] for r in first) / w:>9.3f} -> {sum(r[k] for r in last) / w:>9.3f}")
-    tps = sum(r["tokens_per_s"] for r in history) / len(history)
-    lines.append(f"  {'tokens_per_s':<22} {tps:>9.1f}")
-    print("\n".join(lines), file=sys.stderr)
-
-
-def _busy_seconds(tasks: list[dict], start: float, stop: float) -> float:
-    """Seconds within [start, stop] (perf_counter clock) when at least one worker was computing a task."""
-    offset = time.time() - time.perf_counter()  # task stream times are wall-clock
-    spans = sorted((max(s["start"] - offset, start), min(s["stop"] - offset, stop))
-                   for t in tasks for s in t.get("startstops", ()) if s.get("action") == "compute")
-    busy, end = 0.0, start
-    for a, b in spans:
-        if b <= end:
-            continue
-        busy += b - max(a, end)
-        end = b
-    return busy
+    def record(self, record: dict) -> None:
+        """A finished step goes to the history, the dashboard, the metrics file and TensorBoard at once."""
+        self.history.append(record)
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+        self.ctl.report_metrics(record["step"], scalars)
+        if self.metrics_file is not None:
+            self.metrics_file.append(record)
+        if self.tensorboard is not None:
+            for k, v in scalars.items():
+                self.tensorboard.add_scalar(k, v, record["step"])
 
 
 def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv: Sequence[str] | None,
                 description: str) -> list[dict]:
-    """Parse the command line onto the preset, open the cluster, and run the algorithm to the end."""
-    cfg = parse_args(argv, preset, description)
-    fa.configure_logging(cfg.log_format, cfg.log_level)  # before the cluster starts: workers inherit it
-    algo = algo_cls(cfg)
-    with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="flowactors-") as tmp:
-        if ctl.dashboard_link:
-            from flowactors.dashboard import install_dashboard
+    """Parse the command line onto the preset, check it, open the cluster, and run the algorithm to the end.
 
-            page = install_dashboard(ctl.client)
-            print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
-                  file=sys.stderr)
-        return _Run(algo, ctl, Path(tmp)).run()
+    A user's mistake exits with status 2 and one line (algorithms.cli); `--debug` shows the traceback."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    cfg: RLConfig | None = None
+    with user_errors(lambda: "--debug" in args or (cfg is not None and cfg.log_level.lower() == "debug"),
+                     algo_cls.name):
+        cfg = parse_args(args, preset, description)
+        check_before_start(cfg)
+        fa.configure_logging(cfg.log_format, cfg.log_level)  # before the cluster starts: workers inherit it
+        algo = algo_cls(cfg)
+        with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="flowactors-") as tmp:
+            if ctl.dashboard_link:
+                from algorithms.dashboard_style import ROLE_COLORS
+                from flowactors.dashboard import install_dashboard
+
+                page = install_dashboard(ctl.client, metrics=algo.key_metrics, role_colors=ROLE_COLORS)
+                print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
+                      file=sys.stderr)
+            return _Run(algo, ctl, Path(tmp)).run()

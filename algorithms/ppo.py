@@ -19,8 +19,10 @@ from algorithms.config import PPOConfig
 from algorithms.core import AdaptiveKL, FixedKL, PolicyLoss, ValueLoss
 from algorithms.fusion import fused_rollout
 from algorithms.loop import Algorithm, run_program
-from algorithms.runner import summarize
-from flowactors import Batch
+from algorithms.metrics import summarize
+from algorithms.data import PromptData
+from algorithms.roles import Roles
+from flowactors import Batch, Controller
 
 
 def ppo_tiny_cpu() -> PPOConfig:
@@ -38,8 +40,9 @@ class PPO(Algorithm):
             else FixedKL(cfg.kl_coef)
         self.policy_loss = PolicyLoss(cfg.clip_ratio, cfg.dual_clip, cfg.entropy_coef)
 
-    def setup(self, ctl, g) -> None:
-        self.ctl, self.actor, self.ref, self.critic, self.reward = ctl, g["actor"], g["ref"], g["critic"], g["reward"]
+    def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
+        self.ctl, self.actor, self.ref = ctl, roles.actor, roles.ref
+        self.critic, self.reward = roles.critic, roles.reward
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
@@ -54,10 +57,9 @@ class PPO(Algorithm):
                                            self.ref.compute_ref_log_prob(samples), self.critic.compute_values(samples),
                                            self.reward.compute_reward(samples))
         batch = ctl.apply(ppo_advantages, *parts, gamma=cfg.gamma, lam=cfg.lam,
-                          kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
-                          mini_batch_samples=cfg.mini_batch_samples, epochs=cfg.ppo_epochs, seed=cfg.seed + i)
-        critic_update = self.critic.update_critic(batch, ValueLoss(cfg.value_clip))
-        actor_update = actor.update_actor(batch, self.policy_loss)
+                          kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages)
+        critic_update = self.critic.update_critic(batch, ValueLoss(cfg.value_clip), self.update_spec(i))
+        actor_update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch)
         self.last_batch = batch  # the step's scored batch, for tests and benchmarks
         self.stage("generate", *generated)

@@ -13,8 +13,11 @@ from algorithms.advantages import remax_step_advantages
 from algorithms.config import ReMaxConfig
 from algorithms.core import PolicyLoss
 from algorithms.loop import Algorithm, run_program
-from algorithms.runner import summarize
-from flowactors import Batch
+from algorithms.metrics import summarize
+from algorithms.data import PromptData
+from algorithms.roles import Roles
+from engines import GenerationSpec
+from flowactors import Batch, Controller
 
 
 def remax_tiny_cpu() -> ReMaxConfig:
@@ -29,18 +32,17 @@ class ReMax(Algorithm):
         super().__init__(cfg)
         self.policy_loss = PolicyLoss(cfg.clip_ratio, None)
 
-    def setup(self, ctl, g) -> None:
-        self.ctl, self.actor, self.ref, self.reward = ctl, g["actor"], g["ref"], g["reward"]
+    def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
+        self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
         samples = actor.generate_sequences(prompts)
-        greedy = actor.generate_sequences(prompts.with_meta(greedy=True))
+        greedy = actor.generate_sequences(prompts, GenerationSpec(greedy=True))
         batch = ctl.apply(remax_step_advantages, samples, actor.compute_log_prob(samples),
                           self.ref.compute_ref_log_prob(samples), self.reward.compute_reward(samples),
-                          greedy_rewards=self.reward.compute_reward(greedy), kl_coef=cfg.kl_coef,
-                          mini_batch_samples=cfg.mini_batch_samples, epochs=cfg.ppo_epochs, seed=cfg.seed + i)
-        update = actor.update_actor(batch, self.policy_loss)
+                          greedy_rewards=self.reward.compute_reward(greedy), kl_coef=cfg.kl_coef)
+        update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch, ("baseline_rewards",))
         self.stage("generate", samples, greedy), self.stage("score", batch), self.stage("update", update)
         m = metrics.result()

@@ -8,8 +8,9 @@ the paper's code does.
 
 The embedded default: `python algorithms/safe_rlhf.py` trains a tiny model on `digit_sum` (reward: digits summing
 to a target; cost: using the digit 9) on a 2-slot local cluster in about a minute, and visibly trades reward for
-cost. The rule reward and cost stand in for the reward and cost models (`RewardModelWorker` takes their place
-when models are given).
+cost. The rule reward and cost stand in for the paper's learned reward and cost models: `engines` has a
+`RewardModelWorker` (a sequence-score model, as reward or cost model; `benchmarks/fusion.py` builds one), but
+no config field selects it yet, so a program built from the config always scores with the task's rules.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from algorithms.config import SafeRLHFConfig
 from algorithms.core import LagrangeMultiplier, PolicyLoss, SFTLoss, ValueLoss
 from algorithms.fusion import fused_rollout
 from algorithms.loop import Algorithm, run_program
-from algorithms.runner import summarize
-from flowactors import Batch
+from algorithms.metrics import summarize
+from algorithms.data import PromptData
+from algorithms.roles import Roles
+from engines import UpdateSpec
+from flowactors import Batch, Controller
 
 
 def safe_rlhf_tiny_cpu() -> SafeRLHFConfig:
@@ -61,10 +65,10 @@ class SafeRLHF(Algorithm):
         self.lagrange = LagrangeMultiplier(cfg.cost_threshold, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max)
         self.policy_loss = PolicyLoss(cfg.clip_ratio, cfg.dual_clip, cfg.entropy_coef)
 
-    def setup(self, ctl, g) -> None:
-        self.ctl, self.g = ctl, g
-        self.actor, self.ref, self.reward, self.cost = g["actor"], g["ref"], g["reward"], g["cost"]
-        self.critic, self.cost_critic = g["critic"], g["cost_critic"]
+    def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
+        self.ctl, self.data = ctl, data
+        self.actor, self.ref, self.reward, self.cost = roles.actor, roles.ref, roles.reward, roles.cost
+        self.critic, self.cost_critic = roles.critic, roles.cost_critic
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
@@ -77,14 +81,14 @@ class SafeRLHF(Algorithm):
             samples = actor.generate_sequences(prompts)
             generated, parts = [samples], (samples, *(score(samples) for score in scorers))
         batch = ctl.apply(safe_rlhf_advantages, *parts, lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
-                          lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-                          mini_batch_samples=cfg.mini_batch_samples, epochs=cfg.ppo_epochs, seed=cfg.seed + i)
-        updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip)),
-                   self.cost_critic.update_critic(batch, ValueLoss(cfg.value_clip, prefix="cost_")),
-                   actor.update_actor(batch, self.policy_loss)]
+                          lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
+        spec = self.update_spec(i)
+        updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip), spec),
+                   self.cost_critic.update_critic(batch, ValueLoss(cfg.value_clip, prefix="cost_"), spec),
+                   actor.update_actor(batch, self.policy_loss, spec)]
         if cfg.ptx_coef:
-            ptx = self.g["data"].sft_batch(cfg.mini_batch_samples, self.g["task"].max_new_tokens, cfg.seed + 100 + i)
-            updates.append(actor.update_actor(ptx.with_meta(mini_batch_samples=len(ptx)), SFTLoss(cfg.ptx_coef)))
+            ptx = self.data.sft_batch(cfg.mini_batch_samples, self.data.task.max_new_tokens, cfg.seed + 100 + i)
+            updates.append(actor.update_actor(ptx, SFTLoss(cfg.ptx_coef), UpdateSpec(len(ptx))))
         metrics = ctl.apply(summarize, batch)
         self.stage("generate", *generated), self.stage("score", batch), self.stage("update", *updates)
         m = metrics.result()
@@ -95,6 +99,15 @@ class SafeRLHF(Algorithm):
 
     def state_dict(self) -> dict:
         return {"lagrange": self.lagrange.state_dict()}
+
+    def summary_notes(self, history: list[dict]) -> dict[str, str]:
+        """The constraint next to cost_mean: its threshold and whether the last quarter of the run meets it."""
+        if not history or "cost_mean" not in history[0]:
+            return {}
+        last = history[-max(1, len(history) // 4):]
+        cost = sum(r["cost_mean"] for r in last) / len(last)
+        held = "holds" if cost <= self.cfg.cost_threshold else "violated"
+        return {"cost_mean": f"(threshold {self.cfg.cost_threshold:g}: constraint {held} at the end)"}
 
     def load_state_dict(self, state: dict) -> None:
         self.lagrange.load_state_dict(state["lagrange"])

@@ -52,7 +52,8 @@ import torch  # noqa: E402
 import flowactors as fa  # noqa: E402
 from algorithms.config import PPOConfig  # noqa: E402
 from algorithms.ppo import PPO  # noqa: E402
-from algorithms.runner import PromptData  # noqa: E402
+from algorithms.data import PromptData  # noqa: E402
+from algorithms.roles import Roles  # noqa: E402
 from algorithms.tasks import get_task  # noqa: E402
 from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RewardModelWorker,  # noqa: E402
                      SamplingConfig, build_tokenizer)
@@ -95,7 +96,7 @@ class Workload:
         return (self.min_tokens * (1 - u) ** (-1 / self.pareto_alpha)).long().clamp(1, self.max_new_tokens)
 
 
-def build(ctl: fa.Controller, w: Workload) -> dict:
+def build(ctl: fa.Controller, w: Workload) -> Roles:
     actor_slot, scorer_slot = ctl.slots[:1], ctl.slots[1:2]
     optim = OptimConfig(lr=1e-5, micro_batch_tokens=4096)
     sampling = SamplingConfig(max_new_tokens=w.max_new_tokens, ignore_eos=True, evict_finished=w.evict_finished)
@@ -103,10 +104,10 @@ def build(ctl: fa.Controller, w: Workload) -> dict:
     def group(role: str, cls: type, slots: list[str], *args) -> fa.ActorGroup:
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=Layout(dp=1), args=args)
 
-    return {"actor": group("actor", ActorWorker, actor_slot, w.model, optim, sampling),
-            "ref": group("ref", RefWorker, scorer_slot, w.model),
-            "critic": group("critic", CriticWorker, scorer_slot, w.model, optim),
-            "reward": group("reward", RewardModelWorker, scorer_slot, w.reward_model)}
+    return Roles(actor=group("actor", ActorWorker, actor_slot, w.model, optim, sampling),
+                 ref=group("ref", RefWorker, scorer_slot, w.model),
+                 critic=group("critic", CriticWorker, scorer_slot, w.model, optim),
+                 reward=group("reward", RewardModelWorker, scorer_slot, w.reward_model))
 
 
 class _Mode:
@@ -119,8 +120,8 @@ class _Mode:
         cfg = PPOConfig(prompts_per_step=w.prompts, mini_batch_samples=w.prompts, micro_batch_tokens=4096,
                         fuse=fuse, fuse_chunk_samples=w.chunk_samples, dashboard="none")
         self.algo = PPO(cfg)
-        self.algo.setup(self.ctl, build(self.ctl, w))
         self.data = PromptData(get_task("digits"), build_tokenizer(w.model), 256, seed=0)
+        self.algo.setup(self.ctl, build(self.ctl, w), self.data)
         self.step_s: list[float] = []
         self.tokens: list[float] = []
         self.digest = hashlib.sha256()

@@ -30,7 +30,7 @@ def _weights(folder) -> dict[str, torch.Tensor]:
 def test_safe_rlhf_smollm2_preset_runs_two_steps_and_moves_the_actor(tmp_path):
     from algorithms.config import apply_overrides
     from algorithms.loop import _Run
-    from algorithms.runner import open_controller
+    from algorithms.cli import open_controller
     from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2
     from engines import ModelConfig, build_model
     from engines.pretrained import smollm2_dir
@@ -43,8 +43,8 @@ def test_safe_rlhf_smollm2_preset_runs_two_steps_and_moves_the_actor(tmp_path):
     with open_controller(cfg) as ctl:
         run = _Run(SafeRLHF(cfg), ctl, tmp_path)
         history = run.run()
-        after = run.groups["actor"].export_hf(str(tmp_path / "after")).result()
-        ref_digest = run.groups["ref"].parameter_digest().result()
+        after = run.roles.actor.export_hf(str(tmp_path / "after")).result()
+        ref_digest = run.roles.ref.parameter_digest().result()
     assert [r["step"] for r in history] == [0, 1]
     for r in history:
         for key in ("reward_mean", "cost_mean", "lagrange_lambda", "kl", "entropy", "actor/grad_norm",

@@ -15,7 +15,8 @@ from algorithms.config import PPOConfig
 from algorithms.fusion import fused_rollout
 from algorithms.ppo import PPO
 from algorithms.advantages import join
-from algorithms.runner import PromptData
+from algorithms.data import PromptData
+from algorithms.roles import Roles
 from algorithms.tasks import get_task
 from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RuleRewardWorker, SamplingConfig,
                      build_tokenizer)
@@ -71,10 +72,10 @@ def close(g):
         x.close()
 
 
-def ppo(ctl, g, fuse):
+def ppo(ctl, g, fuse, data):
     algo = PPO(PPOConfig(prompts_per_step=N, mini_batch_samples=8, ppo_epochs=2, fuse=fuse, fuse_chunk_samples=3,
                          dashboard="none"))
-    algo.setup(ctl, g)
+    algo.setup(ctl, Roles(**g), data)
     return algo
 
 
@@ -105,7 +106,7 @@ def test_fused_steps_give_the_unfused_batches_and_updates(ctl, data):
 
     def build(fuse):
         g = groups(ctl, f"fuse{int(fuse)}", actor_slots=ctl.slots[:1], scorer_slots=ctl.slots[1:])
-        return g, ppo(ctl, g, fuse)
+        return g, ppo(ctl, g, fuse, data)
 
     assert_fused_equals_unfused(prompts, build, ("actor", "critic"))
 
@@ -153,7 +154,7 @@ def test_failed_chunk_scoring_fails_the_step_by_name(ctl, data):
 
     g = groups(ctl, "bad", actor_slots=ctl.slots[:1], scorer_slots=ctl.slots[1:], reward=failing)
     try:
-        algo = ppo(ctl, g, True)
+        algo = ppo(ctl, g, True, data)
         with pytest.raises(fa.RemoteError, match="reward model cannot score row 6") as err:
             algo.step(long_tail(data.next_batch(N, 1)), 0)
         assert (err.value.group, err.value.method) == ("reward_bad", "compute_reward")
@@ -198,7 +199,7 @@ def test_safe_rlhf_fused_steps_give_the_unfused_metrics_and_updates(ctl, data):
                                   args=(TASK.cost, MODEL))
         algo = SafeRLHF(SafeRLHFConfig(prompts_per_step=N, mini_batch_samples=8, fuse=fuse, fuse_chunk_samples=3,
                                        dashboard="none"))
-        algo.setup(ctl, g)
+        algo.setup(ctl, Roles(**g), data)
         return g, algo
 
     runs = assert_fused_equals_unfused(prompts, build, ("actor", "critic", "cost_critic"))
@@ -224,7 +225,7 @@ def test_hybrid_actor_streams_split_rows_and_matches_unfused(ctl, data):
                                      args=(TASK.reward, model))}
         algo = PPO(PPOConfig(prompts_per_step=N, mini_batch_samples=8, ppo_epochs=2, fuse=fuse,
                              fuse_chunk_samples=4, dashboard="none"))  # 4 = 2 rows from each replica
-        algo.setup(ctl, g)
+        algo.setup(ctl, Roles(**g), data)
         return g, algo
 
     assert_fused_equals_unfused(prompts, build, ("actor", "critic"))

@@ -1,0 +1,115 @@
+"""The command line of every algorithm program: flags, `key=value` settings, and what a mistake looks like.
+
+`--help` lists every setting with its current (preset) value and the docstring written under its field, read from
+the config dataclasses themselves (nested ones as `model.hidden_size`), so the help cannot drift from the code.
+A user's mistake (a bad setting or value, sizes that do not divide, a missing file, no scheduler at `--address`, no
+slots) prints one `error:` line and exits with status 2; `--debug` (or `log_level=debug`) shows the traceback.
+Failures of the run itself (a remote exception, a hang) keep their full report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import shutil
+import sys
+import textwrap
+from collections.abc import Callable, Iterator, Sequence
+
+import flowactors as fa
+from algorithms.config import ConfigError, RLConfig, apply_overrides, describe_settings
+from flowactors import Controller
+
+__all__ = ["parse_args", "settings_help", "user_errors", "open_controller", "USER_ERRORS", "EXIT_USAGE"]
+
+EXIT_USAGE = 2
+"""Exit status of a user's mistake (argparse's too)."""
+
+_FLAGS = ("steps", "address", "cluster", "metrics_file", "placement", "seed", "plan", "checkpoint_dir",
+          "save_every", "resume")
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from flowactors.checkpoint import CheckpointError
+    from flowactors.slurm import SlurmStartupError
+    from placement.plan import PlanError
+
+    return (ConfigError, PlanError, fa.PlacementError, fa.SchedulerUnreachableError, CheckpointError,
+            SlurmStartupError, FileNotFoundError)
+
+
+USER_ERRORS = _user_error_types()
+"""What a user's input causes: reported as one line, not a traceback."""
+
+
+def settings_help(cfg: RLConfig, width: int | None = None) -> str:
+    """Every `key=value` setting of `cfg`: key=default, then its doc, wrapped to the terminal."""
+    width = width or min(120, shutil.get_terminal_size((100, 20)).columns)
+    rows = describe_settings(cfg)
+    key_w = min(38, max(len(f"{k}={v}") for k, v, _ in rows) + 2)
+    lines = ["settings (key=value, anywhere on the line; nested with dots; the preset's values shown):"]
+    for key, value, doc in rows:
+        head = f"  {key}={value}"
+        body = textwrap.wrap(doc, max(30, width - key_w - 2)) or [""]
+        if len(head) + 2 > key_w:
+            lines.append(head)
+            lines += [" " * key_w + b for b in body]
+        else:
+            lines.append(head.ljust(key_w) + body[0])
+            lines += [" " * key_w + b for b in body[1:]]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], description: str) -> RLConfig:
+    """`--steps N --address A --metrics-file F ...` plus `key=value` overrides onto the preset's dataclass.
+
+    Raises ConfigError for a bad setting; argparse itself exits with status 2 on unknown flags."""
+    cfg = preset()
+    p = argparse.ArgumentParser(description=description, epilog=settings_help(cfg),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings, listed below (e.g. steps=10)")
+    p.add_argument("--steps", type=int, help="RL steps (= steps=N)")
+    p.add_argument("--address", help="Dask scheduler address (tcp://host:8786); default: embedded cluster")
+    p.add_argument("--metrics-file", help="write one JSON object per step to this file")
+    p.add_argument("--cluster", choices=["local", "slurm"], help="without --address: embedded (local) or Slurm jobs")
+    p.add_argument("--placement", choices=["colocated", "split"])
+    p.add_argument("--plan", help="placement plan file (JSON/YAML) from python -m placement.automap --json")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--checkpoint-dir", help="where checkpoints go (atomic, checksummed)")
+    p.add_argument("--save-every", type=int, help="save a checkpoint every K steps")
+    p.add_argument("--resume", help="auto (newest complete checkpoint), never, or a checkpoint path")
+    p.add_argument("--debug", action="store_true", help="log every call and show tracebacks (= log_level=debug)")
+    args = p.parse_intermixed_args(argv)
+    for name in _FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            setattr(cfg, name, value)
+    overrides = list(args.overrides) + (["log_level=debug"] if args.debug else [])
+    return apply_overrides(cfg, overrides)
+
+
+@contextlib.contextmanager
+def user_errors(debug: Callable[[], bool], program: str) -> Iterator[None]:
+    """Turn a user's mistake into `error: ...` on stderr and exit status 2, unless `debug()` asks for the
+    traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        if debug():
+            raise
+        print(f"{program}: error: {e}\n(--debug shows where it was raised)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def open_controller(cfg: RLConfig) -> Controller:
+    """The cluster the settings name: a scheduler at `address`, Slurm jobs, or the embedded local cluster."""
+    if cfg.address:
+        return Controller.connect(cfg.address, call_timeout_s=cfg.call_timeout_s)
+    if cfg.cluster == "slurm":
+        from flowactors.slurm import open_slurm
+
+        # the scheduler runs in this process, like the embedded cluster's: one dashboard setting for both
+        return open_slurm(dataclasses.replace(cfg.slurm, dashboard_address=cfg.dashboard),
+                          call_timeout_s=cfg.call_timeout_s)
+    return Controller.local(cfg.n_slots, dashboard=cfg.dashboard, call_timeout_s=cfg.call_timeout_s)

@@ -1,0 +1,75 @@
+"""Step metrics: computed next to the data, written as each step ends, summarised when the run ends.
+
+`summarize` runs as a Dask task beside the scored batch, so only a small dict reaches the controller.
+`MetricsFile` appends one JSON line per finished step (a run stopped by Ctrl-C, a failure or a lost worker keeps
+the steps it finished); a resumed run first drops the lines of the steps it is about to redo, so the file always
+holds one line per step. `print_summary` compares the first and last quarter of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from algorithms.core import masked_mean
+from flowactors import Batch
+
+__all__ = ["summarize", "MetricsFile", "print_summary"]
+
+
+def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
+    """Per-step metrics, computed next to the data; only this small dict reaches the controller."""
+    mask = batch["response_mask"].float()
+    out = {
+        "reward_mean": float(batch["rewards"].float().mean()),
+        "response_length_mean": float(mask.sum(-1).mean()),
+        "prompt_tokens": float(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum()),
+        "response_tokens": float(mask.sum()),
+    }
+    if "entropy" in batch:
+        out["entropy"] = float(masked_mean(batch["entropy"], mask))
+    if "ref_log_probs" in batch:
+        out["kl"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
+    if "costs" in batch:
+        out["cost_mean"] = float(batch["costs"].float().mean())
+    for k in extra_keys:
+        if k in batch:
+            out[k] = float(batch[k].float().mean())
+    return out
+
+
+class MetricsFile:
+    """A JSONL file with one object per step, written as steps finish."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def restart_at(self, step: int) -> None:
+        """Keep the lines of steps before `step` (an earlier run's, before a resume) and drop the rest."""
+        old = [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()] if self.path.exists() else []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in old if r["step"] < step))
+
+    def append(self, record: Mapping) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(dict(record)) + "\n")
+
+
+def print_summary(name: str, history: list[dict], keys: Sequence[str],
+                  notes: Mapping[str, str] | None = None) -> None:
+    """The mean of `keys` over the first and the last quarter of the steps; `notes` adds text after a key's line
+    (e.g. Safe-RLHF's cost threshold next to cost_mean)."""
+    if not history:
+        return
+    notes = notes or {}
+    w = max(1, len(history) // 4)
+    first, last = history[:w], history[-w:]
+    lines = [f"[{name}] {len(history)} steps; mean of the first and last {w} steps:"]
+    for k in keys:
+        if k in history[0]:
+            line = f"  {k:<22} {sum(r[k] for r in first) / w:>9.3f} -> {sum(r[k] for r in last) / w:>9.3f}"
+            lines.append(f"{line}   {notes[k]}" if k in notes else line)
+    tps = sum(r["tokens_per_s"] for r in history) / len(history)
+    lines.append(f"  {'tokens_per_s':<22} {tps:>9.1f}")
+    print("\n".join(lines), file=sys.stderr)

@@ -1,0 +1,224 @@
+"""The model roles of a program, where they run, and how they start.
+
+- `Roles`: the groups a program uses, typed (actor, reference, reward; critics and cost where the algorithm has
+  them), so a program reads `roles.critic`, not `groups["critic"]`.
+- `check_before_start`: everything a configuration can get wrong that is knowable without a cluster (plan file and
+  its sizes, pipeline stages on an engine without them, batch sizes over each role's data-parallel size, model
+  folder, output paths), so a mistake fails in a second, not after workers have started.
+- `place`: colocated (every model on every slot, time-shared), split (actor + reference on one half of the slots,
+  critics + reward + cost on the other, running concurrently), or a placement plan with (p, t, d) per model.
+- `build_roles` and `run_warm_start`: the groups, after a supervised warm start of the actor whose Hugging Face
+  export the reference and the critics start from (SFT → RLHF, as real pipelines do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import flowactors as fa
+from algorithms.config import ConfigError, PPOConfig, RLConfig, derived_sizes
+from algorithms.core import SFTLoss
+from algorithms.data import PromptData
+from algorithms.tasks import Task
+from engines import ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
+from flowactors import Controller, Layout
+
+__all__ = ["Roles", "Pools", "check_before_start", "place", "rollout_tp", "build_roles", "run_warm_start"]
+
+_SCORERS = ("critic", "cost_critic", "reward", "cost")
+
+
+@dataclass
+class Roles:
+    """The model groups of one program; roles the algorithm does not use are None."""
+
+    actor: fa.ActorGroup
+    """Generates and trains (hybrid)."""
+    ref: fa.ActorGroup
+    """The frozen reference policy (KL)."""
+    reward: fa.ActorGroup
+    """Scores responses (a rule reward for the synthetic tasks)."""
+    critic: fa.ActorGroup | None = None
+    """Value model of the reward (PPO, Safe-RLHF)."""
+    cost_critic: fa.ActorGroup | None = None
+    """Value model of the cost (Safe-RLHF)."""
+    cost: fa.ActorGroup | None = None
+    """Scores each response's cost (Safe-RLHF)."""
+
+    def groups(self) -> dict[str, fa.ActorGroup]:
+        """The present roles by name, in declaration order."""
+        return {f.name: g for f in fields(self) if (g := getattr(self, f.name)) is not None}
+
+    def close(self) -> None:
+        for g in self.groups().values():
+            g.close()
+
+
+@dataclass
+class Pools:
+    """Where each role runs: its slots and its layout (pp, dp, tp)."""
+
+    roles: dict[str, tuple[list[str], Layout]]
+
+    def __getitem__(self, role: str) -> tuple[list[str], Layout]:
+        return self.roles[role]
+
+
+# -- checks before the cluster starts -----------------------------------------------------------------------------
+
+def check_before_start(cfg: RLConfig) -> None:
+    """Raise ConfigError (or the plan's PlanError) for what is wrong in `cfg` before any worker starts."""
+    for role, dp in _planned_dp(cfg).items():
+        try:
+            derived_sizes(cfg, dp)
+        except ConfigError as e:
+            raise ConfigError(f"{role}: {e}") from None
+    rollout_tp(cfg)  # the plan's generation sizes
+    if cfg.model.path is not None:
+        from engines import check_model_dir
+
+        try:
+            check_model_dir(cfg.model.path)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"model.path: {e}") from None
+    for name in ("metrics_file", "tensorboard_dir"):
+        value = getattr(cfg, name)
+        if value and not Path(value).resolve().parent.is_dir():
+            raise ConfigError(f"{name}={value}: the directory {Path(value).resolve().parent} does not exist; "
+                              f"create it or choose another path")
+    if cfg.resume not in ("auto", "never") and not cfg.checkpoint_dir:
+        raise ConfigError(f"resume={cfg.resume} needs a checkpoint_dir (--checkpoint-dir D) to save into as the run "
+                          f"goes on; pass the directory that holds it")
+
+
+def _load_plan(cfg: RLConfig):  # noqa: ANN202 - placement.Plan, imported lazily
+    from placement import Plan
+
+    if not Path(cfg.plan).is_file():
+        raise ConfigError(f"plan file {cfg.plan} does not exist; write one with python -m placement.automap "
+                          f"--algorithm ALGO --size 7b --gpus N --json > plan.json")
+    plan = Plan.load(cfg.plan)
+    if cfg.model.engine == "torch":
+        piped = [f"{m.role} (p={m.train[0]})" for m in plan.models if m.train[0] > 1]
+        if piped:
+            raise ConfigError(f"the plan gives pipeline stages to {', '.join(piped)}, but the torch engine has no "
+                              f"pipeline parallelism; give those models train [1, t, d] in the plan"
+                              f" (same p·t·d), or train on model.engine=megatron")
+    return plan
+
+
+def _planned_dp(cfg: RLConfig) -> dict[str, int]:
+    """Each role's data-parallel size where it is known before connecting: a plan's, or the embedded cluster's."""
+    if cfg.plan:
+        return {m.role: m.train[2] for m in _load_plan(cfg).models}
+    if cfg.address is not None or cfg.cluster != "local":
+        return {}  # known once the cluster's slots are (place() checks then)
+    if cfg.placement == "split":
+        half = cfg.n_slots // 2
+        return {"actor": half, "critic": cfg.n_slots - half}
+    return {"actor": cfg.n_slots}
+
+
+def rollout_tp(cfg: RLConfig) -> int | None:
+    """The actor's generation TP size under the 3D-HybridEngine: a plan's actor "generate" sizes, else
+    cfg.rollout_tp; None when off."""
+    if cfg.plan:
+        actor = next(m for m in _load_plan(cfg).models if m.role == "actor")
+        if actor.generate is not None:
+            p_g, t_g = actor.generate
+            if p_g != 1:
+                raise ConfigError(f"the plan generates the actor over p_g={p_g} pipeline stages; the transformers "
+                                  f"generation engine has none: plan generate [1, t_g]")
+            return t_g
+    return cfg.rollout_tp or None
+
+
+# -- placement ------------------------------------------------------------------------------------------------------
+
+def place(ctl: Controller, cfg: RLConfig) -> Pools:
+    """Colocated, split, or a placement plan (which also fixes each model's parallel sizes); each role's batch
+    sizes are checked against its data-parallel size."""
+    slots = ctl.slots[:cfg.n_slots] if cfg.address is None and cfg.cluster == "local" else ctl.slots
+    if not slots:
+        raise fa.PlacementError("the cluster has no device slots; start workers with --nthreads 1 --resources slot=1")
+    if cfg.plan:
+        from placement import pools_for_plan, validate
+
+        plan = _load_plan(cfg)
+        validate(plan, len(slots))
+        pools = pools_for_plan(plan, slots)
+        out = {}
+        for m in plan.models:
+            p, t, d = m.train
+            out[m.role] = (list(pools[plan.pool_of(m.role)].addresses)[:m.gpus], Layout(pp=p, dp=d, tp=t))
+        scorer = next((out[r] for r in _SCORERS if r in out), out["actor"])
+        for role in ("ref", *_SCORERS):
+            out.setdefault(role, scorer if role != "ref" else out["actor"])
+        result = Pools(out)
+    else:
+        actor_side = scorer_side = list(slots)
+        if cfg.placement == "split":
+            half = len(slots) // 2
+            actor_side, scorer_side = list(slots[:half]), list(slots[half:])
+        a, s = (actor_side, Layout(dp=len(actor_side))), (scorer_side, Layout(dp=len(scorer_side)))
+        result = Pools({"actor": a, "ref": a, **{r: s for r in _SCORERS}})
+    for role, (_, layout) in result.roles.items():
+        try:
+            derived_sizes(cfg, layout.dp)
+        except ConfigError as e:
+            raise ConfigError(f"{role}: {e}") from None
+    return result
+
+
+# -- building -------------------------------------------------------------------------------------------------------
+
+def actor_optim(cfg: RLConfig) -> OptimConfig:
+    return OptimConfig(lr=cfg.actor_lr, micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=1.0)
+
+
+def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=cfg.max_new_tokens or task.max_new_tokens, temperature=cfg.temperature,
+                          ignore_eos=cfg.ignore_eos)
+
+
+def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, export_dir: Path) -> ModelConfig:
+    """SFT on the task's demonstrations, then export; returns the config that loads the SFT model."""
+    if cfg.sft_steps:
+        response_tokens = cfg.max_new_tokens or data.task.max_new_tokens
+        batch = data.sft_batch(cfg.sft_steps * cfg.sft_samples_per_step, response_tokens, cfg.seed + 17)
+        spec = UpdateSpec(cfg.sft_samples_per_step, epochs=1, shuffle_seed=cfg.seed, lr=cfg.sft_lr)
+        actor.update_actor(batch, SFTLoss(), spec).result()
+    path = actor.export_hf(str(export_dir / "sft")).result()
+    return ModelConfig(path=path, dtype=cfg.model.dtype)
+
+
+def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path, *, critics: Sequence[str] = (),
+                with_cost: bool = False, warm_start: bool = True) -> Roles:
+    """Actor, reference, the named critics and the rule reward (and cost) on the configured placement.
+
+    With `warm_start`, the actor is fine-tuned on demonstrations first and the reference and critics start from
+    its export; without (resuming), every model starts from `cfg.model` and is then loaded from a checkpoint."""
+    from engines import ActorWorker, CriticWorker, RefWorker, RuleRewardWorker
+
+    task = data.task
+    if with_cost and task.cost is None:
+        raise ConfigError(f"task {task.name!r} defines no cost; Safe-RLHF needs a task with a cost (digit_sum)")
+    if critics and not isinstance(cfg, PPOConfig):
+        raise TypeError(f"critics need a PPOConfig (critic_lr, value_clip); got {type(cfg).__name__}")
+    pools = place(ctl, cfg)
+
+    def group(role: str, cls: type, *args: object) -> fa.ActorGroup:
+        slots, layout = pools[role]
+        return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
+
+    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), rollout_tp(cfg))
+    sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
+    ref = group("ref", RefWorker, sft, cfg.temperature)
+    built = {key: group(key, CriticWorker, sft, OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens),
+                        "values" if key == "critic" else "cost_values") for key in critics}
+    reward = group("reward", RuleRewardWorker, task.reward, cfg.model)
+    if with_cost:
+        built["cost"] = group("cost", RuleRewardWorker, task.cost, cfg.model)
+    return Roles(actor=actor, ref=ref, reward=reward, **built)
