@@ -51,7 +51,8 @@ def settings_help(cfg: RLConfig, width: int | None = None) -> str:
     lines = ["settings (key=value, anywhere on the line; nested with dots; the preset's values shown):"]
     for key, value, doc in rows:
         head = f"  {key}={value}"
-        body = textwrap.wrap(doc, max(30, width - key_w - 2)) or [""]
+        body = textwrap.wrap(doc, max(30, width - key_w - 2), break_on_hyphens=False,
+                             break_long_words=False) or [""]
         if len(head) + 2 > key_w:
             lines.append(head)
             lines += [" " * key_w + b for b in body]

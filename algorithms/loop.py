@@ -245,8 +245,8 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
     A user's mistake exits with status 2 and one line (algorithms.cli); `--debug` shows the traceback."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg: RLConfig | None = None
-    with user_errors(lambda: "--debug" in args or (cfg is not None and cfg.log_level.lower() == "debug"),
-                     algo_cls.name):
+    with user_errors(lambda: bool({"--debug", "log_level=debug"} & set(args))
+                     or (cfg is not None and cfg.log_level.lower() == "debug"), algo_cls.name):
         cfg = parse_args(args, preset, description)
         check_before_start(cfg)
         fa.configure_logging(cfg.log_format, cfg.log_level)  # before the cluster starts: workers inherit it

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["FlowactorsError", "RemoteError", "WorkerLostError", "EndpointError", "PlacementError", "HangError"]
+__all__ = ["FlowactorsError", "RemoteError", "WorkerLostError", "EndpointError", "PlacementError", "HangError",
+           "SchedulerUnreachableError"]
 
 
 class FlowactorsError(RuntimeError):
@@ -58,3 +59,7 @@ class HangError(FlowactorsError, TimeoutError):
 
     def __reduce__(self) -> tuple:
         return (HangError, (self.call, self.timeout_s, self.report))
+
+
+class SchedulerUnreachableError(FlowactorsError, ConnectionError):
+    """No Dask scheduler answered at the address given; the message says what is there and what to start."""

@@ -1,0 +1,196 @@
+"""The command line of the algorithm programs: --help from the config dataclasses, and what a mistake looks like.
+
+User errors must fail before any worker starts: `Controller.local` and `Controller.connect` are replaced by a
+function that fails the test, so a check that ran too late shows up as that failure, not as a slow pass.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import flowactors as fa
+from algorithms.config import (ConfigError, GRPOConfig, PPOConfig, ReMaxConfig, RLConfig, SafeRLHFConfig,
+                               apply_overrides, describe_settings)
+from algorithms.metrics import MetricsFile, print_summary
+from algorithms.safe_rlhf import SafeRLHF
+from algorithms.safe_rlhf import main as safe_rlhf
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("the cluster was started before the configuration was checked")
+
+    monkeypatch.setattr(fa.Controller, "local", started)
+    monkeypatch.setattr(fa.Controller, "__init__", started)
+
+
+@pytest.mark.parametrize("cls", [RLConfig, PPOConfig, SafeRLHFConfig, GRPOConfig, ReMaxConfig])
+def test_every_setting_is_documented_where_it_is_declared(cls):
+    undocumented = [key for key, _, doc in describe_settings(cls()) if not doc]
+    assert undocumented == []
+
+
+def test_help_lists_every_setting_with_its_default_and_doc(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        safe_rlhf(["--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # undo the wrapping
+    rows = describe_settings(SafeRLHFConfig())
+    assert {k for k, _, _ in rows} >= {"steps", "cost_threshold", "model.hidden_size", "slurm.partition"}
+    for key, value, doc in rows:
+        assert f"{key}={value}" in out
+        assert " ".join(doc.split()[:6]) in out, key
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        safe_rlhf(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert lines[0].startswith("safe_rlhf: error: ") and len(lines) == 2, err
+    return lines[0]
+
+
+def _plan(tmp_path, actor_train) -> str:
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"placement": [["actor", "ref", "critic", "reward"]],
+                                "gpus": {"actor": 2, "ref": 2, "critic": 2, "reward": 2},
+                                "parallel": {"actor": {"train": actor_train}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["prompt_per_step=8"], r"unknown setting 'prompt_per_step'; did you mean prompts_per_step\?"),
+    (["model.hidden_sise=8"], r"did you mean model.hidden_size\?"),
+    (["steps=ten"], r"bad value for steps: invalid literal for int\(\) with base 10: 'ten'"),
+    (["fuse=maybe"], r"bad value for fuse: expected a boolean, got 'maybe'"),
+    (["n_slots=3"], r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3; use a multiple of 3"),
+    (["--placement", "split", "n_slots=6"],
+     r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3"),
+    (["model.num_heads=3"], r"ModelConfig.hidden_size \(64\) must be divisible by num_heads \(3\)"),
+    (["model.path=/no/such/model"], r"model.path: model folder /no/such/model does not exist"),
+    (["--plan", "/no/such/plan.json"], r"plan file /no/such/plan.json does not exist"),
+    (["--metrics-file", "/no/such/dir/m.jsonl"], r"the directory /no/such/dir does not exist"),
+    (["--resume", "/some/ckpt"], r"resume=/some/ckpt needs a checkpoint_dir"),
+    (["log_level=loud"], r"log_level must be debug, info, warning or error"),
+])
+def test_a_user_error_is_one_line_and_status_2_before_the_cluster_starts(capsys, no_cluster, argv, message):
+    import re
+
+    assert re.search(message, _error(capsys, argv))
+
+
+def test_a_plan_with_pipeline_stages_on_the_torch_engine_fails_before_any_worker(capsys, no_cluster, tmp_path):
+    line = _error(capsys, ["--plan", _plan(tmp_path, [2, 1, 1])])
+    assert "pipeline stages to actor (p=2)" in line and "torch engine has no pipeline parallelism" in line
+
+
+def test_a_plan_whose_data_parallel_size_does_not_divide_fails_before_any_worker(capsys, no_cluster, tmp_path):
+    line = _error(capsys, ["--plan", _plan(tmp_path, [1, 1, 2]), "prompts_per_step=5", "mini_batch_samples=5"])
+    assert "mini_batch_samples=5 cannot be split over data-parallel size 2" in line
+
+
+def test_debug_shows_the_traceback(no_cluster):
+    with pytest.raises(ConfigError, match="did you mean prompts_per_step"):
+        safe_rlhf(["prompt_per_step=8", "--debug"])
+    with pytest.raises(ConfigError, match="did you mean prompts_per_step"):
+        safe_rlhf(["prompt_per_step=8", "log_level=debug"])
+
+
+def _listener(accept: bool) -> tuple[socket.socket, str]:
+    """A TCP port on 127.0.0.1: accepting connections and never answering (not a Dask scheduler), or closed."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    if not accept:
+        sock.close()
+        return sock, f"tcp://127.0.0.1:{port}"
+    sock.listen(8)
+    held = []
+
+    def serve():
+        while True:
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, f"tcp://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("accept, message", [(False, "Connection refused"),
+                                             (True, "accepts connections but did not answer as a Dask scheduler")])
+def test_a_dead_address_fails_within_5_s_saying_why(capsys, accept, message):
+    sock, address = _listener(accept)
+    try:
+        t0 = time.perf_counter()
+        line = _error(capsys, ["--address", address])
+        elapsed = time.perf_counter() - t0
+    finally:
+        sock.close()
+    assert message in line and "dask scheduler" in line
+    assert elapsed < 5.0
+
+
+def test_the_program_itself_exits_2_without_a_traceback():
+    proc = subprocess.run([sys.executable, "algorithms/safe_rlhf.py", "prompt_per_step=8"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("safe_rlhf: error: unknown setting 'prompt_per_step'")
+
+
+def test_safe_rlhf_summary_shows_the_threshold_and_whether_the_constraint_holds(capsys):
+    algo = SafeRLHF(SafeRLHFConfig(cost_threshold=0.3))
+    steps = [{"step": i, "cost_mean": c, "tokens_per_s": 1.0} for i, c in enumerate([0.9, 0.8, 0.5, 0.2])]
+    assert algo.summary_notes(steps) == {"cost_mean": "(threshold 0.3: constraint holds at the end)"}
+    steps[-1]["cost_mean"] = 0.4
+    notes = algo.summary_notes(steps)
+    assert notes == {"cost_mean": "(threshold 0.3: constraint violated at the end)"}
+    print_summary("safe_rlhf", steps, ("cost_mean",), notes)
+    line = next(x for x in capsys.readouterr().err.splitlines() if "cost_mean" in x)
+    assert line.split()[:4] == ["cost_mean", "0.900", "->", "0.400"] and line.endswith(notes["cost_mean"])
+
+
+def test_metrics_file_keeps_earlier_steps_and_replaces_redone_ones(tmp_path):
+    path = tmp_path / "m.jsonl"
+    f = MetricsFile(path)
+    f.restart_at(0)
+    for i in range(4):
+        f.append({"step": i, "reward_mean": float(i)})
+    f.restart_at(2)  # a resume from the checkpoint of step 2 redoes steps 2 and 3
+    f.append({"step": 2, "reward_mean": 20.0})
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert rows == [{"step": 0, "reward_mean": 0.0}, {"step": 1, "reward_mean": 1.0}, {"step": 2, "reward_mean": 20.0}]
+
+
+def test_the_demo_prints_no_warnings_and_no_per_model_loading_bars(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, "algorithms/safe_rlhf.py", "--steps", "2", "sft_steps=2",
+                           "prompts_per_step=8", "mini_batch_samples=8", "dashboard=none", "--metrics-file",
+                           str(metrics)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    noise = [x for x in proc.stderr.splitlines()
+             if "Warning" in x or "Loading weights" in x or "Writing model shards" in x or "still alive" in x]
+    assert noise == []
+    assert "roles (actor, ref, reward, critic, cost_critic, cost) ready" in proc.stderr
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1]
+
+
+def test_nested_settings_validate_after_override():
+    with pytest.raises(ConfigError, match="ModelConfig.arch must be one of"):
+        apply_overrides(SafeRLHFConfig(), ["model.arch=gpt2"])
