@@ -1,13 +1,13 @@
 """The megatron-core training engine: the GPU production path for TP / PP / DP (DESIGN §4).
 
-`MegatronEngine` has the public interface of the torch-native `engines.training.TrainEngine` (`log_probs`,
-`policy_outputs`, `values`, `value_outputs`, `scores`, `update`, `set_lr`, `full_state_dict`), so a role can hold
-either. Inside, everything is
-megatron-core's own machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the
-transformers config, `parallel_state.initialize_model_parallel` for the TP × DP × PP rank grid (the same order as
-our meshes: tp fastest, then dp, then pp), its `DistributedDataParallel` with the distributed optimizer, and the
-pipeline schedules of `get_forward_backward_func` (1F1B when pp > 1). Weights come in and go out in Hugging Face
-format through `engines.megatron_convert`.
+`MegatronEngine` implements engines.interfaces.TrainingEngine, as the torch-native `engines.training.TrainEngine`
+does, so a role holds either; `ModelConfig(engine="megatron")` chooses it (engines.registry). Its checkpoint_state is
+not wired yet (megatron dist-ckpt): export_hf saves its weights. Inside, everything is megatron-core's own
+machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the transformers config,
+`parallel_state.initialize_model_parallel` for the TP × DP × PP rank grid (the same order as our meshes: tp fastest,
+then dp, then pp), its `DistributedDataParallel` with the distributed optimizer, and the pipeline schedules of
+`get_forward_backward_func` (1F1B when pp > 1). Weights come in and go out in Hugging Face format through
+`engines.megatron_convert`.
 
 Version. megatron-core is pinned to 0.16.1, the last release that installs on Python 3.11 (0.17 and later need
 Python >= 3.12). It is imported lazily: `import engines.megatron` works without it; only building an engine
@@ -60,7 +60,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engines.megatron_convert import HEADS, MegatronGeometry, check_megatron_fits, hf_to_megatron, megatron_to_hf
+from engines.hybrid.shards import ModelGeometry
+from engines.megatron_convert import HEADS, check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
 from engines.ops import response_logits
 from engines.training import LossFn, OptimConfig
 from flowactors import Batch
@@ -69,6 +70,10 @@ __all__ = ["MegatronEngine", "megatron_available"]
 
 _GRAD_CLIP_OFF = 1e30
 """megatron computes the gradient norm only when clipping; with grad_clip = 0 we clip at a norm never reached."""
+
+
+_NO_CHECKPOINTS = ("checkpoints of the megatron engine (megatron dist-ckpt) are not wired yet; export_hf saves its "
+                   "weights")
 
 
 def megatron_available() -> bool:
@@ -98,7 +103,7 @@ def _rope_theta(config) -> float:
     return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
-def _transformer_config(config, g: MegatronGeometry, tp: int, pp: int, dtype: torch.dtype):
+def _transformer_config(config, g: ModelGeometry, tp: int, pp: int, dtype: torch.dtype):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
@@ -224,7 +229,7 @@ class MegatronEngine:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
         self.head = head
         self.pad_token_id = getattr(hf_config, "pad_token_id", None)
-        self.geometry = MegatronGeometry.from_hf_config(hf_config)
+        self.geometry = megatron_geometry(hf_config)
         check_megatron_fits(self.geometry, tp, pp)  # before any collective
         try:
             from megatron.core import parallel_state as mpu
@@ -243,6 +248,7 @@ class MegatronEngine:
         self.module = self._build_model(state_dict, dtype)
         self.model: torch.nn.Module = self.module
         self.optimizer = None
+        self.compute_dtype: torch.dtype | None = None  # the parameters' dtype is the compute dtype (no autocast)
         self._peak_lr, self._steps = self.cfg.lr, 0
         if trainable:
             self._wrap_for_training(distributed_optimizer)
@@ -476,6 +482,12 @@ class MegatronEngine:
         return out
 
     # -- weights ----------------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        raise NotImplementedError(_NO_CHECKPOINTS)
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError(_NO_CHECKPOINTS)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded Hugging Face state dict on CPU (every rank of the model-parallel group must call this: it
         gathers every TP × PP shard)."""

@@ -35,16 +35,21 @@ two halves (``torch.chunk(x, 2, -1)``, first half through SiLU), so TP shard r i
 Pipeline stages hold contiguous, equal blocks of layers (megatron's default split). With tied embeddings the last
 stage holds its own copy of the embedding as ``output_layer.weight`` (megatron keeps the two copies equal by
 all-reducing their gradients over the embedding group); `megatron_to_hf` reads the tied weight from stage 0.
+
+Sizes. The model's sizes are engines.hybrid's `ModelGeometry`, the one description of a Llama-family decoder that
+the 3D-HybridEngine's resharder and this conversion share; `megatron_geometry` reads it and refuses the bias
+layouts megatron-core cannot express.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MegatronGeometry", "hf_to_megatron", "megatron_to_hf", "check_megatron_fits", "HEADS"]
+from engines.hybrid.shards import ModelGeometry
+
+__all__ = ["megatron_geometry", "hf_to_megatron", "megatron_to_hf", "check_megatron_fits", "HEADS"]
 
 HEADS = ("lm", "value", "score")
 """Output heads (engines.models): the causal LM's vocabulary projection, or a scalar `score` linear."""
@@ -55,49 +60,32 @@ def _check_head(head: str) -> None:
         raise ValueError(f"head must be one of {HEADS}, got {head!r}")
 
 
-@dataclass(frozen=True)
-class MegatronGeometry:
-    """The sizes of a Llama/Qwen2 decoder that decide its megatron-core shards."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    qkv_bias: bool
-    tied_embeddings: bool
-
-    @classmethod
-    def from_hf_config(cls, config) -> MegatronGeometry:
-        """Read a transformers LlamaConfig/Qwen2Config; refuse bias layouts megatron-core cannot express."""
-        model_type = getattr(config, "model_type", "")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"model_type {model_type!r} has no megatron-core conversion here; supported: llama, "
-                             f"qwen2")
-        if getattr(config, "mlp_bias", False) or (model_type == "llama" and getattr(config, "attention_bias", False)):
-            # megatron's add_bias_linear puts biases on every linear (qkv, proj, fc1, fc2) at once
-            raise ValueError("Llama with attention_bias or mlp_bias has no megatron-core equivalent of its bias "
-                             "layout; use a model without them or the torch-native TrainEngine")
-        from engines.hybrid.shards import ModelGeometry
-
-        g = ModelGeometry.from_hf_config(config)  # the one reader of a Llama-family config's sizes
-        return cls(num_layers=g.num_layers, hidden_size=g.hidden_size, num_heads=g.num_heads,
-                   num_kv_heads=g.num_kv_heads, head_dim=g.head_dim, intermediate_size=g.intermediate_size,
-                   vocab_size=g.vocab_size, qkv_bias=g.qkv_bias,
-                   tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
-
-    @property
-    def q_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def stage_layers(self, pp_rank: int, pp_size: int) -> range:
-        per = self.num_layers // pp_size
-        return range(pp_rank * per, (pp_rank + 1) * per)
+def megatron_geometry(config) -> ModelGeometry:
+    """The sizes of a transformers LlamaConfig/Qwen2Config (engines.hybrid's ModelGeometry, the one reader of a
+    Llama-family config), refusing what megatron-core's GPTModel cannot express."""
+    model_type = getattr(config, "model_type", "")
+    if model_type not in ("llama", "qwen2"):
+        raise ValueError(f"model_type {model_type!r} has no megatron-core conversion here; supported: llama, "
+                         f"qwen2")
+    g = ModelGeometry.from_hf_config(config)
+    if g.mlp_bias or g.o_bias:
+        # megatron's add_bias_linear puts biases on every linear (qkv, proj, fc1, fc2) at once
+        raise ValueError("Llama with attention_bias or mlp_bias has no megatron-core equivalent of its bias "
+                         "layout; use a model without them or the torch-native TrainEngine")
+    return g
 
 
-def check_megatron_fits(geometry: MegatronGeometry, tp_size: int, pp_size: int) -> None:
+def _geometry(config) -> ModelGeometry:
+    return config if isinstance(config, ModelGeometry) else megatron_geometry(config)
+
+
+def _stage_layers(g: ModelGeometry, pp_rank: int, pp_size: int) -> range:
+    """The layers of stage pp_rank: contiguous, equal blocks (megatron's default split)."""
+    per = g.num_layers // pp_size
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def check_megatron_fits(geometry: ModelGeometry, tp_size: int, pp_size: int) -> None:
     """Raise ValueError, naming the fix, when the model cannot be cut tp × pp ways (call before any collective)."""
     g = geometry
     if tp_size < 1 or pp_size < 1:
@@ -122,10 +110,10 @@ def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
     return t.narrow(dim, rank * n, n)
 
 
-def _fuse_qkv(g: MegatronGeometry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp_rank: int,
+def _fuse_qkv(g: ModelGeometry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp_rank: int,
               tp_size: int) -> torch.Tensor:
     """TP shard of the per-group interleaved [q_g; k_g; v_g] tensor (weights or biases: rows are dim 0)."""
-    d, qpg = g.head_dim, g.q_per_group
+    d, qpg = g.head_dim, g.num_heads // g.num_kv_heads
     groups = range(tp_rank * g.num_kv_heads // tp_size, (tp_rank + 1) * g.num_kv_heads // tp_size)
     parts = []
     for grp in groups:
@@ -133,9 +121,9 @@ def _fuse_qkv(g: MegatronGeometry, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return torch.cat(parts)
 
 
-def _split_qkv(g: MegatronGeometry, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _split_qkv(g: ModelGeometry, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of the full (all TP shards concatenated) per-group interleave."""
-    d, qpg = g.head_dim, g.q_per_group
+    d, qpg = g.head_dim, g.num_heads // g.num_kv_heads
     per_group = fused.reshape(g.num_kv_heads, (qpg + 2) * d, *fused.shape[1:])
     q, k, v = torch.split(per_group, [qpg * d, d, d], dim=1)
     tail = fused.shape[1:]
@@ -146,13 +134,13 @@ def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], config, tp_rank: int,
                    pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
     """The GPTModel state dict of shard (pp_rank, tp_rank), cut from a full Hugging Face state dict of a causal LM
     (head "lm") or of a scalar-head model (head "value" / "score", whose `score` must have one output)."""
-    g = config if isinstance(config, MegatronGeometry) else MegatronGeometry.from_hf_config(config)
+    g = _geometry(config)
     check_megatron_fits(g, tp_size, pp_size)
     _check_head(head)
     sd, out = state_dict, {}
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = _rows(sd["model.embed_tokens.weight"], tp_rank, tp_size)
-    for local, i in enumerate(g.stage_layers(pp_rank, pp_size)):
+    for local, i in enumerate(_stage_layers(g, pp_rank, pp_size)):
         hf, mg = f"model.layers.{i}", f"decoder.layers.{local}"
         attn = f"{hf}.self_attn"
         out[f"{mg}.input_layernorm.weight"] = sd[f"{hf}.input_layernorm.weight"]
@@ -187,7 +175,7 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
                    pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
     """Merge every shard {(pp_rank, tp_rank): GPTModel state dict} back into one Hugging Face state dict, named as
     the transformers class of `head` names it (lm_head for "lm", score for "value" / "score")."""
-    g = config if isinstance(config, MegatronGeometry) else MegatronGeometry.from_hf_config(config)
+    g = _geometry(config)
     check_megatron_fits(g, tp_size, pp_size)
     _check_head(head)
     missing = [(p, t) for p in range(pp_size) for t in range(tp_size) if (p, t) not in shards]
@@ -202,7 +190,7 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
 
     out = {"model.embed_tokens.weight": cat(0, "embedding.word_embeddings.weight")}
     for stage in range(pp_size):
-        for local, i in enumerate(g.stage_layers(stage, pp_size)):
+        for local, i in enumerate(_stage_layers(g, stage, pp_size)):
             hf, mg = f"model.layers.{i}", f"decoder.layers.{local}"
             out[f"{hf}.input_layernorm.weight"] = one(stage, f"{mg}.input_layernorm.weight")
             for kind in ("weight", "bias") if g.qkv_bias else ("weight",):

@@ -76,6 +76,9 @@ class ModelGeometry:
     """o_proj has a bias (Llama with ``attention_bias``)."""
     mlp_bias: bool = False
     """gate/up/down projections have biases (Llama with ``mlp_bias``)."""
+    tied_embeddings: bool = False
+    """lm_head shares the input embedding (``tie_word_embeddings``). The megatron conversion reads it; the
+    3D-HybridEngine unties a model before reading its geometry (Megatron's layout shards the two apart)."""
 
     @classmethod
     def from_hf_config(cls, config) -> ModelGeometry:
@@ -98,6 +101,7 @@ class ModelGeometry:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False) or False),
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
 
     @property

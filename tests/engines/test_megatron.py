@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from engines.megatron import megatron_available
-from engines.megatron_convert import MegatronGeometry, check_megatron_fits, hf_to_megatron, megatron_to_hf
+from engines.megatron_convert import check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
 from engines.ops import position_ids_from_mask, response_logits, token_log_probs, entropy_from_logits
 from flowactors import Batch
 
@@ -186,8 +186,8 @@ def test_conversion_round_trip_is_exact(arch, tp, pp):
 def test_fused_qkv_is_interleaved_per_query_group():
     """megatron-core views linear_qkv rows as [group][q heads of the group, k, v] (attention.py, 0.16.1)."""
     cfg, sd = hf_config("llama"), hf_model("llama").state_dict()
-    g = MegatronGeometry.from_hf_config(cfg)
-    d, qpg = g.head_dim, g.q_per_group
+    g = megatron_geometry(cfg)
+    d, qpg = g.head_dim, g.num_heads // g.num_kv_heads
     q, k, v = (sd[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
     for tp_rank in range(2):
         fused = hf_to_megatron(sd, cfg, tp_rank, 2, 0, 1)["decoder.layers.0.self_attention.linear_qkv.weight"]
@@ -209,7 +209,7 @@ def test_fused_qkv_is_interleaved_per_query_group():
 def test_bad_layout_is_a_clear_error_before_any_collective(tp, pp, field, fix):
     cfg = hf_config("llama")
     with pytest.raises(ValueError, match=field) as info:
-        check_megatron_fits(MegatronGeometry.from_hf_config(cfg), tp, pp)
+        check_megatron_fits(megatron_geometry(cfg), tp, pp)
     assert fix in str(info.value)
     if megatron_available():
         # torch.distributed is not initialised here: an error raised after a collective would be a RuntimeError
