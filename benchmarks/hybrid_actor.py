@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from engines.generation import SamplingConfig
     from engines.hybrid import ModelGeometry
     from engines.models import ModelConfig, build_model, build_tokenizer
+    from engines.specs import GenerationSpec
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slots", type=int, default=4)
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     geometry = ModelGeometry.from_hf_config(build_model(cfg, "lm", tok).config)
     sampling = SamplingConfig(max_new_tokens=args.new_tokens, ignore_eos=True)
     enc = tok([f"sum {i * 37 % 1000}:" for i in range(args.rows)], padding=True, return_tensors="pt")
-    prompts = fa.Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}, meta={"seed": 1})
+    prompts = fa.Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+    spec = GenerationSpec(seed=1)
 
     modes = {"gather": None, **{f"hybrid t_g={g}": g for g in range(1, t + 1) if t % g == 0}}
     rows: list[dict] = []
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for round_ in range(args.rounds + 1):  # round 0 warms up and is not counted
             for name, group in groups.items():
                 start = time.perf_counter()
-                outputs[name] = group.generate_sequences(prompts).result()
+                outputs[name] = group.generate_sequences(prompts, spec).result()
                 if round_:
                     times[name].append(time.perf_counter() - start)
         stats = {name: group.reshard_stats().result() for name, group in groups.items()}

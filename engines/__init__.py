@@ -18,6 +18,9 @@ _EXPORTS = {
     "MINIBATCH": "engines.protocols", "plan_minibatches": "engines.protocols",
     "ActorWorker": "engines.roles", "CriticWorker": "engines.roles", "RefWorker": "engines.roles",
     "RewardModelWorker": "engines.roles", "RuleRewardWorker": "engines.roles",
+    "GenerationEngine": "engines.interfaces", "TrainingEngine": "engines.interfaces",
+    "register_generation_engine": "engines.registry", "register_training_engine": "engines.registry",
+    "GenerationSpec": "engines.specs", "UpdateSpec": "engines.specs",
     "char_tokenizer": "engines.tokenizer",
     "LossFn": "engines.training", "OptimConfig": "engines.training", "TrainEngine": "engines.training",
 }

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engines.registry import training_engine_names
 from engines.tokenizer import char_tokenizer, load_tokenizer
 
 __all__ = ["ModelConfig", "build_model", "build_tokenizer", "save_pretrained", "check_model_dir",
@@ -54,8 +55,8 @@ class ModelConfig:
     seed: int = 0
     """Initialisation seed when building (identical on every rank)."""
     engine: str = "torch"
-    """Training engine: torch (FSDP2 / DTensor TP) or megatron (megatron-core GPTModel with TP/PP/DP); both build
-    every head (lm, value, score)."""
+    """Training engine, by name in engines.registry: torch (FSDP2 / DTensor TP) or megatron (megatron-core GPTModel
+    with TP/PP/DP); both build every head (lm, value, score)."""
     pad_vocab_to: int = 1
     """Round the vocabulary of a built model up to a multiple of this (Megatron's make-vocab-size-divisible-by),
     so a vocab-parallel split (the 3D-HybridEngine's training layout) divides it."""
@@ -63,8 +64,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in _ARCH:
             raise ValueError(f"ModelConfig.arch must be one of {sorted(_ARCH)}, got {self.arch!r}")
-        if self.engine not in ("torch", "megatron"):
-            raise ValueError(f"ModelConfig.engine must be 'torch' or 'megatron', got {self.engine!r}")
+        if self.engine not in training_engine_names():
+            raise ValueError(f"ModelConfig.engine must be one of {training_engine_names()} (engines.registry), got "
+                             f"{self.engine!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.path is None:

@@ -6,26 +6,29 @@ mini-batches of `mini_batch_samples`, and gives each DP rank its equal share of 
 Optimizer step k then sees the same samples whatever the DP size. Ranks that differ only in TP/PP coordinate get
 the same data. Collect: the metrics dicts of the ranks, averaged.
 
-The call carries its settings in the batch's meta: `mini_batch_samples` (global), `epochs`, `shuffle_seed`.
+The call carries its settings as an `UpdateSpec` argument (`update_actor(batch, loss_fn, spec)`, third positional or
+`spec=`): `mini_batch_samples` (global), `epochs`, `shuffle_seed`. The spec reaches every rank unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engines.specs import UpdateSpec
 from flowactors import Batch, Layout, Protocol, register_protocol
 
 __all__ = ["MINIBATCH", "plan_minibatches"]
 
 
-def plan_minibatches(batch: Batch, dp: int) -> list[list[Batch]]:
+def plan_minibatches(batch: Batch, dp: int, spec: UpdateSpec) -> list[list[Batch]]:
     """For each DP rank, one local batch per epoch; its consecutive chunks of mini_batch_samples/dp rows are its
     shares of the global mini-batches."""
+    if not isinstance(spec, UpdateSpec):
+        raise TypeError(f"plan_minibatches takes an UpdateSpec, got {type(spec).__name__}; pass "
+                        f"UpdateSpec(mini_batch_samples=...)")
     n = len(batch)
-    mb = int(batch.meta.get("mini_batch_samples", n))
-    epochs = int(batch.meta.get("epochs", 1))
-    seed = batch.meta.get("shuffle_seed")
-    if mb < 1 or n % mb:
+    mb, epochs, seed = spec.mini_batch_samples, spec.epochs, spec.shuffle_seed
+    if n % mb:
         raise ValueError(f"mini_batch_samples={mb} does not divide the batch of {n} samples; choose a mini-batch "
                          f"size that divides prompts_per_step x samples_per_prompt")
     if mb % dp:
@@ -44,11 +47,27 @@ def plan_minibatches(batch: Batch, dp: int) -> list[list[Batch]]:
     return per_rank
 
 
+def _spec_of(rest: list, kwargs: dict) -> UpdateSpec:
+    """The call's UpdateSpec: its third positional argument or its `spec=` keyword."""
+    if len(rest) >= 2:
+        spec = rest[1]
+    elif "spec" in kwargs:
+        spec = kwargs["spec"]
+    else:
+        raise TypeError("an update takes its settings as an UpdateSpec: pass update_actor(batch, loss_fn, "
+                        "UpdateSpec(mini_batch_samples=..., epochs=..., shuffle_seed=...)) (or spec=UpdateSpec(...))")
+    if not isinstance(spec, UpdateSpec):
+        raise TypeError(f"an update's third argument (spec) must be an UpdateSpec, got {type(spec).__name__}; pass "
+                        f"UpdateSpec(mini_batch_samples=...)")
+    return spec
+
+
 def _distribute(args: tuple, kwargs: dict, layout: Layout) -> list[tuple[tuple, dict]]:
+    if not args or not isinstance(args[0], Batch):
+        got = type(args[0]).__name__ if args else "nothing"
+        raise TypeError(f"an update takes a Batch as its first argument, got {got}")
     batch, *rest = args
-    if not isinstance(batch, Batch):
-        raise TypeError(f"an update takes a Batch as its first argument, got {type(batch).__name__}")
-    shares = plan_minibatches(batch, layout.dp)
+    shares = plan_minibatches(batch, layout.dp, _spec_of(rest, kwargs))
     return [((shares[layout.coords(r)[1]], *rest), kwargs) for r in range(layout.world_size)]
 
 

@@ -2,7 +2,10 @@
 
 Each role owns one model on its ranks and says, per primitive, how a call is split (`MESH`: by data-parallel
 rank, replicated over tensor-parallel ranks; `MINIBATCH` for updates). Roles know nothing about a particular
-algorithm: losses arrive as functions with the update call.
+algorithm: losses arrive as functions with the update call, and the call's settings as typed arguments
+(`UpdateSpec`, `GenerationSpec`: engines.specs). Roles know no particular engine either: they call the
+`TrainingEngine` / `GenerationEngine` interfaces (engines.interfaces) of engines built by name (`ModelConfig.engine`,
+`ActorWorker(rollout_engine=...)`) through engines.registry.
 
 The actor is hybrid: it trains and generates on the same weights. With `rollout_tp=t_g` the 3D-HybridEngine
 (engines.hybrid_engine) does the transition: training is TP over the mesh's tp dim with whole DP replicas
@@ -26,20 +29,33 @@ from typing import Any
 
 import torch
 
-from engines.generation import GenerationStream, HFGenerationEngine, SamplingConfig
+from engines.generation import GenerationStream, SamplingConfig
+from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
 from engines.models import ModelConfig, build_model, build_tokenizer, save_pretrained
-from engines.parallel import parallelize
 from engines.protocols import MINIBATCH
-from engines.training import LossFn, OptimConfig, TrainEngine
+from engines.registry import check_training_layout, generation_engine, training_engine
+from engines.specs import GenerationSpec, UpdateSpec
+from engines.training import LossFn, OptimConfig
 from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Layout, Worker, endpoint
 
 __all__ = ["ActorWorker", "RefWorker", "CriticWorker", "RewardModelWorker", "RuleRewardWorker", "ModelWorker"]
 
 
 class ModelWorker(Worker):
-    """Common set-up: tokenizer, model with the requested head, TP/FSDP over the group's mesh, engine."""
+    """Common set-up: tokenizer, model with the requested head, and its training engine, built by the factory that
+    `ModelConfig.engine` names (engines.registry)."""
 
     head = "lm"
+    engine: TrainingEngine
+
+    @classmethod
+    def process_groups(cls, layout: Layout, *args: Any, **kwargs: Any) -> list[tuple[int, ...]]:
+        """No extra groups; refuses, on the controller, a layout the model's engine cannot run (pp > 1 without
+        pipeline parallelism). Every role takes its ModelConfig first (`model`)."""
+        model = args[0] if args else kwargs.get("model")
+        if isinstance(model, ModelConfig):
+            check_training_layout(model.engine, layout.pp)
+        return []
 
     def _setup(self, model: ModelConfig, optim: OptimConfig | None, trainable: bool,
                rollout_tp: int | None = None) -> None:
@@ -48,57 +64,21 @@ class ModelWorker(Worker):
         self.tokenizer = build_tokenizer(model)
         net = build_model(model, self.head, self.tokenizer)
         self.hf_config = net.config
-        self.sharded = self.layout.dp > 1 or self.layout.tp > 1
-        self.hybrid = None
-        if model.engine == "megatron":
-            self._setup_megatron(net, optim, trainable, rollout_tp)
-            return
-        compute_dtype = None
-        if trainable and model.torch_dtype != torch.float32:
-            net, compute_dtype = net.float(), model.torch_dtype  # float32 master weights, low-precision compute
-        if rollout_tp is not None:
-            from engines.hybrid_engine import HybridEngine, untie_embeddings
+        built = training_engine(model.engine).build(TrainingSetup(
+            model=net, config=model, head=self.head, optim=optim, trainable=trainable, layout=self.layout,
+            mesh=self.mesh, subgroups=self.subgroups, rollout_tp=rollout_tp))
+        self.engine = built.engine
+        self.hybrid = built.hybrid
+        self.sharded = built.gathers_to_generate
 
-            untie_embeddings(net)
-            net = parallelize(net, self.mesh, fsdp=False, vocab_parallel=True)
-            self.hybrid = HybridEngine(net, self.mesh, rollout_tp, self.subgroups)
-        elif self.sharded:
-            net = parallelize(net, self.mesh)
-        self.engine = TrainEngine(net, optim, dp_group=self.mesh["dp"].get_group(), dp_size=self.layout.dp,
-                                  trainable=trainable, sync_grads=self.hybrid is not None,
-                                  compute_dtype=compute_dtype)
-
-    def _setup_megatron(self, net: torch.nn.Module, optim: OptimConfig | None, trainable: bool,
-                        rollout_tp: int | None) -> None:
-        """megatron-core's parallel state is process-global and spans the whole torch.distributed world, so a
-        megatron model must be placed on every slot, in world order (colocated placement); it builds every head
-        (causal LM for actor and reference, value for critics, score for reward and cost models), and generation
-        gathers its full weights (the 3D-HybridEngine is wired to the torch engine)."""
-        import torch.distributed as dist
-
-        from engines.megatron import MegatronEngine
-
-        if rollout_tp is not None:
-            raise ValueError("rollout_tp (the 3D-HybridEngine) runs on the torch engine; drop it or use "
-                             "engine='torch'")
-        world = dist.get_world_size()
-        if self.mesh.mesh.flatten().tolist() != list(range(world)):
-            raise ValueError(f"the megatron engine's parallel state spans the whole torch.distributed world "
-                             f"({world} ranks, in order); this group holds ranks {self.mesh.mesh.flatten().tolist()}: "
-                             f"place it on every slot (colocated) or use engine='torch'")
-        self.engine = MegatronEngine.from_hf_model(net, optim, tp=self.layout.tp, pp=self.layout.pp,
-                                                   trainable=trainable, head=self.head)
-        self.sharded = True  # generation gathers the full weights from the TP × PP shards
-
-    def _update(self, shares: list[Batch], loss_fn: LossFn,
-                outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
-        meta = shares[0].meta
-        mb = int(meta.get("mini_batch_samples", len(shares[0]) * self.layout.dp)) // self.layout.dp
+    def _update(self, shares: list[Batch], loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]],
+                spec: UpdateSpec) -> dict[str, float]:
+        mb = spec.mini_batch_samples // self.layout.dp
         mini_batches = [m for local in shares for m in local.chunk(mb)]
-        if "lr" not in meta:
+        if spec.lr is None:
             return self.engine.update(mini_batches, loss_fn, outputs_fn)
-        peak = self.engine.cfg.lr  # meta["lr"] applies to this call only (e.g. the warm start)
-        self.engine.set_lr(float(meta["lr"]))
+        peak = self.engine.cfg.lr  # spec.lr applies to this call only (e.g. the warm start)
+        self.engine.set_lr(float(spec.lr))
         try:
             return self.engine.update(mini_batches, loss_fn, outputs_fn)
         finally:
@@ -121,40 +101,20 @@ class ModelWorker(Worker):
         other parallel sizes."""
         from flowactors.checkpoint import capture_rng, save_sharded
 
-        save_sharded(self._train_state(), directory, process_group=self.process_group)
+        save_sharded(self.engine.checkpoint_state(), directory, process_group=self.process_group)
         torch.save(capture_rng(), Path(directory) / f"rng_rank{self.rank}_of{self.world_size}.pt")
 
     @endpoint(protocol=ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
         """Load shards saved under any parallel sizes into this group's layout; RNG only under the same size."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
         from flowactors.checkpoint import load_sharded, restore_rng
 
-        state = self._train_state()
+        state = self.engine.checkpoint_state()
         load_sharded(state, directory, process_group=self.process_group)
-        opt = self.engine.optimizer
-        set_state_dict(self.engine.model, opt if opt is not None else [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
-        if self.engine.scheduler is not None:
-            self.engine.scheduler.load_state_dict(state["scheduler"])
+        self.engine.load_checkpoint_state(state)
         rng = Path(directory) / f"rng_rank{self.rank}_of{self.world_size}.pt"
         if rng.exists():
             restore_rng(torch.load(rng, weights_only=False))
-
-    def _train_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        if self.model_config.engine != "torch":
-            raise NotImplementedError("checkpoints of the megatron engine (megatron dist-ckpt) are not wired yet; "
-                                      "export_hf saves its weights")
-        opt = self.engine.optimizer
-        model_sd, optim_sd = get_state_dict(self.engine.model, opt if opt is not None else [])
-        state = {"model": model_sd}
-        if opt is not None:
-            state["optim"] = optim_sd
-            state["scheduler"] = self.engine.scheduler.state_dict()
-        return state
 
     @endpoint(protocol=ONE_TO_ALL)
     def parameter_digest(self) -> float:
@@ -166,14 +126,18 @@ class ActorWorker(ModelWorker):
     """Hybrid actor: generate_sequences, compute_log_prob, update_actor."""
 
     def __init__(self, model: ModelConfig, optim: OptimConfig | None = None,
-                 sampling: SamplingConfig | None = None, rollout_tp: int | None = None) -> None:
+                 sampling: SamplingConfig | None = None, rollout_tp: int | None = None,
+                 rollout_engine: str = "hf") -> None:
         """`rollout_tp`: generation tensor-parallel size t_g (dividing the group's tp) for the 3D-HybridEngine;
-        None keeps the FSDP2 training layout and gathers whole weights to generate."""
+        None keeps the FSDP2 training layout and gathers whole weights to generate. `rollout_engine`: the
+        generation engine by name (engines.registry; "hf": transformers with a KV cache)."""
+        build_generator = generation_engine(rollout_engine)  # an unknown name fails before the model is built
         self._setup(model, optim or OptimConfig(), trainable=True, rollout_tp=rollout_tp)
         self.sampling = sampling or SamplingConfig()
-        self.generator = HFGenerationEngine(self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
-                                            max_context=self.hf_config.max_position_embeddings,
-                                            compute_dtype=getattr(self.engine, "compute_dtype", None))
+        self.generator = build_generator(GenerationSetup(
+            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+            max_context=self.hf_config.max_position_embeddings, compute_dtype=self.engine.compute_dtype,
+            config=model, rollout_tp=rollout_tp))
         self._gen_model: torch.nn.Module | None = None
         self._stream: GenerationStream | None = None
         self._split_stream = False
@@ -181,17 +145,20 @@ class ActorWorker(ModelWorker):
     @classmethod
     def process_groups(cls, layout: Layout, *args: Any, **kwargs: Any) -> list[tuple[int, ...]]:
         """The 3D-HybridEngine's resharding and generation-TP groups (none without rollout_tp); an impossible
-        rollout_tp fails here, on the controller, before any rank starts. Reads rollout_tp as ActorWorker's
-        constructor would bind the arguments (a subclass forwarding them keeps working; its own extra keywords are
-        left out)."""
+        rollout_tp, an unknown rollout_engine or a layout the training engine cannot run fails here, on the
+        controller, before any rank starts. Reads the arguments as ActorWorker's constructor would bind them (a
+        subclass forwarding them keeps working; its own extra keywords are left out)."""
         import inspect
 
+        super().process_groups(layout, *args, **kwargs)
         signature = inspect.signature(ActorWorker.__init__)
         known = {k: v for k, v in kwargs.items() if k in signature.parameters}
         try:
-            rollout_tp = signature.bind(None, *args, **known).arguments.get("rollout_tp")
+            bound = signature.bind(None, *args, **known).arguments
         except TypeError:
             return []  # the constructor itself will name the bad arguments
+        generation_engine(bound.get("rollout_engine", "hf"))
+        rollout_tp = bound.get("rollout_tp")
         if rollout_tp is None:
             return []
         from engines.hybrid_engine import HybridEngine, layout_of
@@ -209,9 +176,11 @@ class ActorWorker(ModelWorker):
         return self._gen_model
 
     @endpoint(protocol=MESH)
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """Sample one response per prompt row. meta: `greedy` (bool), `seed` (int) when rows carry no seed."""
-        greedy, seed = bool(prompts.meta.get("greedy")), int(prompts.meta.get("seed", 0))
+    def generate_sequences(self, prompts: Batch, spec: GenerationSpec | None = None) -> Batch:
+        """Sample one response per prompt row; `spec`: greedy or sampled, and the base seed for rows without a
+        `seed` column (None: GenerationSpec())."""
+        spec = _generation_spec(spec)
+        greedy, seed = spec.greedy, spec.seed
         if self.hybrid is None:
             return self.generator.generate(self._generation_model(), prompts, self.sampling, greedy=greedy,
                                            seed=seed)
@@ -225,12 +194,13 @@ class ActorWorker(ModelWorker):
         return self.hybrid.gather_micro(part)
 
     @endpoint(protocol=MESH)
-    def start_generation(self, prompts: Batch, chunk_samples: int) -> None:
+    def start_generation(self, prompts: Batch, chunk_samples: int, spec: GenerationSpec | None = None) -> None:
         """Begin sampling `prompts` (what `generate_sequences` would sample) in a background thread; take the
         samples with `next_generated_chunk(0)`, `(1)`, ... : ceil(rows of this rank / chunk_samples) chunks on
         every rank, each of `chunk_samples` rows except the last, in the order the rows finish. Under the
         3D-HybridEngine the d_g generation replicas each stream their rows (chunk_samples/d_g per chunk) when d_g
-        divides both; otherwise every replica samples all rows of the share."""
+        divides both; otherwise every replica samples all rows of the share. `spec` as in generate_sequences."""
+        spec = _generation_spec(spec)
         if chunk_samples < 1:
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
         self._end_stream()  # one left over from a step that stopped early
@@ -241,7 +211,7 @@ class ActorWorker(ModelWorker):
             rows, per_chunk = self.hybrid.micro_slice(len(prompts)), chunk_samples // d_g
         model = self._generation_model()
         chunks = self.generator.stream(model, prompts.slice(rows.start, rows.stop), self.sampling, per_chunk,
-                                       greedy=bool(prompts.meta.get("greedy")), seed=int(prompts.meta.get("seed", 0)),
+                                       greedy=spec.greedy, seed=spec.seed,
                                        row_offset=self.coords[1] * len(prompts) + rows.start, seed_offset=rows.start)
         self._stream = GenerationStream(chunks, n_chunks=-(-len(prompts) // chunk_samples),
                                         name=f"{self.group_name}-rank{self.rank}-generation")
@@ -286,9 +256,11 @@ class ActorWorker(ModelWorker):
         return Batch({"old_log_probs": lp["log_probs"], "entropy": lp["entropy"]})
 
     @endpoint(protocol=MINIBATCH)
-    def update_actor(self, shares: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+    def update_actor(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec) -> dict[str, float]:
+        """Policy update: MINIBATCH hands this rank its shares of the global mini-batches that `spec` cuts."""
         temp = self.sampling.temperature
-        return self._update(shares, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, with_entropy=True))
+        return self._update(shares, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, with_entropy=True),
+                            spec)
 
 
 class RefWorker(ModelWorker):
@@ -317,8 +289,9 @@ class CriticWorker(ModelWorker):
         return Batch({self.key: self.engine.values(batch)})
 
     @endpoint(protocol=MINIBATCH)
-    def update_critic(self, shares: list[Batch], loss_fn: LossFn) -> dict[str, float]:
-        return self._update(shares, loss_fn, self.engine.value_outputs)
+    def update_critic(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec) -> dict[str, float]:
+        """Value update: MINIBATCH hands this rank its shares of the global mini-batches that `spec` cuts."""
+        return self._update(shares, loss_fn, self.engine.value_outputs, spec)
 
 
 class RewardModelWorker(ModelWorker):
@@ -336,6 +309,14 @@ class RewardModelWorker(ModelWorker):
     @endpoint(protocol=MESH)
     def compute_cost(self, batch: Batch) -> Batch:
         return Batch({"costs": self.engine.scores(batch)})
+
+
+def _generation_spec(spec: GenerationSpec | None) -> GenerationSpec:
+    if spec is None:
+        return GenerationSpec()
+    if not isinstance(spec, GenerationSpec):
+        raise TypeError(f"a generation call's spec must be a GenerationSpec (or None), got {type(spec).__name__}")
+    return spec
 
 
 class RuleRewardWorker(Worker):

@@ -224,6 +224,29 @@ class TrainEngine:
                 g.mul_(coef)
         return norm
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """This rank's shards for torch.distributed.checkpoint: "model", and when training "optim" and
+        "scheduler" (the LR schedule's position)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        opt = self.optimizer
+        model_sd, optim_sd = get_state_dict(self.model, opt if opt is not None else [])
+        state = {"model": model_sd}
+        if opt is not None:
+            state["optim"] = optim_sd
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Apply a `checkpoint_state()` dict that torch.distributed.checkpoint has filled in place."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        opt = self.optimizer
+        set_state_dict(self.model, opt if opt is not None else [], model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters on CPU (every rank of the group must call this: it all-gathers)."""
         out = {}

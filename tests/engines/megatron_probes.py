@@ -29,6 +29,13 @@ class _Shimmed:
     def full_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.full_state_dict()
 
+    @endpoint(protocol=ONE_TO_ALL)
+    def implements_training_engine(self) -> bool:
+        """The built MegatronEngine has every member of the TrainingEngine interface (attributes included)."""
+        from engines.interfaces import TrainingEngine
+
+        return isinstance(self.engine, TrainingEngine)
+
 
 class ShimmedActor(_Shimmed, ActorWorker):
     """ActorWorker on CPU with megatron-core's CUDA calls redirected (a test shim, named as such)."""

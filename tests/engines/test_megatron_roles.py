@@ -11,6 +11,7 @@ import flowactors as fa
 from engines.generation import SamplingConfig
 from engines.models import ModelConfig, build_tokenizer
 from engines.roles import RewardModelWorker
+from engines.specs import GenerationSpec, UpdateSpec
 from engines.training import OptimConfig
 from tests.engines.probes import HybridActorProbe, pg_loss
 
@@ -26,7 +27,7 @@ OPTIM = OptimConfig(lr=5e-3, eps=1e-4, grad_clip=0.0, micro_batch_tokens=32)  # 
 
 def _prompts(tok) -> fa.Batch:
     enc = tok(["sum 12:", "7", "sum 345:", "22+3="], padding=True, return_tensors="pt")
-    return fa.Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}, meta={"greedy": True})
+    return fa.Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
 
 
 @pytest.mark.parametrize("layout", [fa.Layout(tp=2), fa.Layout(pp=2)], ids=["tp2", "pp2"])
@@ -38,9 +39,10 @@ def test_megatron_actor_matches_torch_actor(fresh_controller, layout):
     ref = fa.ActorGroup(ctl, HybridActorProbe, name="torch_ref", slots=ctl.slots[:1],
                         args=(ModelConfig(**CFG), OPTIM, SAMPLING))
     try:
+        assert all(mega.implements_training_engine().result())
         prompts = _prompts(tok)
-        out_m = mega.generate_sequences(prompts).result()
-        out_t = ref.generate_sequences(prompts).result()
+        out_m = mega.generate_sequences(prompts, GenerationSpec(greedy=True)).result()
+        out_t = ref.generate_sequences(prompts, GenerationSpec(greedy=True)).result()
         assert torch.equal(out_m["responses"], out_t["responses"])
 
         lp_m, lp_t = mega.compute_log_prob(out_t).result(), ref.compute_log_prob(out_t).result()
@@ -48,9 +50,9 @@ def test_megatron_actor_matches_torch_actor(fresh_controller, layout):
         torch.testing.assert_close(lp_m["old_log_probs"][mask], lp_t["old_log_probs"][mask], atol=1e-5, rtol=0)
 
         g = torch.Generator().manual_seed(1)
-        batch = fa.Batch({**out_t.tensors, "advantages": torch.randn(out_t["responses"].shape, generator=g)},
-                         meta={"mini_batch_samples": 4})
-        m_m, m_t = mega.update_actor(batch, pg_loss).result(), ref.update_actor(batch, pg_loss).result()
+        batch = fa.Batch({**out_t.tensors, "advantages": torch.randn(out_t["responses"].shape, generator=g)})
+        spec = UpdateSpec(mini_batch_samples=4)
+        m_m, m_t = mega.update_actor(batch, pg_loss, spec).result(), ref.update_actor(batch, pg_loss, spec).result()
         assert m_m["grad_norm"] == pytest.approx(m_t["grad_norm"], rel=1e-4)
         w_m, w_t = mega.full_weights().result()[0], ref.full_weights().result()[0]
         for k, v in w_t.items():
@@ -71,7 +73,7 @@ def _scored(tok) -> fa.Batch:
     return fa.Batch({"input_ids": torch.cat([prompts["input_ids"], responses], 1),
                      "attention_mask": torch.cat([prompts["attention_mask"], response_mask], 1),
                      "responses": responses, "response_mask": response_mask,
-                     "returns": torch.randn(responses.shape, generator=g)}, meta={"mini_batch_samples": 4})
+                     "returns": torch.randn(responses.shape, generator=g)})
 
 
 @pytest.mark.parametrize("layout", [fa.Layout(tp=2), fa.Layout(pp=2)], ids=["tp2", "pp2"])
@@ -90,8 +92,9 @@ def test_megatron_critic_and_reward_model_match_torch(fresh_controller, layout):
         v_m = groups["mega_critic"].compute_values(batch).result()
         v_t = groups["torch_critic"].compute_values(batch).result()
         torch.testing.assert_close(v_m["values"][mask], v_t["values"][mask], atol=1e-5, rtol=0)
-        m_m = groups["mega_critic"].update_critic(batch, squared_value_loss).result()
-        m_t = groups["torch_critic"].update_critic(batch, squared_value_loss).result()
+        spec = UpdateSpec(mini_batch_samples=4)
+        m_m = groups["mega_critic"].update_critic(batch, squared_value_loss, spec).result()
+        m_t = groups["torch_critic"].update_critic(batch, squared_value_loss, spec).result()
         assert m_m["grad_norm"] == pytest.approx(m_t["grad_norm"], rel=1e-4)
         w_m, w_t = groups["mega_critic"].full_weights().result()[0], groups["torch_critic"].full_weights().result()[0]
         assert set(w_m) == set(w_t)

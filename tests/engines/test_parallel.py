@@ -6,6 +6,7 @@ import torch
 import flowactors as fa
 from engines import ModelConfig
 from engines.protocols import plan_minibatches
+from engines.specs import UpdateSpec
 from flowactors import Layout
 from tests.engines.probes import ParallelProbe, fixed_batch
 
@@ -37,14 +38,14 @@ def test_tensor_parallel_logits_and_grads_equal_tp1(controller4, reference, layo
 def test_fsdp2_dp2_update_equals_single_process_update(controller4, reference):
     from engines import build_model
 
-    batch = fixed_batch(n=8, seed=1).with_meta(mini_batch_samples=4, epochs=2, shuffle_seed=5)
+    batch, spec = fixed_batch(n=8, seed=1), UpdateSpec(mini_batch_samples=4, epochs=2, shuffle_seed=5)
     initial = build_model(CFG, "lm").state_dict()
-    ref = reference.update_then_weights([plan_minibatches(batch, 1)[0]]).result()[0]
+    ref = reference.update_then_weights([plan_minibatches(batch, 1, spec)[0]]).result()[0]
     assert any(not torch.allclose(ref[n], initial[n]) for n in ref)  # four optimizer steps moved the weights
     g = fa.ActorGroup(controller4, ParallelProbe, name="fsdp2", slots=controller4.slots[:2], layout=Layout(dp=2),
                       args=(CFG,))
     try:
-        for weights in g.update_then_weights(plan_minibatches(batch, 2)).result():
+        for weights in g.update_then_weights(plan_minibatches(batch, 2, spec)).result():
             for name, w in ref.items():
                 assert torch.allclose(weights[name], w, atol=2e-6), name
     finally:

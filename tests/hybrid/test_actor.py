@@ -10,6 +10,7 @@ from engines.generation import HFGenerationEngine, SamplingConfig
 from engines.hybrid import ModelGeometry
 from engines.models import ModelConfig, build_model, build_tokenizer
 from engines.roles import ActorWorker
+from engines.specs import GenerationSpec, UpdateSpec
 from engines.training import OptimConfig
 from tests.engines.probes import HybridActorProbe, pg_loss
 
@@ -22,24 +23,25 @@ SAMPLING = SamplingConfig(max_new_tokens=6, temperature=1.0)
 OPTIM = OptimConfig(lr=5e-3, eps=1e-4, grad_clip=0.0, micro_batch_tokens=64)
 # (dp, tp, t_g): micro-DP 2 with t_g = 1; micro-DP 2 with t_g = 2; t_g = t (no exchange at all)
 LAYOUTS = [(2, 2, 1), (1, 4, 2), (2, 2, 2)]
+SAMPLED, GREEDY = GenerationSpec(seed=11), GenerationSpec(greedy=True, seed=11)
 
 
-def _prompts(tok, greedy: bool, seeded: bool) -> fa.Batch:
+def _prompts(tok, seeded: bool) -> fa.Batch:
     """8 prompts; `seeded` gives each row its own seed (samples independent of the DP split), otherwise rows draw
     from the batch seed and their index (the micro-DP split must then pass its row offset)."""
     enc = tok([f"sum {i * 7 + 3}:" for i in range(6)] + ["1", "22+3="], padding=True, return_tensors="pt")
     tensors = {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}
     if seeded:
         tensors["seed"] = torch.arange(8) * 13 + 100
-    return fa.Batch(tensors, meta={"greedy": greedy, "seed": 11})
+    return fa.Batch(tensors)
 
 
-def _reference(tok, prompts: fa.Batch, state: dict | None = None) -> fa.Batch:
+def _reference(tok, prompts: fa.Batch, spec: GenerationSpec, state: dict | None = None) -> fa.Batch:
     model = build_model(CFG, "lm", tok)
     if state is not None:
         model.load_state_dict(state)
     engine = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id)
-    return engine.generate(model, prompts, SAMPLING, greedy=bool(prompts.meta["greedy"]), seed=11)
+    return engine.generate(model, prompts, SAMPLING, greedy=spec.greedy, seed=spec.seed)
 
 
 def _group(controller, name: str, dp: int, tp: int, t_g: int) -> fa.ActorGroup:
@@ -80,17 +82,16 @@ def test_train_generate_cycle_serves_updated_weights(controller4, dp, tp, t_g):
     plain = fa.ActorGroup(controller4, HybridActorProbe, name=f"hy_plain_{dp}{tp}{t_g}",
                           slots=controller4.slots[:1], args=(CFG, OPTIM, SAMPLING))  # no rollout_tp: unsharded
     try:
-        sampled = _prompts(tok, greedy=False, seeded=dp > 1)
-        first = hybrid.generate_sequences(sampled).result()
-        ref = _reference(tok, sampled)
+        sampled = _prompts(tok, seeded=dp > 1)
+        first = hybrid.generate_sequences(sampled, SAMPLED).result()
+        ref = _reference(tok, sampled, SAMPLED)
         assert torch.equal(first["responses"], ref["responses"])
         torch.testing.assert_close(first["rollout_log_probs"], ref["rollout_log_probs"], atol=1e-5, rtol=0)
 
         g = torch.Generator().manual_seed(0)
-        batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)},
-                         meta={"mini_batch_samples": 4})
-        m_h = hybrid.update_actor(batch, pg_loss).result()
-        m_p = plain.update_actor(batch, pg_loss).result()
+        batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)})
+        m_h = hybrid.update_actor(batch, pg_loss, UpdateSpec(mini_batch_samples=4)).result()
+        m_p = plain.update_actor(batch, pg_loss, UpdateSpec(mini_batch_samples=4)).result()
         assert m_h["grad_norm"] == pytest.approx(m_p["grad_norm"], rel=1e-4)
         w_h, w_p = hybrid.full_weights().result()[0], plain.full_weights().result()[0]
         moved = max(float((w_p[k] - v).abs().max()) for k, v in ActorWorker_initial(tok).items())
@@ -98,10 +99,11 @@ def test_train_generate_cycle_serves_updated_weights(controller4, dp, tp, t_g):
         for k in w_p:
             torch.testing.assert_close(w_h[k], w_p[k], atol=2e-5, rtol=0, msg=k)
 
-        greedy = _prompts(tok, greedy=True, seeded=dp > 1)
-        second = hybrid.generate_sequences(greedy).result()
-        assert torch.equal(second["responses"], _reference(tok, greedy, w_h)["responses"])
-        assert not torch.equal(second["responses"], _reference(tok, greedy)["responses"])  # not the old weights
+        greedy = _prompts(tok, seeded=dp > 1)
+        second = hybrid.generate_sequences(greedy, GREEDY).result()
+        assert torch.equal(second["responses"], _reference(tok, greedy, GREEDY, w_h)["responses"])
+        old = _reference(tok, greedy, GREEDY)
+        assert not torch.equal(second["responses"], old["responses"])  # not the old weights
         after = hybrid.reshard_report().result()
         assert all(rep["max_err"] == 0.0 for rep in after)
     finally:
@@ -136,21 +138,20 @@ def test_hybrid_actor_checkpoint_round_trip_and_reshard_on_load(controller4, tmp
     plain = fa.ActorGroup(controller4, HybridActorProbe, name="hy_ckpt_plain", slots=controller4.slots[:1],
                           args=(CFG, OPTIM, SAMPLING))
     try:
-        greedy = _prompts(tok, greedy=True, seeded=True)
-        first = hybrid.generate_sequences(greedy).result()
+        greedy = _prompts(tok, seeded=True)
+        first = hybrid.generate_sequences(greedy, GREEDY).result()
         saved = hybrid.full_weights().result()[0]
         hybrid.save_checkpoint(str(tmp_path / "ckpt")).result()
         g = torch.Generator().manual_seed(2)
-        batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)},
-                         meta={"mini_batch_samples": 8})
-        hybrid.update_actor(batch, pg_loss).result()
+        batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)})
+        hybrid.update_actor(batch, pg_loss, UpdateSpec(mini_batch_samples=8)).result()
         assert any(not torch.equal(v, saved[k]) for k, v in hybrid.full_weights().result()[0].items())
         hybrid.load_checkpoint(str(tmp_path / "ckpt")).result()
         for k, v in hybrid.full_weights().result()[0].items():
             assert torch.equal(v, saved[k]), k
         assert all(rep["training_params_in_buffer"] and rep["max_err"] == 0.0
                    for rep in hybrid.reshard_report().result())
-        assert torch.equal(hybrid.generate_sequences(greedy).result()["responses"], first["responses"])
+        assert torch.equal(hybrid.generate_sequences(greedy, GREEDY).result()["responses"], first["responses"])
         plain.load_checkpoint(str(tmp_path / "ckpt")).result()
         for k, v in plain.full_weights().result()[0].items():
             assert torch.equal(v, saved[k]), k
@@ -177,11 +178,11 @@ def test_qwen2_biases_through_the_generation_pieces(controller4, tmp_path):
     actor = fa.ActorGroup(controller4, HybridActorProbe, name="hy_qwen2", slots=controller4.slots[:4],
                           layout=fa.Layout(tp=4), args=(cfg, OPTIM, SAMPLING), kwargs={"rollout_tp": 2})
     try:
-        prompts = _prompts(tok, greedy=True, seeded=False)
-        out = actor.generate_sequences(prompts).result()
+        prompts = _prompts(tok, seeded=False)
+        out = actor.generate_sequences(prompts, GREEDY).result()
     finally:
         actor.close()
-    ref = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(model, prompts, SAMPLING, greedy=True,
-                                                                           seed=11)
+    ref = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(model, prompts, SAMPLING,
+                                                                           greedy=GREEDY.greedy, seed=GREEDY.seed)
     assert torch.equal(out["responses"], ref["responses"])
     torch.testing.assert_close(out["rollout_log_probs"], ref["rollout_log_probs"], atol=1e-5, rtol=0)

@@ -1,0 +1,162 @@
+"""Engines by name: `ModelConfig.engine` chooses a training engine, `ActorWorker(rollout_engine=...)` a generation
+engine.
+
+Each name maps to a factory that builds the engine on a rank from a `TrainingSetup` / `GenerationSetup`
+(engines.interfaces), so the roles hold no `if engine == ...` branches and a new engine is one entry here (or one
+`register_*_engine` call in a module the worker processes import). Factories import their engine on first use:
+naming "megatron" costs nothing on a machine without megatron-core until a role builds it.
+
+Built in:
+
+* training "torch": engines.training.TrainEngine over FSDP2 / DTensor TP, with the 3D-HybridEngine for a hybrid
+  actor (`rollout_tp`); no pipeline parallelism.
+* training "megatron": engines.megatron.MegatronEngine (megatron-core TP / PP / DP); its parallel state is
+  process-global, so its group must span the whole torch.distributed world in order.
+* generation "hf": engines.generation.HFGenerationEngine (transformers with a KV cache).
+* generation "vllm": named, not built. engines.vllm_engine.VLLMGenerationEngine serves a Hugging Face folder and
+  takes weights through `load_weights`; the actor hands its generation engine a module (the GenerationEngine
+  interface), and the weight hand-over between them is not wired yet, so asking for it fails before any rank
+  starts, saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engines.interfaces import GenerationEngine, GenerationSetup, TrainingBuild, TrainingSetup
+
+__all__ = ["TrainingEngineEntry", "register_training_engine", "register_generation_engine", "training_engine",
+           "generation_engine", "training_engine_names", "generation_engine_names", "check_training_layout"]
+
+TrainingFactory = Callable[[TrainingSetup], TrainingBuild]
+GenerationFactory = Callable[[GenerationSetup], GenerationEngine]
+
+
+@dataclass(frozen=True)
+class TrainingEngineEntry:
+    """A training engine's factory and what its layouts may be."""
+
+    build: TrainingFactory
+    pipeline_parallel: bool = False
+    """It runs pp > 1 pipeline stages; without it a group with pp > 1 is refused before any rank starts."""
+
+
+def _build_torch(setup: TrainingSetup) -> TrainingBuild:
+    import torch
+
+    from engines.parallel import parallelize
+    from engines.training import TrainEngine
+
+    net, layout = setup.model, setup.layout
+    compute_dtype = None
+    if setup.trainable and setup.config.torch_dtype != torch.float32:
+        net, compute_dtype = net.float(), setup.config.torch_dtype  # float32 master weights, low-precision compute
+    sharded = layout.dp > 1 or layout.tp > 1
+    hybrid = None
+    if setup.rollout_tp is not None:
+        from engines.hybrid_engine import HybridEngine, untie_embeddings
+
+        untie_embeddings(net)
+        net = parallelize(net, setup.mesh, fsdp=False, vocab_parallel=True)
+        hybrid = HybridEngine(net, setup.mesh, setup.rollout_tp, setup.subgroups)
+    elif sharded:
+        net = parallelize(net, setup.mesh)
+    engine = TrainEngine(net, setup.optim, dp_group=setup.mesh["dp"].get_group(), dp_size=layout.dp,
+                         trainable=setup.trainable, sync_grads=hybrid is not None, compute_dtype=compute_dtype)
+    return TrainingBuild(engine, gathers_to_generate=sharded, hybrid=hybrid)
+
+
+def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
+    """megatron-core's parallel state is process-global and spans the whole torch.distributed world, so a megatron
+    model must be placed on every slot, in world order (colocated placement); it builds every head (causal LM for
+    actor and reference, value for critics, score for reward and cost models), and generation gathers its full
+    weights (the 3D-HybridEngine is wired to the torch engine)."""
+    import torch.distributed as dist
+
+    from engines.megatron import MegatronEngine
+
+    if setup.rollout_tp is not None:
+        raise ValueError("rollout_tp (the 3D-HybridEngine) runs on the torch engine; drop it or use "
+                         "engine='torch'")
+    world = dist.get_world_size()
+    ranks = setup.mesh.mesh.flatten().tolist()
+    if ranks != list(range(world)):
+        raise ValueError(f"the megatron engine's parallel state spans the whole torch.distributed world "
+                         f"({world} ranks, in order); this group holds ranks {ranks}: place it on every slot "
+                         f"(colocated) or use engine='torch'")
+    engine = MegatronEngine.from_hf_model(setup.model, setup.optim, tp=setup.layout.tp, pp=setup.layout.pp,
+                                          trainable=setup.trainable, head=setup.head)
+    return TrainingBuild(engine, gathers_to_generate=True)  # generation gathers the TP x PP shards
+
+
+def _build_hf(setup: GenerationSetup) -> GenerationEngine:
+    from engines.generation import HFGenerationEngine
+
+    return HFGenerationEngine(setup.eos_token_id, setup.pad_token_id, max_context=setup.max_context,
+                              compute_dtype=setup.compute_dtype)
+
+
+_TRAINING: dict[str, TrainingEngineEntry] = {
+    "torch": TrainingEngineEntry(_build_torch),
+    "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True),
+}
+_GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf}
+_NOT_WIRED: dict[str, str] = {
+    "vllm": "the vLLM rollout is not wired into the actor yet: VLLMGenerationEngine (engines.vllm_engine) serves a "
+            "Hugging Face folder and takes new weights with load_weights, while the actor hands its generation "
+            "engine a model each call; use rollout_engine='hf' (or drive VLLMGenerationEngine directly)",
+}
+"""Generation engines that exist but cannot yet be built through the GenerationEngine interface, and why."""
+
+
+def register_training_engine(name: str, build: TrainingFactory, *, pipeline_parallel: bool = False) -> None:
+    """Make a training engine selectable as `ModelConfig(engine=name)`. Register it in a module that both the
+    controller (which validates the config) and the worker processes (which build the engine) import."""
+    if name in _TRAINING and _TRAINING[name].build is not build:
+        raise ValueError(f"a training engine named {name!r} is already registered; choose another name")
+    _TRAINING[name] = TrainingEngineEntry(build, pipeline_parallel)
+
+
+def register_generation_engine(name: str, build: GenerationFactory) -> None:
+    """Make a generation engine selectable as `ActorWorker(..., rollout_engine=name)` (registered where both the
+    controller and the worker processes import it)."""
+    if name in _GENERATION and _GENERATION[name] is not build:
+        raise ValueError(f"a generation engine named {name!r} is already registered; choose another name")
+    _GENERATION[name] = build
+    _NOT_WIRED.pop(name, None)
+
+
+def training_engine_names() -> list[str]:
+    return sorted(_TRAINING)
+
+
+def generation_engine_names() -> list[str]:
+    """The engines `rollout_engine` can name today (not those that are named but not wired)."""
+    return sorted(_GENERATION)
+
+
+def training_engine(name: str) -> TrainingEngineEntry:
+    try:
+        return _TRAINING[name]
+    except KeyError:
+        raise ValueError(f"unknown training engine {name!r}; known: {training_engine_names()} "
+                         f"(engines.registry.register_training_engine adds one)") from None
+
+
+def generation_engine(name: str) -> GenerationFactory:
+    if name in _NOT_WIRED:
+        raise NotImplementedError(f"rollout_engine={name!r}: {_NOT_WIRED[name]}")
+    try:
+        return _GENERATION[name]
+    except KeyError:
+        raise ValueError(f"unknown generation engine rollout_engine={name!r}; known: {generation_engine_names()} "
+                         f"(engines.registry.register_generation_engine adds one)") from None
+
+
+def check_training_layout(name: str, pp: int) -> None:
+    """Refuse pipeline stages on an engine without pipeline parallelism, naming the fix."""
+    if pp > 1 and not training_engine(name).pipeline_parallel:
+        capable = [n for n in training_engine_names() if _TRAINING[n].pipeline_parallel]
+        raise ValueError(f"the {name!r} training engine has no pipeline parallelism, but the group's layout has "
+                         f"pp={pp}; use pp=1 (put the devices into dp or tp) or ModelConfig.engine in {capable}")
