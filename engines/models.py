@@ -45,11 +45,17 @@ class ModelConfig:
     arch: str = "llama"
     """Architecture when building from sizes: llama or qwen2."""
     hidden_size: int = 64
+    """Width of a built model (the residual stream)."""
     num_layers: int = 2
+    """Decoder layers of a built model."""
     num_heads: int = 4
+    """Attention (query) heads of a built model; must divide hidden_size."""
     num_kv_heads: int = 2
+    """Key/value heads of a built model (grouped-query attention); must divide num_heads."""
     intermediate_size: int = 128
+    """Width of a built model's MLP."""
     max_position_embeddings: int = 256
+    """Longest sequence (prompt + response) a built model accepts."""
     dtype: str = "float32"
     """Parameter dtype: float32, bfloat16 or float16."""
     seed: int = 0
@@ -121,6 +127,7 @@ def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokeni
     import transformers
 
     transformers.logging.set_verbosity_error()  # "newly initialized head" notices are expected for critics
+    transformers.logging.disable_progress_bar()  # a bar per model per rank; the controller reports loading instead
     tokenizer = tokenizer or build_tokenizer(cfg)
     if cfg.path is not None:
         hf_cfg = check_model_dir(cfg.path)

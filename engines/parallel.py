@@ -13,6 +13,8 @@ it here is an error.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -72,6 +74,11 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, fsdp: bool = True,
     if dp > 1 and fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        # FSDP2 warns when the root's output is a view: the value/score heads' logits are one (nn.Linear on a
+        # (B, T, H) input views its 2-D matmul). The hazard it names, an in-place op on that output dropping the
+        # pre-backward hook, cannot happen here: the engines only slice, squeeze and cast outputs (new tensors).
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                                category=UserWarning)
         dp_mesh = mesh["dp"]
         for layer in _layers(model):
             fully_shard(layer, mesh=dp_mesh)
