@@ -17,6 +17,7 @@ import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engines.models import ModelConfig
@@ -58,7 +59,8 @@ class RLConfig:
     save_every: int = 0
     """Save every K steps (0: never)."""
     resume: str = "auto"
-    """auto (newest complete checkpoint in checkpoint_dir, if any), never, or a checkpoint path."""
+    """auto (newest complete checkpoint in checkpoint_dir, if any), never, or a checkpoint path (whose parent
+    directory is then the checkpoint_dir, unless one is given)."""
     keep_last: int = 3
     """Complete checkpoints kept."""
     max_recoveries: int = 2
@@ -130,6 +132,9 @@ class RLConfig:
             raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
         if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:
             raise ConfigError("save_every must be >= 0, keep_last >= 1 and max_recoveries >= 0")
+        if self.resume not in ("auto", "never") and not self.checkpoint_dir:
+            # a checkpoint lives in its store's root: the run goes on saving (and locking) there
+            self.checkpoint_dir = str(Path(self.resume).resolve().parent)
         if self.save_every and not self.checkpoint_dir:
             raise ConfigError("save_every needs a checkpoint_dir (--checkpoint-dir D)")
         if self.sft_steps < 0:
@@ -148,6 +153,8 @@ class RLConfig:
             raise ConfigError(f"log_format must be 'console' or 'json', got {self.log_format!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if self.call_timeout_s is not None and not self.call_timeout_s > 0:
+            raise ConfigError(f"call_timeout_s must be > 0 seconds (or none: no watchdog), got {self.call_timeout_s}")
         if self.dashboard in ("none", "None", ""):
             self.dashboard = None
 
@@ -286,6 +293,9 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
             raise ConfigError(f"{item!r} is not a key=value setting (e.g. steps=10); --help lists them all")
         key, value = item.split("=", 1)
         obj, name = _resolve(cfg, key)
+        if dataclasses.is_dataclass(getattr(obj, name)):
+            raise ConfigError(f"{key} is a group of settings, not one; set its fields ({key}.FIELD=VALUE, listed "
+                              f"by --help)")
         hints = typing.get_type_hints(type(obj))
         try:
             setattr(obj, name, _coerce(value, hints[name]))

@@ -88,9 +88,16 @@ def check_before_start(cfg: RLConfig) -> None:
         if value and not Path(value).resolve().parent.is_dir():
             raise ConfigError(f"{name}={value}: the directory {Path(value).resolve().parent} does not exist; "
                               f"create it or choose another path")
-    if cfg.resume not in ("auto", "never") and not cfg.checkpoint_dir:
-        raise ConfigError(f"resume={cfg.resume} needs a checkpoint_dir (--checkpoint-dir D) to save into as the run "
-                          f"goes on; pass the directory that holds it")
+    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir() \
+            and not (cfg.checkpoint_dir and (Path(cfg.checkpoint_dir) / cfg.resume).is_dir()):
+        raise ConfigError(f"resume={cfg.resume} is not a checkpoint directory; give one (e.g. "
+                          f"{cfg.checkpoint_dir or 'CKPT_DIR'}/step_00000010), auto (the newest complete one in "
+                          f"checkpoint_dir) or never")
+    if cfg.checkpoint_dir:
+        try:
+            Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"checkpoint_dir={cfg.checkpoint_dir} cannot be a directory: {e.strerror or e}") from None
 
 
 def _load_plan(cfg: RLConfig):  # noqa: ANN202 - placement.Plan, imported lazily

@@ -76,6 +76,10 @@ class ModelConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.path is None:
+            for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                         "max_position_embeddings"):
+                if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                    raise ValueError(f"ModelConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
             if self.hidden_size % self.num_heads:
                 raise ValueError(f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
                                  f"({self.num_heads})")
@@ -84,6 +88,10 @@ class ModelConfig:
             if self.num_heads % self.num_kv_heads:
                 raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads "
                                  f"({self.num_kv_heads})")
+            head_dim = self.hidden_size // self.num_heads
+            if head_dim % 2:  # rotary embeddings rotate pairs of dimensions
+                raise ValueError(f"ModelConfig: head size hidden_size / num_heads = {self.hidden_size} / "
+                                 f"{self.num_heads} = {head_dim} must be even (rotary embeddings); change either")
 
     @property
     def torch_dtype(self) -> torch.dtype:

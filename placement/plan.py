@@ -168,8 +168,17 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
-        text = path.read_text()
-        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read plan file {path}: {e.strerror or e}") from None
+        try:
+            return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+        except PlanError as e:
+            raise PlanError(f"plan file {path}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - JSON/YAML syntax, wrong value types: all the file's fault
+            raise PlanError(f"plan file {path} is not a valid plan ({type(e).__name__}: {e}); see docs/placement.md "
+                            f"for the format") from None
 
 
 def _check_shape(placement: Any) -> None:

@@ -84,8 +84,12 @@ def _plan(tmp_path, actor_train) -> str:
     (["model.path=/no/such/model"], r"model.path: model folder /no/such/model does not exist"),
     (["--plan", "/no/such/plan.json"], r"plan file /no/such/plan.json does not exist"),
     (["--metrics-file", "/no/such/dir/m.jsonl"], r"the directory /no/such/dir does not exist"),
-    (["--resume", "/some/ckpt"], r"resume=/some/ckpt needs a checkpoint_dir"),
+    (["--resume", "/no/such/ckpt"], r"resume=/no/such/ckpt is not a checkpoint directory"),
     (["log_level=loud"], r"log_level must be debug, info, warning or error"),
+    (["model=5"], r"model is a group of settings, not one"),
+    (["model.hidden_size=-4"], r"ModelConfig.hidden_size must be a positive integer, got -4"),
+    (["model.hidden_size=12"], r"head size hidden_size / num_heads = 12 / 4 = 3 must be even"),
+    (["call_timeout_s=0"], r"call_timeout_s must be > 0 seconds"),
 ])
 def test_a_user_error_is_one_line_and_status_2_before_the_cluster_starts(capsys, no_cluster, argv, message):
     import re
@@ -194,3 +198,18 @@ def test_the_demo_prints_no_warnings_and_no_per_model_loading_bars(tmp_path):
 def test_nested_settings_validate_after_override():
     with pytest.raises(ConfigError, match="ModelConfig.arch must be one of"):
         apply_overrides(SafeRLHFConfig(), ["model.arch=gpt2"])
+
+
+def test_an_unreadable_plan_or_a_checkpoint_dir_under_a_file_fails_before_any_worker(capsys, no_cluster, tmp_path):
+    bad = tmp_path / "plan.json"
+    bad.write_text("not json{")
+    assert f"plan file {bad} is not a valid plan (JSONDecodeError" in _error(capsys, ["--plan", str(bad)])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = _error(capsys, ["--checkpoint-dir", str(blocker / "ckpt")])
+    assert f"checkpoint_dir={blocker / 'ckpt'} cannot be a directory: Not a directory" in line
+
+
+def test_resume_from_a_path_saves_on_into_its_directory():
+    cfg = apply_overrides(SafeRLHFConfig(), ["resume=/runs/a/step_00000010"])
+    assert cfg.checkpoint_dir == "/runs/a"
