@@ -44,6 +44,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from flowactors._integrity import CheckpointError, _BlockCrc, _write_sidecar
+
 __all__ = ["load_sharded", "save_sharded"]
 
 _METADATA = ".metadata"  # DCP's global index, written by the group's coordinator rank
@@ -72,8 +74,6 @@ def save_sharded(
 
     torch.save's own per-record CRC-32 is switched off while DCP writes (see the module docstring).
     """
-    from flowactors.checkpoint import CheckpointError, _write_sidecar
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     writer = dcp.FileSystemWriter(directory, thread_count=thread_count, sync_files=True, overwrite=True)
@@ -115,8 +115,6 @@ def load_sharded(
     lacks are an error unless ``strict=False``, which leaves them as they are. ``thread_count`` files are read
     at once (DCP's own reader reads one after another).
     """
-    from flowactors.checkpoint import CheckpointError
-
     directory = Path(directory)
     if not (directory / _METADATA).is_file():
         raise CheckpointError(
@@ -183,8 +181,6 @@ class _ChecksummingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        from flowactors.checkpoint import _BlockCrc
-
         crc = _BlockCrc()
         with super().create_stream(path, mode) as raw:
             yield _ChecksummingStream(raw, crc)
@@ -201,7 +197,7 @@ class _ChecksummingFileSystem(FileSystem):
 class _ChecksummingStream(io.RawIOBase):
     """A write-only file that feeds every byte to a ``_BlockCrc`` on its way to ``raw``."""
 
-    def __init__(self, raw: Any, crc: Any) -> None:
+    def __init__(self, raw: Any, crc: _BlockCrc) -> None:
         super().__init__()
         self._raw = raw
         self._crc = crc

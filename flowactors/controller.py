@@ -18,6 +18,7 @@ DESIGN §3. What this module owns, and why each piece exists:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -31,6 +32,7 @@ from distributed.client import FutureCancelledError, FuturesCancelledError
 
 from flowactors import _runtime
 from flowactors.errors import HangError, PlacementError, WorkerLostError
+from flowactors.profiling import ComputeProfile, controller_share
 from flowactors.protocols import Layout, Protocol
 
 __all__ = ["Controller", "CallFuture"]
@@ -92,12 +94,6 @@ class CallFuture:
 
     def __repr__(self) -> str:
         return f"<CallFuture {self.label} {[f.status for f in self.futures]}>"
-
-
-async def _gather_within(client: Client, futures: list[Future], timeout: float) -> list:
-    import asyncio
-
-    return await asyncio.wait_for(client.gather(futures, asynchronous=True), timeout)
 
 
 class Controller:
@@ -212,6 +208,11 @@ class Controller:
                 if lost is not None:
                     raise lost from e
             raise
+
+    def profile(self) -> contextlib.AbstractContextManager[ComputeProfile]:
+        """`with ctl.profile() as p: ...` measures the block: `p.controller_share` is the fraction of its wall
+        time in which no worker computed anything (see `flowactors.profiling`)."""
+        return controller_share(self.client)
 
     def report_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Publish a step's metrics to the scheduler (topic "flowactors.metrics"), where dashboards read them."""
@@ -359,10 +360,6 @@ class Controller:
                 for r, a in enumerate(world)]
         self.client.gather(futs)
         self._world, self._backend = world, want
-
-    def world_rank(self, address: str) -> int:
-        assert self._world is not None
-        return self._world.index(address)
 
     def new_group_ranks(self, name: str, addresses: Sequence[str], layout: Layout, backend: str | None,
                         subgroups: Sequence[tuple[int, ...]] = ()) -> None:

@@ -1,11 +1,12 @@
 """A flowactors page on the Dask dashboard: the step's dataflow graph, a timeline per device slot, the metrics.
 
 DESIGN §3 promises that every call shows in the Dask dashboard under a readable name. Dask's own pages show
-tasks; this page shows what an RLHF engineer asks about: which model calls the current step is made of and where
-each stands, which role occupied which device slot when (and how long each slot sat idle), and how the step
-metrics move. It is a `SchedulerPlugin` (`FlowactorsDashboard`) that adds two routes to the scheduler's running
-tornado application, `/flowactors` (a self-contained page: inline SVG, CSS and JS, no CDN, works offline and
-with the dashboard bound to 127.0.0.1) and `/flowactors/data.json`, which the page polls every 1.5 s.
+tasks; this page shows what the author of an actor program asks about: which group calls the current step is
+made of and where each stands, which group (role) occupied which device slot when (and how long each slot sat
+idle), and how the step metrics move. It is a `SchedulerPlugin` (`FlowactorsDashboard`) that adds two routes to
+the scheduler's running tornado application, `/flowactors` (a self-contained page: inline SVG, CSS and JS, no
+CDN, works offline and with the dashboard bound to 127.0.0.1) and `/flowactors/data.json`, which the page polls
+every 1.5 s.
 
 Design decisions, and why:
 
@@ -24,7 +25,16 @@ Design decisions, and why:
   Helper tasks (`join`, `summarize`) are nodes of role `task`. Dependencies are aggregated by prefix and split in
   two kinds: *data* (a future passed as an argument) and *order* (the `_after` argument with which the
   controller chains calls pinned to one process, DESIGN §3 Ordering). Only data edges decide the columns, so
-  concurrent scorers stack in one column as in the HybridFlow figures; order edges are drawn dashed.
+  calls that read the same inputs stack in one column even when one process runs them in turn; order edges
+  are drawn dashed.
+- **The caller names what matters.** flowactors knows nothing of the program it serves (DESIGN §2), so which
+  metrics are charted and which roles get fixed colours are settings of the plugin (`metrics`, `role_colors`,
+  also taken by `install_dashboard`). By default every metric published is charted (the first
+  `DEFAULT_METRIC_LIMIT`, in the order they first appear). Only the runtime's own pseudo-roles have colours of
+  their own: `task` (helper tasks) and `world` (forming the torch.distributed world). The plugin gives every
+  other role the next palette colour nobody holds, in the order roles first submit work, so roles never share a
+  colour while the palette lasts and one program looks the same from run to run; `role_color` alone (no such
+  record) picks by a stable hash of the name.
 - **Idle time** is measured over a recent window (default 60 s, never before the plugin started): per slot,
   window length minus the union of its compute spans; per stage (node), over the stage's span in the window,
   the slot-seconds in which a slot ran nothing at all (the cost of a stage that does not use every device).
@@ -45,20 +55,22 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 import tornado.routing
 from tornado import web
 
+from flowactors.profiling import union_spans as _union
+
 __all__ = ["FlowactorsDashboard", "install_dashboard", "TaskRecord", "Interval", "node_of", "role_of",
            "role_color", "aggregate_graph", "slot_usage", "stage_idle", "metric_series", "snapshot",
-           "MAIN_METRICS", "STATE_COLORS"]
+           "DEFAULT_METRIC_LIMIT", "STATE_COLORS"]
 
 PLUGIN_NAME = "flowactors-dashboard"
 METRICS_TOPIC = "flowactors.metrics"
 STEP_TOPIC = "flowactors.step"
-MAIN_METRICS = ("reward_mean", "kl", "cost_mean")
+DEFAULT_METRIC_LIMIT = 12  # metrics charted when the caller names none: the first ones published
 
-# Roles of HybridFlow's Table 4 get fixed colours, so a screenshot reads the same from run to run; other roles
-# get one of a second palette by a stable hash of their name.
-_ROLE_COLORS = {"actor": "#4e79a7", "critic": "#f28e2b", "ref": "#59a14f", "reward": "#b07aa1", "cost": "#e15759",
-                "cost_critic": "#9c755f", "task": "#8c8c8c", "world": "#5f6b73"}
-_PALETTE = ("#76b7b2", "#edc948", "#ff9da7", "#6b6ecf", "#17a2b8", "#a0a336", "#d37295", "#8f6a3a")  # unnamed roles
+# The runtime's own pseudo-roles: helper tasks without a group, and forming the torch.distributed world.
+_RUNTIME_COLORS = {"task": "#8c8c8c", "world": "#5f6b73"}
+# Other roles get one of these (see the module docstring), never one the caller's `role_colors` took.
+_PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#e15759", "#9c755f", "#76b7b2", "#edc948", "#ff9da7",
+            "#6b6ecf", "#17a2b8", "#a0a336", "#d37295", "#8f6a3a")
 STATE_COLORS = {"waiting": "#bdbdbd", "processing": "#ffb000", "memory": "#1b9e3e", "erred": "#d50000",
                 "released": "#78909c"}
 # A node shows the most urgent state among its tasks.
@@ -92,19 +104,25 @@ class Interval:
 
 
 def node_of(key: Any) -> str:
-    """The call a task belongs to: `actor.generate_sequences-0-<hex>` and its `.collect-<hex>` both give
-    `actor.generate_sequences`; `join-<hex>` gives `join`."""
+    """The call a task belongs to: `learner.update-0-<hex>` and its `.collect-<hex>` both give `learner.update`;
+    `join-<hex>` gives `join`."""
     prefix = key_split(key)
     return prefix[: -len(".collect")] if prefix.endswith(".collect") else prefix
 
 
 def role_of(node: str) -> str:
-    """`actor.generate_sequences` → `actor`; a helper task without a role (`join`) → `task`."""
+    """`learner.update` → `learner`; a helper task without a role (`join`) → `task`."""
     return node.split(".", 1)[0] if "." in node else "task"
 
 
-def role_color(role: str) -> str:
-    return _ROLE_COLORS.get(role) or _PALETTE[zlib.crc32(role.encode()) % len(_PALETTE)]
+def role_color(role: str, role_colors: Mapping[str, str] | None = None) -> str:
+    """The caller's colour for `role` if it fixed one, the runtime's for `task` and `world`, else a palette
+    colour by a stable hash of the name, skipping the colours the caller fixed (while any are left)."""
+    fixed = {**_RUNTIME_COLORS, **(role_colors or {})}
+    if role in fixed:
+        return fixed[role]
+    free = [c for c in _PALETTE if c not in fixed.values()] or list(_PALETTE)
+    return free[zlib.crc32(role.encode()) % len(free)]
 
 
 def _state(scheduler_state: str) -> str:
@@ -113,7 +131,8 @@ def _state(scheduler_state: str) -> str:
 
 # -- pure computations -----------------------------------------------------------------------------------------
 
-def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | None = None) -> dict:
+def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | None = None,
+                    role_colors: Mapping[str, str] | None = None) -> dict:
     """Aggregate tasks (in submission order) into call nodes and call → call edges with a layered layout.
 
     Dependencies on keys outside `tasks` (earlier steps) are left out. A node's column (`layer`) is one more
@@ -156,22 +175,9 @@ def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | 
         nodes.append({"id": n, "role": role_of(n), "method": n.split(".", 1)[1] if "." in n else n,
                       "state": state, "counts": dict(sorted(c.items())), "n": sum(c.values()), "done": done[n],
                       "layer": layer[n], "row": row, "seconds": round((seconds or {}).get(n, 0.0), 4),
-                      "color": role_color(role_of(n))})
+                      "color": role_color(role_of(n), role_colors)})
     return {"nodes": nodes, "edges": edge_list, "layers": 1 + max(layer.values(), default=-1),
             "rows": max(rows.values(), default=0)}
-
-
-def _union(spans: Iterable[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
-    """Spans clipped to [lo, hi], overlapping ones merged, sorted."""
-    out: list[list[float]] = []
-    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in spans):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
 
 
 def _length(spans: Iterable[tuple[float, float]]) -> float:
@@ -255,29 +261,35 @@ def stage_idle(intervals: Iterable[Interval], slots: Sequence[str], start: float
     return sorted(out, key=lambda d: d["start"])[-max_stages:]
 
 
-def metric_series(events: Iterable[tuple[float, Any]], keys: Sequence[str] = MAIN_METRICS) -> dict[str, list]:
-    """`[[step, value], ...]` per metric from `(timestamp, {"step": i, ...})` events, for the keys present;
-    a step published twice (a resumed run) keeps its latest value."""
+def metric_series(events: Iterable[tuple[float, Any]], keys: Sequence[str] | None = None, *,
+                  limit: int = DEFAULT_METRIC_LIMIT) -> dict[str, list]:
+    """`[[step, value], ...]` per metric from `(timestamp, {"step": i, ...})` events, for the `keys` present, in
+    their order; a step published twice (a resumed run) keeps its latest value. Without `keys`: every numeric
+    metric, in the order they first appear, the first `limit` of them."""
     series: dict[str, dict[int, float]] = {}
     for _, msg in events:
         if not isinstance(msg, Mapping) or not isinstance(msg.get("step"), int):
             continue
-        for k in keys:
+        for k in (msg if keys is None else keys):
             v = msg.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:
+            if k == "step" or not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+                continue
+            if k in series or keys is not None or len(series) < limit:
                 series.setdefault(k, {})[msg["step"]] = float(v)
-    return {k: [[s, v] for s, v in sorted(series[k].items())] for k in keys if k in series}
+    order = series if keys is None else [k for k in keys if k in series]
+    return {k: [[s, v] for s, v in sorted(series[k].items())] for k in order}
 
 
 def snapshot(*, now: float, step: int | None, tasks: Iterable[TaskRecord], intervals: Sequence[Interval],
              slots: Sequence[str], slot_names: Mapping[str, str] | None = None, window_start: float,
-             events: Iterable[tuple[float, Any]] = (), metric_keys: Sequence[str] = MAIN_METRICS) -> dict:
+             events: Iterable[tuple[float, Any]] = (), metric_keys: Sequence[str] | None = None,
+             role_colors: Mapping[str, str] | None = None) -> dict:
     """Everything `/flowactors/data.json` serves, from plain records."""
     seconds: dict[str, float] = {}
     for iv in intervals:
         if iv.step == step:
             seconds[iv.node] = seconds.get(iv.node, 0.0) + (iv.stop - iv.start)
-    graph = aggregate_graph(tasks, seconds)
+    graph = aggregate_graph(tasks, seconds, role_colors)
     usage = slot_usage(intervals, slots, window_start, now)
     for i, u in enumerate(usage):
         u["name"] = (slot_names or {}).get(u["worker"], str(i))
@@ -288,7 +300,7 @@ def snapshot(*, now: float, step: int | None, tasks: Iterable[TaskRecord], inter
         "now": now, "step": step,
         "window": {"start": window_start, "stop": now, "seconds": round(now - window_start, 4)},
         "graph": graph, "slots": usage, "stages": stage_idle(intervals, slots, window_start, now),
-        "roles": {r: role_color(r) for r in sorted(roles)}, "states": STATE_COLORS,
+        "roles": {r: role_color(r, role_colors) for r in sorted(roles)}, "states": STATE_COLORS,
         "metrics": metric_series(events, metric_keys),
         "last_metrics": {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
     }
@@ -300,20 +312,27 @@ class FlowactorsDashboard(SchedulerPlugin):
     """Serves `/flowactors` and `/flowactors/data.json` on the scheduler's dashboard (see the module docstring).
 
     `window_s`: the recent window of the timeline and idle figures. `keep_steps`: steps whose task records are
-    kept (the graph shows the latest). `metrics`: the metric names charted. The scheduler must be able to import
+    kept (the graph shows the latest). `metrics`: the metric names charted, in this order (None: every metric
+    published, the first `DEFAULT_METRIC_LIMIT`). `role_colors`: fixed colours for roles (group names), CSS hex;
+    other roles get the free palette colours in the order they appear. The scheduler must be able to import
     flowactors (it is, for the embedded cluster; install flowactors next to `dask scheduler` otherwise).
     """
 
     name = PLUGIN_NAME
     idempotent = True  # installing again keeps the running plugin and what it recorded
 
-    def __init__(self, window_s: float = 60.0, keep_steps: int = 2, metrics: Sequence[str] = MAIN_METRICS,
-                 max_intervals: int = 20000) -> None:
+    def __init__(self, window_s: float = 60.0, keep_steps: int = 2, metrics: Sequence[str] | None = None,
+                 max_intervals: int = 20000, role_colors: Mapping[str, str] | None = None) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0 seconds, got {window_s}")
         if keep_steps < 1:
             raise ValueError(f"keep_steps must be >= 1, got {keep_steps}")
-        self.window_s, self.keep_steps, self.metrics = float(window_s), int(keep_steps), tuple(metrics)
+        if isinstance(metrics, str):
+            raise TypeError(f"metrics must be a sequence of metric names, got the string {metrics!r}; "
+                            f"pass ({metrics!r},)")
+        self.window_s, self.keep_steps = float(window_s), int(keep_steps)
+        self.metrics = None if metrics is None else tuple(metrics)
+        self.role_colors = dict(role_colors or {})
         self.max_intervals = int(max_intervals)
         self._reset()
 
@@ -324,10 +343,11 @@ class FlowactorsDashboard(SchedulerPlugin):
         self._steps: OrderedDict[int, dict[str, TaskRecord]] = OrderedDict()
         self._key_step: dict[str, int] = {}
         self._intervals: deque[Interval] = deque(maxlen=self.max_intervals)
+        self._colors: dict[str, str] = {**_RUNTIME_COLORS, **self.role_colors}  # grows as roles appear
 
     def __getstate__(self) -> dict:  # only the settings travel to the scheduler
         return {"window_s": self.window_s, "keep_steps": self.keep_steps, "metrics": self.metrics,
-                "max_intervals": self.max_intervals}
+                "role_colors": self.role_colors, "max_intervals": self.max_intervals}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -373,7 +393,13 @@ class FlowactorsDashboard(SchedulerPlugin):
                 continue
             records[key] = TaskRecord(key, _state(ts.state), tuple(str(d.key) for d in ts.dependencies),
                                       _order_deps(ts))
+            self._color_role(role_of(node_of(key)))
             self._key_step[key] = self.step
+
+    def _color_role(self, role: str) -> None:
+        if role not in self._colors:
+            free = [c for c in _PALETTE if c not in self._colors.values()]
+            self._colors[role] = free[0] if free else role_color(role, self.role_colors)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         step = self._key_step.get(key)
@@ -417,7 +443,8 @@ class FlowactorsDashboard(SchedulerPlugin):
         recent = [iv for iv in self._intervals if iv.stop > window_start or iv.step == shown]
         return snapshot(now=now, step=shown, tasks=list(self._steps.get(shown, {}).values()), intervals=recent,
                         slots=slots, slot_names=names, window_start=window_start,
-                        events=self.scheduler.get_events(METRICS_TOPIC), metric_keys=self.metrics)
+                        events=self.scheduler.get_events(METRICS_TOPIC), metric_keys=self.metrics,
+                        role_colors=self._colors)
 
 
 def _order_deps(ts: Any) -> tuple[str, ...]:
@@ -477,20 +504,26 @@ class _DataHandler(_Handler):
         self.write(json.dumps(p.data()))
 
 
-def install_dashboard(client: Any, plugin: FlowactorsDashboard | None = None) -> str:
+def install_dashboard(client: Any, plugin: FlowactorsDashboard | None = None, *,
+                      metrics: Sequence[str] | None = None, role_colors: Mapping[str, str] | None = None) -> str:
     """Register the plugin on the client's scheduler and return the page's URL.
 
-    Idempotent: a scheduler that already runs the plugin keeps it (to change its settings, first
+    `metrics` and `role_colors` are the program's: the metric names to chart and fixed colours for its roles
+    (see `FlowactorsDashboard`); pass them here or on a `plugin` of your own, not both. Idempotent: a scheduler
+    that already runs the plugin keeps it (to change its settings, first
     `client.unregister_scheduler_plugin(flowactors.dashboard.PLUGIN_NAME)`). Raises RuntimeError when the
     scheduler runs without a dashboard (nothing would serve the page).
     """
+    if plugin is not None and (metrics is not None or role_colors is not None):
+        raise ValueError("install_dashboard got both a plugin and metrics/role_colors; set them on the plugin "
+                         "(FlowactorsDashboard(metrics=..., role_colors=...)) or pass no plugin")
     try:
         link = client.dashboard_link
     except Exception as e:  # noqa: BLE001 - no dashboard service on the scheduler
         raise RuntimeError("the scheduler has no dashboard, so the flowactors page cannot be served; start it "
                            "with a dashboard (Controller.local(dashboard='127.0.0.1:8787'), or "
                            "`dask scheduler --dashboard-address 127.0.0.1:8787`)") from e
-    client.register_plugin(plugin or FlowactorsDashboard())
+    client.register_plugin(plugin or FlowactorsDashboard(metrics=metrics, role_colors=role_colors))
     base = link.rstrip("/")
     if base.endswith("/status"):
         base = base[: -len("/status")]

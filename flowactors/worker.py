@@ -48,9 +48,10 @@ class Worker:
     """Base class of a model worker. Subclass it, decorate remote methods with `@endpoint`.
 
     Before `__init__` runs on a rank, the runtime sets: `rank`, `world_size`, `layout` (pp, dp, tp),
-    `process_group` (the group's torch.distributed group) and `mesh` (a DeviceMesh with dims ("pp", "dp",
-    "tp")), `subgroups` (see `subgroups()`), and `device` (the torch device of this slot). `__init__` may
-    therefore run collectives.
+    `group_name`, `process_group` (the group's torch.distributed group) and `mesh` (a DeviceMesh with dims
+    ("pp", "dp", "tp")), `subgroups` (the extra process groups the class asked for in `process_groups()`, keyed
+    by their tuple of group ranks; only those this rank is a member of, so `{}` for a class that asks none), and
+    `device` (the torch device of this slot). `__init__` may therefore run collectives.
     """
 
     rank: int

@@ -387,13 +387,13 @@ def test_bad_rank_checksums_never_make_a_bad_checkpoint_pass(store: CheckpointSt
 
 @pytest.mark.parametrize("size", [0, 1, 1023, 1024, 1025, 4096, 5000])
 def test_streamed_block_checksums_equal_read_back_ones(tmp_path: Path, monkeypatch, size: int) -> None:
-    import flowactors.checkpoint as checkpoint
+    import flowactors._integrity as integrity
 
-    monkeypatch.setattr(checkpoint, "_BLOCK_BYTES", 1024)
+    monkeypatch.setattr(integrity, "_BLOCK_BYTES", 1024)
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
-    streamed = checkpoint._BlockCrc()
+    streamed = integrity._BlockCrc()
     for start in range(0, size, 333):  # writes that straddle block boundaries
         streamed.update(data[start:start + 333])
-    read_back = checkpoint._block_crcs(tmp_path, {"f": size}, threads=2, fsync=False)
+    read_back = integrity._block_crcs(tmp_path, {"f": size}, threads=2, fsync=False)
     assert streamed.result() == {"size": size, "crc32": read_back["f"]}

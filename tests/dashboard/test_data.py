@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowactors.dashboard import (FlowactorsDashboard, Interval, TaskRecord, aggregate_graph, install_dashboard,
-                                  metric_series, node_of, role_color, role_of, slot_usage, snapshot, stage_idle)
+from flowactors.dashboard import (_PALETTE, DEFAULT_METRIC_LIMIT, FlowactorsDashboard, Interval, TaskRecord,
+                                  aggregate_graph, install_dashboard, metric_series, node_of, role_color, role_of,
+                                  slot_usage, snapshot, stage_idle)
 
 H = "0123456789abcdef"
 
@@ -22,8 +23,20 @@ def test_keys_map_to_call_nodes_and_roles():
     assert node_of(k("ppo_advantages")) == "ppo_advantages"
     assert node_of(("tuple-key", 3)) == "tuple-key"
     assert role_of("critic.compute_values") == "critic" and role_of("join") == "task"
-    assert role_color("actor") == "#4e79a7" and role_color("rt") == role_color("rt")
-    assert role_color("rt") not in {role_color(r) for r in ("actor", "critic", "ref", "reward", "cost")}
+
+
+def test_role_colours_come_from_the_caller_the_runtime_or_the_palette():
+    # the runtime's own pseudo-roles have their colours; the caller's colours win for its roles
+    assert (role_color("task"), role_color("world")) == ("#8c8c8c", "#5f6b73")
+    fixed = {"actor": "#010203", "critic": _PALETTE[0], "ref": _PALETTE[1]}
+    assert role_color("actor", fixed) == "#010203" and role_color("critic", fixed) == _PALETTE[0]
+    assert role_color("task", fixed) == "#8c8c8c"
+    # other roles: a palette colour by a stable hash of the name, never one the caller fixed
+    assert role_color("rt") == role_color("rt") in _PALETTE and role_color("actor") in _PALETTE
+    names = [f"group{i}" for i in range(200)]
+    assert {role_color(n, fixed) for n in names} == set(_PALETTE) - set(fixed.values())
+    # a caller who took the whole palette: roles still get palette colours
+    assert role_color("rt", {f"r{i}": c for i, c in enumerate(_PALETTE)}) in _PALETTE
 
 
 def ppo_like_step() -> list[TaskRecord]:
@@ -65,6 +78,10 @@ def test_graph_aggregates_tasks_into_calls_with_data_and_order_edges():
     assert gen["counts"] == {"memory": 1, "released": 2} and (gen["n"], gen["done"]) == (3, 3)
     assert gen["state"] == "memory" and gen["seconds"] == 1.25 and gen["role"] == "actor"
     assert gen["method"] == "generate_sequences" and gen["color"] == role_color("actor")
+    mine = {"actor": "#010203"}
+    coloured = {n["id"]: n["color"] for n in aggregate_graph(ppo_like_step(), role_colors=mine)["nodes"]}
+    assert coloured["actor.update_actor"] == coloured["actor.generate_sequences"] == "#010203"
+    assert coloured["join"] == role_color("task") and coloured["ref.compute_ref_log_prob"] == role_color("ref", mine)
     assert rew["state"] == "erred" and rew["counts"] == {"erred": 1, "memory": 1, "waiting": 1} and rew["done"] == 1
     assert upd["state"] == "processing" and nodes["join"]["state"] == "waiting" and nodes["join"]["role"] == "task"
     edges = {(e["source"], e["target"], e["kind"]): e["n"] for e in g["edges"]}
@@ -142,8 +159,16 @@ def test_metric_series_keeps_present_keys_and_latest_value_per_step():
     events = [(0.0, {"step": 0, "reward_mean": 0.1, "kl": 0.0}), (1.0, "not a dict"),
               (2.0, {"step": 1, "reward_mean": 0.2, "kl": math.nan, "cost_mean": True}),
               (3.0, {"step": 1, "reward_mean": 0.25}), (4.0, {"reward_mean": 9.0})]
+    # no keys named: every numeric metric (not bools, NaNs, strings or the step itself), in order of appearance
     assert metric_series(events) == {"reward_mean": [[0, 0.1], [1, 0.25]], "kl": [[0, 0.0]]}
+    # named keys: those present, in the caller's order
     assert metric_series(events, ["kl", "reward_mean"]) == {"kl": [[0, 0.0]], "reward_mean": [[0, 0.1], [1, 0.25]]}
+    assert list(metric_series(events, ["missing", "kl"])) == ["kl"]
+    many = [(0.0, {"step": 0, **{f"m{i}": float(i) for i in range(20)}}), (1.0, {"step": 1, "late": 1.0, "m0": 5.0})]
+    assert list(metric_series(many)) == [f"m{i}" for i in range(DEFAULT_METRIC_LIMIT)]
+    assert metric_series(many)["m0"] == [[0, 0.0], [1, 5.0]]
+    assert list(metric_series(many, limit=2)) == ["m0", "m1"]
+    assert metric_series(many, ["late", "m19"]) == {"late": [[1, 1.0]], "m19": [[0, 19.0]]}  # no limit on named keys
 
 
 def test_snapshot_composes_graph_slots_stages_and_metrics():
@@ -158,6 +183,11 @@ def test_snapshot_composes_graph_slots_stages_and_metrics():
     assert d["roles"] == {"rt": role_color("rt")} and d["metrics"] == {"reward_mean": [[2, 1.0]]}
     assert d["last_metrics"] == {"step": 2, "reward_mean": 1.0}
     assert [(s["stage"], s["step"], s["idle_s"]) for s in d["stages"]] == [("rt.all_reduce", 3, 0.5)]
+    mine = snapshot(now=5.0, step=3, tasks=[TaskRecord(k("rt.all_reduce", 0), "memory", done=True)], intervals=ivs,
+                    slots=["A", "B"], window_start=1.0, events=[(0.0, {"step": 2, "reward_mean": 1.0, "kl": 0.5})],
+                    metric_keys=("kl",), role_colors={"rt": "#010203"})
+    assert mine["roles"] == {"rt": "#010203"} and mine["graph"]["nodes"][0]["color"] == "#010203"
+    assert mine["metrics"] == {"kl": [[2, 0.5]]}
 
 
 def _fake_scheduler(tasks: dict) -> SimpleNamespace:
@@ -194,6 +224,24 @@ def test_plugin_tags_tasks_with_the_step_and_forgets_old_steps():
     assert (clone.keep_steps, clone.step, len(clone._intervals), dict(clone._steps)) == (2, 0, 0, {})
     with pytest.raises(ValueError, match="window_s"):
         FlowactorsDashboard(window_s=0)
+    with pytest.raises(TypeError, match=r"\('kl',\)"):
+        FlowactorsDashboard(metrics="kl")
+
+
+def test_plugin_gives_roles_the_free_palette_colours_in_the_order_they_appear():
+    p = FlowactorsDashboard(metrics=("kl",), role_colors={"b": _PALETTE[0], "x": "#010203"})
+    keys = [k("world.init", 0), k("b.m", 0), k("c.m", 0), k("join"), k("a.m", 0), k("c.n", 1)]
+    sched = _fake_scheduler({key: _ts("waiting") for key in keys})
+    p.update_graph(sched, tasks=keys)
+    # the caller's and the runtime's colours stay; c then a take the first palette colours the caller left free
+    assert p._colors == {"task": "#8c8c8c", "world": "#5f6b73", "b": _PALETTE[0], "x": "#010203",
+                         "c": _PALETTE[1], "a": _PALETTE[2]}
+    clone = pickle.loads(pickle.dumps(p))  # the settings travel; the colours handed out restart with the plugin
+    assert (clone.metrics, clone.role_colors) == (("kl",), {"b": _PALETTE[0], "x": "#010203"})
+    assert clone._colors == {"task": "#8c8c8c", "world": "#5f6b73", "b": _PALETTE[0], "x": "#010203"}
+    for i in range(len(_PALETTE) + 3):  # more roles than colours: the rest share palette colours by hash
+        p._color_role(f"extra{i}")
+    assert len(p._colors) == 6 + len(_PALETTE) + 3 and set(p._colors.values()) >= set(_PALETTE)
 
 
 def test_install_dashboard_refuses_a_scheduler_without_dashboard():
@@ -212,6 +260,11 @@ def test_install_dashboard_refuses_a_scheduler_without_dashboard():
     client = SimpleNamespace(dashboard_link="http://127.0.0.1:8787/status", register_plugin=registered.append)
     assert install_dashboard(client) == "http://127.0.0.1:8787/flowactors"
     assert isinstance(registered[0], FlowactorsDashboard)
+    assert (registered[0].metrics, registered[0].role_colors) == (None, {})  # neutral defaults: chart everything
+    install_dashboard(client, metrics=["kl", "loss"], role_colors={"learner": "#010203"})
+    assert (registered[1].metrics, registered[1].role_colors) == (("kl", "loss"), {"learner": "#010203"})
+    with pytest.raises(ValueError, match="both a plugin and metrics"):
+        install_dashboard(client, FlowactorsDashboard(), metrics=["kl"])
 
 
 def test_busy_seconds_between_any_bounds_match_a_direct_sum():

@@ -2,7 +2,8 @@
 
 Two worker processes with the dashboard on 127.0.0.1; two colocated groups (`rt`, `scorer`) run three "steps"
 of a small dataflow (rt.add_rank → scorer.scale_x → summarize, plus an rt.all_reduce collective) and publish
-metrics the way the controller does. Debian's chromium then renders /flowactors; the test reads the screenshot's
+metrics the way the controller does. The program names the metrics to chart (two of the three it publishes) and
+a colour for `scorer`, as `algorithms` does for its roles; `rt` gets a palette colour. Debian's chromium then renders /flowactors; the test reads the screenshot's
 pixels (the role colours must be drawn) and the DOM after the page's JS ran.
 """
 
@@ -26,6 +27,8 @@ from tests.runtime.workers import Reducer
 
 CHROMIUM = "/usr/bin/chromium"
 STEPS = 3
+CHARTED = ("kl", "reward_mean")  # cost_mean is published too, but not charted
+SCORER_COLOR = "#3949ab"
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -37,8 +40,8 @@ def _get(url: str) -> tuple[int, str]:
 def page():
     ctl = fa.Controller.local(2, dashboard="127.0.0.1:0", collective_timeout_s=60)
     try:
-        url = install_dashboard(ctl.client)
-        assert install_dashboard(ctl.client) == url  # idempotent: the running plugin stays
+        url = install_dashboard(ctl.client, metrics=CHARTED, role_colors={"scorer": SCORER_COLOR})
+        assert install_dashboard(ctl.client) == url  # idempotent: the running plugin (and its settings) stays
         rt = fa.ActorGroup(ctl, Reducer, name="rt", args=(1.0,))
         scorer = fa.ActorGroup(ctl, Reducer, name="scorer", args=(10.0,))  # colocated: same two processes
         batch = Batch({"x": torch.arange(8.0)}, {"id": list(range(8))})
@@ -81,8 +84,10 @@ def test_data_json_has_the_steps_graph_slot_timelines_and_metrics(page):
     assert [t["step"] for t in sleeps] == list(range(STEPS)) and all(t["busy_s"] >= 0.1 for t in sleeps)
 
     assert d["metrics"]["reward_mean"] == [[i, pytest.approx(0.2 + 0.1 * i)] for i in range(STEPS)]
-    assert set(d["metrics"]) == {"reward_mean", "kl", "cost_mean"}
-    assert {"rt", "scorer", "task"} <= set(d["roles"])
+    assert tuple(d["metrics"]) == CHARTED and d["last_metrics"]["cost_mean"] == 0.5
+    assert {"rt", "scorer", "task"} <= set(d["roles"]) and d["roles"]["scorer"] == SCORER_COLOR
+    assert len({d["roles"][r] for r in ("rt", "scorer", "task")}) == 3
+    assert all(n["color"] == d["roles"][n["role"]] for n in nodes.values())
 
 
 def test_page_is_self_contained(page):
@@ -125,6 +130,6 @@ def test_page_renders_in_headless_chromium(page, tmp_path):
     for node in ("rt.add_rank", "scorer.scale_x", "rt.all_reduce", "summarize"):
         assert f'data-node="{node}"' in dom
     assert dom.count('class="seg"') >= 2 * 4 and "slot 0" in dom and "slot 1" in dom
-    assert all(f'data-metric="{m}"' in dom for m in ("reward_mean", "kl", "cost_mean"))
+    assert all(f'data-metric="{m}"' in dom for m in CHARTED) and 'data-metric="cost_mean"' not in dom
     assert 'data-role="scorer"' in dom and '<span id="status">updated ' in dom
     shutil.copy(shot, os.environ.get("FLOWACTORS_SCREENSHOT", tmp_path / "kept.png"))

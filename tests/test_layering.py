@@ -1,0 +1,125 @@
+"""DESIGN §2's layers, enforced on the source: `algorithms → placement, engines → flowactors`.
+
+flowactors imports none of engines, placement, algorithms; engines and placement import nothing from algorithms
+and nothing from each other (they are side by side above flowactors). Every `.py` file of the four packages is
+parsed with `ast`, and every import counts wherever it stands (inside a function, under `TYPE_CHECKING`, in a
+`try`): `import` and `from ... import` (relative ones resolved), `importlib.import_module` / `__import__` /
+`importlib.util.find_spec` with a literal name, and a string that is a dotted path to one of the packages' modules
+(the way `engines/__init__.py` names the modules it loads lazily).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("flowactors", "engines", "placement", "algorithms")
+ALLOWED = {  # the other project packages each layer may import (its own always)
+    "flowactors": set(),
+    "engines": {"flowactors"},
+    "placement": {"flowactors"},
+    "algorithms": {"flowactors", "engines", "placement"},
+}
+_DYNAMIC = {"import_module", "__import__", "find_spec"}
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def _module_parts(path: Path) -> list[str]:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _is_project_module(dotted: str) -> bool:
+    parts = dotted.split(".")
+    if parts[0] not in PACKAGES:
+        return False
+    here = ROOT.joinpath(*parts[:2])
+    return here.with_suffix(".py").is_file() or (here / "__init__.py").is_file()
+
+
+def imports_of(source: str, path: Path) -> list[tuple[int, str]]:
+    """(line, module) for everything `source` (the text of `path`) imports or names for a dynamic import."""
+    module = _module_parts(path)
+    package = module if path.name == "__init__.py" else module[:-1]
+    found: list[tuple[int, str]] = []
+    named: set[int] = set()  # string constants already counted as the argument of a dynamic import
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: `from ..x import y` climbs level - 1 packages from this file's package
+                base = package[: len(package) - (node.level - 1)]
+                if node.module:
+                    found.append((node.lineno, ".".join([*base, node.module])))
+                else:  # `from .. import x`: each name may be a module
+                    found += [(node.lineno, ".".join([*base, alias.name])) for alias in node.names]
+            else:
+                found.append((node.lineno, node.module or ""))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+            if name in _DYNAMIC:
+                found.append((node.lineno, node.args[0].value))
+                named.add(id(node.args[0]))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in named \
+                and _DOTTED.fullmatch(node.value) and _is_project_module(node.value):
+            found.append((node.lineno, node.value))
+    return found
+
+
+def violations(layer: str, path: Path, source: str) -> list[str]:
+    """The imports in `source` (the text of `path`, a file of package `layer`) that DESIGN §2 forbids."""
+    forbidden = set(PACKAGES) - ALLOWED[layer] - {layer}
+    return [f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in imports_of(source, path)
+            if name.split(".")[0] in forbidden]
+
+
+@pytest.mark.parametrize("layer", PACKAGES)
+def test_imports_point_down_the_layers(layer: str) -> None:
+    files = sorted((ROOT / layer).rglob("*.py"))
+    assert files, f"no sources under {layer}/"
+    bad = [v for path in files for v in violations(layer, path, path.read_text())]
+    assert not bad, (f"{layer} may import only {sorted(ALLOWED[layer]) or 'none'} of {PACKAGES} "
+                     f"(DESIGN §2):\n" + "\n".join(bad))
+
+
+def test_the_checker_sees_every_kind_of_import() -> None:
+    """Source of an imagined flowactors/engines/ module (never written: the checker only takes its path) with a
+    forbidden import of each kind, among allowed ones that must not be reported."""
+    source = '''
+import os, flowactors.batch
+from flowactors import Batch
+from . import protocols
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from placement.plan import Plan
+def f():
+    import algorithms.core as core
+    from ... import engines
+    from ...algorithms import loop
+    import importlib
+    return importlib.import_module("engines.roles"), __import__("placement")
+LAZY = {"Thing": "algorithms.ppo", "own": "flowactors.batch", "prose": "see engines.roles", "other": "a.b"}
+'''
+    path = ROOT / "flowactors" / "engines" / "imagined.py"
+    assert sorted(name for _, name in imports_of(source, path)) == sorted([
+        "os", "flowactors.batch", "flowactors", "flowactors.engines.protocols", "typing", "placement.plan",
+        "algorithms.core", "engines", "algorithms", "importlib", "engines.roles", "placement",
+        "algorithms.ppo", "flowactors.batch"])
+    bad = sorted(v.split(" imports ")[1] for v in violations("flowactors", path, source))
+    assert bad == sorted(["placement.plan", "algorithms.core", "engines", "algorithms", "engines.roles",
+                          "placement", "algorithms.ppo"])
+    assert violations("algorithms", ROOT / "algorithms" / "imagined.py", "import engines, placement\n") == []
+    assert len(violations("engines", ROOT / "engines" / "imagined.py", "import engines, placement\n")) == 1
+
+
+def test_the_dashboard_names_no_rlhf_metric_or_role() -> None:
+    """The RLHF metric names and role colours are the program's (`key_metrics`, algorithms/dashboard_style.py)."""
+    text = (ROOT / "flowactors" / "dashboard.py").read_text()
+    for word in ("reward_mean", "critic"):
+        assert word not in text, f"flowactors/dashboard.py names {word!r}; the program passes its own names in"
