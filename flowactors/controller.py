@@ -31,7 +31,7 @@ from distributed import Client, Future, LocalCluster
 from distributed.client import FutureCancelledError, FuturesCancelledError
 
 from flowactors import _runtime
-from flowactors.errors import HangError, PlacementError, WorkerLostError
+from flowactors.errors import HangError, PlacementError, SchedulerUnreachableError, WorkerLostError
 from flowactors.profiling import ComputeProfile, controller_share
 from flowactors.protocols import Layout, Protocol
 
@@ -140,21 +140,62 @@ class Controller:
         return cls(Client(cluster, set_as_default=False), cluster, **kwargs)
 
     @classmethod
-    def connect(cls, address: str, **kwargs: Any) -> "Controller":
-        """Join an existing scheduler (`dask worker --nthreads 1 --resources slot=1` or `GPU=1` per device)."""
+    def connect(cls, address: str, *, connect_timeout_s: float = 4.0, **kwargs: Any) -> "Controller":
+        """Join an existing scheduler (`dask worker --nthreads 1 --resources slot=1` or `GPU=1` per device).
+
+        The address is probed first: Dask's client retries a refused connection for its whole timeout and waits
+        forever on a port that accepts TCP but is not a scheduler (an HTTP server, say), so a wrong address would
+        otherwise hang or take half a minute to fail."""
+        _probe_scheduler(address, connect_timeout_s)
         return cls(Client(address, set_as_default=False), None, **kwargs)
 
     def close(self) -> None:
         """Close groups (without waiting on busy workers), the client, and the embedded cluster if any."""
         for group in list(self.groups.values()):
             group.close(wait=False)
+        self._teardown_world()
         try:
             self.client.unsubscribe_topic("all")
         except Exception:  # noqa: BLE001 - closing anyway
             pass
         self.client.close()
+        if isinstance(self.cluster, LocalCluster):
+            self._stop_workers()
         if self.cluster is not None:
             self.cluster.close()
+
+    def _stop_workers(self, timeout_s: float = 30.0) -> None:
+        """Stop the embedded cluster's worker processes, giving each `timeout_s` to exit. LocalCluster's own close
+        allows 4 s, after which the nanny kills the process and warns; a worker that holds torch and its models
+        can need longer to exit on a loaded machine, and a killed process is not a clean end of a run."""
+        import asyncio
+
+        nannies = list(self.cluster.workers.values())
+
+        async def stop() -> None:
+            await asyncio.gather(*(n.close(timeout=timeout_s) for n in nannies), return_exceptions=True)
+
+        try:
+            self.cluster.sync(stop)
+        except Exception:  # noqa: BLE001 - the cluster's own close below still ends them
+            pass
+
+    def _teardown_world(self, timeout_s: float = 10.0) -> None:
+        """Destroy the torch.distributed world on every live rank (after the calls issued before): its threads
+        and rank 0's rendezvous store would otherwise outlive the run, keeping an external cluster's workers
+        listening, and an embedded cluster's worker processes alive until the nanny kills them."""
+        if self._world is None:
+            return
+        from distributed import wait
+
+        token = _token()
+        futs = [self.submit_pinned(a, _runtime.teardown_world, key=f"world.teardown-{r}-{token}")
+                for r, a in enumerate(self._world) if a not in self._lost]
+        try:
+            wait(futs, timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - closing anyway; a hung rank is killed with its process
+            pass
+        self._world = None
 
     def __enter__(self) -> "Controller":
         return self
@@ -384,6 +425,50 @@ class Controller:
         self.groups.pop(name, None)
         for hosted in self._hosted.values():
             hosted[:] = [h for h in hosted if h[0] != name]
+
+
+def _probe_scheduler(address: str, timeout_s: float) -> None:
+    """Raise SchedulerUnreachableError unless a Dask scheduler answers an identity request at `address` in time."""
+    import asyncio
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed.comm import connect
+    from distributed.comm.addressing import get_address_host_port, parse_address
+
+    start = "start one with `dask scheduler` and workers with `dask worker ADDRESS --nthreads 1 --resources slot=1`"
+    try:
+        scheme, _ = parse_address(address)
+        host, port = get_address_host_port(address)
+    except ValueError as e:
+        raise SchedulerUnreachableError(f"{address!r} is not a Dask scheduler address ({e}); use tcp://HOST:PORT, "
+                                        f"e.g. tcp://127.0.0.1:8786") from None
+    if scheme in ("tcp", "tls"):  # a refused port fails here at once; Dask would retry it until its timeout
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as e:
+            raise SchedulerUnreachableError(f"cannot reach a Dask scheduler at {address}: {e.strerror or e}; "
+                                            f"{start}") from None
+
+    async def identity() -> dict:
+        comm = await connect(address, timeout=timeout_s)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    try:
+        with ThreadPoolExecutor(1) as pool:  # its own event loop, also when the caller runs one (notebooks)
+            info = pool.submit(asyncio.run, asyncio.wait_for(identity(), timeout_s)).result()
+    except (OSError, asyncio.TimeoutError, TimeoutError) as e:
+        raise SchedulerUnreachableError(f"{address} accepts connections but did not answer as a Dask scheduler "
+                                        f"within {timeout_s:g} s ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+                                        f"; check the port (the scheduler's, 8786 by default, not its dashboard's) "
+                                        f"or {start}") from None
+    if not isinstance(info, dict) or info.get("type") != "Scheduler":
+        kind = info.get("type") if isinstance(info, dict) else type(info).__name__
+        raise SchedulerUnreachableError(f"{address} is a Dask {kind}, not a scheduler; give the scheduler's address")
 
 
 def _unwrap_one(v: Any) -> Any:
