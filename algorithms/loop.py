@@ -18,11 +18,16 @@ multiplier). `run_program` does the rest:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +36,11 @@ from algorithms.cli import open_controller, parse_args, user_errors
 from algorithms.config import RLConfig, derived_sizes
 from algorithms.data import PromptData
 from algorithms.metrics import MetricsFile, print_summary
+from algorithms.resume import Change, check_resumable
 from algorithms.roles import Roles, build_roles, check_before_start
 from algorithms.tasks import get_task
 from engines import UpdateSpec, build_tokenizer
-from flowactors.checkpoint import CheckpointStore, capture_rng, restore_rng
+from flowactors.checkpoint import Checkpoint, CheckpointStore, capture_rng, restore_rng, seed_rng
 
 __all__ = ["Algorithm", "run_program"]
 
@@ -70,6 +76,10 @@ class Algorithm:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def resumed(self, changes: list[Change]) -> None:
+        """After loading a checkpoint: apply changed settings that `load_state_dict` restored over (e.g. a KL
+        coefficient kept in the algorithm's state). Settings read from `self.cfg` each step need nothing."""
+
     def summary_notes(self, history: list[dict]) -> dict[str, str]:
         """Text printed after a metric's line in the end-of-run summary (e.g. a constraint and whether it holds)."""
         return {}
@@ -78,10 +88,12 @@ class Algorithm:
 class _Run:
     """One program run: the controller, the groups, the loop state."""
 
-    def __init__(self, algo: Algorithm, ctl: fa.Controller, workdir: Path) -> None:
+    def __init__(self, algo: Algorithm, ctl: fa.Controller, workdir: Path, store: CheckpointStore | None = None,
+                 resume_from: Checkpoint | None = None, changes: Sequence[Change] = ()) -> None:
         self.algo, self.cfg, self.ctl, self.workdir = algo, algo.cfg, ctl, workdir
-        self.store = CheckpointStore(self.cfg.checkpoint_dir, keep_last=self.cfg.keep_last) \
-            if self.cfg.checkpoint_dir else None
+        self.store, self.resume_from, self.changes = store, resume_from, list(changes)
+        seed_rng(self.cfg.seed)  # the controller's RNGs, which checkpoints save, start from the run's seed
+        self.initial = {"rng": capture_rng(), "algorithm": copy.deepcopy(algo.state_dict())}
         self.metrics_file = MetricsFile(self.cfg.metrics_file) if self.cfg.metrics_file else None
         self.history: list[dict] = []
         self.stage_t: dict[str, float] = {}
@@ -145,23 +157,55 @@ class _Run:
         self.data.load_state_dict(state["data"])
         self.algo.load_state_dict(state["algorithm"])
         restore_rng(state["rng"])
+        self.apply_changes()
         print(f"[{self.algo.name}] resumed from {ckpt.path} at step {state['step']}", file=sys.stderr)
         return int(state["step"])
+
+    def apply_changes(self) -> None:
+        """Settings that differ from the checkpoint's (algorithms.resume) and live in loaded state: set them."""
+        if not self.changes:
+            return
+        assert self.roles is not None
+        keys = {c.key for c in self.changes}
+        if "actor_lr" in keys:
+            self.roles.actor.set_lr(self.cfg.actor_lr).result()
+        if "critic_lr" in keys:
+            for critic in (self.roles.critic, self.roles.cost_critic):
+                if critic is not None:
+                    critic.set_lr(self.cfg.critic_lr).result()
+        self.algo.resumed(self.changes)
+        print(f"[{self.algo.name}] settings changed since the checkpoint, applied: "
+              + "; ".join(map(str, self.changes)), file=sys.stderr)
+
+    def restart(self) -> None:
+        """Back to step 0 after a worker was lost before any checkpoint: nothing is lost but the steps so far."""
+        self.build(resuming=False)
+        self.data.load_state_dict({"epoch": 0, "index": 0, "seed": self.cfg.seed})
+        self.algo.load_state_dict(copy.deepcopy(self.initial["algorithm"]))
+        restore_rng(self.initial["rng"])
+        self.start = 0
 
     def recover(self, error: fa.WorkerLostError) -> None:
         self.recoveries += 1
         if self.recoveries > self.cfg.max_recoveries:
             raise fa.FlowactorsError(f"giving up after {self.cfg.max_recoveries} recoveries (max_recoveries); "
                                      f"last failure: {error}") from error
-        if self.store is None or self.store.latest_complete() is None:
-            raise fa.FlowactorsError("a worker died and there is no complete checkpoint to recover from; run with "
-                                     "--checkpoint-dir D --save-every K") from error
+        latest = self.store.latest_complete() if self.store is not None else None
+        if latest is None and self.history and self.history[-1]["step"] + 1 > (self.cfg.save_every or 0) > 0:
+            # steps past the first save point with no checkpoint: they would be lost silently
+            raise fa.FlowactorsError(f"a worker died and {self.cfg.checkpoint_dir} holds no complete checkpoint to "
+                                     f"recover from") from error
+        where = f"the checkpoint of step {latest.step}" if latest is not None else "step 0 (no checkpoint yet)"
         print(f"[{self.algo.name}] {error}\n[{self.algo.name}] recovering ({self.recoveries}/"
-              f"{self.cfg.max_recoveries}): rebuilding groups on live slots", file=sys.stderr)
+              f"{self.cfg.max_recoveries}): rebuilding groups on live slots, restarting from {where}",
+              file=sys.stderr)
         self.ctl.recover(wait_s=self.cfg.recovery_wait_s)
         self.roles = None  # the old groups went with the lost worker's world
-        self.build(resuming=True)
-        self.start = self.load(self.store.latest_complete())
+        if latest is None:
+            self.restart()
+        else:
+            self.build(resuming=True)
+            self.start = self.load(latest)
         self.history = [r for r in self.history if r["step"] < self.start]
         if self.metrics_file is not None:
             self.metrics_file.restart_at(self.start)
@@ -195,10 +239,9 @@ class _Run:
     def run(self) -> list[dict]:
         from tqdm import tqdm
 
-        self.build(resuming=False)
-        ckpt = self.store.resolve(self.cfg.resume) if self.store else None
-        if ckpt is not None:
-            self.start = self.load(ckpt)
+        self.build(resuming=self.resume_from is not None)  # no warm start when the checkpoint replaces it
+        if self.resume_from is not None:
+            self.start = self.load(self.resume_from)
         if self.metrics_file is not None:
             self.metrics_file.restart_at(self.start)
         bar = tqdm(total=self.cfg.steps, initial=self.start, desc=self.algo.name, file=sys.stderr,
@@ -242,21 +285,58 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
                 description: str) -> list[dict]:
     """Parse the command line onto the preset, check it, open the cluster, and run the algorithm to the end.
 
-    A user's mistake exits with status 2 and one line (algorithms.cli); `--debug` shows the traceback."""
+    A user's mistake exits with status 2 and one line (algorithms.cli); `--debug` shows the traceback. What can
+    be decided without a cluster is, before it starts: the settings, the checkpoint to resume from (verified) and
+    whether its settings allow the resume. The checkpoint directory is locked for the run."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg: RLConfig | None = None
     with user_errors(lambda: bool({"--debug", "log_level=debug"} & set(args))
-                     or (cfg is not None and cfg.log_level.lower() == "debug"), algo_cls.name):
+                     or (cfg is not None and cfg.log_level.lower() == "debug"), algo_cls.name), \
+            contextlib.ExitStack() as stack:
         cfg = parse_args(args, preset, description)
         check_before_start(cfg)
+        store, ckpt, changes = None, None, []
+        if cfg.checkpoint_dir:
+            store = CheckpointStore(cfg.checkpoint_dir, keep_last=cfg.keep_last)
+            store.acquire()
+            stack.callback(store.release)
+            ckpt = store.resolve(cfg.resume)
+            if ckpt is not None:
+                changes = check_resumable(ckpt.controller_state()["config"], cfg)
         fa.configure_logging(cfg.log_format, cfg.log_level)  # before the cluster starts: workers inherit it
+        stack.enter_context(_terminate_as_exit())
         algo = algo_cls(cfg)
-        with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="flowactors-") as tmp:
-            if ctl.dashboard_link:
-                from algorithms.dashboard_style import ROLE_COLORS
-                from flowactors.dashboard import install_dashboard
+        ctl = stack.enter_context(open_controller(cfg))
+        # the SFT export: inside the run's checkpoint directory when there is one (a killed controller's leftover
+        # is found and removed by the next run there), else a temporary directory removed on any exit
+        if store is not None:
+            for stale in Path(cfg.checkpoint_dir).glob(".sft-*"):  # the lock says no other run uses them
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=".sft-" if store else "flowactors-",
+                                                              dir=cfg.checkpoint_dir if store else None))
+        if cfg.dashboard and ctl.dashboard_link:
+            from algorithms.dashboard_style import ROLE_COLORS
+            from flowactors.dashboard import install_dashboard
 
-                page = install_dashboard(ctl.client, metrics=algo.key_metrics, role_colors=ROLE_COLORS)
-                print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
-                      file=sys.stderr)
-            return _Run(algo, ctl, Path(tmp)).run()
+            page = install_dashboard(ctl.client, metrics=algo.key_metrics, role_colors=ROLE_COLORS)
+            print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
+                  file=sys.stderr)
+        return _Run(algo, ctl, Path(tmp), store, ckpt, changes).run()
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (a scheduler's cancel, `kill`) unwinds like Ctrl-C, so temporary files, the cluster and the lock are
+    cleaned up; only SIGKILL skips that. Only the main thread can install handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -19,6 +19,7 @@ from algorithms.config import PPOConfig
 from algorithms.core import AdaptiveKL, FixedKL, PolicyLoss, ValueLoss
 from algorithms.fusion import fused_rollout
 from algorithms.loop import Algorithm, run_program
+from algorithms.resume import Change
 from algorithms.metrics import summarize
 from algorithms.data import PromptData
 from algorithms.roles import Roles
@@ -77,6 +78,10 @@ class PPO(Algorithm):
 
     def load_state_dict(self, state: dict) -> None:
         self.kl_ctl.value = float(state["kl_coef"])
+
+    def resumed(self, changes: list[Change]) -> None:
+        if any(c.key == "kl_coef" for c in changes):  # a changed coefficient replaces the checkpoint's
+            self.kl_ctl.value = self.cfg.kl_coef
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -117,6 +117,15 @@ class ModelWorker(Worker):
             restore_rng(torch.load(rng, weights_only=False))
 
     @endpoint(protocol=ONE_TO_ALL)
+    def set_lr(self, lr: float) -> None:
+        """Make `lr` the peak learning rate from now on (a resumed run applying a changed actor_lr/critic_lr: the
+        checkpoint's optimizer and schedule state carry the old one)."""
+        if not lr > 0:
+            raise ValueError(f"a learning rate must be > 0, got {lr}")
+        self.engine.cfg.lr = lr
+        self.engine.set_lr(lr)
+
+    @endpoint(protocol=ONE_TO_ALL)
     def parameter_digest(self) -> float:
         """A cheap fingerprint of the full weights (sum of all parameters), for tests and sanity checks."""
         return float(sum(t.double().sum() for t in self.engine.full_state_dict().values()))

@@ -42,7 +42,9 @@ writer checksum a file as it streams it out (``_BlockCrc``), with the same resul
 ``benchmarks/checkpoint.py`` measures a save and a verified load against a plain copy. CRC-32 guards against
 torn and corrupted files, not against tampering.
 
-One controller owns a store root: two controllers committing into the same root at once are not supported.
+One run owns a store root: `acquire()` takes an exclusive lock on ``root/.lock`` (flock: released by the kernel
+when the process dies, so a crashed run leaves no stale lock), and a second run's `acquire()` fails naming the
+holder instead of silently interleaving saves and retention with the first.
 The torch.distributed.checkpoint helpers that ranks call live in ``flowactors/_dcp.py`` and are re-exported here;
 the checksum layer that both use (block CRCs, sidecars, ``CheckpointError``) lives below both, in
 ``flowactors/_integrity.py``, so imports point one way.
@@ -88,12 +90,14 @@ __all__ = [
     "load_sharded",
     "restore_rng",
     "save_sharded",
+    "seed_rng",
 ]
 
 _log = structlog.get_logger("flowactors.checkpoint")
 
 MANIFEST_NAME = "MANIFEST.json"
 LATEST_NAME = "latest"
+LOCK_NAME = ".lock"
 CONTROLLER_DIR = "controller"
 _STATE_JSON = "state.json"
 _STATE_TENSORS = "tensors.pt"
@@ -198,6 +202,39 @@ class CheckpointStore:
         self._pending: dict[Path, PendingCheckpoint] = {}
         self._lock = threading.Lock()
         self._deleting: list[threading.Thread] = []
+        self._lockfile: Any = None
+
+    # -- ownership ---------------------------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Lock the root for this process's run; CheckpointError if another run holds it."""
+        import fcntl
+        import socket
+
+        if self._lockfile is not None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / LOCK_NAME
+        f = open(path, "a+")  # noqa: SIM115 - held open for the lock's lifetime
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise CheckpointError(f"checkpoint directory {self.root} is in use by another run ({holder}); give this "
+                                  f"run another --checkpoint-dir, or wait for that one to end", path=path) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        self._lockfile = f
+
+    def release(self) -> None:
+        """Give up the lock `acquire` took (also when the process ends)."""
+        if self._lockfile is not None:
+            self._lockfile.close()  # closing the file drops the flock
+            self._lockfile = None
 
     # -- saving ------------------------------------------------------------------------------------------------
 
@@ -314,13 +351,28 @@ class CheckpointStore:
         return Checkpoint(path=path, step=manifest["step"], manifest=manifest)
 
     def resolve(self, resume: str | os.PathLike[str]) -> Checkpoint | None:
-        """The checkpoint a run resumes from: ``"auto"`` (newest verified, or None), ``"never"`` (None), or a
-        path (absolute, or relative to the store root), which must verify: there is no fallback for an explicit
-        choice."""
+        """The checkpoint a run resumes from: ``"auto"`` (newest verified; None when the root holds no checkpoint
+        at all), ``"never"`` (None), or a path (absolute, or relative to the store root), which must verify: there
+        is no fallback for an explicit choice. ``"auto"`` over checkpoints of which none verifies is an error
+        listing each one's problem: starting over from step 0 silently would discard a run the user meant to
+        continue."""
         if resume == "never":
             return None
         if resume == "auto":
-            return self.latest_complete()
+            found = self.latest_complete()
+            candidates = self._candidates()
+            if found is None and candidates:
+                problems = []
+                for path in candidates:
+                    try:
+                        self.load(path)
+                    except CheckpointError as error:
+                        problems.append(f"{path.name}: {error}")
+                raise CheckpointError(
+                    f"resume=auto found {len(candidates)} checkpoint(s) under {self.root} and none verifies:\n  - "
+                    + "\n  - ".join(problems) + "\nresume=never starts over (saving over them), or resume=PATH "
+                    f"names another checkpoint", path=self.root)
+            return found
         path = Path(resume)
         if not path.exists() and (self.root / path).exists():
             path = self.root / path
@@ -638,6 +690,16 @@ def _numpy() -> Any:
 
 # --------------------------------------------------------------------------------------------------------------
 # RNG state
+
+
+def seed_rng(seed: int) -> None:
+    """Seed every generator `capture_rng` captures (Python, numpy, torch, CUDA), so the RNG states a checkpoint
+    saves are the same in identical runs."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # all CUDA devices too
+    np = _numpy()
+    if np is not None:
+        np.random.seed(seed % 2**32)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -89,3 +89,73 @@ def test_killed_worker_mid_run_recovers_and_finishes_with_equal_metrics(tmp_path
     finally:
         client.close()
         cluster.close()
+
+
+def test_a_worker_lost_before_the_first_checkpoint_restarts_from_step_0(tmp_path, reference, capsys):
+    """No checkpoint yet (none configured): the lost worker costs the steps so far, and the run, restarted from
+    step 0 with the warm start, ends with the metrics of the uninterrupted run."""
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                           dashboard_address=None, resources={"slot": 1})
+    client = Client(cluster)
+    try:
+        victim, pid = list(client.run(os.getpid).items())[1]
+        metrics = tmp_path / "m.jsonl"
+        killed_mid_run = threading.Event()
+
+        def kill_after_step_0():
+            deadline = time.monotonic() + 120
+            while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+            killed_mid_run.set()
+
+        killer = threading.Thread(target=kill_after_step_0, daemon=True)
+        killer.start()
+        history = ppo(["--steps", "4", *COMMON, "--address", cluster.scheduler_address, "--metrics-file",
+                       str(metrics), "recovery_wait_s=60"])
+        killer.join()
+        err = capsys.readouterr().err
+        assert killed_mid_run.is_set()
+        assert f"worker {victim} died" in err and "restarting from step 0 (no checkpoint yet)" in err, err[-3000:]
+        same(reference, history)
+        import json
+        assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1, 2, 3]
+    finally:
+        client.close()
+        cluster.close()
+
+
+def test_resume_applies_changed_settings_and_refuses_ones_fixed_at_the_start(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    ppo(["--steps", "2", *COMMON, "--checkpoint-dir", str(ck), "--save-every", "2"])
+    assert not list(ck.glob(".sft-*"))  # the SFT export lived in the run's directory and went with the run
+    (ck / ".sft-left-by-a-killed-run").mkdir()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        ppo(["--steps", "3", *COMMON, "--checkpoint-dir", str(ck), "seed=1"])
+    assert exit_.value.code == 2
+    assert "fixed at a run's start, so a resumed run cannot change them: seed 0 -> 1" in capsys.readouterr().err
+    resumed = ppo(["--steps", "3", *COMMON, "--checkpoint-dir", str(ck), "actor_lr=1e-4", "kl_coef=0.05"])
+    err = capsys.readouterr().err
+    assert "applied: steps 2 -> 3; actor_lr 0.0002 -> 0.0001; kl_coef 0.02 -> 0.05" in err
+    assert [r["step"] for r in resumed] == [2]
+    assert resumed[0]["kl_coef"] == 0.05  # not the checkpoint's 0.02
+    assert resumed[0]["actor/lr"] == pytest.approx(1e-4)  # not the checkpoint's schedule at 2e-4
+    assert not (ck / ".sft-left-by-a-killed-run").exists()
+
+
+def test_finished_steps_reach_the_metrics_file_when_a_run_fails(tmp_path):
+    from algorithms.loop import run_program
+    from algorithms.ppo import PPO, ppo_tiny_cpu
+
+    class FailsAtStep2(PPO):
+        def step(self, prompts, i):
+            if i == 2:
+                raise RuntimeError("the step-2 failure")
+            return super().step(prompts, i)
+
+    metrics = tmp_path / "m.jsonl"
+    with pytest.raises(RuntimeError, match="the step-2 failure"):
+        run_program(FailsAtStep2, ppo_tiny_cpu, ["--steps", "4", *COMMON, "--metrics-file", str(metrics)], "test")
+    import json
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1]

@@ -178,12 +178,59 @@ def test_flipped_byte_in_a_later_block_of_a_large_file(tmp_path: Path) -> None:
         assert store.latest_complete() is None
 
 
-def test_all_damaged_means_no_checkpoint(store: CheckpointStore) -> None:
-    only = save_step(store, 1)
-    _flip_one_byte(only.path / "actor" / "rank0.bin", 0)
+def test_all_damaged_means_no_checkpoint_and_resume_auto_refuses_to_start_over(store: CheckpointStore) -> None:
+    first, only = save_step(store, 1), save_step(store, 2)
+    _flip_one_byte(first.path / "actor" / "rank0.bin", 0)
+    (only.path / "MANIFEST.json").unlink()
     with capture_logs():
         assert store.latest_complete() is None
-        assert store.resolve("auto") is None
+        # starting from step 0 would silently discard the run: the error lists what was found and why it failed
+        with pytest.raises(CheckpointError, match=r"(?s)resume=auto found 2 checkpoint\(s\) under .* and none "
+                                                  r"verifies:\n  - step_000002: .*partial: it has no MANIFEST.json.*"
+                                                  r"\n  - step_000001: .*corrupt: actor/rank0.bin.*"
+                                                  r"resume=never starts over"):
+            store.resolve("auto")
+    assert store.resolve("never") is None
+
+
+def test_one_run_at_a_time_holds_a_checkpoint_directory(store: CheckpointStore, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    store.acquire()
+    other = CheckpointStore(store.root)
+    with pytest.raises(CheckpointError, match=rf"checkpoint directory {store.root} is in use by another run "
+                                              rf"\(pid {os.getpid()} on .* since .*\); give this run another"):
+        other.acquire()
+    store.release()
+    other.acquire()  # free once released
+    other.release()
+    # a process that dies holding the lock (SIGKILL: no cleanup) leaves it free: the kernel drops flocks
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from flowactors.checkpoint import "
+                               f"CheckpointStore; s = CheckpointStore({str(store.root)!r}); s.acquire(); print('held', "
+                               "flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=rf"in use by another run \(pid {holder.pid} "):
+            store.acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    store.acquire()
+    store.release()
+
+
+def test_seeded_rng_states_are_the_same_in_identical_runs() -> None:
+    from flowactors.checkpoint import seed_rng
+
+    seed_rng(7)
+    a = capture_rng()
+    random.random(), torch.rand(3)
+    seed_rng(7)
+    b = capture_rng()
+    _assert_same(a, b)
+    seed_rng(8)
+    assert capture_rng()["python"] != a["python"]
 
 
 def test_retention_keeps_last_k_and_every_nth(tmp_path: Path) -> None:

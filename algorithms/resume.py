@@ -1,0 +1,74 @@
+"""What a resumed run does with settings that differ from its checkpoint's: apply, or refuse with the list.
+
+A checkpoint holds the resolved config it was saved under. On resume every difference is sorted into one of:
+
+- **the run's environment** (where it runs, what it logs, how often it saves): used as given, not reported;
+- **fixed at the run's start** (seed, task, dataset, the model's architecture, the warm start, λ's start): the
+  checkpoint's state was built from them, and a new value could not take effect, so the resume is refused with
+  the list, before the cluster starts;
+- **applied**, and listed: everything else. Most are read afresh every step (batch sizes, clip ranges, steps).
+  Learning rates and the KL coefficient also live in the checkpoint's state (optimizer schedule, KL controller),
+  so they are set explicitly after loading; otherwise a changed `actor_lr` would be silently ignored.
+
+Changing a setting that shapes the samples (prompts_per_step, temperature, ...) is the user's call: the run
+continues soundly, but no longer reproduces an uninterrupted run with the old settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from algorithms.config import ConfigError, RLConfig
+
+__all__ = ["Change", "setting_changes", "check_resumable"]
+
+_ENVIRONMENT = ("resume", "checkpoint_dir", "address", "cluster", "slurm.", "dashboard", "metrics_file",
+                "tensorboard_dir", "log_format", "log_level", "call_timeout_s", "profile_controller",
+                "recovery_wait_s", "max_recoveries", "keep_last", "save_every")
+_FIXED_AT_START = ("seed", "task", "dataset_prompts", "model.", "sft_steps", "sft_samples_per_step", "sft_lr",
+                   "lambda_init")
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One setting whose value differs from the checkpoint's."""
+
+    key: str
+    saved: Any
+    now: Any
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.saved!r} -> {self.now!r}"
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _matches(key: str, names: tuple[str, ...]) -> bool:
+    return any(key == n or (n.endswith(".") and key.startswith(n)) for n in names)
+
+
+def setting_changes(saved_config: dict, cfg: RLConfig) -> list[Change]:
+    """The settings (not of the run's environment) whose value differs from the checkpoint's config."""
+    saved, now = _flat(saved_config), _flat(dataclasses.asdict(cfg))
+    keys = [k for k in now if not _matches(k, _ENVIRONMENT)]
+    return [Change(k, saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]]
+
+
+def check_resumable(saved_config: dict, cfg: RLConfig) -> list[Change]:
+    """The changes the resumed run applies; ConfigError listing those it cannot."""
+    changes = setting_changes(saved_config, cfg)
+    fixed = [c for c in changes if _matches(c.key, _FIXED_AT_START)]
+    if fixed:
+        raise ConfigError("these settings differ from the checkpoint's and are fixed at a run's start, so a resumed "
+                          "run cannot change them: " + "; ".join(map(str, fixed))
+                          + ". Set them back, or start a new run (resume=never, or another checkpoint_dir)")
+    return changes
