@@ -45,6 +45,22 @@ class RLConfig:
     """Synthetic task (algorithms.tasks): digit_sum, add, reverse."""
     dataset_prompts: int = 512
     """Prompts in the task's dataset; epochs wrap around it."""
+    train_files: list[str] = field(default_factory=list)
+    """Prompt datasets, JSONL or Parquet (comma-separated), instead of the task's prompts: a `prompt` column (text or
+    chat messages) or `messages`, chat rendered with the policy tokenizer's template; a `response` column feeds the
+    warm start; other columns reach rule rewards. The task still gives the rule reward and response length."""
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out prompts (same formats) for eval_every."""
+    eval_every: int = 0
+    """Evaluate every K steps and after the last (0: never): reward (and cost) means of greedy and of sampled
+    responses to eval_files' prompts, as eval/* metrics in the metrics file and on the dashboard."""
+    eval_prompts: int = 256
+    """At most this many eval_files prompts per evaluation (the first ones)."""
+    reward_model: str | None = None
+    """A Hugging Face folder with a sequence-classification (score) head, Llama or Qwen2 family: the reward role
+    scores with it instead of the task's rule reward (texts re-tokenized when its tokenizer differs)."""
+    cost_model: str | None = None
+    """The same for Safe-RLHF's cost role."""
     metrics_file: str | None = None
     """Write one JSON object per step here (JSONL)."""
     tensorboard_dir: str | None = None
@@ -153,6 +169,11 @@ class RLConfig:
             raise ConfigError(f"log_format must be 'console' or 'json', got {self.log_format!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if self.eval_every < 0 or self.eval_prompts < 1:
+            raise ConfigError(f"eval_every must be >= 0 and eval_prompts >= 1, got {self.eval_every}, "
+                              f"{self.eval_prompts}")
+        if self.eval_every and not self.eval_files:
+            raise ConfigError(f"eval_every={self.eval_every} needs eval_files=PATH[,PATH] (held-out prompts)")
         if self.call_timeout_s is not None and not self.call_timeout_s > 0:
             raise ConfigError(f"call_timeout_s must be > 0 seconds (or none: no watchdog), got {self.call_timeout_s}")
         if self.dashboard in ("none", "None", ""):
@@ -280,6 +301,8 @@ def _coerce(value: str, tp: Any) -> Any:
         raise ConfigError(f"expected a boolean, got {value!r}")
     if tp in (int, float, str):
         return tp(value)
+    if origin is list and not value.lstrip().startswith("["):  # a,b,c as well as ["a", "b", "c"]
+        return [x for x in value.split(",") if x]
     return json.loads(value)
 
 

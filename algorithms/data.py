@@ -12,29 +12,43 @@ from typing import Any
 
 import torch
 
+from algorithms.config import RLConfig
+from algorithms.datasets import Example
 from algorithms.tasks import Task
 from engines.generation import assemble_samples
 from flowactors import Batch
 
-__all__ = ["PromptData"]
+__all__ = ["PromptData", "prompt_data"]
 
 
 class PromptData:
-    """A fixed, seeded set of task prompts, visited in a per-epoch shuffled order with a saveable position."""
+    """A fixed, seeded set of prompts, visited in a per-epoch shuffled order with a saveable position.
 
-    def __init__(self, task: Task, tokenizer: Any, n_prompts: int, seed: int) -> None:
-        rng = random.Random(seed)
+    The prompts are `n_prompts` synthetic examples of `task`, or `examples` when given (a dataset from files,
+    `algorithms.datasets`); the task still supplies the rule reward and the default response length. Per-row values
+    that every example has (a task's `target`, a dataset's extra columns) travel with the prompts."""
+
+    def __init__(self, task: Task, tokenizer: Any, n_prompts: int, seed: int,
+                 examples: list[Example] | None = None) -> None:
         self.task, self.tokenizer, self.seed = task, tokenizer, seed
-        self.examples = [task.make_example(rng) for _ in range(n_prompts)]
+        if examples is None:
+            rng = random.Random(seed)
+            examples = [task.make_example(rng) for _ in range(n_prompts)]
+        self.examples = examples
         self.width = max(len(tokenizer(p).input_ids) for p, _, _ in self.examples)
+        self.row_keys = sorted(set.intersection(*(set(values) for _, _, values in self.examples)))
         self.epoch, self.index = 0, 0
+
+    @property
+    def has_demonstrations(self) -> bool:
+        return all(demo is not None for _, demo, _ in self.examples)
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.examples)))
         random.Random(self.seed * 1000 + epoch).shuffle(order)
         return order
 
-    def encode(self, examples: list[tuple[str, str, dict]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
         enc = self.tokenizer([p for p, _, _ in examples], padding="max_length", max_length=self.width,
                              return_tensors="pt")
         return enc.input_ids, enc.attention_mask
@@ -51,14 +65,27 @@ class PromptData:
                 self.epoch, self.index = self.epoch + 1, 0
         rows = [(e, i, k) for e, i in picked for k in range(samples_per_prompt)]
         examples = [self.examples[i] for _, i, _ in rows]
-        ids, mask = self.encode(examples)
         seeds = torch.tensor([hash((self.seed, e, i, k)) % (2**62) for e, i, k in rows])
         groups = torch.tensor([g for g in range(len(picked)) for _ in range(samples_per_prompt)])
+        return self._batch(examples, seeds, groups, [i for _, i, _ in rows])
+
+    def eval_batch(self, limit: int | None = None) -> Batch:
+        """The first `limit` prompts (all by default) in dataset order, one sample each, seeded by position (the same
+        prompts and seeds at every evaluation, so evaluations compare)."""
+        n = len(self.examples) if limit is None else min(limit, len(self.examples))
+        seeds = torch.tensor([hash((self.seed, -1, i)) % (2**62) for i in range(n)])
+        return self._batch(self.examples[:n], seeds, torch.arange(n), list(range(n)))
+
+    def _batch(self, examples: list[Example], seeds: torch.Tensor, groups: torch.Tensor, index: list[int]) -> Batch:
+        ids, mask = self.encode(examples)
+        rows = {k: [ex[2][k] for ex in examples] for k in self.row_keys}
         return Batch({"input_ids": ids, "attention_mask": mask, "seed": seeds, "group": groups},
-                     {"target": [ex[2]["target"] for ex in examples], "prompt_index": [i for _, i, _ in rows]})
+                     {**rows, "prompt_index": index})
 
     def sft_batch(self, samples: int, max_new_tokens: int, seed: int) -> Batch:
         """Demonstrations laid out like generated samples (prompt | response + EOS), for the NLL update."""
+        if not self.has_demonstrations:
+            raise ValueError("these prompts have no demonstrations (a `response` column) for supervised steps")
         rng = random.Random(seed)
         examples = [self.examples[rng.randrange(len(self.examples))] for _ in range(samples)]
         ids, mask = self.encode(examples)
@@ -77,3 +104,24 @@ class PromptData:
         if state["seed"] != self.seed:
             raise ValueError(f"data state was saved with seed {state['seed']} but this run uses {self.seed}")
         self.epoch, self.index = state["epoch"], state["index"]
+
+
+def prompt_data(cfg: RLConfig) -> tuple[PromptData, PromptData | None]:
+    """The run's training prompts (the task's, or train_files) and its eval prompts (eval_files, if any), built on
+    the controller before any worker starts, so a bad dataset fails first."""
+    from algorithms.config import ConfigError
+    from algorithms.datasets import load_examples
+    from algorithms.tasks import get_task
+    from engines import build_tokenizer
+
+    task, tokenizer = get_task(cfg.task), build_tokenizer(cfg.model)
+    examples = load_examples(cfg.train_files, tokenizer, "train_files") if cfg.train_files else None
+    data = PromptData(task, tokenizer, cfg.dataset_prompts, cfg.seed, examples=examples)
+    if cfg.sft_steps and not data.has_demonstrations:
+        raise ConfigError(f"sft_steps={cfg.sft_steps} needs demonstrations: a `response` column (or a final "
+                          f"assistant message) in every row of train_files; or set sft_steps=0")
+    evaluation = None
+    if cfg.eval_files:
+        evaluation = PromptData(task, tokenizer, 0, cfg.seed, examples=load_examples(cfg.eval_files, tokenizer,
+                                                                                      "eval_files"))
+    return data, evaluation

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import dataclasses
 import shutil
 import signal
@@ -34,12 +35,11 @@ from typing import Any
 import flowactors as fa
 from algorithms.cli import open_controller, parse_args, user_errors
 from algorithms.config import RLConfig, derived_sizes
-from algorithms.data import PromptData
+from algorithms.data import PromptData, prompt_data
 from algorithms.metrics import MetricsFile, print_summary
 from algorithms.resume import Change, check_resumable
 from algorithms.roles import Roles, build_roles, check_before_start
-from algorithms.tasks import get_task
-from engines import UpdateSpec, build_tokenizer
+from engines import GenerationSpec, UpdateSpec
 from flowactors.checkpoint import Checkpoint, CheckpointStore, capture_rng, restore_rng, seed_rng
 
 __all__ = ["Algorithm", "run_program"]
@@ -88,7 +88,8 @@ class Algorithm:
 class _Run:
     """One program run: the controller, the groups, the loop state."""
 
-    def __init__(self, algo: Algorithm, ctl: fa.Controller, workdir: Path, store: CheckpointStore | None = None,
+    def __init__(self, algo: Algorithm, ctl: fa.Controller, workdir: Path, data: PromptData | None = None, *,
+                 eval_data: PromptData | None = None, store: CheckpointStore | None = None,
                  resume_from: Checkpoint | None = None, changes: Sequence[Change] = ()) -> None:
         self.algo, self.cfg, self.ctl, self.workdir = algo, algo.cfg, ctl, workdir
         self.store, self.resume_from, self.changes = store, resume_from, list(changes)
@@ -100,8 +101,7 @@ class _Run:
         self._stage_mark = 0.0
         self.recoveries = 0
         self.roles: Roles | None = None
-        self.data = PromptData(get_task(self.cfg.task), build_tokenizer(self.cfg.model), self.cfg.dataset_prompts,
-                               self.cfg.seed)
+        self.data, self.eval_data = (data, eval_data) if data is not None else prompt_data(self.cfg)
         self.start = 0
         self.tensorboard = None
         if self.cfg.tensorboard_dir:
@@ -234,7 +234,30 @@ class _Run:
             metrics = self.algo.step(prompts, i)
             dt = time.perf_counter() - t0
         tokens = metrics.pop("prompt_tokens", 0.0) + metrics.pop("response_tokens", 0.0)
-        return {"step": i, **metrics, **self.stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
+        record = {"step": i, **metrics, **self.stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
+        if self.eval_data is not None and self.cfg.eval_every and \
+                ((i + 1) % self.cfg.eval_every == 0 or i + 1 == self.cfg.steps):
+            record.update(self.evaluate())
+        return record
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward (and cost) of greedy and of sampled responses to the eval prompts, with the current actor."""
+        assert self.roles is not None and self.eval_data is not None
+        roles, t0 = self.roles, time.perf_counter()
+        prompts = self.eval_data.eval_batch(self.cfg.eval_prompts)
+        n = len(prompts)
+        scorers = [("reward", roles.reward.compute_reward, "rewards")]
+        if roles.cost is not None:
+            scorers.append(("cost", roles.cost.compute_cost, "costs"))
+        prompts, _ = prompts.pad_to_multiple(math.lcm(*(g.layout.dp for g in (roles.actor, roles.reward,
+                                                                                 roles.cost) if g is not None)))
+        calls = {}
+        for mode, spec in (("greedy", GenerationSpec(greedy=True)), ("sampled", GenerationSpec())):
+            samples = roles.actor.generate_sequences(prompts, spec)
+            for name, score, key in scorers:
+                calls[f"eval/{name}_{mode}"] = (score(samples), key)
+        out = {k: float(call.result()[key][:n].float().mean()) for k, (call, key) in calls.items()}
+        return {**out, "eval_s": time.perf_counter() - t0}
 
     def run(self) -> list[dict]:
         from tqdm import tqdm
@@ -295,6 +318,7 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
             contextlib.ExitStack() as stack:
         cfg = parse_args(args, preset, description)
         check_before_start(cfg)
+        data, eval_data = prompt_data(cfg)
         store, ckpt, changes = None, None, []
         if cfg.checkpoint_dir:
             store = CheckpointStore(cfg.checkpoint_dir, keep_last=cfg.keep_last)
@@ -321,7 +345,8 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
             page = install_dashboard(ctl.client, metrics=algo.key_metrics, role_colors=ROLE_COLORS)
             print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
                   file=sys.stderr)
-        return _Run(algo, ctl, Path(tmp), store, ckpt, changes).run()
+        return _Run(algo, ctl, Path(tmp), data, eval_data=eval_data, store=store, resume_from=ckpt,
+                    changes=changes).run()
 
 
 @contextlib.contextmanager

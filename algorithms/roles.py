@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -83,6 +83,9 @@ def check_before_start(cfg: RLConfig) -> None:
             check_model_dir(cfg.model.path)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"model.path: {e}") from None
+    for name in ("reward_model", "cost_model"):
+        if getattr(cfg, name):
+            _check_score_model(getattr(cfg, name), name)
     for name in ("metrics_file", "tensorboard_dir"):
         value = getattr(cfg, name)
         if value and not Path(value).resolve().parent.is_dir():
@@ -98,6 +101,25 @@ def check_before_start(cfg: RLConfig) -> None:
             Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"checkpoint_dir={cfg.checkpoint_dir} cannot be a directory: {e.strerror or e}") from None
+
+
+def _check_score_model(path: str, setting: str) -> None:
+    """A reward/cost model folder must hold a sequence-classification head with one output: a causal LM there
+    would be scored through a freshly initialised head, i.e. noise."""
+    from engines import check_model_dir
+
+    try:
+        hf = check_model_dir(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{setting}: {e}") from None
+    archs = hf.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(f"{setting}={path} holds {archs or 'a model without architectures'}, not a model with a "
+                          f"score head (…ForSequenceClassification); train one (e.g. Bradley-Terry on preference "
+                          f"pairs) or give such a folder")
+    if hf.get("num_labels", len(hf.get("id2label") or {0: 0})) != 1:
+        raise ConfigError(f"{setting}={path} has {hf.get('num_labels', len(hf.get('id2label', {})))} score "
+                          f"outputs; a reward or cost model has one")
 
 
 def _load_plan(cfg: RLConfig):  # noqa: ANN202 - placement.Plan, imported lazily
@@ -207,11 +229,12 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
 
     With `warm_start`, the actor is fine-tuned on demonstrations first and the reference and critics start from
     its export; without (resuming), every model starts from `cfg.model` and is then loaded from a checkpoint."""
-    from engines import ActorWorker, CriticWorker, RefWorker, RuleRewardWorker
+    from engines import ActorWorker, CriticWorker, RefWorker
 
     task = data.task
-    if with_cost and task.cost is None:
-        raise ConfigError(f"task {task.name!r} defines no cost; Safe-RLHF needs a task with a cost (digit_sum)")
+    if with_cost and task.cost is None and not cfg.cost_model:
+        raise ConfigError(f"task {task.name!r} defines no cost; Safe-RLHF needs a cost: cost_model=DIR, or a task "
+                          f"with a rule cost (digit_sum)")
     if critics and not isinstance(cfg, PPOConfig):
         raise TypeError(f"critics need a PPOConfig (critic_lr, value_clip); got {type(cfg).__name__}")
     pools = place(ctl, cfg)
@@ -225,7 +248,17 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
     ref = group("ref", RefWorker, sft, cfg.temperature)
     built = {key: group(key, CriticWorker, sft, OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens),
                         "values" if key == "critic" else "cost_values") for key in critics}
-    reward = group("reward", RuleRewardWorker, task.reward, cfg.model)
+    reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model)
     if with_cost:
-        built["cost"] = group("cost", RuleRewardWorker, task.cost, cfg.model)
+        built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model)
     return Roles(actor=actor, ref=ref, reward=reward, **built)
+
+
+def _scorer(group: Callable[..., fa.ActorGroup], role: str, model_dir: str | None, rule: Callable,
+            policy: ModelConfig) -> fa.ActorGroup:
+    """A learned model (a score-head folder) when one is given, else the task's rule."""
+    from engines import RewardModelWorker, RuleRewardWorker
+
+    if model_dir:
+        return group(role, RewardModelWorker, ModelConfig(path=model_dir, dtype=policy.dtype), policy)
+    return group(role, RuleRewardWorker, rule, policy)

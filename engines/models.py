@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from engines.registry import training_engine_names
 from engines.tokenizer import char_tokenizer, load_tokenizer
 
-__all__ = ["ModelConfig", "build_model", "build_tokenizer", "save_pretrained", "check_model_dir",
+__all__ = ["ModelConfig", "build_model", "build_tokenizer", "same_vocabulary", "save_pretrained", "check_model_dir",
            "SUPPORTED_ARCHITECTURES"]
 
 Head = Literal["lm", "value", "score"]
@@ -99,6 +99,12 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """Whether token ids mean the same text under both tokenizers (vocabulary and special tokens)."""
+    specials = ("pad_token_id", "eos_token_id", "bos_token_id")
+    return a.get_vocab() == b.get_vocab() and all(getattr(a, k) == getattr(b, k) for k in specials)
 
 
 def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

@@ -31,7 +31,7 @@ import torch
 
 from engines.generation import GenerationStream, SamplingConfig
 from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
-from engines.models import ModelConfig, build_model, build_tokenizer, save_pretrained
+from engines.models import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
 from engines.protocols import MINIBATCH
 from engines.registry import check_training_layout, generation_engine, training_engine
 from engines.specs import GenerationSpec, UpdateSpec
@@ -304,20 +304,36 @@ class CriticWorker(ModelWorker):
 
 
 class RewardModelWorker(ModelWorker):
-    """Sequence-score model used as a reward model (compute_reward) or a cost model (compute_cost)."""
+    """Sequence-score model used as a reward model (compute_reward) or a cost model (compute_cost).
+
+    `policy`: the model whose samples it scores. When its tokenizer's vocabulary differs from this model's, the
+    samples are decoded with the policy's tokenizer and re-tokenized with this one (as OpenRLHF and TRL do): token
+    ids from another vocabulary are never scored."""
 
     head = "score"
 
-    def __init__(self, model: ModelConfig) -> None:
+    def __init__(self, model: ModelConfig, policy: ModelConfig | None = None) -> None:
         self._setup(model, None, trainable=False)
+        policy_tokenizer = build_tokenizer(policy) if policy is not None else None
+        self.policy_tokenizer = None if policy_tokenizer is None or same_vocabulary(policy_tokenizer, self.tokenizer) \
+            else policy_tokenizer
+
+    def _scores(self, batch: Batch) -> torch.Tensor:
+        if self.policy_tokenizer is None:
+            return self.engine.scores(batch)
+        decode = self.policy_tokenizer.batch_decode
+        texts = [p + r for p, r in zip(decode(batch["prompts"], skip_special_tokens=True),
+                                       decode(batch["responses"], skip_special_tokens=True))]
+        enc = self.tokenizer(texts, padding=True, return_tensors="pt")
+        return self.engine.scores(Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}))
 
     @endpoint(protocol=MESH)
     def compute_reward(self, batch: Batch) -> Batch:
-        return Batch({"rewards": self.engine.scores(batch)})
+        return Batch({"rewards": self._scores(batch)})
 
     @endpoint(protocol=MESH)
     def compute_cost(self, batch: Batch) -> Batch:
-        return Batch({"costs": self.engine.scores(batch)})
+        return Batch({"costs": self._scores(batch)})
 
 
 def _generation_spec(spec: GenerationSpec | None) -> GenerationSpec:

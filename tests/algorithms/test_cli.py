@@ -1,7 +1,7 @@
 """The command line of the algorithm programs: --help from the config dataclasses, and what a mistake looks like.
 
-User errors must fail before any worker starts: `Controller.local` and `Controller.connect` are replaced by a
-function that fails the test, so a check that ran too late shows up as that failure, not as a slow pass.
+User errors must fail before any worker starts: the `no_cluster` fixture (conftest.py) makes starting a cluster fail
+the test, so a check that ran too late shows up as that failure, not as a slow pass.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-import flowactors as fa
 from algorithms.config import (ConfigError, GRPOConfig, PPOConfig, ReMaxConfig, RLConfig, SafeRLHFConfig,
                                apply_overrides, describe_settings)
 from algorithms.metrics import MetricsFile, print_summary
@@ -24,15 +23,6 @@ from algorithms.safe_rlhf import SafeRLHF
 from algorithms.safe_rlhf import main as safe_rlhf
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def no_cluster(monkeypatch):
-    def started(*args, **kwargs):
-        raise AssertionError("the cluster was started before the configuration was checked")
-
-    monkeypatch.setattr(fa.Controller, "local", started)
-    monkeypatch.setattr(fa.Controller, "__init__", started)
 
 
 @pytest.mark.parametrize("cls", [RLConfig, PPOConfig, SafeRLHFConfig, GRPOConfig, ReMaxConfig])
