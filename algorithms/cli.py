@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Callable, Iterator, Sequence
 
 import flowactors as fa
-from algorithms.config import ConfigError, RLConfig, apply_overrides, describe_settings
+from algorithms.config import ConfigError, RunConfig, apply_overrides, describe_settings
 from flowactors import Controller
 
 __all__ = ["parse_args", "settings_help", "user_errors", "open_controller", "USER_ERRORS", "EXIT_USAGE"]
@@ -26,8 +26,20 @@ __all__ = ["parse_args", "settings_help", "user_errors", "open_controller", "USE
 EXIT_USAGE = 2
 """Exit status of a user's mistake (argparse's too)."""
 
-_FLAGS = ("steps", "address", "cluster", "metrics_file", "placement", "seed", "plan", "checkpoint_dir",
-          "save_every", "resume")
+_FLAGS: dict[str, dict] = {
+    "steps": {"type": int, "help": "RL steps (= steps=N)"},
+    "address": {"help": "Dask scheduler address (tcp://host:8786); default: embedded cluster"},
+    "metrics_file": {"help": "write one JSON object per step to this file"},
+    "cluster": {"choices": ["local", "slurm"], "help": "without --address: embedded (local) or Slurm jobs"},
+    "placement": {"choices": ["colocated", "split"]},
+    "plan": {"help": "placement plan file (JSON/YAML) from python -m placement.automap --json"},
+    "seed": {"type": int},
+    "checkpoint_dir": {"help": "where checkpoints go (atomic, checksummed)"},
+    "save_every": {"type": int, "help": "save a checkpoint every K steps"},
+    "resume": {"help": "auto (newest complete checkpoint), never, or a checkpoint path"},
+    "out": {"help": "the Hugging Face folder to write"},
+}
+"""Settings that also have a --flag (those a program's config has)."""
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -43,7 +55,7 @@ USER_ERRORS = _user_error_types()
 """What a user's input causes: reported as one line, not a traceback."""
 
 
-def settings_help(cfg: RLConfig, width: int | None = None) -> str:
+def settings_help(cfg: RunConfig, width: int | None = None) -> str:
     """Every `key=value` setting of `cfg`: key=default, then its doc, wrapped to the terminal."""
     width = width or min(120, shutil.get_terminal_size((100, 20)).columns)
     rows = describe_settings(cfg)
@@ -62,28 +74,22 @@ def settings_help(cfg: RLConfig, width: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None, preset: Callable[[], RLConfig], description: str) -> RLConfig:
+def parse_args(argv: Sequence[str] | None, preset: Callable[[], RunConfig], description: str) -> RunConfig:
     """`--steps N --address A --metrics-file F ...` plus `key=value` overrides onto the preset's dataclass.
 
     Raises ConfigError for a bad setting; argparse itself exits with status 2 on unknown flags."""
     cfg = preset()
     p = argparse.ArgumentParser(description=description, epilog=settings_help(cfg),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings, listed below (e.g. steps=10)")
-    p.add_argument("--steps", type=int, help="RL steps (= steps=N)")
-    p.add_argument("--address", help="Dask scheduler address (tcp://host:8786); default: embedded cluster")
-    p.add_argument("--metrics-file", help="write one JSON object per step to this file")
-    p.add_argument("--cluster", choices=["local", "slurm"], help="without --address: embedded (local) or Slurm jobs")
-    p.add_argument("--placement", choices=["colocated", "split"])
-    p.add_argument("--plan", help="placement plan file (JSON/YAML) from python -m placement.automap --json")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--checkpoint-dir", help="where checkpoints go (atomic, checksummed)")
-    p.add_argument("--save-every", type=int, help="save a checkpoint every K steps")
-    p.add_argument("--resume", help="auto (newest complete checkpoint), never, or a checkpoint path")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings, listed below (e.g. seed=1)")
+    present = {f.name for f in dataclasses.fields(cfg)}
+    for name, kwargs in _FLAGS.items():  # the flags of the settings this program has
+        if name in present:
+            p.add_argument(f"--{name.replace('_', '-')}", **kwargs)
     p.add_argument("--debug", action="store_true", help="log every call and show tracebacks (= log_level=debug)")
     args = p.parse_intermixed_args(argv)
     for name in _FLAGS:
-        value = getattr(args, name)
+        value = getattr(args, name, None)
         if value is not None:
             setattr(cfg, name, value)
     overrides = list(args.overrides) + (["log_level=debug"] if args.debug else [])
@@ -103,7 +109,7 @@ def user_errors(debug: Callable[[], bool], program: str) -> Iterator[None]:
         raise SystemExit(EXIT_USAGE) from None
 
 
-def open_controller(cfg: RLConfig) -> Controller:
+def open_controller(cfg: RunConfig) -> Controller:
     """The cluster the settings name: a scheduler at `address`, Slurm jobs, or the embedded local cluster."""
     if cfg.address:
         return Controller.connect(cfg.address, call_timeout_s=cfg.call_timeout_s)

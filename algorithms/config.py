@@ -24,7 +24,7 @@ from engines.models import ModelConfig
 from engines.training import OptimConfig
 from flowactors.slurm import SlurmSettings
 
-__all__ = ["RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError", "apply_overrides",
+__all__ = ["RunConfig", "RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError", "apply_overrides",
            "derived_sizes", "describe_settings", "field_docs", "validate"]
 
 
@@ -33,14 +33,53 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class RLConfig:
+class RunConfig:
+    """Where a program runs and what it reports: shared by the RL programs and the stages before RL."""
+
+    seed: int = 0
+    """Seeds the data order, the per-row sampling seeds and the controller's RNG; models have model.seed."""
+    metrics_file: str | None = None
+    """Write one JSON object per step here (JSONL)."""
+    log_format: str = "console"
+    """Structured logs (one event per call): console or json."""
+    log_level: str = "warning"
+    """debug: every call and the traceback of a user error (= --debug); info: every call; warning: failures only."""
+    address: str | None = None
+    """Dask scheduler address (tcp://host:8786); None starts the cluster named by `cluster`."""
+    cluster: str = "local"
+    """Without an address: local (an embedded LocalCluster of n_slots processes) or slurm (jobs submitted through
+    dask-jobqueue, one worker process per GPU, as set in `slurm.*`)."""
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    """The Slurm jobs of cluster=slurm: slurm.nodes=2 slurm.gpus_per_node=8 slurm.partition=gpu ..."""
+    n_slots: int = 2
+    """Worker processes (device slots) of the embedded cluster."""
+    call_timeout_s: float | None = 1800.0
+    """Watchdog per blocking wait: past it the step fails with every stuck rank's Python stack."""
+    dashboard: str | None = "127.0.0.1:8787"
+    """Dashboard address of the embedded cluster; none turns it off."""
+
+    def __post_init__(self) -> None:
+        if self.n_slots < 1:
+            raise ConfigError(f"n_slots must be >= 1, got {self.n_slots}")
+        if self.cluster not in ("local", "slurm"):
+            raise ConfigError(f"cluster must be 'local' or 'slurm', got {self.cluster!r}")
+        if self.log_format not in ("console", "json"):
+            raise ConfigError(f"log_format must be 'console' or 'json', got {self.log_format!r}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if self.call_timeout_s is not None and not self.call_timeout_s > 0:
+            raise ConfigError(f"call_timeout_s must be > 0 seconds (or none: no watchdog), got {self.call_timeout_s}")
+        if self.dashboard in ("none", "None", ""):
+            self.dashboard = None
+
+
+@dataclass
+class RLConfig(RunConfig):
     """What every algorithm program shares: run, cluster, batch sizes, model, warm start."""
 
     # -- run ------------------------------------------------------------------------------------------------------
     steps: int = 40
     """RL steps (one generate → score → update round each)."""
-    seed: int = 0
-    """Seeds the data order, the per-row sampling seeds and the controller's RNG; models have model.seed."""
     task: str = "digit_sum"
     """Synthetic task (algorithms.tasks): digit_sum, add, reverse."""
     dataset_prompts: int = 512
@@ -61,14 +100,8 @@ class RLConfig:
     scores with it instead of the task's rule reward (texts re-tokenized when its tokenizer differs)."""
     cost_model: str | None = None
     """The same for Safe-RLHF's cost role."""
-    metrics_file: str | None = None
-    """Write one JSON object per step here (JSONL)."""
     tensorboard_dir: str | None = None
     """Also write the step metrics as TensorBoard scalars here (needs the tensorboard package)."""
-    log_format: str = "console"
-    """Structured logs (one event per call): console or json."""
-    log_level: str = "warning"
-    """debug: every call and the traceback of a user error (= --debug); info: every call; warning: failures only."""
     # -- checkpoints and recovery ---------------------------------------------------------------------------------
     checkpoint_dir: str | None = None
     """Checkpoint root; None disables checkpoints (and so recovery)."""
@@ -84,23 +117,10 @@ class RLConfig:
     recovery_wait_s: float = 60.0
     """How long a recovery waits for the lost slots to come back before using the live ones."""
     # -- cluster and placement ------------------------------------------------------------------------------------
-    address: str | None = None
-    """Dask scheduler address (tcp://host:8786); None starts the cluster named by `cluster`."""
-    cluster: str = "local"
-    """Without an address: local (an embedded LocalCluster of n_slots processes) or slurm (jobs submitted through
-    dask-jobqueue, one worker process per GPU, as set in `slurm.*`)."""
-    slurm: SlurmSettings = field(default_factory=SlurmSettings)
-    """The Slurm jobs of cluster=slurm: slurm.nodes=2 slurm.gpus_per_node=8 slurm.partition=gpu ..."""
-    n_slots: int = 2
-    """Worker processes (device slots) of the embedded cluster."""
     placement: str = "colocated"
     """colocated (every model on every slot, time-shared) or split (actor+ref | critics+reward+cost)."""
     plan: str | None = None
     """A placement plan (JSON/YAML from `python -m placement.automap --json`); overrides `placement`."""
-    call_timeout_s: float | None = 1800.0
-    """Watchdog per blocking wait: past it the step fails with every stuck rank's Python stack."""
-    dashboard: str | None = "127.0.0.1:8787"
-    """Dashboard address of the embedded cluster; none turns it off."""
     # -- batch sizes ----------------------------------------------------------------------------------------------
     prompts_per_step: int = 32
     """Prompts drawn from the dataset each RL step (global, across data-parallel ranks)."""
@@ -139,7 +159,8 @@ class RLConfig:
     """Learning rate of the supervised warm start."""
 
     def __post_init__(self) -> None:
-        positive = ("steps", "n_slots", "prompts_per_step", "samples_per_prompt", "mini_batch_samples",
+        super().__post_init__()
+        positive = ("steps", "prompts_per_step", "samples_per_prompt", "mini_batch_samples",
                     "ppo_epochs", "micro_batch_tokens", "dataset_prompts", "sft_samples_per_step")
         for name in positive:
             if getattr(self, name) < 1:
@@ -155,8 +176,6 @@ class RLConfig:
             raise ConfigError("save_every needs a checkpoint_dir (--checkpoint-dir D)")
         if self.sft_steps < 0:
             raise ConfigError(f"sft_steps must be >= 0, got {self.sft_steps}")
-        if self.cluster not in ("local", "slurm"):
-            raise ConfigError(f"cluster must be 'local' or 'slurm', got {self.cluster!r}")
         if self.placement not in ("colocated", "split"):
             raise ConfigError(f"placement must be 'colocated' or 'split', got {self.placement!r}")
         if self.placement == "split" and self.n_slots < 2:
@@ -165,19 +184,11 @@ class RLConfig:
         if samples % self.mini_batch_samples:
             raise ConfigError(f"mini_batch_samples={self.mini_batch_samples} does not divide the "
                              f"{samples} samples of a step (prompts_per_step x samples_per_prompt); choose a divisor")
-        if self.log_format not in ("console", "json"):
-            raise ConfigError(f"log_format must be 'console' or 'json', got {self.log_format!r}")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.eval_every < 0 or self.eval_prompts < 1:
             raise ConfigError(f"eval_every must be >= 0 and eval_prompts >= 1, got {self.eval_every}, "
                               f"{self.eval_prompts}")
         if self.eval_every and not self.eval_files:
             raise ConfigError(f"eval_every={self.eval_every} needs eval_files=PATH[,PATH] (held-out prompts)")
-        if self.call_timeout_s is not None and not self.call_timeout_s > 0:
-            raise ConfigError(f"call_timeout_s must be > 0 seconds (or none: no watchdog), got {self.call_timeout_s}")
-        if self.dashboard in ("none", "None", ""):
-            self.dashboard = None
 
 
 @dataclass

@@ -21,7 +21,7 @@ from flowactors import Batch
 __all__ = [
     "masked_mean", "masked_whiten", "kl_penalty", "token_rewards", "gae", "grpo_advantages",
     "remax_advantages", "policy_loss", "value_loss", "PolicyLoss", "ValueLoss", "SFTLoss", "FixedKL",
-    "AdaptiveKL", "LagrangeMultiplier",
+    "AdaptiveKL", "LagrangeMultiplier", "PairwiseLoss", "SafetyCostLoss",
 ]
 
 
@@ -178,6 +178,36 @@ class SFTLoss:
         mask = mb["response_mask"].float()
         nll = -out["log_probs"]
         return self.coef * nll, mask, {"sft_loss": float(masked_mean(nll.detach(), mask))}
+
+
+@dataclass
+class PairwiseLoss:
+    """Bradley-Terry loss of a reward model on preference pairs: −log σ(r(chosen) − r(rejected)), per pair (the
+    update's `response_mask` is one column of ones, so it averages over pairs)."""
+
+    def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        margin = out["chosen"] - out["rejected"]
+        loss = -torch.nn.functional.logsigmoid(margin)
+        return loss[:, None], mb["response_mask"].float(), {
+            "rm_loss": float(loss.detach().mean()), "pair_accuracy": float((margin.detach() > 0).float().mean())}
+
+
+@dataclass
+class SafetyCostLoss:
+    """Safe-RLHF's cost-model loss (Dai et al. 2023, eq. 6): the more harmful response of a pair costs more,
+    −log σ(c(rejected) − c(chosen)), and each response's sign matches its safety label, −log σ(s·c(y)) with s = +1
+    for an unsafe response and −1 for a safe one, so that cost > 0 means unsafe (the threshold the policy keeps
+    to is then meaningful). Rows carry `chosen_safe` and `rejected_safe` (1 safe, 0 unsafe)."""
+
+    def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        chosen, rejected = out["chosen"], out["rejected"]
+        sign_c, sign_r = 1 - 2 * mb["chosen_safe"].float(), 1 - 2 * mb["rejected_safe"].float()
+        f = torch.nn.functional.logsigmoid
+        loss = -f(rejected - chosen) - f(sign_c * chosen) - f(sign_r * rejected)
+        sign_ok = torch.cat([(sign_c * chosen > 0), (sign_r * rejected > 0)]).float()
+        return loss[:, None], mb["response_mask"].float(), {
+            "cm_loss": float(loss.detach().mean()), "pair_accuracy": float((rejected > chosen).float().mean()),
+            "sign_accuracy": float(sign_ok.mean())}
 
 
 @dataclass

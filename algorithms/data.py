@@ -28,7 +28,7 @@ class PromptData:
     `algorithms.datasets`); the task still supplies the rule reward and the default response length. Per-row values
     that every example has (a task's `target`, a dataset's extra columns) travel with the prompts."""
 
-    def __init__(self, task: Task, tokenizer: Any, n_prompts: int, seed: int,
+    def __init__(self, task: Task | None, tokenizer: Any, n_prompts: int, seed: int,
                  examples: list[Example] | None = None) -> None:
         self.task, self.tokenizer, self.seed = task, tokenizer, seed
         if examples is None:
@@ -87,10 +87,15 @@ class PromptData:
         if not self.has_demonstrations:
             raise ValueError("these prompts have no demonstrations (a `response` column) for supervised steps")
         rng = random.Random(seed)
-        examples = [self.examples[rng.randrange(len(self.examples))] for _ in range(samples)]
+        return self.demonstrations([self.examples[rng.randrange(len(self.examples))] for _ in range(samples)],
+                                   max_new_tokens)
+
+    def demonstrations(self, examples: list[Example], max_new_tokens: int) -> Batch:
+        """`examples` with their demonstrations as responses (cut to `max_new_tokens`, EOS included), laid out
+        like generated samples: prompts left-padded to the dataset's width, responses right-padded."""
         ids, mask = self.encode(examples)
         eos = self.tokenizer.eos_token_id
-        resp = torch.full((samples, max_new_tokens), self.tokenizer.pad_token_id, dtype=torch.long)
+        resp = torch.full((len(examples), max_new_tokens), self.tokenizer.pad_token_id, dtype=torch.long)
         for r, (_, demo, _) in enumerate(examples):
             toks = (self.tokenizer(demo, add_special_tokens=False).input_ids + [eos])[:max_new_tokens]
             resp[r, :len(toks)] = torch.tensor(toks)

@@ -22,12 +22,15 @@ from typing import Any
 
 from algorithms.config import ConfigError
 
-__all__ = ["Example", "load_examples"]
+__all__ = ["Example", "Pair", "load_examples", "load_pairs"]
 
 Example = tuple[str, str | None, dict[str, Any]]
 """(prompt text, demonstration or None, per-row values)."""
 
 _RESPONSE_KEYS = ("response", "completion")
+
+Pair = tuple[str, str, str, dict[str, Any]]
+"""(prompt text, chosen response, rejected response, per-row values such as safety labels)."""
 
 
 def load_examples(paths: Sequence[str], tokenizer: Any, setting: str = "train_files") -> list[Example]:
@@ -104,3 +107,27 @@ def _render(messages: list[Any], tokenizer: Any, where: str) -> str:
     if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise ConfigError(f"{where}: chat messages must be objects with `role` and `content`, got {messages!r:.200}")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def load_pairs(paths: Sequence[str], tokenizer: Any, setting: str = "train_files") -> list[Pair]:
+    """Preference pairs: a prompt (as in `load_examples`) with `chosen` and `rejected` responses (text, or the
+    final assistant message of a chat); other scalar columns (e.g. `chosen_safe`) become row values."""
+    pairs: list[Pair] = []
+    for path in map(Path, paths):
+        for i, row in enumerate(_rows(path, setting)):
+            where = f"{setting}: row {i} of {path}"
+            answers = []
+            for key in ("chosen", "rejected"):
+                value = row.get(key)
+                if isinstance(value, list) and value and isinstance(value[-1], dict):
+                    value = value[-1].get("content")  # a chat: its final (assistant) message
+                if not isinstance(value, str):
+                    raise ConfigError(f"{where} has no `{key}` response (text); preference pairs need `chosen` and "
+                                      f"`rejected`; its columns: {sorted(row)}")
+                answers.append(value)
+            prompt, _, values = _example({k: v for k, v in row.items() if k not in ("chosen", "rejected")},
+                                         tokenizer, where)
+            pairs.append((prompt, answers[0], answers[1], values))
+    if not pairs:
+        raise ConfigError(f"{setting}={','.join(paths)} holds no pairs; give a file with at least one")
+    return pairs

@@ -71,6 +71,10 @@ class TrainingEngine(Protocol):
         """With gradients, for a loss inside `update`: {"values": (B, R) float32}."""
         ...
 
+    def score_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
+        """With gradients, for a loss inside `update`: {"scores": (B,) float32} (training a reward model)."""
+        ...
+
     def update(self, mini_batches: list[Batch], loss_fn: LossFn,
                outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step per mini-batch (this rank's share of it), the loss token-mean over the whole

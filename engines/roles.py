@@ -312,8 +312,10 @@ class RewardModelWorker(ModelWorker):
 
     head = "score"
 
-    def __init__(self, model: ModelConfig, policy: ModelConfig | None = None) -> None:
-        self._setup(model, None, trainable=False)
+    def __init__(self, model: ModelConfig, policy: ModelConfig | None = None, optim: OptimConfig | None = None
+                 ) -> None:
+        """`optim`: train this model (`update_scorer`), e.g. a reward model on preference pairs; None: frozen."""
+        self._setup(model, optim, trainable=optim is not None)
         policy_tokenizer = build_tokenizer(policy) if policy is not None else None
         self.policy_tokenizer = None if policy_tokenizer is None or same_vocabulary(policy_tokenizer, self.tokenizer) \
             else policy_tokenizer
@@ -334,6 +336,18 @@ class RewardModelWorker(ModelWorker):
     @endpoint(protocol=MESH)
     def compute_cost(self, batch: Batch) -> Batch:
         return Batch({"costs": self._scores(batch)})
+
+    @endpoint(protocol=MINIBATCH)
+    def update_scorer(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec) -> dict[str, float]:
+        """Train on pairs: each row holds a `chosen` sequence (`input_ids`, `attention_mask`) and a `rejected` one
+        (`rejected_input_ids`, `rejected_attention_mask`) of this model's tokenizer, and `response_mask` (B, 1) of
+        ones (the update averages over pairs). `loss_fn` sees {"chosen": (B,), "rejected": (B,)} scores."""
+        def outputs(mb: Batch) -> dict[str, torch.Tensor]:
+            rejected = Batch({"input_ids": mb["rejected_input_ids"], "attention_mask": mb["rejected_attention_mask"]})
+            return {"chosen": self.engine.score_outputs(mb)["scores"],
+                    "rejected": self.engine.score_outputs(rejected)["scores"]}
+
+        return self._update(shares, loss_fn, outputs, spec)
 
 
 def _generation_spec(spec: GenerationSpec | None) -> GenerationSpec:

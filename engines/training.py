@@ -152,7 +152,11 @@ class TrainEngine:
     def scores(self, batch: Batch) -> torch.Tensor:
         """One scalar per sequence from a sequence-classification head (read at the last non-pad token)."""
         self.model.eval()
-        return torch.cat([self._forward(mb).logits.squeeze(-1).float() for mb in self.micro_batches(batch)])
+        return torch.cat([self.score_outputs(mb)["scores"] for mb in self.micro_batches(batch)])
+
+    def score_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
+        """`scores` of one micro-batch, with gradients (training a reward or cost model)."""
+        return {"scores": self._forward(mb).logits.squeeze(-1).float()}
 
     # -- updates ----------------------------------------------------------------------------------------------
     def update(self, mini_batches: list[Batch], loss_fn: LossFn,

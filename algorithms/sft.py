@@ -1,0 +1,76 @@
+"""Supervised fine-tuning: the step before RL, on the same engines, placement and runtime.
+
+`python algorithms/sft.py model.path=BASE train_files=sft.jsonl eval_files=held_out.jsonl out=sft_model` trains the
+policy on prompt/response pairs (a `prompt` column, or chat `messages` rendered with the tokenizer's chat template,
+and a `response` column or a final assistant message) with the response tokens' negative log-likelihood, and
+writes a Hugging Face folder the RL programs start from (`model.path=sft_model`). Held-out evaluation: the mean
+NLL per response token (`eval/nll`). A prompt's tokens carry no loss, as in TRL's and OpenRLHF's SFT trainers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flowactors as fa
+from algorithms.config import ConfigError
+from algorithms.core import SFTLoss
+from algorithms.data import PromptData
+from algorithms.datasets import load_examples
+from algorithms.stage import Stage, StageConfig, _pad_rows, run_stage
+from engines import ActorWorker, OptimConfig, SamplingConfig, UpdateSpec, build_tokenizer
+from flowactors import Layout
+
+__all__ = ["SFT", "sft_tiny_cpu", "main"]
+
+
+def sft_tiny_cpu() -> StageConfig:
+    return StageConfig(lr=1e-3, samples_per_step=16, max_response_tokens=16)
+
+
+class SFT(Stage):
+    name = "sft"
+    key_metrics = ("sft_loss", "eval/nll")
+
+    def load(self) -> None:
+        tokenizer = build_tokenizer(self.cfg.model)
+        for setting in ("train_files", "eval_files"):
+            files = getattr(self.cfg, setting)
+            examples = load_examples(files, tokenizer, setting) if files else []
+            missing = next((e for e in examples if e[1] is None), None)
+            if missing is not None:
+                raise ConfigError(f"{setting}: every row needs a response (a `response` column or a final assistant "
+                                  f"message); the prompt {missing[0][:60]!r} has none")
+            setattr(self, "examples" if setting == "train_files" else "eval_examples", examples)
+        self.data = PromptData(None, tokenizer, 0, self.cfg.seed, examples=self.examples)
+        self.eval_data = PromptData(None, tokenizer, 0, self.cfg.seed, examples=self.eval_examples) \
+            if self.eval_examples else None
+
+    def build(self, ctl: fa.Controller, optim: OptimConfig) -> fa.ActorGroup:
+        slots = ctl.slots[:self.cfg.n_slots] if self.cfg.address is None and self.cfg.cluster == "local" else ctl.slots
+        if self.cfg.samples_per_step % len(slots):
+            raise ConfigError(f"samples_per_step={self.cfg.samples_per_step} cannot be split over the cluster's "
+                              f"{len(slots)} slots; use a multiple of {len(slots)}")
+        self.dp = len(slots)
+        return fa.ActorGroup(ctl, ActorWorker, name="actor", slots=slots, layout=Layout(dp=len(slots)),
+                             args=(self.cfg.model, optim, SamplingConfig(max_new_tokens=self.cfg.max_response_tokens)))
+
+    def update(self, group: fa.ActorGroup, examples: list[Any]) -> fa.CallFuture:
+        batch = self.data.demonstrations(examples, self.cfg.max_response_tokens)
+        return group.update_actor(batch, SFTLoss(), UpdateSpec(len(batch), shuffle_seed=None))
+
+    def evaluate(self, group: fa.ActorGroup, examples: list[Any]) -> dict[str, float]:
+        assert self.eval_data is not None
+        batch = self.eval_data.demonstrations(_pad_rows(examples, self.dp), self.cfg.max_response_tokens)
+        n = len(examples)
+        lp = group.compute_log_prob(batch).result()["old_log_probs"][:n]
+        mask = batch["response_mask"][:n].float()
+        return {"eval/nll": float(-(lp * mask).sum() / mask.sum())}
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    return run_stage(SFT, sft_tiny_cpu, argv, "Supervised fine-tuning on prompt/response pairs")
+
+
+if __name__ == "__main__":
+    main()
