@@ -97,13 +97,14 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RunConfig], desc
 
 
 @contextlib.contextmanager
-def user_errors(debug: Callable[[], bool], program: str) -> Iterator[None]:
-    """Turn a user's mistake into `error: ...` on stderr and exit status 2, unless `debug()` asks for the
-    traceback."""
+def user_errors(args: Sequence[str], cfg: Callable[[], RunConfig | None], program: str) -> Iterator[None]:
+    """Turn a user's mistake into `error: ...` on stderr and exit status 2, unless the command line (`args`) or
+    the parsed settings (`cfg()`, None before parsing) ask for debug output: then the traceback."""
     try:
         yield
     except USER_ERRORS as e:
-        if debug():
+        parsed = cfg()
+        if {"--debug", "log_level=debug"} & set(args) or (parsed is not None and parsed.log_level.lower() == "debug"):
             raise
         print(f"{program}: error: {e}\n(--debug shows where it was raised)", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None

@@ -24,7 +24,8 @@ from engines.models import ModelConfig
 from engines.training import OptimConfig
 from flowactors.slurm import SlurmSettings
 
-__all__ = ["RunConfig", "RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError", "apply_overrides",
+__all__ = ["RunConfig", "RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError",
+           "apply_overrides",
            "derived_sizes", "describe_settings", "field_docs", "validate"]
 
 

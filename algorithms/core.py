@@ -195,8 +195,8 @@ class PairwiseLoss:
 @dataclass
 class SafetyCostLoss:
     """Safe-RLHF's cost-model loss (Dai et al. 2023, eq. 6): the more harmful response of a pair costs more,
-    −log σ(c(rejected) − c(chosen)), and each response's sign matches its safety label, −log σ(s·c(y)) with s = +1
-    for an unsafe response and −1 for a safe one, so that cost > 0 means unsafe (the threshold the policy keeps
+    −log σ(c(rejected) − c(chosen)), and each response's sign matches its safety label, −log σ(s·c(y)) with
+    s = +1 for an unsafe response and −1 for a safe one, so that cost > 0 means unsafe (the threshold the policy keeps
     to is then meaningful). Rows carry `chosen_safe` and `rejected_safe` (1 safe, 0 unsafe)."""
 
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:

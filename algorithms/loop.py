@@ -313,9 +313,7 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
     whether its settings allow the resume. The checkpoint directory is locked for the run."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg: RLConfig | None = None
-    with user_errors(lambda: bool({"--debug", "log_level=debug"} & set(args))
-                     or (cfg is not None and cfg.log_level.lower() == "debug"), algo_cls.name), \
-            contextlib.ExitStack() as stack:
+    with user_errors(args, lambda: cfg, algo_cls.name), contextlib.ExitStack() as stack:
         cfg = parse_args(args, preset, description)
         check_before_start(cfg)
         data, eval_data = prompt_data(cfg)

@@ -26,8 +26,8 @@ __all__ = ["Change", "setting_changes", "check_resumable"]
 _ENVIRONMENT = ("resume", "checkpoint_dir", "address", "cluster", "slurm.", "dashboard", "metrics_file",
                 "tensorboard_dir", "log_format", "log_level", "call_timeout_s", "profile_controller",
                 "recovery_wait_s", "max_recoveries", "keep_last", "save_every")
-_FIXED_AT_START = ("seed", "task", "dataset_prompts", "train_files", "model.", "sft_steps", "sft_samples_per_step", "sft_lr",
-                   "lambda_init")
+_FIXED_AT_START = ("seed", "task", "dataset_prompts", "train_files", "model.", "sft_steps", "sft_samples_per_step",
+                   "sft_lr", "lambda_init")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,6 @@ from algorithms.data import PromptData
 from algorithms.datasets import load_examples
 from algorithms.stage import Stage, StageConfig, _pad_rows, run_stage
 from engines import ActorWorker, OptimConfig, SamplingConfig, UpdateSpec, build_tokenizer
-from flowactors import Layout
 
 __all__ = ["SFT", "sft_tiny_cpu", "main"]
 
@@ -47,12 +46,8 @@ class SFT(Stage):
             if self.eval_examples else None
 
     def build(self, ctl: fa.Controller, optim: OptimConfig) -> fa.ActorGroup:
-        slots = ctl.slots[:self.cfg.n_slots] if self.cfg.address is None and self.cfg.cluster == "local" else ctl.slots
-        if self.cfg.samples_per_step % len(slots):
-            raise ConfigError(f"samples_per_step={self.cfg.samples_per_step} cannot be split over the cluster's "
-                              f"{len(slots)} slots; use a multiple of {len(slots)}")
-        self.dp = len(slots)
-        return fa.ActorGroup(ctl, ActorWorker, name="actor", slots=slots, layout=Layout(dp=len(slots)),
+        slots, layout = self.place(ctl)
+        return fa.ActorGroup(ctl, ActorWorker, name="actor", slots=slots, layout=layout,
                              args=(self.cfg.model, optim, SamplingConfig(max_new_tokens=self.cfg.max_response_tokens)))
 
     def update(self, group: fa.ActorGroup, examples: list[Any]) -> fa.CallFuture:

@@ -26,6 +26,7 @@ from algorithms.cli import open_controller, parse_args, user_errors
 from algorithms.config import ConfigError, RunConfig
 from algorithms.metrics import MetricsFile
 from engines import ModelConfig, OptimConfig
+from flowactors import Layout
 
 __all__ = ["StageConfig", "Stage", "run_stage"]
 
@@ -93,6 +94,17 @@ class Stage:
     def build(self, ctl: fa.Controller, optim: OptimConfig) -> fa.ActorGroup:
         raise NotImplementedError
 
+    def place(self, ctl: fa.Controller) -> tuple[list[str], Layout]:
+        """The slots the stage trains on (the embedded cluster's n_slots, or every slot of a cluster it joined)
+        and their data-parallel layout; sets `self.dp`."""
+        cfg = self.cfg
+        slots = ctl.slots[:cfg.n_slots] if cfg.address is None and cfg.cluster == "local" else list(ctl.slots)
+        if cfg.samples_per_step % len(slots):
+            raise ConfigError(f"samples_per_step={cfg.samples_per_step} cannot be split over the cluster's "
+                              f"{len(slots)} slots; use a multiple of {len(slots)}")
+        self.dp = len(slots)
+        return slots, Layout(dp=len(slots))
+
     def update(self, group: fa.ActorGroup, examples: list[Any]) -> fa.CallFuture:
         """Issue one optimizer step on `examples` (samples_per_step of them); the future's value is its metrics."""
         raise NotImplementedError
@@ -111,8 +123,7 @@ def run_stage(stage_cls: type[Stage], preset: Callable[[], StageConfig], argv: S
     """Parse, check, load the data, train for `epochs`, evaluate, and write the model to `out`."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg: StageConfig | None = None
-    with user_errors(lambda: bool({"--debug", "log_level=debug"} & set(args))
-                     or (cfg is not None and cfg.log_level.lower() == "debug"), stage_cls.name):
+    with user_errors(args, lambda: cfg, stage_cls.name):
         cfg = parse_args(args, preset, description)
         if not cfg.out:
             raise ConfigError("out=DIR is required: the Hugging Face folder this stage writes")
@@ -150,7 +161,8 @@ def _train(stage: Stage, ctl: fa.Controller, cfg: StageConfig, per_epoch: int) -
                 t0 = time.perf_counter()
                 picked = [stage.examples[i] for i in order[k * cfg.samples_per_step:(k + 1) * cfg.samples_per_step]]
                 record = {"step": step, "epoch": epoch, **stage.update(group, picked).result()}
-                if stage.eval_examples and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total):
+                due = (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total
+                if stage.eval_examples and due:
                     record.update(stage.evaluate(group, stage.eval_examples))
                 record["step_s"] = time.perf_counter() - t0
                 history.append(record)

@@ -29,7 +29,7 @@ from algorithms.data import PromptData
 from algorithms.datasets import load_pairs
 from algorithms.stage import Stage, StageConfig, _pad_rows, run_stage
 from engines import OptimConfig, RewardModelWorker, UpdateSpec, build_tokenizer
-from flowactors import Batch, Layout
+from flowactors import Batch
 
 __all__ = ["RewardStageConfig", "RewardModelTraining", "reward_tiny_cpu", "main"]
 
@@ -66,12 +66,8 @@ class RewardModelTraining(Stage):
                                       f"the pair of prompt {prompt[:60]!r} has {sorted(values)}")
 
     def build(self, ctl: fa.Controller, optim: OptimConfig) -> fa.ActorGroup:
-        slots = ctl.slots[:self.cfg.n_slots] if self.cfg.address is None and self.cfg.cluster == "local" else ctl.slots
-        if self.cfg.samples_per_step % len(slots):
-            raise ConfigError(f"samples_per_step={self.cfg.samples_per_step} cannot be split over the cluster's "
-                              f"{len(slots)} slots; use a multiple of {len(slots)}")
-        self.dp = len(slots)
-        return fa.ActorGroup(ctl, RewardModelWorker, name=self.cfg.kind, slots=slots, layout=Layout(dp=len(slots)),
+        slots, layout = self.place(ctl)
+        return fa.ActorGroup(ctl, RewardModelWorker, name=self.cfg.kind, slots=slots, layout=layout,
                              args=(self.cfg.model, None, optim))
 
     def _sides(self, pairs: list[Any]) -> tuple[Batch, Batch]:
