@@ -7,7 +7,8 @@ is the previous call issued to this process; taking it as an input is what order
 
 One torch.distributed "world" spans all slots the controller uses; each group is a `new_group` of it plus a
 DeviceMesh (pp, dp, tp). Creating them must happen in the same order on every world rank, which the per-process
-ordering guarantees.
+ordering guarantees. What the world listens on is chosen here too: only the address the workers use (see
+`init_world`), never every interface, and nothing once `teardown_world` ran.
 """
 
 from __future__ import annotations
@@ -55,16 +56,22 @@ CALL_REF = "__flowactors_call__"
 
 _GROUPS: dict[str, _GroupContext] = {}
 _WORLD: dict[str, Any] = {}
+_RESERVED: dict[int, socket.socket] = {}  # port -> socket bound for rank 0's store, from free_port to init_world
 
 
 def free_port(_after: Any = None) -> tuple[str, int, bool]:
-    """A free TCP port on this worker's host, for the world's rendezvous store, and whether it has CUDA."""
-    from distributed import get_worker
+    """Reserve a port for the world's rendezvous store on this worker's own address, and say whether it has CUDA.
 
-    host = get_worker().address.split("://")[-1].rsplit(":", 1)[0]
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return host, s.getsockname()[1], torch_cuda_available()
+    The socket stays bound (not listening) until `init_world` hands it to the store on this same process, so no
+    other process can take the port in between."""
+    host = _worker_host()
+    for old in _RESERVED.values():
+        old.close()
+    _RESERVED.clear()
+    sock = _bound(host, 0)
+    port = sock.getsockname()[1]
+    _RESERVED[port] = sock
+    return host, port, torch_cuda_available()
 
 
 def torch_cuda_available() -> bool:
@@ -75,6 +82,14 @@ def torch_cuda_available() -> bool:
 
 def init_world(rank: int, world_size: int, host: str, port: int, backend: str, timeout_s: float, device: int,
                _after: Any = None) -> str:
+    """Join the world whose rendezvous store rank 0 serves at host:port (reserved there by `free_port`).
+
+    What listens, and where: torch's own `tcp://` rendezvous would start the store on every interface
+    (`::`, unauthenticated) whatever host it is given, so rank 0 builds the store itself on the socket
+    `free_port` bound to its worker's address (TCPStore's `master_listen_fd`). Gloo (and NCCL's bootstrap on a
+    loopback world) listen on the interface named by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, else on whatever
+    the host name resolves to; they are set here, for the life of the world, to this worker's interface
+    (`_pin_interfaces`). Values the user set are kept."""
     import torch
     import torch.distributed as dist
 
@@ -84,21 +99,125 @@ def init_world(rank: int, world_size: int, host: str, port: int, backend: str, t
         teardown_world()
     if backend == "nccl":
         torch.cuda.set_device(device % torch.cuda.device_count())  # 0 in a process pinned to one device
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    _WORLD.update(key=(world_size, host, port), rank=rank, backend=backend)
+    timeout = timedelta(seconds=timeout_s)
+    _unpin_interfaces()  # left by a formation that failed
+    _WORLD["env"] = _pin_interfaces(_worker_host(), nccl=backend == "nccl")
+    if rank == 0:
+        sock = _RESERVED.pop(port, None) or _bound(host, port)  # rebound if this worker restarted meanwhile
+        fd = sock.detach()  # the store owns the socket from here on and closes it with itself
+        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=True)
+    else:
+        store = dist.TCPStore(host, port, world_size, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    _WORLD.update(key=(world_size, host, port), rank=rank, backend=backend, store=store, timeout=timeout)
     return backend
 
 
 def teardown_world(_after: Any = None) -> None:
+    """Destroy the world: its process groups (gloo's listeners with them) and, on rank 0, the rendezvous store,
+    which closes when the last reference to it goes; the interface settings of `init_world` are undone."""
     import torch.distributed as dist
 
     for ctx in list(_GROUPS.values()):
         ctx.instance = None
     _GROUPS.clear()
-    _WORLD.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _unpin_interfaces()
+    _WORLD.clear()
+    for sock in _RESERVED.values():
+        sock.close()
+    _RESERVED.clear()
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, port))
+    return sock
+
+
+def _worker_host() -> str:
+    """The host part of this Dask worker's address (brackets of an IPv6 literal removed)."""
+    from distributed import get_worker
+
+    return get_worker().address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+
+
+_IFNAME_VARS = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+
+
+def _pin_interfaces(host: str, nccl: bool) -> dict[str, str]:
+    """Make gloo listen on the interface that holds `host` (the address this worker is reached at), and NCCL's
+    bootstrap too when that is the loopback interface (one machine; on several, NCCL's own choice of interface
+    stays). Returns the variables set, for `teardown_world` to remove; a variable the user set is left alone."""
+    ip = _ip_of(host)
+    name = interface_of(host)
+    if ip is None or name is None:
+        return {}
+    wanted = [_IFNAME_VARS["gloo"]] + ([_IFNAME_VARS["nccl"]] if nccl and ip.is_loopback else [])
+    pinned = {}
+    for var in wanted:
+        if var not in os.environ:
+            os.environ[var] = pinned[var] = name
+    return pinned
+
+
+def _unpin_interfaces() -> None:
+    for var in _WORLD.pop("env", {}):
+        os.environ.pop(var, None)
+
+
+def _ip_of(host: str) -> Any:
+    """`host` as an ipaddress object (a name resolved), or None where it does not resolve."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError):
+        return None
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the network interface that holds address `host` (any loopback interface for a loopback
+    address), or None where it cannot be told (a name that does not resolve, a platform without the ioctl)."""
+    ip = _ip_of(host)
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    for name in names if ip is not None else ():
+        addresses = _interface_addresses(name)
+        if ip in addresses or (ip.is_loopback and any(a.is_loopback for a in addresses)):
+            return name
+    return None
+
+
+def _interface_addresses(name: str) -> list:
+    """IPv4 (SIOCGIFADDR) and IPv6 (/proc/net/if_inet6) addresses of interface `name`; Linux only, else []."""
+    import fcntl
+    import ipaddress
+    import struct
+
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            req = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            out.append(ipaddress.ip_address(req[20:24]))
+        except OSError:
+            pass
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[5] == name:
+                    out.append(ipaddress.ip_address(bytes.fromhex(parts[0])))
+    except OSError:
+        pass
+    return out
 
 
 def new_group(name: str, global_ranks: list[int], layout: Layout, subgroups: list[tuple[int, ...]] = (),
@@ -111,14 +230,15 @@ def new_group(name: str, global_ranks: list[int], layout: Layout, subgroups: lis
 
     if name in _GROUPS:
         raise RuntimeError(f"group {name!r} already exists in this worker process; close it first")
-    pg = dist.new_group(global_ranks)
+    timeout = _WORLD.get("timeout")  # the world's: torch gives a new group 30 minutes otherwise
+    pg = dist.new_group(global_ranks, timeout=timeout)
     device_type = "cuda" if _WORLD.get("backend") == "nccl" else "cpu"
     mesh = DeviceMesh(device_type, torch.tensor(global_ranks).reshape(layout.pp, layout.dp, layout.tp),
                       mesh_dim_names=("pp", "dp", "tp"))
     me = dist.get_rank()
     mine = {}
     for sub in subgroups:
-        group = dist.new_group([global_ranks[r] for r in sub])
+        group = dist.new_group([global_ranks[r] for r in sub], timeout=timeout)
         if me in global_ranks and global_ranks.index(me) in sub:
             mine[tuple(sub)] = group
     if me in global_ranks:

@@ -14,6 +14,11 @@ DESIGN §3. What this module owns, and why each piece exists:
   needs the dead process, and `CallFuture.result()` turns that into a `WorkerLostError` naming role and rank.
 - **World.** One torch.distributed world spans the controller's slots (NCCL on GPU, gloo on CPU, with a
   timeout); groups are subgroups of it, so colocated groups share processes without sharing a process group.
+  Its rendezvous store and gloo listen only on the address the workers use (see `_runtime.init_world`), and
+  `close()` destroys it on every rank, so a long-lived cluster keeps no listener of a finished run.
+- **Watchdog.** `call_timeout_s` bounds every wait for workers: calls, and equally the steps that form the world
+  and build a group (`_await_setup`), since a rank stuck in a collective inside `__init__` hangs just like one
+  in a method. Past it a `HangError` says where every unfinished rank is, with its Python stack.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from distributed.client import FutureCancelledError, FuturesCancelledError
 from flowactors import _runtime
 from flowactors.errors import HangError, PlacementError, SchedulerUnreachableError, WorkerLostError
 from flowactors.profiling import ComputeProfile, controller_share
-from flowactors.protocols import Layout, Protocol
+from flowactors.protocols import ONE_TO_ALL, Layout, Protocol
 
 __all__ = ["Controller", "CallFuture"]
 
@@ -186,13 +191,13 @@ class Controller:
         listening, and an embedded cluster's worker processes alive until the nanny kills them."""
         if self._world is None:
             return
-        from distributed import wait
+        from distributed.client import _wait
 
         token = _token()
         futs = [self.submit_pinned(a, _runtime.teardown_world, key=f"world.teardown-{r}-{token}")
                 for r, a in enumerate(self._world) if a not in self._lost]
-        try:
-            wait(futs, timeout=timeout_s)
+        try:  # this client's own wait: `distributed.wait` looks for a default client, and this one is not
+            self.client.sync(_wait, futs, timeout=timeout_s)
         except Exception:  # noqa: BLE001 - closing anyway; a hung rank is killed with its process
             pass
         self._world = None
@@ -282,23 +287,38 @@ class Controller:
         return CallFuture(self, [fut], _runtime.SINGLE, Layout(), label, "apply", ())
 
     def hang_report(self, calls: Sequence[CallFuture]) -> str:
-        """What every rank of `calls` is doing: its task's stack if running, else what its worker runs instead."""
+        """What every rank of `calls` is doing: its task's stack if running, else what its worker runs instead.
+
+        A task that is not pinned (`Controller.apply`) is reported by its key with what the scheduler says of it:
+        the worker it runs on (and its stack), or the inputs it still waits for, or that it waits for a worker."""
         stacks = self.client.call_stack()  # {worker: {key: [frames]}} of every executing task
+        running_on = {key: addr for addr, tasks in stacks.items() for key in tasks}
+        free = [f.key for c in calls if not c.addresses for f in c.futures if not f.done() and f.key not in running_on]
+        states = _scheduler_states(self.client, free) if free else {}
         lines = []
         for c in calls:
-            for rank, (f, addr) in enumerate(zip(c.futures, c.addresses or [None] * len(c.futures))):
+            for rank, f in enumerate(c.futures):
                 if f.done():
                     continue
+                if c.addresses:
+                    addr = c.addresses[rank]
+                    head = f"{c.group} rank {rank} on {addr}"
+                else:
+                    addr = running_on.get(f.key) or states.get(f.key, {}).get("worker")
+                    head = f"{c.label} task {f.key} on {addr or 'no worker yet'}"
                 running = stacks.get(addr, {}) if addr else {}
                 if f.key in running:
                     where = f"running {c.label}"
                     frames = running[f.key]
-                else:
+                elif c.addresses:
                     others = ", ".join(str(k) for k in running) or "nothing"
                     where = f"waiting; its worker is running: {others}"
                     frames = next(iter(running.values()), [])
+                else:
+                    where = _describe_waiting(states.get(f.key), running)
+                    frames = next(iter(running.values()), [])
                 tail = "".join(frames[-6:]).rstrip() if frames else "    (no Python stack)"
-                lines.append(f"- {c.group} rank {rank} on {addr}: {where}\n{tail}")
+                lines.append(f"- {head}: {where}\n{tail}")
         return "\n".join(lines) or "(no rank is still running)"
 
     # -- pinned, ordered submission -------------------------------------------------------------------------
@@ -394,12 +414,14 @@ class Controller:
             raise WorkerLostError(next(iter(self._lost)), [], call="init_world")
         world = list(self.slots)
         # CUDA is asked of a worker: the controller may run on a machine without GPUs (a Slurm login node)
-        host, port, cuda = self.submit_pinned(world[0], _runtime.free_port, key=f"world.port-{_token()}").result()
+        reserve = self.submit_pinned(world[0], _runtime.free_port, key=f"world.free_port-{_token()}")
+        host, port, cuda = self._await_setup("world", "free_port", [reserve], world[:1])[0]
         want = backend or ("nccl" if cuda else "gloo")
+        token = _token()
         futs = [self.submit_pinned(a, _runtime.init_world, r, len(world), host, port, want,
-                                   self.collective_timeout_s, r, key=f"world.init-{r}-{_token()}")
+                                   self.collective_timeout_s, r, key=f"world.init_world-{r}-{token}")
                 for r, a in enumerate(world)]
-        self.client.gather(futs)
+        self._await_setup("world", "init_world", futs, world)
         self._world, self._backend = world, want
 
     def new_group_ranks(self, name: str, addresses: Sequence[str], layout: Layout, backend: str | None,
@@ -417,9 +439,18 @@ class Controller:
         futs = [self.submit_pinned(a, _runtime.new_group, name, ranks, layout, list(subgroups),
                                    key=f"{name}.new_group-{r}-{token}")
                 for r, a in enumerate(self._world)]
-        self.client.gather(futs)
+        self._await_setup(name, "new_group", futs, self._world)
         for rank, a in enumerate(addresses):
             self._hosted.setdefault(a, []).append((name, rank))
+
+    def _await_setup(self, group: str, step: str, futures: Sequence[Future], addresses: Sequence[str]) -> list:
+        """The per-rank results of the tasks that form the world or build a group (one per address), waited for
+        like a call: under the watchdog (`call_timeout_s`; past it a `HangError` with every unfinished rank's
+        stack, named `group.step`), a dead worker a `WorkerLostError`, and a rank that returned a failure a
+        `RemoteError`. A rank stuck in a collective inside `__init__` would otherwise block the controller until
+        the process group's own timeout, or forever on a rendezvous that never completes."""
+        call = CallFuture(self, futures, ONE_TO_ALL, Layout(dp=len(futures)), group, step, addresses)
+        return self._track(call).result()
 
     def forget_group(self, name: str) -> None:
         self.groups.pop(name, None)
@@ -469,6 +500,40 @@ def _probe_scheduler(address: str, timeout_s: float) -> None:
     if not isinstance(info, dict) or info.get("type") != "Scheduler":
         kind = info.get("type") if isinstance(info, dict) else type(info).__name__
         raise SchedulerUnreachableError(f"{address} is a Dask {kind}, not a scheduler; give the scheduler's address")
+
+
+def _task_states(keys: Sequence[str], dask_scheduler: Any = None) -> dict[str, dict]:
+    """Run on the scheduler: the state of each task, the worker it is assigned to, and the inputs it waits for."""
+    out = {}
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is None:
+            out[key] = {"state": "forgotten", "worker": None, "waiting_on": []}
+            continue
+        worker = ts.processing_on.address if ts.processing_on is not None else None
+        out[key] = {"state": ts.state, "worker": worker, "waiting_on": sorted(str(d.key) for d in ts.waiting_on or ())}
+    return out
+
+
+def _scheduler_states(client: Client, keys: Sequence[str]) -> dict[str, dict]:
+    try:
+        return client.run_on_scheduler(_task_states, list(keys))
+    except Exception:  # noqa: BLE001 - a report without the scheduler's view is still a report
+        return {}
+
+
+def _describe_waiting(state: dict | None, running: dict) -> str:
+    """Why an unpinned task is not running, from the scheduler's state of it (see `_task_states`)."""
+    if state is None:
+        return "not running on any worker (the scheduler could not be asked why)"
+    if state["waiting_on"]:
+        return f"waiting for its inputs: {', '.join(state['waiting_on'])}"
+    if state["state"] == "processing":
+        others = ", ".join(str(k) for k in running) or "nothing"
+        return f"assigned to {state['worker']}, queued there; that worker is running: {others}"
+    if state["state"] in ("queued", "no-worker"):
+        return f"{state['state']}: waiting for a worker to run it"
+    return f"not running (scheduler state: {state['state']})"
 
 
 def _unwrap_one(v: Any) -> Any:

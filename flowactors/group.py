@@ -17,7 +17,7 @@ from typing import Any
 from flowactors import _runtime
 from flowactors.batch import Batch
 from flowactors.controller import CallFuture, Controller, _token, _unwrap_one
-from flowactors.errors import EndpointError, PlacementError, RemoteError
+from flowactors.errors import EndpointError, HangError, PlacementError, RemoteError
 from flowactors.protocols import Layout, Protocol
 from flowactors.worker import Worker, endpoints_of
 
@@ -43,7 +43,8 @@ class ActorGroup:
     """One instance of `cls` on each of `slots`, forming one process group with `layout`.
 
     Created through `ActorGroup(controller, cls, name=..., ...)`; blocks until every rank's `__init__` ran, so a
-    constructor error surfaces here, naming the rank.
+    constructor error surfaces here, naming the rank, and a rank that does not finish within the controller's
+    watchdog (`call_timeout_s`) is a `HangError` with the stack of every rank still running.
     """
 
     def __init__(self, controller: Controller, cls: type[Worker], *, name: str,
@@ -84,19 +85,28 @@ class ActorGroup:
         self.addresses = addresses
         self.endpoints = endpoints_of(cls)
         self._closed = False
-        controller.new_group_ranks(name, addresses, layout, backend, subgroups)
+        try:
+            self._build(args, kwargs or {}, backend, subgroups)
+        except HangError:
+            self.close(wait=False)  # the close queues behind the stuck rank; nothing more is waited for here
+            raise
+
+    def _build(self, args: tuple, kwargs: dict, backend: str | None, subgroups: list[tuple[int, ...]]) -> None:
+        """Form the process group on every world rank, then run `__init__` on every rank of this group, each
+        wait under the controller's watchdog (a rank stuck in a collective is a HangError with its stack)."""
+        controller, name, addresses = self.controller, self.name, self.addresses
+        controller.new_group_ranks(name, addresses, self.layout, backend, subgroups)
         controller.groups[name] = self
         for method, proto in self.endpoints.items():
             setattr(self, method, _Method(self, method, proto))
         token = _token()
-        futs = [controller.submit_pinned(a, _runtime.construct, name, cls, tuple(args), dict(kwargs or {}),
+        futs = [controller.submit_pinned(a, _runtime.construct, name, self.cls, tuple(args), dict(kwargs),
                                          key=f"{name}.__init__-{r}-{token}") for r, a in enumerate(addresses)]
-        failures = [f for f in controller.client.gather(futs) if f is not None]
-        if failures:
+        try:
+            controller._await_setup(name, "__init__", futs, addresses)
+        except RemoteError:
             self.close()
-            f = failures[0]
-            raise RemoteError(name, "__init__", f.rank, f.exc_type, f.message, f.traceback,
-                              failed_ranks=[x.rank for x in failures])
+            raise
 
     @property
     def world_size(self) -> int:

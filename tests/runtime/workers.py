@@ -92,3 +92,17 @@ class PairReducer(Worker):
         t = torch.tensor([float(self.rank)])
         dist.all_reduce(t, group=self.subgroups[self.pair])
         return self.pair, t.item()
+
+
+class HangInit(Worker):
+    """Rank 0 all-reduces in `__init__`, the other ranks do not: rank 0 blocks until the process group's timeout."""
+
+    def __init__(self) -> None:
+        if self.rank == 0:
+            dist.all_reduce(torch.ones(1), group=self.process_group)
+
+
+def nap(seconds: float, _dep=None, _after=None) -> float:
+    """A task that takes a while (its frame shows in stacks), for Controller.apply or submit_pinned."""
+    time.sleep(seconds)
+    return seconds
