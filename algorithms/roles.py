@@ -246,9 +246,10 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
     actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), rollout_tp(cfg))
     sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
     ref = group("ref", RefWorker, sft, cfg.temperature)
-    critic_optim = OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens)
-    built = {key: group(key, CriticWorker, sft, critic_optim, "values" if key == "critic" else "cost_values")
-             for key in critics}
+    built = {}
+    for key in critics:  # PPOConfig: checked above
+        optim = OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens)
+        built[key] = group(key, CriticWorker, sft, optim, "values" if key == "critic" else "cost_values")
     reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model)
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model)
