@@ -1,13 +1,18 @@
-"""Search time of the auto device mapping against cluster size (HybridFlow §8.5 reports ≤ 30 minutes, growing
-linearly, for its largest search).
+"""Auto device mapping: the paper's placement experiments (`--table`) and search time against cluster size
+(HybridFlow §8.4-8.5; the paper reports up to 30 minutes, growing linearly, for its largest search).
 
-    python benchmarks/automap.py                       # PPO, four 7B models, A100-80GB, 8 -> 1024 GPUs
-    python benchmarks/automap.py --algorithm safe-rlhf # six models, 203 placements
-    python benchmarks/automap.py --json                # only the JSON lines
+    python benchmarks/automap.py --table                 # PPO 7B/13B/34B/70B and 13B actor+ref / 70B critic+reward
+                                                         # on 8-128 A100s: chosen plan next to the runner-up
+    python benchmarks/automap.py                         # search time: PPO, four 7B models, 8 -> 1024 GPUs
+    python benchmarks/automap.py --algorithm safe-rlhf   # six models, 203 placements
+    python benchmarks/automap.py --json                  # only the JSON lines
 
-One JSON line per cluster size as it is measured, then a table with the growth from one size to the next and the
-log-log slope over the whole range (1 = linear in the number of GPUs). Every search starts fresh (no cache); the
-fastest of `--repeat` is reported, as the machine may be busy.
+`--table` prints, per case and cluster size, the placement chosen (pools and their GPUs), each model's (p,t,d) and
+the actor's generation (p_g,t_g), the engine the plan needs, the estimated iteration time, and the runner-up
+placement with its own best allocation and time. Search-time mode prints one JSON line per cluster size as it is
+measured, then a table with the growth from one size to the next and the log-log slope over the whole range (1 =
+linear in the number of GPUs). Every search starts fresh (no cache); the fastest of `--repeat` is reported, as the
+machine may be busy.
 """
 
 from __future__ import annotations
@@ -16,28 +21,45 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from placement import ALGORITHMS, AutoMapper, Workload, get_hardware, parse_model  # noqa: E402
+from placement import ALGORITHMS, AutoMapper, Workload, get_hardware, iteration_cost, parse_model  # noqa: E402
+from placement.search import SearchResult  # noqa: E402
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+TABLE_SIZES = (8, 16, 32, 64, 96, 128)
+TABLE_CASES = {  # the paper's PPO workloads (§8.1) and its heterogeneous placement experiment (§8.4)
+    "ppo 7b": {r: "7b" for r in ALGORITHMS["ppo"]},
+    "ppo 13b": {r: "13b" for r in ALGORITHMS["ppo"]},
+    "ppo 34b": {r: "34b" for r in ALGORITHMS["ppo"]},
+    "ppo 70b": {r: "70b" for r in ALGORITHMS["ppo"]},
+    "ppo 13b/70b": {"actor": "13b", "critic": "70b", "ref": "13b", "reward": "70b"},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--table", action="store_true", help="the placement table of the paper's experiments")
     ap.add_argument("--algorithm", default="ppo", choices=sorted(ALGORITHMS))
     ap.add_argument("--size", default="7b", help="model size for every role")
     ap.add_argument("--gpu", default="a100-80gb")
-    ap.add_argument("--gpus", type=int, nargs="+", default=list(SIZES))
+    ap.add_argument("--gpus", type=int, nargs="+", help=f"cluster sizes (default {SIZES}, {TABLE_SIZES} with "
+                                                       "--table)")
     ap.add_argument("--repeat", type=int, default=3, help="searches per size; the fastest is reported")
     ap.add_argument("--json", action="store_true", help="print only the JSON lines")
     args = ap.parse_args(argv)
     hardware = get_hardware(args.gpu)
+    if args.table:
+        print(placement_table(hardware, args.gpus or TABLE_SIZES))
+        print()
+        print(paper_placements(hardware, [g for g in args.gpus or TABLE_SIZES if g >= 32]))
+        return 0
     workload = Workload(baseline_samples_per_prompt=1 if args.algorithm == "remax" else 0)
     rows = []
-    for gpus in args.gpus:
+    for gpus in args.gpus or SIZES:
         models = {role: parse_model(args.size) for role in ALGORITHMS[args.algorithm]}
         row = {"algorithm": args.algorithm, "size": args.size, "gpu": hardware.name, "gpus": gpus}
         try:
@@ -56,6 +78,86 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(_table(rows))
     return 0
+
+
+def placement_table(hardware, sizes) -> str:
+    """The chosen plan and the runner-up for every case of `TABLE_CASES` on every cluster size."""
+    lines = [f"PPO, 1024 prompts x (1024 + 1024) tokens, {hardware.name}, {hardware.gpus_per_node} per node. "
+             "p,t,d per model (actor: /gen p_g,t_g); pools are colocated sets.", ""]
+    header = ["case", "gpus", "chosen placement (gpus)", "p,t,d per model", "engine", "iter s",
+              "runner-up placement (gpus)", "iter s", "x"]
+    rows = []
+    start = time.perf_counter()
+    for case, sizes_by_role in TABLE_CASES.items():
+        models = {role: parse_model(size) for role, size in sizes_by_role.items()}
+        mapper = AutoMapper(models, hardware)  # one mapper per case: its caches carry across cluster sizes
+        for gpus in sizes:
+            try:
+                result = mapper.search(gpus)
+            except ValueError:
+                rows.append([case, str(gpus), "does not fit (memory)", "", "", "", "", "", ""])
+                continue
+            up = result.runner_up
+            up_cost = f"{up[1]:.1f}" if up else "-"
+            ratio = f"{up[1] / result.estimated_iteration_s:.2f}" if up else "-"
+            rows.append([case, str(gpus), _pools(result), _sizes(result), result.engine,
+                         f"{result.estimated_iteration_s:.1f}", _runner_up(result), up_cost, ratio])
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    right = {1, 5, 7, 8}
+    for row in [header, *rows]:
+        lines.append("  ".join(f"{cell:{'>' if c in right else '<'}{w}}" for c, (cell, w) in
+                               enumerate(zip(row, widths))).rstrip())
+    lines += ["", f"x: runner-up time / chosen time. {len(rows)} searches in {time.perf_counter() - start:.1f} s."]
+    return "\n".join(lines)
+
+
+PAPER = {  # HybridFlow §8.4, 13B actor and reference with 70B critic and reward (the Korean summary in the seeds)
+    32: "colocate ahead (up to 64 GPUs)", 64: "colocate ahead (44.8% more throughput on average up to 64)",
+    96: "split ahead",
+    128: "split ahead; best: [actor+ref+reward]=64 [critic]=64"}
+
+
+def paper_placements(hardware, sizes) -> str:
+    """The heterogeneous case's named placements, each at its best allocation, against what the paper measured."""
+    case = TABLE_CASES["ppo 13b/70b"]
+    mapper = AutoMapper({role: parse_model(size) for role, size in case.items()}, hardware)
+    named = {"colocate": [("actor", "critic", "ref", "reward")],
+             "split [actor+ref][critic+reward]": [("actor", "ref"), ("critic", "reward")],
+             "[actor+ref+reward][critic]": [("actor", "ref", "reward"), ("critic",)]}
+    header = ["gpus", *named, "[a+ref+rw]=N/2 [critic]=N/2", "paper (measured)"]
+    rows = []
+    for gpus in sizes:
+        row = [str(gpus)]
+        for placement in named.values():
+            found = mapper.cost_placement(placement, gpus)
+            row.append("does not fit" if found is None else f"{found[0]:.1f} ({'+'.join(map(str, found[1]))})")
+        halves = [mapper.solve_set(s, gpus // 2) for s in named["[actor+ref+reward][critic]"]]
+        row.append("does not fit" if None in halves else f"{iteration_cost([h.stages for h in halves]):.1f}")
+        rows.append(row + [PAPER.get(gpus, "")])
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    lines = ["13B actor+ref / 70B critic+reward: the paper's placements, iteration s at each one's best allocation "
+             "(devices per pool)", ""]
+    lines += ["  ".join(f"{cell:{'<' if c == len(header) - 1 else '>'}{w}}" for c, (cell, w) in
+                        enumerate(zip(row, widths))).rstrip() for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+def _pools(result: SearchResult) -> str:
+    return " ".join(f"[{'+'.join(s.roles)}]={s.gpus}" for s in result.sets)
+
+
+def _sizes(result: SearchResult) -> str:
+    out = []
+    for s in result.sets:
+        for m in s.models:
+            gen = f"/{m.parallel.p_g},{m.parallel.t_g}" if m.parallel.generate else ""
+            out.append(f"{m.role} {','.join(map(str, m.parallel.train))}{gen}")
+    return "; ".join(out)
+
+
+def _runner_up(result: SearchResult) -> str:
+    pools = result.runner_up_pools
+    return " ".join(f"[{name}]={n}" for name, n in pools.items()) if pools else "-"
 
 
 def _table(rows: list[dict]) -> str:

@@ -5,8 +5,10 @@
     python -m placement.automap --algorithm ppo --size 7b --gpus 16 --gpu h100
 
 `--json` prints one object: the plan (placement, gpus, parallel), which `Plan.load` and the algorithm scripts
-accept as it is, plus the estimate (`estimated_iteration_s`, `stages`, per-model `models`), the runner-up
-placements and `search_s`. Without it, a table. docs/placement.md explains how to read either.
+accept as it is, plus what runs it (`engine`: "megatron" when a model has p > 1, else "torch"; `engine_note`), the
+estimate (`estimated_iteration_s`, `stages`, per-model `models`), the runner-up placements and `search_s`. Without
+it, a table. `--engine torch` searches only plans without pipeline stages, which the torch engine runs.
+docs/placement.md explains how to read either.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 from placement.hardware import PROFILES, get_hardware
 from placement.models import parse_model
+from placement.plan import engine_note
 from placement.search import RUNNER_UP_MARGIN, SearchResult, auto_map
 from placement.simulator import ALGORITHMS, ROLES, Workload
 
@@ -37,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=int, default=Workload.prompt_tokens)
     ap.add_argument("--response-tokens", type=int, default=Workload.response_tokens)
     ap.add_argument("--samples-per-prompt", type=int, default=Workload.samples_per_prompt)
+    ap.add_argument("--engine", choices=("any", "torch"), default="any",
+                    help="torch: only plans with p = 1 (the torch engine has no pipeline parallelism); any: p > 1 "
+                         "too, marked as needing model.engine=megatron")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--save", metavar="PATH", help="also write the plan to PATH (.json, or .yaml with PyYAML)")
     return ap
@@ -75,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload = Workload(prompts_per_step=args.prompts_per_step, prompt_tokens=args.prompt_tokens,
                             response_tokens=args.response_tokens, samples_per_prompt=args.samples_per_prompt,
                             baseline_samples_per_prompt=1 if args.algorithm == "remax" else 0)
-        result = auto_map(models, args.gpus, hardware, workload)
+        result = auto_map(models, args.gpus, hardware, workload, pipeline=args.engine == "any")
     except ValueError as e:
         print(f"automap: {e}", file=sys.stderr)
         return 2
@@ -90,7 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # (header, alignment) of the plan table's columns; widths come from the content, so long pool names keep it aligned
 _COLUMNS = (("pool", "<"), ("gpus", ">"), ("model", "<"), ("train p,t,d", "<"), ("gen p,t", "<"),
-            ("generate s", ">"), ("transit s", ">"), ("infer s", ">"), ("train s", ">"), ("peak GiB", ">"))
+            ("engine", "<"), ("generate s", ">"), ("transit s", ">"), ("infer s", ">"), ("train s", ">"),
+            ("peak GiB", ">"))
+
+
+def model_engine(train: tuple[int, int, int]) -> str:
+    """What can run one model's (p, t, d): pipeline stages need the megatron engine, p = 1 runs on either."""
+    return "megatron (p>1)" if train[0] > 1 else "any"
 
 
 def format_table(result: SearchResult, cluster: str) -> str:
@@ -105,15 +117,18 @@ def format_table(result: SearchResult, cluster: str) -> str:
             rows.append(["+".join(s.roles) if first else "", str(s.gpus) if first else "", m.role,
                          ",".join(map(str, m.parallel.train)),
                          ",".join(map(str, m.parallel.generate)) if m.parallel.generate else "-",
-                         num(m.generate_s), num(m.transition_s), num(m.inference_s), num(m.train_s),
+                         model_engine(m.parallel.train), num(m.generate_s), num(m.transition_s),
+                         num(m.inference_s), num(m.train_s),
                          f"{s.peak_bytes / 2**30:.1f}" if first else ""])
     lines = [f"auto device mapping on {cluster}: {result.placements} placements searched in {result.search_s:.2f} s",
+             f"engine: {result.engine} ({engine_note(result.plan)})",
              "", *_aligned([h for h, _ in _COLUMNS], rows, [a for _, a in _COLUMNS])]
     lines += ["", "stage       seconds (slowest pool; models in one pool add up)"]
     lines += [f"{name:<10}{t:>9.2f}" for name, t in result.stages.items()]
     lines += [f"{'iteration':<10}{result.estimated_iteration_s:>9.2f}", "",
-              f"placements within {RUNNER_UP_MARGIN:.0%} of the best (iteration s):"]
-    lines += [f"{cost:>9.2f} s  " + "  ".join("[" + ", ".join(s) + "]" for s in p) for p, cost in result.ranking]
+              f"placements within {RUNNER_UP_MARGIN:.0%} of the best, and the runner-up (iteration s):"]
+    lines += [f"{cost:>9.2f} s  " + "  ".join("[" + ", ".join(s) + f"]={n}" for s, n in zip(p, gpus))
+              for (p, cost), gpus in zip(result.ranking, result.ranking_gpus)]
     return "\n".join(line.rstrip() for line in lines)
 
 

@@ -27,8 +27,8 @@ from placement.models import LlamaSpec, divides_heads
 from placement.simulator import Parallel, Simulator, Workload, get_role
 
 # Keys automap adds for people to read; a plan accepts and ignores them.
-_INFORMATIONAL = {"estimated_iteration_s", "stages", "search_s", "placements_searched", "pools", "models",
-                  "ranking"}
+_INFORMATIONAL = {"engine", "engine_note", "estimated_iteration_s", "stages", "search_s", "placements_searched",
+                  "pools", "models", "ranking"}
 
 
 class PlanError(ValueError):
@@ -179,6 +179,21 @@ class Plan:
         except Exception as e:  # noqa: BLE001 - JSON/YAML syntax, wrong value types: all the file's fault
             raise PlanError(f"plan file {path} is not a valid plan ({type(e).__name__}: {e}); see docs/placement.md "
                             f"for the format") from None
+
+
+def plan_engine(plan: Plan) -> str:
+    """The training engine that runs `plan`: "megatron" when a model has pipeline stages (the torch engine has
+    none, and the runner refuses such a plan on it before any worker starts), else "torch"."""
+    return "megatron" if any(m.train[0] > 1 for m in plan.models) else "torch"
+
+
+def engine_note(plan: Plan) -> str:
+    """One line saying what runs `plan`, and why."""
+    piped = [f"{m.role} (p={m.train[0]})" for m in plan.models if m.train[0] > 1]
+    if not piped:
+        return "p = 1 throughout: runs on either engine (model.engine=torch is the default)"
+    return (f"pipeline stages for {', '.join(piped)}: run with model.engine=megatron (the torch engine has no "
+            "pipeline parallelism)")
 
 
 def _check_shape(placement: Any) -> None:

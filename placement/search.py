@@ -7,8 +7,15 @@
 3. Allocations of the N devices to the sets, each at least its floor (`allocations` lists them all;
    `_best_allocation` searches them).
 4. Per set and device count, every member's parallel config (`solve_set`, cached per (set, count), and each
-   model's candidate configs cached per (model, count)).
+   model's candidate configs cached per (model, count)), the actor's generation TP size t_g among them.
 5. Iteration cost: models of one set add up, concurrent sets take the maximum, stage by stage (`iteration_cost`).
+
+Nothing here names a cluster size or a model: which placement wins is the cost model's consequence.
+
+Plans that run: the actor generates with p_g = 1 (`generate: [1, t_g]`, what the runner accepts; HybridFlow's
+Fig. 15 also lowers t_g, not p_g), and a plan that gives a model p > 1 says it needs the megatron engine
+(`SearchResult.engine`, `plan.engine_note`): the torch engine has no pipeline parallelism and the runner refuses such
+a plan on it before any worker starts. `pipeline=False` searches only p = 1 plans, which either engine runs.
 
 Deviations, and why:
 - Device counts are powers of two inside a node and whole nodes above it (`device_counts`), so tensor parallelism
@@ -19,7 +26,8 @@ Deviations, and why:
 - Allocations are searched by branch and bound (`_Bounds`: what each remaining set could do with every device
   left, their device-seconds spread over those devices, and a Lagrangian bound of the continuous relaxation). It
   returns the optimum of exhaustive enumeration (a test checks) while costing few complete allocations, and it
-  stops work on a placement as soon as it cannot come within `RUNNER_UP_MARGIN` of the best so far.
+  stops work on a placement as soon as it can neither come within `RUNNER_UP_MARGIN` of the best so far nor beat
+  the runner-up so far (so the runner-up placement is exact, however far behind).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from typing import Any, NamedTuple
 
 from placement.hardware import Hardware, a100_80gb
 from placement.models import LlamaSpec, divides_heads
-from placement.plan import ModelPlan, Plan
+from placement.plan import ModelPlan, Plan, engine_note, plan_engine
 from placement.simulator import ROLES, STAGES, Parallel, Simulator, Workload, get_role, iteration_cost
 
 Vec = tuple[float, float, float]  # seconds per stage, in STAGES order
@@ -92,12 +100,20 @@ class _Combo(NamedTuple):
 
 
 def _pareto(items: list, key) -> list:
-    """Items not dominated on all three coordinates of `key(item)` (all minimised)."""
-    kept, kept_keys = [], []
-    for k, item in sorted(((key(item), item) for item in items), key=lambda x: x[0]):
-        if not any(a <= k[0] and b <= k[1] and c <= k[2] for a, b, c in kept_keys):
-            kept.append(item)
-            kept_keys.append(k)
+    """Items not dominated on all three coordinates of `key(item)` (all minimised). Visited by the first
+    coordinate, an item is dominated iff some kept item has second and third coordinates no larger: `bs`/`cs` is
+    the staircase of the kept items' (second, third) minima, so each check is one bisection."""
+    kept, bs, cs = [], [], []
+    for (_, b, c), item in sorted(((key(item), item) for item in items), key=lambda x: x[0]):
+        i = bisect.bisect_right(bs, b)
+        if i and cs[i - 1] <= c:
+            continue
+        kept.append(item)
+        j = i
+        while j < len(bs) and cs[j] >= c:
+            j += 1
+        lo = i - 1 if i and bs[i - 1] == b else i
+        bs[lo:j], cs[lo:j] = [b], [c]
     return kept
 
 
@@ -131,12 +147,31 @@ class SearchResult:
     """Each stage's latency: the slowest colocated set in it."""
     sets: tuple[SetChoice, ...]
     ranking: tuple[tuple[tuple[tuple[str, ...], ...], float], ...]
-    """Best iteration time of every placement within `RUNNER_UP_MARGIN` of the best, cheapest first."""
+    """Best iteration time of every placement within `RUNNER_UP_MARGIN` of the best, and of the runner-up however
+    far behind, cheapest first."""
     search_s: float
     placements: int
     """Placements enumerated (set partitions of the models)."""
     allocations_evaluated: int
     """Complete allocations costed; branch and bound skips the others."""
+    ranking_gpus: tuple[tuple[int, ...], ...] = ()
+    """Devices per set of each `ranking` entry's best allocation, in the same order."""
+
+    @property
+    def runner_up(self) -> tuple[tuple[tuple[str, ...], ...], float] | None:
+        """The second-best placement and its best iteration time (None when only one placement fits)."""
+        return self.ranking[1] if len(self.ranking) > 1 else None
+
+    @property
+    def runner_up_pools(self) -> dict[str, int] | None:
+        """Pool name -> devices of the runner-up's best allocation."""
+        if self.runner_up is None:
+            return None
+        return {"+".join(s): c for s, c in zip(self.runner_up[0], self.ranking_gpus[1])}
+
+    @property
+    def engine(self) -> str:
+        return plan_engine(self.plan)
 
     def to_dict(self) -> dict[str, Any]:
         models = {m.role: {"generate_s": m.generate_s, "transition_s": m.transition_s,
@@ -145,16 +180,19 @@ class SearchResult:
                   for s in self.sets for m in s.models}
         pools = {"+".join(s.roles): {"gpus": s.gpus, "peak_gib": s.peak_bytes / 2**30,
                                      "stages": dict(zip(STAGES, s.stages))} for s in self.sets}
-        return {**self.plan.to_dict(), "estimated_iteration_s": self.estimated_iteration_s, "stages": self.stages,
+        return {**self.plan.to_dict(), "engine": self.engine, "engine_note": engine_note(self.plan),
+                "estimated_iteration_s": self.estimated_iteration_s, "stages": self.stages,
                 "search_s": self.search_s, "placements_searched": self.placements, "pools": pools, "models": models,
-                "ranking": [{"placement": [list(s) for s in p], "estimated_iteration_s": c} for p, c in self.ranking]}
+                "ranking": [{"placement": [list(s) for s in p], "gpus": list(g), "estimated_iteration_s": c}
+                            for (p, c), g in zip(self.ranking, self.ranking_gpus)]}
 
 
 class AutoMapper:
     """Searches placements, allocations and parallel sizes for `models` (role -> spec) on one hardware type."""
 
     def __init__(self, models: Mapping[str, LlamaSpec], hardware: Hardware | None = None,
-                 workload: Workload | None = None) -> None:
+                 workload: Workload | None = None, *, pipeline: bool = True) -> None:
+        """`pipeline=False` keeps every model at p = 1: plans the torch engine runs."""
         if not models:
             raise ValueError("give at least one model (role -> size)")
         order = list(ROLES)
@@ -163,26 +201,28 @@ class AutoMapper:
         self.models = dict(sorted(models.items(), key=lambda kv: order.index(kv[0])))
         self.hw = hardware or a100_80gb()
         self.sim = Simulator(self.hw, workload)
+        self.pipeline = pipeline
         self._options: dict[tuple[str, int], list[_Option]] = {}
         self._sets: dict[tuple[tuple[str, ...], int], SetChoice | None] = {}
 
     # -- one model ---------------------------------------------------------------------------------------------
     def configs(self, role: str, n: int) -> list[Parallel]:
-        """Parallel configs of `role` on n devices: t inside a node dividing the heads, p dividing the layers,
-        and for the actor generation sizes dividing the training ones."""
+        """Parallel configs of `role` on n devices: t inside a node dividing the heads, p dividing the layers (only
+        p = 1 with `pipeline=False`), and for the actor a generation TP size t_g dividing t, with p_g = 1: the
+        runner generates without pipeline stages (`generate: [1, t_g]`)."""
         spec, gpn = self.models[role], self.hw.gpus_per_node
         out = []
         for t in _divisors(n):
             if t > gpn or not divides_heads(spec, t):
                 continue
-            for p in _divisors(n // t):
+            for p in _divisors(n // t) if self.pipeline else [1]:
                 if spec.layers % p:
                     continue
                 d = n // (t * p)
                 if not get_role(role).generates:
                     out.append(Parallel(p, t, d))
                     continue
-                out += [Parallel(p, t, d, p_g, t_g) for t_g in _divisors(t) for p_g in _divisors(p)]
+                out += [Parallel(p, t, d, 1, t_g) for t_g in _divisors(t)]
         return out
 
     def options(self, role: str, n: int) -> list[_Option]:
@@ -194,7 +234,7 @@ class AutoMapper:
             for cfg in self.configs(role, n):
                 static, working = sim.static_bytes(spec, r, cfg), sim.activation_bytes(spec, r, cfg)
                 if r.generates:
-                    stages = (sim.transition_s(spec, cfg), 0.0, sim.train_s(spec, r, cfg))
+                    stages = (sim.transition_s(spec, cfg), sim.inference_s(spec, r, cfg), sim.train_s(spec, r, cfg))
                     working = max(working, sim.generation_extra_bytes(spec, cfg) + sim.kv_bytes_per_sequence(spec, cfg))
                 else:
                     stages = (0.0, sim.inference_s(spec, r, cfg), sim.train_s(spec, r, cfg) if r.trains else 0.0)
@@ -278,12 +318,12 @@ class AutoMapper:
         return SetChoice(roles, n, stages, tuple(models), peak)
 
     def memory_floor(self, roles: tuple[str, ...]) -> int:
-        """Devices needed if the set's state were spread perfectly: 16 bytes a parameter for trained models
-        (bf16 weights and gradients, fp32 Adam master, m, v), 2 for scoring ones, plus one sequence of KV cache."""
+        """Devices needed if the set's state were spread perfectly: 18 bytes a parameter for trained models
+        (bf16 weights, fp32 gradients, fp32 Adam master, m, v), 2 for scoring ones, plus one sequence of KV cache."""
         need = 0.0
         for role in roles:
             spec, r = self.models[role], get_role(role)
-            need += (16 if r.trains else 2) * spec.params(r.lm_head)
+            need += (18 if r.trains else 2) * spec.params(r.lm_head)
             if r.generates:
                 need += spec.kv_bytes_per_token * self.sim.wl.seq_tokens
         return math.ceil(need / self.hw.usable_bytes)
@@ -303,22 +343,20 @@ class AutoMapper:
         if gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {gpus}")
         start = time.perf_counter()
-        counts = device_counts(gpus, self.hw.gpus_per_node)
         candidates, placements = [], 0
         for placement in set_partitions(list(self.models)):
             placements += 1
-            floors = [self.min_devices(s, gpus) for s in placement]
-            if None in floors or sum(floors) > gpus:
-                continue
-            tables = [[(c, choice) for c in counts if f <= c <= gpus - sum(floors) + f
-                       if (choice := self.solve_set(s, c)) is not None] for s, f in zip(placement, floors)]
-            vectors = [[(c, choice.stages) for c, choice in t] for t in tables]
-            candidates.append((_lower_bound(vectors, gpus), tuple(placement), tables, vectors))
+            tables = self._tables(placement, gpus)
+            if tables is not None:
+                vectors = [[(c, choice.stages) for c, choice in t] for t in tables]
+                candidates.append((_lower_bound(vectors, gpus), tuple(placement), tables, vectors))
         # Fewer sets first (few allocations, quick to settle), then by bound: the incumbent then prunes the rest.
         candidates.sort(key=lambda x: (len(x[1]), x[0]))
         ranking, best, evaluated = [], None, 0
         for bound, placement, tables, vectors in candidates:
-            cutoff = _INF if best is None else best[0] * (1 + runner_up_margin)
+            # Prune only what can beat neither the margin nor the runner-up found so far, so the runner-up is exact.
+            costs = sorted(c for _, c, _ in ranking)
+            cutoff = _INF if len(costs) < 2 else max(costs[0] * (1 + runner_up_margin), costs[1])
             if bound >= cutoff:
                 continue
             found, n_eval = _best_allocation(vectors, gpus, cutoff)
@@ -326,7 +364,7 @@ class AutoMapper:
             if found is None:
                 continue
             cost, alloc = found
-            ranking.append((placement, cost))
+            ranking.append((placement, cost, alloc))
             if best is None or cost < best[0]:
                 best = (cost, [dict(t)[c] for t, c in zip(tables, alloc)])
         if best is None:
@@ -336,15 +374,39 @@ class AutoMapper:
         stages = {name: max(s.stages[i] for s in sets) for i, name in enumerate(STAGES)}
         plan = Plan(tuple(s.roles for s in sets), tuple(
             ModelPlan(m.role, s.gpus, m.parallel.train, m.parallel.generate) for s in sets for m in s.models))
-        ranking = [(p, c) for p, c in sorted(ranking, key=lambda x: x[1]) if c <= cost * (1 + runner_up_margin)]
-        return SearchResult(plan, cost, stages, tuple(sets), tuple(ranking), time.perf_counter() - start,
-                            placements, evaluated)
+        ranking = [r for i, r in enumerate(sorted(ranking, key=lambda x: x[1]))
+                   if i < 2 or r[1] <= cost * (1 + runner_up_margin)]
+        return SearchResult(plan, cost, stages, tuple(sets), tuple((p, c) for p, c, _ in ranking),
+                            time.perf_counter() - start, placements, evaluated, tuple(a for _, _, a in ranking))
+
+
+    def _tables(self, placement: Sequence[tuple[str, ...]], gpus: int) -> list[list[tuple[int, SetChoice]]] | None:
+        """Per set, (count, its choice) for every count the set can take on `gpus` devices; None if they cannot
+        all fit."""
+        floors = [self.min_devices(s, gpus) for s in placement]
+        if None in floors or sum(floors) > gpus:
+            return None
+        counts = device_counts(gpus, self.hw.gpus_per_node)
+        return [[(c, choice) for c in counts if f <= c <= gpus - sum(floors) + f
+                 if (choice := self.solve_set(s, c)) is not None] for s, f in zip(placement, floors)]
+
+    def cost_placement(self, placement: Sequence[Sequence[str]], gpus: int) -> tuple[float, tuple[int, ...]] | None:
+        """One placement's best iteration time on `gpus` devices and its devices per set (None if it does not
+        fit): what `search` finds for it, for comparing named placements (the paper's colocate, split, ...)."""
+        placement = [tuple(r for r in self.models if r in s) for s in placement]
+        if sorted(r for s in placement for r in s) != sorted(self.models):
+            raise ValueError(f"placement {placement} must hold each of {', '.join(self.models)} once")
+        tables = self._tables(placement, gpus)
+        if tables is None:
+            return None
+        found, _ = _best_allocation([[(c, choice.stages) for c, choice in t] for t in tables], gpus)
+        return found
 
 
 def auto_map(models: Mapping[str, LlamaSpec], gpus: int, hardware: Hardware | None = None,
-             workload: Workload | None = None) -> SearchResult:
+             workload: Workload | None = None, *, pipeline: bool = True) -> SearchResult:
     """Cheapest plan for `models` (role -> spec) on `gpus` devices of `hardware` (default: A100-80GB)."""
-    return AutoMapper(models, hardware, workload).search(gpus)
+    return AutoMapper(models, hardware, workload, pipeline=pipeline).search(gpus)
 
 
 class _Bounds:
@@ -373,15 +435,20 @@ class _Bounds:
         self.work_after = [tuple(sum(w[s] for w in self.work[i:]) for s in range(3)) for i in range(len(tables) + 1)]
         self.floor_after = [sum(self.floors[i:]) for i in range(len(tables) + 1)]
 
-    def after(self, i: int, worst: tuple[float, ...], room: int, steps: int = 3) -> float:
-        """Least iteration cost once sets < i have stage maxima `worst` and sets >= i share `room` devices."""
-        bound = tuple(max(x, w / room) for x, w in zip(worst, self.work_after[i]))  # (b)
+    def after(self, i: int, worst: tuple[float, ...], room: int, steps: int = 3, cutoff: float = _INF) -> float:
+        """Least iteration cost once sets < i have stage maxima `worst` and sets >= i share `room` devices. Once
+        the cheap bounds (a) and (b) reach `cutoff` the result is returned without (c): the caller only asks
+        whether the bound reaches it."""
+        # Unrolled over the three stages: this runs once per partial allocation.
+        w0, w1, w2 = self.work_after[i]
+        b0, b1, b2 = max(worst[0], w0 / room), max(worst[1], w1 / room), max(worst[2], w2 / room)  # (b)
+        spare = room - self.floor_after[i]
         for j in range(i, len(self.floors)):  # (a)
-            most = room - (self.floor_after[i] - self.floors[j])
-            bound = tuple(map(max, bound, self.running[j][bisect.bisect_right(self.counts[j], most) - 1]))
-        best = sum(bound)
+            r0, r1, r2 = self.running[j][bisect.bisect_right(self.counts[j], spare + self.floors[j]) - 1]
+            b0, b1, b2 = max(b0, r0), max(b1, r1), max(b2, r2)
+        best = b0 + b1 + b2
         work = self.work[i:]
-        if len(work) < 2:
+        if len(work) < 2 or best >= cutoff:
             return best
         share = [math.sqrt(sum(w)) for w in work]  # (c), starting from devices in proportion to √(total work)
         hits = [[0] * (len(work) + 1) for _ in range(3)]
@@ -431,7 +498,7 @@ def _best_allocation(tables: list[list[tuple[int, Vec]]], total: int,
             if room < bounds.floor_after[i + 1]:
                 break
             now = tuple(map(max, worst, vec))
-            if bounds.after(i + 1, now, room) < best[0]:
+            if bounds.after(i + 1, now, room, cutoff=best[0]) < best[0]:
                 visit(i + 1, room, now, chosen + (c,))
 
     visit(0, total, (0.0, 0.0, 0.0), ())

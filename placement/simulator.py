@@ -1,28 +1,34 @@
-"""Latency and memory model of one RLHF iteration (HybridFlow §6 "auto_parallel" simulator, Appendix B).
+"""Latency and memory model of one RLHF iteration (HybridFlow §6 "simulator", Appendix B auto_parallel).
 
-Each model is costed alone on its devices under one parallel config; `search` composes the models.
+Each model is costed alone on its devices under one parallel config; `search` composes the models with the
+paper's d_cost (`iteration_cost`). Every constant comes from `placement.hardware` or the `Workload`.
 
-- Training and scoring (reference, reward, cost, critic values) are compute-bound: FLOPs over achievable FLOP/s,
-  stretched by the 1F1B pipeline bubble (p-1)/m, plus tensor-parallel all-reduces (two per layer forward, two more
-  backward), pipeline sends of each micro-batch's activations and, per optimizer update, the data-parallel
-  gradient all-reduce.
-- Generation is memory-bound: each decoding step reads the weights and the KV cache of the batch in flight, and the
-  batch is limited by the KV memory left over (the whole sequence is reserved, so a batch that starts always
-  finishes). Prefill is compute-bound. The roofline takes the larger of memory and compute time per step.
-- The actor's transition from training (p, t, d) to generation (p_g, t_g) is the 3D-HybridEngine all-gather inside
-  each micro-DP group: (t·p − t_g·p_g)/(t_g·p_g·t·p) · M bytes per rank (HybridFlow Table 2).
-- Bandwidth follows the Megatron rank order (t fastest, then d, then p): a group whose ranks span more than one
-  node uses the inter-node share of a GPU, otherwise NVLink.
+- **Training and scoring** (the actor's old log-probs, reference, reward, cost, critic values) are compute-bound:
+  executed FLOPs over achieved FLOP/s, stretched by the 1F1B pipeline bubble (m + p - 1)/m, plus what Megatron
+  does not overlap with compute: tensor-parallel collectives (sequence parallel: the equivalent of two all-reduces
+  per layer forward, two backward, two more for the recomputed forward), pipeline sends of each micro-batch's
+  activations and, per optimizer update, the distributed optimizer's reduce-scatter of fp32 gradients and
+  all-gather of bf16 weights over the data-parallel group.
+- **Generation** is memory-bound: each decoding step of a replica reads its weight shard and the KV cache of its
+  batch in flight (the batch is limited by the KV memory left over; whole sequences are reserved, so a batch that
+  starts always finishes), takes two TP all-reduces per layer, and waits for the engine's host work (per step and
+  per running sequence). Prefill is compute-bound. The roofline takes the larger of memory and compute time.
+- **The actor's transition** from training (p, t, d) to generation (p_g, t_g) is the 3D-HybridEngine all-gather
+  inside each micro-DP group: (t·p − t_g·p_g)/(t_g·p_g·t·p) · M bytes received per rank (HybridFlow Table 2).
+- **Links** follow Megatron's rank order (t fastest, then d, then p): a group inside a node uses NVLink; a group
+  across nodes shares each node's network with the other groups of its kind on that node (`_link`).
 
-Memory per rank: bf16 weights; for trained models bf16 gradients and fp32 Adam states (master, m, v) sharded over
-data parallelism (distributed optimizer), so 16 bytes a parameter when d = 1; activations of one micro-batch with
-full recomputation (1F1B keeps up to p micro-batches of layer inputs); fp32 logits for the loss; the actor's KV cache
-and its larger generation shard, M/(t_g·p_g) (HybridFlow Table 2).
+Memory per rank: bf16 weights; for trained models fp32 gradients and the distributed optimizer's fp32 master
+weights and Adam moments sharded over data parallelism: 6 + 12/d bytes a parameter of the t·p shard (Megatron-LM's
+distributed-optimizer table for bf16 with fp32 gradients). Activations of one micro-batch with full recomputation
+(1F1B keeps up to p micro-batches of layer inputs), fp32 logits for the loss, and the actor's KV cache beside its
+generation shard M/(t_g·p_g), which contains its training shard (zero redundancy, HybridFlow Table 2).
 
-Deviations, and why: decoding's pipeline hops are left out (one token's activations per step); generation runs
-in equal waves rather than continuous batching (the same throughput to first order); with `activation_recompute`
-training costs 4 forward passes, not the usual 3, because the recompute is real work and RLHF frameworks turn it on
-by default.
+Deviations, and why: generation runs in equal waves rather than continuous batching (the same throughput to first
+order, and an honest KV limit); decoding's pipeline hops are left out (the search keeps p_g = 1, what the runner
+accepts); training counts 4 forward-equivalents with `activation_recompute` (the recompute is real work and RLHF
+frameworks turn it on for long sequences); the optimizer step itself (a few tens of milliseconds of HBM traffic)
+is left out.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ ALGORITHMS = {
 }
 
 STAGES = ("generate", "inference", "train")
+"""The generate stage holds the actor's transition and generation; inference every scoring pass (the actor's old
+log-probs included); train the optimizer updates."""
 
 
 def get_role(name: str) -> Role:
@@ -87,7 +95,7 @@ class Workload:
     """Optimizer updates per epoch over the step's samples."""
     epochs_per_step: int = 1
     micro_batch_tokens: int = 8192
-    """Tokens one data-parallel rank processes per forward/backward micro-batch."""
+    """Tokens one data-parallel replica processes per forward/backward micro-batch."""
     activation_recompute: bool = True
 
     def __post_init__(self) -> None:
@@ -155,26 +163,41 @@ class Simulator:
         self._decode = lru_cache(maxsize=None)(self._generation_for_waves)
 
     # -- communication -----------------------------------------------------------------------------------------
-    def _bandwidth(self, span: int) -> float:
-        """Per-GPU bandwidth of a group whose ranks lie within `span` consecutive devices."""
-        hw = self.hw
-        return hw.intra_node_bytes_s if span <= hw.gpus_per_node else hw.inter_node_bytes_per_gpu
+    def _link(self, stride: int, size: int, members_per_node: int = 0) -> tuple[float, float]:
+        """(bytes/s per rank, start-up latency) of a group of `size` ranks `stride` apart in the rank order.
 
-    def all_reduce_s(self, nbytes: float, size: int, span: int) -> float:
+        Inside a node: NVLink. Across nodes, a ring carries each rank's volume through every node's network once
+        per group, and every GPU of a node belongs to one group of this kind, so the node's network is shared by
+        gpus_per_node / (members of one group on the node) groups."""
+        hw, gpn = self.hw, self.hw.gpus_per_node
+        span = stride * size
+        if span <= gpn and gpn % span == 0:
+            return hw.nvlink_busbw, hw.nvlink_latency_s
+        per_node = members_per_node or max(1, min(size, gpn // stride))
+        return hw.network_busbw * per_node / gpn, hw.network_latency_s
+
+    def collective_s(self, volume: float, stride: int, size: int) -> float:
+        """One collective in which each rank sends `volume` bytes over the group's links."""
         if size == 1:
             return 0.0
-        return self.hw.collective_latency_s + 2 * (size - 1) / size * nbytes / self._bandwidth(span)
+        bandwidth, latency = self._link(stride, size)
+        return latency + volume / bandwidth
+
+    def all_reduce_s(self, nbytes: float, size: int, stride: int = 1) -> float:
+        """Ring all-reduce of `nbytes` per rank: each rank sends 2(n-1)/n of it."""
+        return self.collective_s(2 * (size - 1) / size * nbytes, stride, size) if size > 1 else 0.0
 
     # -- memory ------------------------------------------------------------------------------------------------
     def static_bytes(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
-        """Weights, and for trained models gradients and Adam states, resident between stages."""
+        """Weights, and for trained models fp32 gradients and the distributed optimizer's states, resident
+        between stages: 2 bytes a parameter of the t·p shard, or 6 + 12/d when trained."""
         shard = spec.params(role.lm_head) / (cfg.t * cfg.p)
         if not role.trains:
             return 2 * shard
-        return 4 * shard + 12 * shard / cfg.d
+        return 6 * shard + 12 * shard / cfg.d
 
     def activation_bytes(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
-        """Peak working memory of the model's own training or scoring pass."""
+        """Peak working memory of the model's own training (or, untrained, scoring) pass."""
         replica = self._replica_tokens(role, cfg.d, backward=role.trains)
         tokens = min(replica, self.wl.micro_batch_tokens)
         layer_working = 34 * tokens * spec.hidden / cfg.t  # Korthikanti et al. 2022, flash attention, SP
@@ -187,7 +210,7 @@ class Simulator:
         return kept + layer_working + logits
 
     def generation_extra_bytes(self, spec: LlamaSpec, cfg: Parallel) -> float:
-        """Generation shard beyond the resident training shard (it reuses that shard)."""
+        """Generation shard beyond the resident training shard, which it contains (HybridFlow Table 2)."""
         weights = 2 * spec.params()
         return max(0.0, weights / (cfg.t_g * cfg.p_g) - weights / (cfg.t * cfg.p))
 
@@ -209,34 +232,52 @@ class Simulator:
         tokens = self._replica_tokens(role, cfg.d, backward)
         micro = _ceil_div(tokens, wl.micro_batch_tokens)
         passes = (4 if wl.activation_recompute else 3) if backward else 1
-        flops = passes * spec.flops_per_token(wl.seq_tokens, role.lm_head) * tokens
-        compute = flops / (cfg.t * cfg.p * hw.peak_flops * hw.flops_efficiency)
+        compute = passes * spec.flops_per_token(wl.seq_tokens, role.lm_head) * tokens / (cfg.t * cfg.p * hw.flops_s)
         activations = min(tokens, wl.micro_batch_tokens) * spec.hidden * 2  # one micro-batch, bf16
-        all_reduces = (4 if backward else 2) * spec.layers / cfg.p * micro
-        tp = all_reduces * self.all_reduce_s(activations, cfg.t, cfg.t)
+        collectives = (6 if wl.activation_recompute else 4) if backward else 2  # all-reduce equivalents per layer
+        tp = micro * spec.layers / cfg.p * collectives * self.all_reduce_s(activations, cfg.t)
         # Each pipeline hop sends a micro-batch's activations forward (and their gradients back), SP-sharded.
-        pp = (2 if backward else 1) * micro * activations / cfg.t / self._bandwidth(cfg.devices) if cfg.p > 1 else 0.0
+        hops = (2 if backward else 1) * micro
+        pp = hops * self.collective_s(activations / cfg.t, cfg.t * cfg.d, cfg.p) if cfg.p > 1 else 0.0
         return (compute + tp + pp) * (1 + (cfg.p - 1) / micro)
+
+    def gradient_sync_s(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
+        """Distributed optimizer, once per update: reduce-scatter fp32 gradients and all-gather bf16 weights over
+        the data-parallel group (each rank sends (d-1)/d of 4 + 2 bytes a parameter of its shard)."""
+        if cfg.d == 1:
+            return 0.0
+        shard = spec.params(role.lm_head) / (cfg.t * cfg.p)
+        return 2 * self.collective_s((cfg.d - 1) / cfg.d * 3 * shard, cfg.t, cfg.d)
 
     def train_s(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
         """All optimizer updates of one iteration."""
         wl = self.wl
-        grads = 2 * spec.params(role.lm_head) / (cfg.t * cfg.p)
-        update = self._pass_s(spec, role, cfg, backward=True) + self.all_reduce_s(grads, cfg.d, cfg.t * cfg.d)
+        update = self._pass_s(spec, role, cfg, backward=True) + self.gradient_sync_s(spec, role, cfg)
         return wl.mini_batches_per_step * wl.epochs_per_step * update
 
     def inference_s(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
-        """Scoring pass of the reference, reward, cost and critic (values) models."""
+        """Scoring pass: the actor's old log-probs, the reference's, the reward and cost scores, critic values."""
         return self._pass_s(spec, role, cfg, backward=False)
 
     # -- the actor -----------------------------------------------------------------------------------------------
-    def transition_s(self, spec: LlamaSpec, cfg: Parallel) -> float:
-        """3D-HybridEngine resharding from training to generation: all-gather inside each micro-DP group."""
+    def transition_bytes(self, spec: LlamaSpec, cfg: Parallel) -> float:
+        """Bytes each rank receives when resharding from training to generation (HybridFlow Table 2)."""
         tp, tpg = cfg.t * cfg.p, cfg.t_g * cfg.p_g
-        if tp == tpg:
+        return (tp - tpg) / (tpg * tp) * 2 * spec.params()
+
+    def transition_s(self, spec: LlamaSpec, cfg: Parallel) -> float:
+        """3D-HybridEngine resharding: one all-gather inside each micro-DP group, whose t·p/(t_g·p_g) ranks are
+        t/t_g ranks of a TP group and p/p_g pipeline stages."""
+        nbytes = self.transition_bytes(spec, cfg)
+        if nbytes == 0:
             return 0.0
-        nbytes = (tp - tpg) / (tpg * tp) * 2 * spec.params()
-        return self.hw.collective_latency_s + nbytes / self._bandwidth(tp)
+        stages = cfg.p // cfg.p_g
+        if stages == 1:
+            bandwidth, latency = self._link(cfg.t_g, cfg.t // cfg.t_g)
+        else:
+            per_node = (cfg.t // cfg.t_g) * max(1, min(stages, self.hw.gpus_per_node // (cfg.t * cfg.d)))
+            bandwidth, latency = self._link(cfg.t * cfg.d, stages, members_per_node=per_node)
+        return latency + nbytes / bandwidth
 
     def max_batch(self, spec: LlamaSpec, cfg: Parallel, free_bytes: float) -> int:
         """Sequences one generation replica can hold: the KV memory left after the generation shard."""
@@ -259,23 +300,29 @@ class Simulator:
         batch, per_replica = self.max_batch(spec, cfg, free_bytes), self._per_replica(cfg)
         return _ceil_div(per_replica, _ceil_div(per_replica, batch)) if batch else 0
 
-    def _generation_for_waves(self, spec: LlamaSpec, cfg: Parallel, waves: int) -> float:
+    def decode_step_s(self, spec: LlamaSpec, cfg: Parallel, batch: int) -> float:
+        """One decoding step of a replica with `batch` sequences in flight at the mean context length."""
         hw, wl = self.hw, self.wl
         ranks = cfg.t_g * cfg.p_g
-        batch = _ceil_div(self._per_replica(cfg), waves)
-        flops_s = ranks * hw.peak_flops * hw.flops_efficiency
-        prefill_tokens = batch * wl.prompt_tokens
-        prefill = spec.flops_per_token(wl.prompt_tokens) * prefill_tokens / flops_s
-        prefill += 2 * spec.layers * self.all_reduce_s(prefill_tokens * spec.hidden * 2, cfg.t_g, cfg.t_g)
         context = wl.prompt_tokens + wl.response_tokens / 2
-        weights = 2 * spec.matmul_params() / cfg.t_g  # each pipeline stage reads its weights once per micro-batch
+        weights = 2 * spec.matmul_params() / cfg.t_g  # each pipeline stage reads its weights once per step
         kv = batch * context * spec.kv_bytes_per_token * _ceil_div(spec.kv_heads, cfg.t_g) / spec.kv_heads / cfg.p_g
-        memory = (weights + kv) / (hw.hbm_bytes_s * hw.hbm_efficiency)
-        compute = batch * spec.decode_flops_per_token(context) / flops_s
-        tp = 2 * spec.layers * self.all_reduce_s(batch / cfg.p_g * spec.hidden * 2, cfg.t_g, cfg.t_g)
-        step = max(memory, compute) + tp
-        return waves * (prefill + wl.response_tokens * step)
+        memory = (weights + kv) / hw.decode_bytes_s
+        compute = batch * spec.decode_flops_per_token(context) / (ranks * hw.flops_s)
+        tp = 2 * spec.layers * self.all_reduce_s(batch / cfg.p_g * spec.hidden * 2, cfg.t_g)
+        host = hw.decode_step_host_s + hw.decode_sequence_host_s * batch
+        return max(memory, compute) + tp + host
 
+    def prefill_s(self, spec: LlamaSpec, cfg: Parallel, batch: int) -> float:
+        hw, wl = self.hw, self.wl
+        tokens = batch * wl.prompt_tokens
+        compute = spec.flops_per_token(wl.prompt_tokens) * tokens / (cfg.t_g * cfg.p_g * hw.flops_s)
+        return compute + 2 * spec.layers * self.all_reduce_s(tokens * spec.hidden * 2, cfg.t_g)
+
+    def _generation_for_waves(self, spec: LlamaSpec, cfg: Parallel, waves: int) -> float:
+        batch = _ceil_div(self._per_replica(cfg), waves)
+        step = self.decode_step_s(spec, cfg, batch)
+        return waves * (self.prefill_s(spec, cfg, batch) + self.wl.response_tokens * step)
 
     def colocated_peak_bytes(self, members: list[tuple[LlamaSpec, Role, Parallel]]) -> float:
         """Peak memory per rank of models sharing devices: everyone's resident state, plus the largest working set

@@ -21,6 +21,36 @@ def test_json_output_has_the_documented_keys(capsys):
     assert set(out["stages"]) == {"generate", "inference", "train"}
     assert out["estimated_iteration_s"] == pytest.approx(sum(out["stages"].values()))
     assert out["ranking"][0]["estimated_iteration_s"] == out["estimated_iteration_s"]
+    assert sum(out["ranking"][1]["gpus"]) == 64  # the runner-up, with its own best allocation
+    assert out["parallel"]["actor"]["generate"][0] == 1  # p_g = 1: the runner's `generate: [1, t_g]`
+    assert out["engine"] == ("megatron" if any(v["train"][0] > 1 for v in out["parallel"].values()) else "torch")
+
+
+def test_plans_say_which_engine_runs_them(capsys, tmp_path):
+    assert main(["--algorithm", "ppo", "--size", "13b", "--gpus", "64"]) == 0
+    table = capsys.readouterr().out
+    assert "engine: megatron (pipeline stages for actor (p=" in table and "model.engine=megatron" in table
+    assert main(["--algorithm", "ppo", "--size", "13b", "--gpus", "64", "--engine", "torch", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["engine"] == "torch" and all(v["train"][0] == 1 for v in out["parallel"].values())
+
+
+def test_the_runner_refuses_a_megatron_plan_on_the_torch_engine_as_marked(tmp_path, capsys):
+    # The mark and the runner agree: a plan marked megatron is refused on the default torch engine before any
+    # worker starts, with the fix named; a plan marked torch passes that check.
+    roles = pytest.importorskip("algorithms.roles")
+    from algorithms.config import RLConfig
+
+    piped, flat = tmp_path / "piped.json", tmp_path / "flat.json"
+    assert main(["--algorithm", "ppo", "--size", "13b", "--gpus", "64", "--save", str(piped)]) == 0
+    assert main(["--algorithm", "ppo", "--size", "13b", "--gpus", "64", "--engine", "torch", "--save",
+                 str(flat)]) == 0
+    with pytest.raises(roles.ConfigError, match="model.engine=megatron"):
+        roles.check_before_start(RLConfig(plan=str(piped)))
+    try:
+        roles.check_before_start(RLConfig(plan=str(flat)))
+    except roles.ConfigError as e:  # batch sizes may not suit its data-parallel sizes; pipelines are not the issue
+        assert "pipeline" not in str(e)
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
@@ -99,12 +129,13 @@ def test_table_columns_stay_aligned_with_long_pool_names(capsys):
     table = lines[top:lines.index("", top)]
     rows = [[row[a:b].strip() for a, b in _columns(table)] for row in table]
     # every header is a column of its own and every row has a cell (or blank) under each
-    assert rows[0] == ["pool", "gpus", "model", "train p,t,d", "gen p,t", "generate s", "transit s", "infer s",
-                       "train s", "peak GiB"]
+    assert rows[0] == ["pool", "gpus", "model", "train p,t,d", "gen p,t", "engine", "generate s", "transit s",
+                       "infer s", "train s", "peak GiB"]
     pools = [r[0] for r in rows[1:] if r[0]]
     assert max(map(len, pools)) > 34, f"this case should have a pool name longer than the old 34 columns: {pools}"
     assert sorted(r[2] for r in rows[1:]) == sorted(ALGORITHMS["safe-rlhf"])
     for r in rows[1:]:
         assert re.fullmatch(r"\d+,\d+,\d+", r[3]), r
-        assert all(re.fullmatch(r"-|\d+\.\d+|", x) for x in r[5:]), r
+        assert r[5] == ("megatron (p>1)" if r[3].split(",")[0] != "1" else "any"), r
+        assert all(re.fullmatch(r"-|\d+\.\d+|", x) for x in r[6:]), r
     assert sum(int(r[1]) for r in rows[1:] if r[1]) == 16
