@@ -5,7 +5,8 @@
 Cases (2 ranks): `noop` (a call with no data on every rank, awaited), `split4MiB` (a 1024 x 512 int64 batch
 split over the ranks and gathered back), `chain3` (three chained calls on the 4 MiB batch, only the last fetched;
 `controller_bytes` counts batch bytes deserialized in the controller process, which also hosts the embedded
-scheduler). Ray and verl rows are added when those packages are installed. One JSON object per line, then a table.
+scheduler), `resplit` (the 4 MiB batch through a call on a one-rank group, whose output a 2-rank call splits: the
+layouts differ, so the output cannot pass part for part). Ray and verl rows are added when those packages are installed. One JSON object per line, then a table.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def _touch(batch: Batch, _after=None) -> Batch:
     return batch
 
 
+def _take(batch: Batch, parts: int, index: int) -> Batch:
+    return batch.split(parts)[index]
+
+
 def _timed(fn, repeats: int) -> tuple[list[float], int]:
     fn()  # warm-up
     ser.RECEIVED.reset()
@@ -70,6 +75,7 @@ def run(repeats: int) -> list[dict]:
     data = batch4mib()
     with fa.Controller.local(2, dashboard=None) as ctl:
         g = fa.ActorGroup(ctl, Echo, name="echo")
+        solo = fa.ActorGroup(ctl, Echo, name="solo", slots=ctl.slots[:1])
         client, slots = ctl.client, ctl.slots
 
         def fa_chain3():
@@ -93,14 +99,22 @@ def run(repeats: int) -> list[dict]:
                         for f, a in zip(futs, slots)]
             Batch.concat(client.gather(futs))
 
+        def raw_resplit():
+            whole = client.submit(_touch, data, workers=[slots[0]], allow_other_workers=False, pure=False)
+            futs = [client.submit(_take, whole, 2, i, workers=[a], allow_other_workers=False, pure=False)
+                    for i, a in enumerate(slots)]
+            Batch.concat(client.gather(futs))
+
         cases = {
             ("flowactors", "noop"): lambda: g.noop().result(),
             ("flowactors", "split4MiB"): lambda: g.touch(data).result(),
             ("flowactors", "chain3"): fa_chain3,
+            ("flowactors", "resplit"): lambda: g.touch(solo.touch(data)).result(),
             ("dask-pinned", "noop"): lambda: client.gather(
                 [client.submit(_noop, workers=[a], allow_other_workers=False, pure=False) for a in slots]),
             ("dask-pinned", "split4MiB"): raw_split,
             ("dask-pinned", "chain3"): raw_chain3,
+            ("dask-pinned", "resplit"): raw_resplit,
         }
         for (system, case), fn in cases.items():
             times, nbytes = _timed(fn, repeats)

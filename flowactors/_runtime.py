@@ -9,6 +9,13 @@ One torch.distributed "world" spans all slots the controller uses; each group is
 DeviceMesh (pp, dp, tp). Creating them must happen in the same order on every world rank, which the per-process
 ordering guarantees. What the world listens on is chosen here too: only the address the workers use (see
 `init_world`), never every interface, and nothing once `teardown_world` ran.
+
+Inputs that are earlier calls' outputs arrive as reference tuples whose futures Dask has resolved (see
+`_resolve_one`): a whole call's outputs (joined here with its protocol), one part of it (rank r's share, sent
+straight from the rank that produced it), or a whole value this rank splits to take its share. A rank whose
+part failed cannot run, and its peers must not run without it (they would wait in the method's first collective
+until the process group's timeout): so a call that takes parts first agrees, in one small all-reduce over the
+group, whether every rank has its inputs (`_agree`), before any rank runs the method.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from flowactors.batch import Batch
 from flowactors.protocols import Layout, Protocol
 
 _log = structlog.get_logger("flowactors.worker")
@@ -41,7 +49,9 @@ class _GroupContext:
 
 @dataclass
 class RankFailure:
-    """What a rank returns instead of raising, so one failed call does not poison the next call's dependency."""
+    """What a rank returns instead of raising, so one failed call does not poison the next call's dependency.
+
+    `peer` marks a rank that did not run because another rank of the same call could not take its inputs."""
 
     group: str
     method: str
@@ -49,10 +59,18 @@ class RankFailure:
     exc_type: str
     message: str
     traceback: str
+    peer: bool = False
 
 
 CALL_REF = "__flowactors_call__"
-"""First item of the tuple that stands for a CallFuture in task arguments (see CallFuture._ref)."""
+"""First item of the tuple that stands for a whole CallFuture in task arguments (see CallFuture._ref):
+(CALL_REF, group, method, protocol, layout, outputs of every rank)."""
+PART_REF = "__flowactors_part__"
+"""(PART_REF, group, method, ranks, outputs): one part of a call's output (Protocol.parts): outputs[0] holds the
+data, the others (dropped on their workers) only say whether their ranks succeeded; ranks are the producing ranks."""
+SPLIT_REF = "__flowactors_split__"
+"""(SPLIT_REF, parts, index, value): take part `index` of `value` split into `parts` when it is a Batch."""
+_REFS = (CALL_REF, PART_REF, SPLIT_REF)
 
 _GROUPS: dict[str, _GroupContext] = {}
 _WORLD: dict[str, Any] = {}
@@ -272,11 +290,16 @@ def destroy(name: str, _after: Any = None) -> None:
 
 
 def call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tuple[Protocol, Layout] | None,
-         step: int | None, _after: Any = None) -> Any:
-    """Run `method` on this rank's instance. With `split`, the inputs are the whole call's and are split here."""
+         step: int | None, agree: bool = False, keep: bool = True, _after: Any = None) -> Any:
+    """Run `method` on this rank's instance.
+
+    With `split`, the inputs are the whole call's and are split here with the protocol. With `agree`, every rank
+    of the group first says whether it has its inputs (`_agree`), and none runs unless all do. Without `keep`
+    this rank's output is not part of the call's value (Protocol.parts): it returns None, or its failure."""
     t0 = time.perf_counter()
+    ctx = _GROUPS.get(name)
+    failure = None
     try:
-        ctx = _GROUPS.get(name)
         if ctx is None or ctx.instance is None:
             raise RuntimeError(f"no instance of group {name!r} lives in this worker process (pid {os.getpid()}); "
                                f"it was closed or this worker was restarted")
@@ -284,24 +307,74 @@ def call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tu
         if split is not None:
             protocol, layout = split
             args, kwargs = protocol.split(args, kwargs, layout)[rank]
+    except BaseException as e:  # noqa: BLE001 - reported to the controller with the traceback
+        failure = RankFailure(name, method, rank, type(e).__name__, str(e), traceback.format_exc())
+    if agree and ctx is not None:
+        failure = _agree(ctx, method, failure)
+    try:
+        if failure is not None:
+            raise _Failed
         out = getattr(ctx.instance, method)(*args, **kwargs)
         _log.info("call", role=name, method=method, rank=rank, step=step,
                   duration_s=round(time.perf_counter() - t0, 6))
-        return out
+        return out if keep else None
     except BaseException as e:  # noqa: BLE001
-        _log.warning("call failed", role=name, method=method, rank=rank, step=step, error=repr(e))
-        return RankFailure(name, method, rank, type(e).__name__, str(e), traceback.format_exc())
+        if failure is None:
+            failure = RankFailure(name, method, rank, type(e).__name__, str(e), traceback.format_exc())
+        _log.warning("call failed", role=name, method=method, rank=rank, step=step,
+                     error=failure.message if failure.peer else f"{failure.exc_type}: {failure.message}")
+        return failure
+
+
+class _Failed(Exception):
+    """Internal: this rank did not run the method (its failure is already recorded)."""
+
+
+def _agree(ctx: _GroupContext, method: str, failure: RankFailure | None) -> RankFailure | None:
+    """All-reduce over the group which ranks could not take their inputs; a rank whose own inputs are fine but
+    a peer's are not gets a `peer` failure naming them. Every rank calls this at the same point of the same call
+    (the calls to a process run in issue order), so it cannot cross another collective."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if ctx.mesh.device_type == "cuda" else "cpu"
+    flags = torch.zeros(ctx.layout.world_size, dtype=torch.int32, device=device)
+    flags[ctx.rank] = int(failure is not None)
+    try:
+        dist.all_reduce(flags, group=ctx.process_group)
+    except BaseException as e:  # noqa: BLE001 - a broken process group: this rank cannot run either
+        return failure or RankFailure(ctx.name, method, ctx.rank, type(e).__name__,
+                                      f"ranks could not agree that every input arrived: {e}", traceback.format_exc())
+    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    if failure is None and failed:
+        return RankFailure(ctx.name, method, ctx.rank, "InputError",
+                           f"did not run because rank(s) {failed} of this call could not take their inputs", "",
+                           peer=True)
+    return failure
 
 
 def _is_ref(v: Any) -> bool:
-    return isinstance(v, tuple) and len(v) == 6 and isinstance(v[0], str) and v[0] == CALL_REF
+    return isinstance(v, tuple) and len(v) >= 4 and isinstance(v[0], str) and v[0] in _REFS
 
 
 def _resolve_one(v: Any) -> Any:
-    """Join the rank outputs of an earlier call that arrived as a CALL_REF tuple (raising its failure)."""
+    """The value a reference tuple stands for (raising the failure of a rank it depends on); see `CALL_REF`."""
     if _is_ref(v):
-        _, group, method, protocol, layout, outputs = v
-        return collect(group, method, protocol, layout, *outputs)
+        if v[0] == CALL_REF:
+            _, group, method, protocol, layout, outputs = v
+            return collect(group, method, protocol, layout, *outputs)
+        if v[0] == PART_REF:
+            _, group, method, ranks, outputs = v
+            _raise_failures(group, method, outputs)
+            return outputs[0]
+        _, parts, index, value = v
+        value = _resolve_one(value)
+        if not isinstance(value, Batch):
+            return value
+        try:
+            return value.split(parts)[index]
+        except ValueError as e:
+            raise ValueError(f"{e} (the group has data-parallel size {parts})") from None
     if isinstance(v, (list, tuple)) and any(_is_ref(x) for x in v):
         return type(v)(_resolve_one(x) for x in v)
     return v
@@ -318,15 +391,24 @@ def apply(fn: Any, args: tuple, kwargs: dict) -> Any:
 
 def collect(group: str, method: str, protocol: Protocol, layout: Layout, *outputs: Any) -> Any:
     """Join the ranks' outputs with the protocol, or raise the first rank's failure."""
+    _raise_failures(group, method, outputs)
+    return protocol.collect(list(outputs), layout)
+
+
+def _raise_failures(group: str, method: str, outputs: Any) -> None:
+    """Raise a RemoteError for the first failed rank among `outputs`; a rank that failed in its own right is
+    named before one that did not run because of it (`RankFailure.peer`)."""
     from flowactors.errors import RemoteError
 
     failures = [o for o in outputs if isinstance(o, RankFailure)]
     if failures:
-        f = failures[0]
+        own = [f for f in failures if not f.peer] or failures
+        f = own[0]
         raise RemoteError(group, method, f.rank, f.exc_type, f.message, f.traceback,
-                          failed_ranks=[x.rank for x in failures])
-    return protocol.collect(list(outputs), layout)
+                          failed_ranks=[x.rank for x in own])
 
 
-SINGLE = Protocol("single", lambda args, kwargs, layout: [(args, kwargs)], lambda outputs, layout: outputs[0])
+SINGLE = Protocol("single", lambda args, kwargs, layout: [(args, kwargs)], lambda outputs, layout: outputs[0],
+                  parts=lambda layout: [[0]])
 """The protocol of a one-task result (Controller.apply)."""
+

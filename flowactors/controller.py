@@ -93,9 +93,19 @@ class CallFuture:
             return e
         return None
 
+    @property
+    def parts(self) -> list[list[int]] | None:
+        """The ranks of each part of the output (Protocol.parts), or None when the protocol does not say."""
+        return self.protocol.parts(self.layout) if self.protocol.parts is not None else None
+
     def _ref(self) -> tuple:
         """What travels in a task's arguments: Dask resolves the futures, the worker joins the outputs."""
         return (_runtime.CALL_REF, self.group, self.method, self.protocol, self.layout, list(self.futures))
+
+    def _part_ref(self, part: int) -> tuple:
+        """Part `part` of the output alone: its rank's output, and the outcome of the part's other ranks."""
+        ranks = self.parts[part]  # type: ignore[index]
+        return (_runtime.PART_REF, self.group, self.method, ranks, [self.futures[r] for r in ranks])
 
     def __repr__(self) -> str:
         return f"<CallFuture {self.label} {[f.status for f in self.futures]}>"

@@ -2,17 +2,31 @@
 
 HybridFlow §4.1: the controller sees one object per model; `group.method(batch)` distributes the inputs with the
 method's protocol, runs the method on every rank, collects the outputs and returns a `CallFuture` at once.
-Futures of earlier calls are accepted as inputs; they are split on the workers, never fetched by the controller.
+Futures of earlier calls are accepted as inputs; their data moves worker to worker, never through the controller.
 
-Inputs the controller already holds are split here and each rank's part travels in its own task; inputs that
-are futures travel worker to worker and each rank takes its part there (a DP split then reads the whole batch on
-every rank: cheaper in tasks than a separate split task per call, at the cost of d-fold transfer volume).
+Where each rank's inputs come from (`_route`):
+
+- Values the controller holds are split here and each rank's part travels in its own task (large batches sent
+  straight to the rank's worker, `_ship_large`).
+- The future of an earlier call whose output is made of parts (`Protocol.parts`: DP, MESH), taken by a call that
+  splits its batches into as many parts (`Protocol.destinations`), is passed part for part: rank r receives the
+  producing rank's output for its part straight from that rank's worker, and nothing else of the batch. This is
+  the common case in an RLHF step (generate, then log-probs, values and rewards over the same DP size). Rows stay
+  where they were produced: when the producing ranks return unequal numbers of rows the parts stay unequal,
+  where a concatenate-and-split would have moved rows between ranks (the collected value, in rank order, is the
+  same). Because each rank sees only its own part, the ranks of such a call first agree that every part arrived
+  intact (`_runtime._agree`, one small all-reduce) so that all of them fail together if one input failed.
+- Any other future (different DP sizes, a protocol that does not describe its layout) travels whole to every
+  rank, which takes its part there. Split tasks on the producer's worker sending each rank only its part were
+  measured against this for 2 ranks (benchmarks/dispatch.py, `resplit`) and were not faster: see `_route`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from distributed import Future
 
 from flowactors import _runtime
 from flowactors.batch import Batch
@@ -126,17 +140,24 @@ class ActorGroup:
     def _call(self, method: str, protocol: Protocol, args: tuple, kwargs: dict) -> CallFuture:
         if self._closed:
             raise PlacementError(f"group {self.name!r} is closed; create it again to call {method}")
-        ctl = self.controller
-        args, kwargs = _unwrap(args), {k: _unwrap_one(v) for k, v in kwargs.items()}
-        if _contains_future(args) or _contains_future(tuple(kwargs.values())):
-            per_rank = [(args, kwargs)] * self.world_size
-            split: tuple[Protocol, Layout] | None = (protocol, self.layout)
+        ctl, layout = self.controller, self.layout
+        split: tuple[Protocol, Layout] | None = None
+        agree = False
+        if not _contains_future((*args, *kwargs.values())):
+            per_rank = protocol.split(args, kwargs, layout)
+        elif protocol.destinations is None:  # an opaque protocol: whole inputs to every rank, split there
+            per_rank = [(_unwrap(args), {k: _unwrap_one(v) for k, v in kwargs.items()})] * self.world_size
+            split = (protocol, layout)
         else:
-            per_rank, split = _ship_large(ctl, self.addresses, protocol.split(args, kwargs, self.layout)), None
+            per_rank, agree = _route(protocol, layout, args, kwargs)
+        per_rank = _ship_large(ctl, self.addresses, per_rank)
+        keep = _kept_ranks(protocol, layout)
+        agree = agree and self.world_size > 1
         token, label = _token(), f"{self.name}.{method}"
         outs = [ctl.submit_pinned(a, _runtime.call, self.name, method, r, per_rank[r][0], per_rank[r][1], split,
-                                  ctl.step, key=f"{label}-{r}-{token}") for r, a in enumerate(self.addresses)]
-        return ctl._track(CallFuture(ctl, outs, protocol, self.layout, self.name, method, self.addresses))
+                                  ctl.step, agree, r in keep, key=f"{label}-{r}-{token}")
+                for r, a in enumerate(self.addresses)]
+        return ctl._track(CallFuture(ctl, outs, protocol, layout, self.name, method, self.addresses))
 
     def close(self, wait: bool = True) -> None:
         """Drop the instances (their memory is freed on the workers). The process group stays with the world."""
@@ -180,14 +201,75 @@ def _ship_large(ctl: Controller, addresses: Sequence[str], per_rank: list) -> li
     return [(tuple(a), kw) for a, kw in out]
 
 
+class _Held:
+    """Stands for a future argument while the protocol distributes the others (it is replicated as a non-Batch)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _route(protocol: Protocol, layout: Layout, args: tuple, kwargs: dict) -> tuple[list, bool]:
+    """Per-rank (args, kwargs) of a call with future arguments, for a protocol that states its destinations.
+
+    Controller-held values are distributed by the protocol; each future argument becomes, for rank r, a reference
+    to what rank r needs of it (`_share`). Returns the per-rank inputs and whether any rank receives a part alone
+    (then the ranks must agree before running, see the module docstring).
+
+    The alternative for a future whose layout differs (one task per rank on the producer's worker, each splitting
+    out one rank's part, so a rank fetches only its part) puts a task, and its scheduler round trips, between
+    the producer and the call; moving the other half of the batch over the workers' connection costs less. For 2
+    ranks and a 4 MiB batch from a one-rank group (`resplit` in benchmarks/dispatch.py), three runs of 100
+    interleaved calls on this 2-core machine gave a median of 77-132 ms for the whole batch to every rank against
+    90-133 ms with split tasks, so differing layouts keep the whole-batch path."""
+    dest = protocol.destinations(layout)
+    n = max(dest) + 1
+
+    def hold(v: Any) -> Any:
+        return _Held(v) if isinstance(v, (CallFuture, Future)) else _unwrap_one(v)
+
+    per_rank = protocol.split(tuple(hold(a) for a in args), {k: hold(v) for k, v in kwargs.items()}, layout)
+    direct = False
+
+    def share(v: Any, part: int) -> Any:
+        nonlocal direct
+        if not isinstance(v, _Held):
+            return v
+        ref, alone = _share(v.value, n, part)
+        direct = direct or alone
+        return ref
+
+    out = [(tuple(share(a, dest[r]) for a in a_r), {k: share(v, dest[r]) for k, v in kw_r.items()})
+           for r, (a_r, kw_r) in enumerate(per_rank)]
+    return out, direct
+
+
+def _share(value: Any, parts: int, part: int) -> tuple[Any, bool]:
+    """What of a future argument a rank that takes part `part` of `parts` receives, and whether that is its part
+    alone: the producer's part itself when the producer is made of as many parts, else the whole value (joined
+    on the rank) with an instruction to split it there."""
+    if isinstance(value, CallFuture):
+        own = value.parts
+        if own is not None and len(own) == parts:
+            return value._part_ref(part), True
+        value = value._ref()
+    return (_runtime.SPLIT_REF, parts, part, value), False
+
+
+def _kept_ranks(protocol: Protocol, layout: Layout) -> set[int]:
+    """Ranks whose output is part of the call's value (Protocol.parts); the others return only their outcome."""
+    if protocol.parts is None:
+        return set(range(layout.world_size))
+    return {p[0] for p in protocol.parts(layout)}
+
+
 def _unwrap(args: tuple) -> tuple:
     return tuple(_unwrap_one(a) for a in args)
 
 
 def _contains_future(values: tuple) -> bool:
-    from distributed import Future
-
     def has(v: Any) -> bool:
-        return isinstance(v, Future) or (isinstance(v, (list, tuple)) and any(has(x) for x in v))
+        return isinstance(v, (Future, CallFuture)) or (isinstance(v, (list, tuple)) and any(has(x) for x in v))
 
     return any(has(v) for v in values)

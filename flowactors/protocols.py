@@ -5,6 +5,12 @@ kwargs)` and `collect(per-rank outputs, layout) -> output`. They are unit-tested
 wherever the data is: on the controller for values it holds, on a worker for futures (so batch bytes never pass
 through the controller).
 
+A protocol may also say how its data is laid out over the ranks (`parts` for collect, `destinations` for
+distribute). Then a call that takes the future of an earlier call gets, on each rank, only the part it needs:
+between equal data-parallel layouts rank r receives part r straight from the worker that produced it, instead of
+every rank receiving the whole batch and splitting it there (see `flowactors.group`). Protocols that do not say
+(user protocols by default) get the whole inputs on every rank, split there with `distribute`.
+
 `Layout` is the SPMD layout of a group, pipeline x data x tensor parallel, ranks ordered with tensor parallel
 fastest, then data, then pipeline (Megatron's order), so tensor-parallel peers are neighbours.
 """
@@ -64,11 +70,31 @@ PerRank = list[tuple[tuple, dict]]
 
 @dataclass(frozen=True)
 class Protocol:
-    """A named (distribute, collect) pair. `distribute` must return one (args, kwargs) per rank."""
+    """A named (distribute, collect) pair. `distribute` must return one (args, kwargs) per rank.
+
+    The two optional layout functions are promises about those two, which let a chained call move only the data
+    each rank needs (both are checked against `distribute` / `collect` in the tests of the built-in protocols):
+
+    - `parts(layout)`: collect's output is the parts concatenated in order (`Batch.concat`; one part: that part
+      itself), and part i is the output of rank `parts[i][0]`. Every rank is listed in exactly one part: the
+      other ranks of part i (TP peers, earlier pipeline stages) contribute nothing to the value, so their outputs
+      are dropped on their worker and only their success or failure travels with part i.
+    - `destinations(layout)`: distribute splits every Batch argument into `max(destinations) + 1` equal parts,
+      hands rank r part `destinations[r]`, and gives every rank the other arguments unchanged.
+    """
 
     name: str
     distribute: Callable[[tuple, dict, Layout], PerRank]
     collect: Callable[[list, Layout], Any]
+    parts: Callable[[Layout], list[list[int]]] | None = None
+    destinations: Callable[[Layout], list[int]] | None = None
+
+    def __reduce__(self) -> Any:
+        # A built-in protocol travels in every task that uses it: send its name, not its functions. (Not any
+        # registered one: a worker process has not necessarily imported the module that registered it.)
+        if self.name in _BUILTIN and _REGISTRY.get(self.name) is self:
+            return get_protocol, (self.name,)
+        return Protocol, (self.name, self.distribute, self.collect, self.parts, self.destinations)
 
     def split(self, args: tuple, kwargs: dict, layout: Layout) -> PerRank:
         """`distribute`, checked: exactly one (args, kwargs) pair per rank."""
@@ -148,6 +174,7 @@ RANK_ZERO = Protocol(
     "rank_zero",
     lambda args, kwargs, layout: [(args, kwargs)] * layout.world_size,
     lambda outputs, layout: outputs[0],
+    parts=lambda layout: [list(range(layout.world_size))],
 )
 """Every rank runs (SPMD collectives need them all); only rank 0's output is returned."""
 
@@ -156,6 +183,8 @@ DP = Protocol(
     lambda args, kwargs, layout: _scatter_batches(args, kwargs, layout.world_size, range(layout.world_size),
                                                   layout.world_size),
     lambda outputs, layout: _concat(outputs),
+    parts=lambda layout: [[r] for r in range(layout.world_size)],
+    destinations=lambda layout: list(range(layout.world_size)),
 )
 """Batch arguments split over every rank (pure data parallel); outputs concatenated in rank order."""
 
@@ -170,11 +199,20 @@ def _mesh_collect(outputs: list, layout: Layout) -> Any:
     return _concat([outputs[layout.rank(last, d, 0)] for d in range(layout.dp)])
 
 
-MESH = Protocol("mesh", _mesh_distribute, _mesh_collect)
+def _mesh_parts(layout: Layout) -> list[list[int]]:
+    last = layout.pp - 1
+    return [[layout.rank(last, d, 0)] + [r for r in range(layout.world_size)
+                                         if layout.coords(r)[1] == d and r != layout.rank(last, d, 0)]
+            for d in range(layout.dp)]
+
+
+MESH = Protocol("mesh", _mesh_distribute, _mesh_collect, parts=_mesh_parts,
+                destinations=lambda layout: [layout.coords(r)[1] for r in range(layout.world_size)])
 """3D: split by DP rank, replicate over TP and PP ranks; collect from TP rank 0 of the last PP stage."""
 
 
 _REGISTRY: dict[str, Protocol] = {p.name: p for p in (ONE_TO_ALL, ALL_TO_ALL, RANK_ZERO, DP, MESH)}
+_BUILTIN = frozenset(_REGISTRY)
 
 
 def register_protocol(protocol: Protocol) -> Protocol:

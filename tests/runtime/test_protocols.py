@@ -60,3 +60,35 @@ def test_custom_protocol_registration_and_checks():
         register_protocol(Protocol("test_reverse", p.distribute, p.collect))
     with pytest.raises(ValueError, match="unknown protocol 'nope'"):
         get_protocol("nope")
+
+
+@pytest.mark.parametrize("protocol", [DP, MESH, RANK_ZERO])
+@pytest.mark.parametrize("layout", [Layout(dp=1), Layout(dp=4), Layout(dp=2, tp=2), Layout(pp=2, dp=2, tp=2),
+                                    Layout(pp=3, tp=2)])
+def test_declared_parts_and_destinations_match_collect_and_distribute(protocol, layout):
+    """Protocol.parts / destinations are promises the runtime routes data by: check them against the functions."""
+    w = layout.world_size
+    outputs = [Batch({"r": torch.full((2,), r)}) for r in range(w)]
+    parts = protocol.parts(layout)
+    assert sorted(r for p in parts for r in p) == list(range(w))  # every rank in exactly one part
+    want = Batch.concat([outputs[p[0]] for p in parts])
+    got = protocol.collect(outputs, layout)
+    assert got["r"].tolist() == want["r"].tolist()
+    if protocol.destinations is None:
+        return
+    dest = protocol.destinations(layout)
+    n = max(dest) + 1
+    per = protocol.split((rows(4 * n), "other"), {"b": rows(4 * n)}, layout)
+    for r in range(w):
+        (a, other), kw = per[r]
+        assert a["x"].tolist() == rows(4 * n).split(n)[dest[r]]["x"].tolist() == kw["b"]["x"].tolist()
+        assert other == "other"
+
+
+def test_builtin_protocols_travel_by_name_custom_ones_by_value():
+    import cloudpickle
+
+    assert cloudpickle.loads(cloudpickle.dumps(DP)) is DP
+    custom = Protocol("test_unregistered", lambda a, k, lay: [(a, k)] * lay.world_size, lambda o, lay: o)
+    back = cloudpickle.loads(cloudpickle.dumps(custom))
+    assert back.name == "test_unregistered" and back.collect([1], Layout()) == [1]

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from flowactors import ONE_TO_ALL, RANK_ZERO, Batch, Worker, endpoint
+from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Worker, endpoint
 
 
 class Reducer(Worker):
@@ -62,6 +62,35 @@ class Reducer(Worker):
         t = torch.ones(1)
         dist.all_reduce(t, group=self.process_group)
         return t.item()
+
+    @endpoint
+    def join_x(self, a: Batch, b: Batch, scale: int = 1) -> Batch:
+        return Batch({"x": (a["x"] + b["x"]) * scale, "rank": torch.full((len(a),), self.rank)})
+
+    @endpoint
+    def fail_rows(self, batch: Batch, rank: int) -> Batch:
+        if self.rank == rank:
+            raise ValueError(f"deliberate failure on rank {rank}")
+        return batch
+
+    @endpoint
+    def drop_last_on(self, batch: Batch, rank: int) -> Batch:
+        """Rank `rank` returns one row fewer: the ranks' outputs differ in length."""
+        return batch.slice(0, len(batch) - 1) if self.rank == rank else batch
+
+    @endpoint
+    def total_rows(self, batch: Batch) -> Batch:
+        """A collective over the group: every rank learns how many rows the call had in all."""
+        t = torch.tensor([len(batch)])
+        dist.all_reduce(t, group=self.process_group)
+        return Batch({"x": batch["x"], "total": torch.full((len(batch),), int(t.item())),
+                      "rank": torch.full((len(batch),), self.rank)})
+
+    @endpoint(protocol=MESH)
+    def mesh_fail(self, batch: Batch, rank: int) -> Batch:
+        if self.rank == rank:
+            raise ValueError(f"deliberate failure on rank {rank}")
+        return Batch({"x": batch["x"], "rank": torch.full((len(batch),), self.rank)})
 
     def not_remote(self) -> None:
         pass
