@@ -8,7 +8,8 @@ DESIGN §3. What this module owns, and why each piece exists:
 - **Ordering.** Dask runs tasks submitted close together in any order and prefers tasks whose inputs are local.
   Colocated groups then issue collectives in different orders on different ranks, and gloo silently returns
   wrong sums. So every task pinned to a worker process depends on the previous one pinned there and carries a
-  decreasing priority (`submit_pinned`).
+  decreasing priority (`submit_pinned_all`). All ranks' tasks of one call go to the scheduler in one graph
+  update (`flowactors._submit`), not one `client.submit` per rank.
 - **Failures.** Dask never fails a task pinned to a worker that died; it waits for a worker of that address
   forever. The controller subscribes to the scheduler's `remove-worker` events and cancels every future that
   needs the dead process, and `CallFuture.result()` turns that into a `WorkerLostError` naming role and rank.
@@ -36,6 +37,7 @@ from distributed import Client, Future, LocalCluster
 from distributed.client import FutureCancelledError, FuturesCancelledError
 
 from flowactors import _runtime
+from flowactors._submit import PinnedTask, submit_pinned_tasks
 from flowactors.errors import HangError, PlacementError, SchedulerUnreachableError, WorkerLostError
 from flowactors.profiling import ComputeProfile, controller_share
 from flowactors.protocols import ONE_TO_ALL, Layout, Protocol
@@ -204,8 +206,8 @@ class Controller:
         from distributed.client import _wait
 
         token = _token()
-        futs = [self.submit_pinned(a, _runtime.teardown_world, key=f"world.teardown-{r}-{token}")
-                for r, a in enumerate(self._world) if a not in self._lost]
+        futs = self.submit_pinned_all([(a, _runtime.teardown_world, (), {}, f"world.teardown-{r}-{token}")
+                                       for r, a in enumerate(self._world) if a not in self._lost])
         try:  # this client's own wait: `distributed.wait` looks for a default client, and this one is not
             self.client.sync(_wait, futs, timeout=timeout_s)
         except Exception:  # noqa: BLE001 - closing anyway; a hung rank is killed with its process
@@ -334,17 +336,36 @@ class Controller:
     # -- pinned, ordered submission -------------------------------------------------------------------------
     def submit_pinned(self, address: str, fn: Any, *args: Any, key: str, **kwargs: Any) -> Future:
         """Run `fn` on `address` after every task pinned there before it (DESIGN §3, Ordering)."""
+        return self.submit_pinned_all([(address, fn, args, kwargs, key)])[0]
+
+    def submit_pinned_all(self, tasks: Sequence[tuple[str, Any, tuple, dict, str]]) -> list[Future]:
+        """Several (address, fn, args, kwargs, key) tasks, e.g. every rank of one call, each run on its address
+        after every task pinned there before it, sent to the scheduler in one graph update (`flowactors._submit`):
+        one scheduler round of work per call instead of one per rank. They share one place in the issue order (a
+        priority below every earlier call's); a task depends on the previous one issued to its worker."""
         with self._lock:
-            if address in self._lost:
-                raise WorkerLostError(address, self._lost[address], call=key.rsplit("-", 1)[0])
+            for address, *_, key in tasks:
+                if address in self._lost:
+                    raise WorkerLostError(address, self._lost[address], call=key.rsplit("-", 1)[0])
+            out: list[Future] = []
+            batch: list[PinnedTask] = []
             seq = next(self._seq)
-            prev = self._last.get(address)
-            if prev is not None and prev.status in ("error", "cancelled"):
-                prev = None
-            fut = self.client.submit(fn, *args, _after=prev, key=key, workers=[address],
-                                     allow_other_workers=False, pure=False, priority=-seq, **kwargs)
-            self._last[address] = fut
-        return fut
+            for address, fn, args, kwargs, key in tasks:
+                if any(t.address == address for t in batch):  # a second task for one worker orders after the first
+                    out += self._send(batch)
+                    batch, seq = [], next(self._seq)
+                prev = self._last.get(address)
+                if prev is not None and prev.status in ("error", "cancelled"):
+                    prev = None
+                batch.append(PinnedTask(address, fn, key, tuple(args), {**kwargs, "_after": prev}, priority=-seq))
+            out += self._send(batch)
+        return out
+
+    def _send(self, batch: list[PinnedTask]) -> list[Future]:
+        futures = submit_pinned_tasks(self.client, batch)
+        for t, f in zip(batch, futures):
+            self._last[t.address] = f
+        return futures
 
     def _track(self, call: CallFuture) -> CallFuture:
         for a in call.addresses:
@@ -428,9 +449,9 @@ class Controller:
         host, port, cuda = self._await_setup("world", "free_port", [reserve], world[:1])[0]
         want = backend or ("nccl" if cuda else "gloo")
         token = _token()
-        futs = [self.submit_pinned(a, _runtime.init_world, r, len(world), host, port, want,
-                                   self.collective_timeout_s, r, key=f"world.init_world-{r}-{token}")
-                for r, a in enumerate(world)]
+        futs = self.submit_pinned_all([(a, _runtime.init_world, (r, len(world), host, port, want,
+                                                                  self.collective_timeout_s, r), {},
+                                        f"world.init_world-{r}-{token}") for r, a in enumerate(world)])
         self._await_setup("world", "init_world", futs, world)
         self._world, self._backend = world, want
 
@@ -446,9 +467,8 @@ class Controller:
                                  f"recreate the controller to include them")
         ranks = [self._world.index(a) for a in addresses]
         token = _token()
-        futs = [self.submit_pinned(a, _runtime.new_group, name, ranks, layout, list(subgroups),
-                                   key=f"{name}.new_group-{r}-{token}")
-                for r, a in enumerate(self._world)]
+        futs = self.submit_pinned_all([(a, _runtime.new_group, (name, ranks, layout, list(subgroups)), {},
+                                        f"{name}.new_group-{r}-{token}") for r, a in enumerate(self._world)])
         self._await_setup(name, "new_group", futs, self._world)
         for rank, a in enumerate(addresses):
             self._hosted.setdefault(a, []).append((name, rank))

@@ -114,8 +114,8 @@ class ActorGroup:
         for method, proto in self.endpoints.items():
             setattr(self, method, _Method(self, method, proto))
         token = _token()
-        futs = [controller.submit_pinned(a, _runtime.construct, name, self.cls, tuple(args), dict(kwargs),
-                                         key=f"{name}.__init__-{r}-{token}") for r, a in enumerate(addresses)]
+        futs = controller.submit_pinned_all([(a, _runtime.construct, (name, self.cls, tuple(args), dict(kwargs)), {},
+                                              f"{name}.__init__-{r}-{token}") for r, a in enumerate(addresses)])
         try:
             controller._await_setup(name, "__init__", futs, addresses)
         except RemoteError:
@@ -154,9 +154,9 @@ class ActorGroup:
         keep = _kept_ranks(protocol, layout)
         agree = agree and self.world_size > 1
         token, label = _token(), f"{self.name}.{method}"
-        outs = [ctl.submit_pinned(a, _runtime.call, self.name, method, r, per_rank[r][0], per_rank[r][1], split,
-                                  ctl.step, agree, r in keep, key=f"{label}-{r}-{token}")
-                for r, a in enumerate(self.addresses)]
+        outs = ctl.submit_pinned_all([(a, _runtime.call, (self.name, method, r, per_rank[r][0], per_rank[r][1], split,
+                                                          ctl.step, agree, r in keep), {}, f"{label}-{r}-{token}")
+                                      for r, a in enumerate(self.addresses)])
         return ctl._track(CallFuture(ctl, outs, protocol, layout, self.name, method, self.addresses))
 
     def close(self, wait: bool = True) -> None:
@@ -164,9 +164,10 @@ class ActorGroup:
         if self._closed:
             return
         self._closed = True
-        token = _token()
-        futs = [self.controller.submit_pinned(a, _runtime.destroy, self.name, key=f"{self.name}.close-{r}-{token}")
-                for r, a in enumerate(self.addresses) if a not in self.controller.lost_workers]
+        token, lost = _token(), self.controller.lost_workers
+        futs = self.controller.submit_pinned_all([
+            (a, _runtime.destroy, (self.name,), {}, f"{self.name}.close-{r}-{token}")
+            for r, a in enumerate(self.addresses) if a not in lost])
         try:
             if wait:
                 self.controller.client.gather(futs)

@@ -1,0 +1,63 @@
+"""One graph update per call: every rank's task sent at once, each still pinned, ordered and prioritised."""
+
+import pytest
+
+import flowactors as fa
+from flowactors._submit import PinnedTask, submit_pinned_tasks
+from tests.runtime.workers import Reducer, nap
+
+
+def _task_states(keys, dask_scheduler=None):
+    out = {}
+    for key in keys:
+        ts = dask_scheduler.tasks[key]
+        out[key] = {"workers": sorted(ts.worker_restrictions or ()), "loose": ts.loose_restrictions,
+                    "priority": ts.priority, "deps": sorted(str(d.key) for d in ts.dependencies)}
+    return out
+
+
+def _graph_updates(ctl) -> int:
+    return sum(1 for _, e in ctl.client.get_events(ctl.client.id)
+               if isinstance(e, dict) and e.get("action") == "update-graph")
+
+
+@pytest.fixture(scope="module")
+def group(controller4):
+    g = fa.ActorGroup(controller4, Reducer, name="submit_g")
+    yield g
+    g.close()
+
+
+def test_a_call_is_one_graph_update_of_pinned_ordered_tasks(controller4, group):
+    group.history().result()
+    before = _graph_updates(controller4)
+    first = group.record(1)
+    second = group.record(2)
+    assert second.result() == [2] * 4
+    assert _graph_updates(controller4) - before == 2  # one per call, not one per rank
+    keys = [f.key for f in first.futures + second.futures]
+    states = controller4.client.run_on_scheduler(_task_states, keys)
+    for call in (first, second):
+        assert [k.rsplit("-", 2)[0] for k in (f.key for f in call.futures)] == ["submit_g.record"] * 4
+        for rank, f in enumerate(call.futures):
+            st = states[f.key]
+            assert st["workers"] == [group.addresses[rank]] and st["loose"] is False
+        assert len({states[f.key]["priority"][0] for f in call.futures}) == 1  # one place in the issue order
+    # the later call ranks below the earlier one and, on each worker, depends on it
+    assert states[second.futures[0].key]["priority"][0] > states[first.futures[0].key]["priority"][0]
+    for f1, f2 in zip(first.futures, second.futures):
+        assert states[f2.key]["deps"] == [f1.key]
+
+
+def test_two_tasks_for_one_worker_in_one_submission_run_in_order(controller4, group):
+    a = controller4.slots[0]
+    futs = controller4.submit_pinned_all([(a, nap, (0.3,), {}, "submit.nap-0"), (a, nap, (0.0,), {}, "submit.nap-1")])
+    assert controller4.client.gather(futs) == [0.3, 0.0]
+    states = controller4.client.run_on_scheduler(_task_states, [f.key for f in futs])
+    assert states["submit.nap-1"]["deps"] == ["submit.nap-0"]
+
+
+def test_submit_pinned_tasks_refuses_repeated_keys(controller4):
+    t = PinnedTask(controller4.slots[0], nap, "submit.same", (0.0,))
+    with pytest.raises(ValueError, match="keys must be distinct"):
+        submit_pinned_tasks(controller4.client, [t, t])
