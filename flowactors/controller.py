@@ -53,6 +53,8 @@ class CallFuture:
     There is no separate collect task (it would add a scheduling hop to every call): `.result()` gathers the
     rank outputs and joins them on the controller, and a later call or `Controller.apply` that takes this future
     receives the rank outputs on its worker and joins them there, so the bytes never pass through the controller.
+    A later call whose ranks take the same parts (`parts`, see `flowactors.group`) receives on each rank only the
+    output of the rank that produced its part.
     """
 
     __slots__ = ("_controller", "futures", "protocol", "layout", "group", "method", "addresses", "__weakref__")
