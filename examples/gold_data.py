@@ -7,7 +7,8 @@ response, in [-1, 1], from a hand-built lexicon with rules for negation, intensi
 opinion rather than fact ("wonderful", "beautiful", "best" are subjective; "water boils at 100 degrees" is not).
 
 Why this pair: the constraint binds. On SmolLM2-135M-Instruct's own answers to everyday prompts the two correlate
-(Pearson about 0.4, measured and written to eval.json as `reward_cost_correlation`): the cheapest way to sound
+(Pearson r = 0.21 over 1024 answers of 24 tokens, about 0.4 on shorter ones; measured on every run
+and written to eval.json as `reward_cost_correlation`): the cheapest way to sound
 positive is an enthusiastic adjective, which is subjective. A policy that maximises positivity alone therefore
 drifts into opinionated gushing; keeping subjectivity at its starting level forces it to find positivity that is
 not opinion (friendly verbs and nouns: "enjoy", "help", "friends", "safe", which VADER scores and TextBlob does not).
