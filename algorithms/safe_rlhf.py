@@ -8,9 +8,9 @@ the paper's code does.
 
 The embedded default: `python algorithms/safe_rlhf.py` trains a tiny model on `digit_sum` (reward: digits summing
 to a target; cost: using the digit 9) on a 2-slot local cluster in about a minute, and visibly trades reward for
-cost. The rule reward and cost stand in for the paper's learned reward and cost models: `engines` has a
-`RewardModelWorker` (a sequence-score model, as reward or cost model; `benchmarks/fusion.py` builds one), but
-no config field selects it yet, so a program built from the config always scores with the task's rules.
+cost. The rule reward and cost stand in for the paper's learned reward and cost models unless `reward_model=DIR`
+and `cost_model=DIR` name score-head folders (e.g. written by `algorithms/train_reward.py`, `kind=cost` for the
+cost model), which the reward and cost roles then host.
 """
 
 from __future__ import annotations
