@@ -16,6 +16,17 @@ import structlog
 __all__ = ["configure_logging"]
 
 
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at write time, not the stream current when logging was configured: a
+    replaced stderr (pytest's capture, a redirect) may be closed later, and events must not fail on it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(renderer: str = "console", level: str = "warning") -> None:
     """Route structlog events to stderr as `console` (human) or `json` lines, at `level` and above."""
     if renderer not in ("console", "json"):
@@ -31,7 +42,7 @@ def configure_logging(renderer: str = "console", level: str = "warning") -> None
             structlog.processors.JSONRenderer() if renderer == "json" else structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
 
