@@ -133,11 +133,14 @@ def _state(scheduler_state: str) -> str:
 
 def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | None = None,
                     role_colors: Mapping[str, str] | None = None) -> dict:
-    """Aggregate tasks (in submission order) into call nodes and call → call edges with a layered layout.
+    """Aggregate tasks into call nodes and call → call edges with a layered layout.
 
-    Dependencies on keys outside `tasks` (earlier steps) are left out. A node's column (`layer`) is one more
-    than the deepest node it takes data from, among nodes that appeared before it (so repeated calls, which
-    make the prefix graph cyclic, still get a layout); `row` is its place in the column.
+    Dependencies on keys outside `tasks` (earlier steps) are left out. Columns come from the task graph, which
+    is acyclic even when a call repeats within a step (the call graph then has a cycle): a task sits in its
+    deepest producer's column, one further when that producer is another call; a call's column (`layer`) is that
+    of its shallowest task. The order in which the scheduler reported the tasks does not matter: Dask handles graph
+    updates concurrently, so a consumer can be reported before its producer. `row` is a node's place in its
+    column, in first-seen order.
     """
     records = list(tasks)
     node_by_key = {r.key: node_of(r.key) for r in records}
@@ -145,12 +148,14 @@ def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | 
     counts: dict[str, dict[str, int]] = {}
     done: dict[str, int] = {}
     edges: dict[tuple[str, str, str], int] = {}
+    producers: dict[str, list[str]] = {}
     for r in records:
         n = node_by_key[r.key]
         order.setdefault(n, len(order))
         c = counts.setdefault(n, {})
         c[r.state] = c.get(r.state, 0) + 1
         done[n] = done.get(n, 0) + int(r.done)
+        producers[r.key] = [d for d in r.deps if d in node_by_key and d not in r.order_deps]
         for dep in r.deps:
             src = node_by_key.get(dep)
             if src is None or src == n:
@@ -160,11 +165,12 @@ def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | 
     # An order edge that duplicates a data edge says nothing more.
     edge_list = [{"source": s, "target": t, "kind": k, "n": c} for (s, t, k), c in edges.items()
                  if not (k == "order" and (s, t, "data") in edges)]
+    depth = _task_depths(producers, node_by_key)
     layer: dict[str, int] = {}
-    for n in order:  # nodes in first-seen order
-        preds = [layer[e["source"]] for e in edge_list
-                 if e["target"] == n and e["kind"] == "data" and order[e["source"]] < order[n]]
-        layer[n] = 1 + max(preds) if preds else 0
+    for key, d in depth.items():
+        n = node_by_key[key]
+        layer[n] = min(layer.get(n, d), d)
+    order = dict(sorted(order.items(), key=lambda kv: (layer[kv[0]], kv[1])))
     rows: dict[int, int] = {}
     nodes = []
     for n in order:
@@ -178,6 +184,25 @@ def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | 
                       "color": role_color(role_of(n), role_colors)})
     return {"nodes": nodes, "edges": edge_list, "layers": 1 + max(layer.values(), default=-1),
             "rows": max(rows.values(), default=0)}
+
+
+def _task_depths(producers: Mapping[str, Sequence[str]], node_by_key: Mapping[str, str]) -> dict[str, int]:
+    """Each task's column: 0 without producers, else the deepest producer's, plus one across calls."""
+    depth: dict[str, int] = {}
+    for root in producers:
+        stack = [root]
+        while stack:  # iterative depth-first search: a long chain of tasks must not exhaust the recursion limit
+            key = stack[-1]
+            if key in depth:
+                stack.pop()
+                continue
+            todo = [p for p in producers[key] if p not in depth]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            depth[key] = max((depth[p] + (node_by_key[p] != node_by_key[key]) for p in producers[key]), default=0)
+    return depth
 
 
 def _length(spans: Iterable[tuple[float, float]]) -> float:
@@ -448,10 +473,15 @@ class FlowactorsDashboard(SchedulerPlugin):
 
 
 def _order_deps(ts: Any) -> tuple[str, ...]:
-    """Keys behind the task's `_after` argument: the controller's per-process ordering chain, not data."""
+    """Keys behind the task's `_after` argument (the controller's per-process ordering chain) that it does not
+    also take as data: with rank-to-rank parts, rank r's input is often the previous call on its own process."""
     try:
-        after = ts.run_spec.kwargs.get("_after")
-        return tuple(str(k) for k in getattr(after, "dependencies", ()) or ())
+        spec = ts.run_spec
+        after = set(getattr(spec.kwargs.get("_after"), "dependencies", ()) or ())
+        data: set = set()
+        for v in (*spec.args, *(v for k, v in spec.kwargs.items() if k != "_after")):
+            data |= set(getattr(v, "dependencies", ()) or ())
+        return tuple(str(k) for k in after - data)
     except Exception:  # noqa: BLE001 - not a flowactors call, or an older task spec
         return ()
 

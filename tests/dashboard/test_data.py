@@ -106,6 +106,15 @@ def test_graph_of_repeated_calls_is_cyclic_by_prefix_but_still_laid_out():
     assert aggregate_graph([]) == {"nodes": [], "edges": [], "layers": 0, "rows": 0}
 
 
+def test_graph_layout_does_not_depend_on_the_order_tasks_were_reported():
+    """The scheduler handles graph updates concurrently: a consumer's tasks can reach the plugin first."""
+    forward = aggregate_graph(ppo_like_step())
+    backward = aggregate_graph(list(reversed(ppo_like_step())))
+    assert {n["id"]: n["layer"] for n in backward["nodes"]} == {n["id"]: n["layer"] for n in forward["nodes"]}
+    assert [n["id"] for n in backward["nodes"]][0] == "actor.generate_sequences"
+    assert backward["layers"] == forward["layers"] == 4
+
+
 def test_slot_usage_busy_idle_and_segments():
     ivs = [
         Interval("A", "actor.generate_sequences", 9.0, 11.0),   # clipped to [10, 11]
@@ -194,17 +203,23 @@ def _fake_scheduler(tasks: dict) -> SimpleNamespace:
     return SimpleNamespace(tasks=tasks, workers={}, get_events=lambda topic: [])
 
 
-def _ts(state: str, deps=(), after=None) -> SimpleNamespace:
-    spec = SimpleNamespace(kwargs={"_after": SimpleNamespace(dependencies=frozenset(after or ()))})
+def _ts(state: str, deps=(), after=None, data=()) -> SimpleNamespace:
+    """A scheduler task state: `after` the keys of its `_after` argument, `data` those of its positional input."""
+    spec = SimpleNamespace(args=(SimpleNamespace(dependencies=frozenset(data)),),
+                           kwargs={"_after": SimpleNamespace(dependencies=frozenset(after or ()))})
     return SimpleNamespace(state=state, dependencies=[SimpleNamespace(key=d) for d in deps], run_spec=spec)
 
 
 def test_plugin_tags_tasks_with_the_step_and_forgets_old_steps():
     p = FlowactorsDashboard(keep_steps=2)
     a, b = k("rt.x", 0), k("rt.y", 0)
-    sched = _fake_scheduler({a: _ts("waiting"), b: _ts("waiting", deps=(a,), after=(a,))})
-    p.update_graph(sched, tasks=[a, b])
+    c = k("rt.z", 0)
+    sched = _fake_scheduler({a: _ts("waiting"), b: _ts("waiting", deps=(a,), after=(a,)),
+                             c: _ts("waiting", deps=(b,), after=(b,), data=(b,))})
+    p.update_graph(sched, tasks=[a, b, c])
     assert p._steps[0][b].order_deps == (a,) and p._steps[0][b].deps == (a,)
+    # rank r's part of the previous call on its own process: a data edge, though it is the `_after` key too
+    assert p._steps[0][c].order_deps == () and p._steps[0][c].deps == (b,)
     p.transition(a, "waiting", "processing", stimulus_id="s")
     p.transition(a, "processing", "memory", stimulus_id="s", worker="W",
                  startstops=[{"action": "transfer", "start": 0.0, "stop": 0.5},
