@@ -220,7 +220,7 @@ def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, export
         spec = UpdateSpec(cfg.sft_samples_per_step, epochs=1, shuffle_seed=cfg.seed, lr=cfg.sft_lr)
         actor.update_actor(batch, SFTLoss(), spec).result()
     path = actor.export_hf(str(export_dir / "sft")).result()
-    return ModelConfig(path=path, dtype=cfg.model.dtype)
+    return ModelConfig(path=path, dtype=cfg.model.dtype, engine=cfg.model.engine)
 
 
 def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path, *, critics: Sequence[str] = (),
@@ -262,5 +262,6 @@ def _scorer(group: Callable[..., fa.ActorGroup], role: str, model_dir: str | Non
     from engines import RewardModelWorker, RuleRewardWorker
 
     if model_dir:
-        return group(role, RewardModelWorker, ModelConfig(path=model_dir, dtype=policy.dtype), policy)
+        return group(role, RewardModelWorker, ModelConfig(path=model_dir, dtype=policy.dtype, engine=policy.engine),
+                     policy)
     return group(role, RuleRewardWorker, rule, policy)

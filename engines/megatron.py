@@ -4,8 +4,9 @@
 does, so a role holds either; `ModelConfig(engine="megatron")` chooses it (engines.registry). Its checkpoint_state is
 not wired yet (megatron dist-ckpt): export_hf saves its weights. Inside, everything is megatron-core's own
 machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the transformers config,
-`parallel_state.initialize_model_parallel` for the TP × DP × PP rank grid (the same order as our meshes: tp fastest,
-then dp, then pp), its `DistributedDataParallel` with the distributed optimizer, and the pipeline schedules of
+explicit process groups for the TP × DP × PP rank grid (engines.megatron_groups: the group's own mesh, in
+megatron's order, tp fastest, then dp, then pp; megatron's process-global `parallel_state` is never initialised, so
+models on different slots or with different layouts live side by side), its `DistributedDataParallel` with the distributed optimizer, and the pipeline schedules of
 `get_forward_backward_func` (1F1B when pp > 1). Weights come in and go out in Hugging Face format through
 `engines.megatron_convert`.
 
@@ -61,6 +62,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engines.hybrid.shards import ModelGeometry
+from engines.megatron_groups import MegatronGroups, world_groups
 from engines.megatron_convert import HEADS, check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
 from engines.ops import response_logits
 from engines.training import LossFn, OptimConfig
@@ -126,26 +128,17 @@ def _transformer_config(config, g: ModelGeometry, tp: int, pp: int, dtype: torch
     )
 
 
-def _init_model_parallel(tp: int, pp: int) -> None:
-    """megatron's parallel_state is process-global: initialise it once, or check it matches."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
+def _process_state(tp_rank: int) -> None:
+    """The process-global pieces megatron keeps besides its groups, none tied to a layout: the RNG tracker (its
+    dropout streams differ per TP rank; required by the attention layer; seeded again, with the same seed, by
+    each engine a process builds) and the scratch buffer its attention and TP layers borrow. `parallel_state`
+    creates the buffer only inside `initialize_model_parallel`, which we never call (it would bind the process to
+    one layout over the whole world), so it is created here through its private setter, once per process."""
+    from megatron.core import parallel_state, tensor_parallel
 
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised; the megatron engine runs inside a process group "
-                           "(a flowactors group, or dist.init_process_group for a single process)")
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not a multiple of tp × pp = {tp} × {pp}; choose tp and pp whose "
-                         f"product divides the number of ranks (the rest is data parallel)")
-    if mpu.model_parallel_is_initialized():
-        have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise ValueError(f"megatron's parallel state is already initialised with (tp, pp) = {have}, not "
-                             f"{(tp, pp)}; every megatron engine in one process must share one layout")
-        return
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)  # dropout streams; required by the attention layer
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank, ep_rank=0, etp_rank=0)
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
 
 
 def _attention_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -156,17 +149,19 @@ def _attention_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                             with_entropy: bool) -> dict[str, torch.Tensor]:
+                             with_entropy: bool, tp_group: Any) -> dict[str, torch.Tensor]:
     """log p(token) (and entropy) in float32 from logits split over the TP group's vocabulary shards."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    def tp_sum(x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_model_parallel_region(x, group=tp_group)
 
     z = logits.float() / temperature
     local_vocab = z.shape[-1]
-    start = mpu.get_tensor_model_parallel_rank() * local_vocab
+    start = dist.get_rank(tp_group) * local_vocab
     peak = z.detach().max(-1).values  # a constant shift, so no gradient through the max
-    if mpu.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+    if dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp_group)
     z = z - peak.unsqueeze(-1)
     exp = z.exp()
     log_norm = tp_sum(exp.sum(-1)).log()
@@ -219,11 +214,13 @@ class MegatronEngine:
     """A megatron-core GPTModel shard (this rank's TP × PP piece) with megatron's DDP and optimizer.
 
     `head`: "lm" (causal LM: actor, reference), "value" (a scalar per token: critic) or "score" (a scalar per
-    sequence: reward / cost model); `state_dict` is the matching transformers model's."""
+    sequence: reward / cost model); `state_dict` is the matching transformers model's. `groups`: this rank's
+    megatron process groups (engines.megatron_groups; a flowactors role passes its group's); None builds them
+    over the whole torch.distributed world (every rank must then construct the engine)."""
 
     def __init__(self, hf_config, state_dict: Mapping[str, torch.Tensor], optim: OptimConfig | None, *,
                  tp: int = 1, pp: int = 1, trainable: bool = True, distributed_optimizer: bool = True,
-                 dtype: torch.dtype | None = None, head: str = "lm") -> None:
+                 dtype: torch.dtype | None = None, head: str = "lm", groups: MegatronGroups | None = None) -> None:
         _check_hf_config(hf_config)
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
@@ -231,16 +228,20 @@ class MegatronEngine:
         self.pad_token_id = getattr(hf_config, "pad_token_id", None)
         self.geometry = megatron_geometry(hf_config)
         check_megatron_fits(self.geometry, tp, pp)  # before any collective
-        try:
-            from megatron.core import parallel_state as mpu
-        except ImportError as e:
-            raise ImportError("the megatron engine needs megatron-core==0.16.1: pip install '.[megatron]'") from e
+        if not megatron_available():
+            raise ImportError("the megatron engine needs megatron-core==0.16.1: pip install '.[megatron]'")
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised; the megatron engine runs inside a process "
+                               "group (a flowactors group, or dist.init_process_group for a single process)")
         self.hf_config, self.cfg = hf_config, optim or OptimConfig()
-        self.tp, self.pp = tp, pp
-        _init_model_parallel(tp, pp)
-        self.dp_size = mpu.get_data_parallel_world_size()
-        self.tp_rank, self.pp_rank = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
-        self.first_stage, self.last_stage = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+        self.groups = groups or world_groups(tp, pp)
+        if (self.groups.tp, self.groups.pp) != (tp, pp):
+            raise ValueError(f"the process groups are laid out for (tp, pp) = {(self.groups.tp, self.groups.pp)}, "
+                             f"not {(tp, pp)}")
+        self.tp, self.pp, self.dp_size = tp, pp, self.groups.dp
+        self.tp_rank, self.pp_rank, self.dp_rank = self.groups.tp_rank, self.groups.pp_rank, self.groups.dp_rank
+        self.first_stage, self.last_stage = self.groups.first_stage, self.groups.last_stage
+        _process_state(self.tp_rank)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         dtype = dtype or state_dict["model.embed_tokens.weight"].dtype
@@ -275,7 +276,7 @@ class MegatronEngine:
             vocab_size=g.vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
             pre_process=self.first_stage, post_process=self.last_stage,
             share_embeddings_and_output_weights=g.tied_embeddings and not scalar, position_embedding_type="rope",
-            rotary_base=_rope_theta(self.hf_config), parallel_output=True,
+            rotary_base=_rope_theta(self.hf_config), parallel_output=True, pg_collection=self.groups.collection,
         )
         if scalar and self.last_stage:  # the vocab projection GPTModel built goes; the scalar head takes its place
             model.output_layer = _ScalarHead(g.hidden_size, 1, bias="score.bias" in state_dict, dtype=dtype)
@@ -295,8 +296,9 @@ class MegatronEngine:
 
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=distributed_optimizer)
-        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.module)
-        self.config.finalize_model_grads_func = finalize_model_grads
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.module,
+                                             pg_collection=self.groups.collection)
+        self.config.finalize_model_grads_func = finalize_model_grads  # the schedule passes our groups
         self.config.no_sync_func = self.model.no_sync
         c = self.cfg
         self.optimizer = get_megatron_optimizer(
@@ -304,7 +306,7 @@ class MegatronEngine:
                             adam_beta2=c.betas[1], adam_eps=c.eps, clip_grad=c.grad_clip or _GRAD_CLIP_OFF,
                             use_distributed_optimizer=distributed_optimizer, bf16=self.config.bf16,
                             fp16=self.config.fp16, params_dtype=self.config.params_dtype),
-            [self.model])
+            [self.model], use_gloo_process_groups=False, pg_collection=self.groups.collection)
         self._apply_lr()
 
     # -- learning rate ----------------------------------------------------------------------------------------
@@ -355,7 +357,7 @@ class MegatronEngine:
         self._require("lm", "policy_outputs")
         resp = mb["responses"].to(self.device)
         logits = response_logits(self._logits(mb), resp.shape[1])
-        return vocab_parallel_log_probs(logits, resp, temperature, with_entropy)
+        return vocab_parallel_log_probs(logits, resp, temperature, with_entropy, self.groups.collection.tp)
 
     def value_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
         """{"values": (B, R) float32}: the value head at the positions that predict each response token."""
@@ -384,25 +386,26 @@ class MegatronEngine:
                   ) -> list[Any]:
         """Run megatron's forward(-backward) schedule over the micro-batches; returns the last stage's records."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             return self._run_model(model, mb), partial(loss_step, mb)
 
+        groups = self.groups.collection
+        p2p = P2PCommunicator(pp_group=groups.pp, config=self.config) if self.pp > 1 else None
         first = mbs[0]["input_ids"].shape
-        return get_forward_backward_func()(
+        return get_forward_backward_func(pp_size=self.pp)(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
-            seq_length=int(first[1]), micro_batch_size=int(first[0]), forward_only=forward_only)
+            seq_length=int(first[1]), micro_batch_size=int(first[0]), forward_only=forward_only,
+            p2p_communicator=p2p, pg_collection=groups)
 
     def _from_last_stage(self, obj: Any) -> Any:
         """Every PP stage gets the last stage's Python object (outputs, metrics)."""
         if self.pp == 1:
             return obj
-        from megatron.core import parallel_state as mpu
-
         box = [obj]
-        dist.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
-                                   group=mpu.get_pipeline_model_parallel_group())
+        dist.broadcast_object_list(box, src=self.groups.last_stage_rank(), group=self.groups.collection.pp)
         return box[0]
 
     def _outputs_at(self, mb: Batch, output: torch.Tensor,
@@ -491,14 +494,12 @@ class MegatronEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded Hugging Face state dict on CPU (every rank of the model-parallel group must call this: it
         gathers every TP × PP shard)."""
-        from megatron.core import parallel_state as mpu
-
         local = {k: v.detach().cpu() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
         mine = ((self.pp_rank, self.tp_rank), local)
         if self.tp * self.pp == 1:
             gathered = [mine]
         else:
-            group = mpu.get_model_parallel_group()
+            group = self.groups.collection.mp
             gathered = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, mine, group=group)
         return megatron_to_hf(dict(gathered), self.geometry, self.tp, self.pp, self.head)

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engines.registry import training_engine_names
+from engines.registry import training_engine, training_engine_names
 from engines.tokenizer import char_tokenizer, load_tokenizer
 
 __all__ = ["ModelConfig", "build_model", "build_tokenizer", "same_vocabulary", "save_pretrained", "check_model_dir",
@@ -70,9 +70,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in _ARCH:
             raise ValueError(f"ModelConfig.arch must be one of {sorted(_ARCH)}, got {self.arch!r}")
-        if self.engine not in training_engine_names():
-            raise ValueError(f"ModelConfig.engine must be one of {training_engine_names()} (engines.registry), got "
-                             f"{self.engine!r}")
+        try:
+            training_engine(self.engine)
+        except ValueError:
+            raise ValueError(f"ModelConfig.engine must be one of {training_engine_names()} or 'package.module:name' "
+                             f"of a module that registers it (engines.registry), got {self.engine!r}") from None
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.path is None:

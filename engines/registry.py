@@ -2,16 +2,17 @@
 engine.
 
 Each name maps to a factory that builds the engine on a rank from a `TrainingSetup` / `GenerationSetup`
-(engines.interfaces), so the roles hold no `if engine == ...` branches and a new engine is one entry here (or one
-`register_*_engine` call in a module the worker processes import). Factories import their engine on first use:
+(engines.interfaces), so the roles hold no `if engine == ...` branches and a new engine is one entry here, or one
+`register_*_engine` call in a module of one's own, registered under a name "package.module:engine" that says where
+it lives (the module is imported on first lookup, on the controller and the workers alike). Factories import their engine on first use:
 naming "megatron" costs nothing on a machine without megatron-core until a role builds it.
 
 Built in:
 
 * training "torch": engines.training.TrainEngine over FSDP2 / DTensor TP, with the 3D-HybridEngine for a hybrid
   actor (`rollout_tp`); no pipeline parallelism.
-* training "megatron": engines.megatron.MegatronEngine (megatron-core TP / PP / DP); its parallel state is
-  process-global, so its group must span the whole torch.distributed world in order.
+* training "megatron": engines.megatron.MegatronEngine (megatron-core TP / PP / DP) on any slots, with its own
+  process groups (engines.megatron_groups), so groups of different layouts live side by side.
 * generation "hf": engines.generation.HFGenerationEngine (transformers with a KV cache).
 * generation "vllm": named, not built. engines.vllm_engine.VLLMGenerationEngine serves a Hugging Face folder and
   takes weights through `load_weights`; the actor hands its generation engine a module (the GenerationEngine
@@ -40,6 +41,9 @@ class TrainingEngineEntry:
     build: TrainingFactory
     pipeline_parallel: bool = False
     """It runs pp > 1 pipeline stages; without it a group with pp > 1 is refused before any rank starts."""
+    subgroups: Callable[[int, int, int], list[tuple[int, ...]]] | None = None
+    """(pp, dp, tp) → the extra process groups (tuples of group ranks) its ranks need, created with the group
+    (the roles' `process_groups`); None: the mesh's dimensions are enough."""
 
 
 def _build_torch(setup: TrainingSetup) -> TrainingBuild:
@@ -68,26 +72,26 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
 
 
 def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
-    """megatron-core's parallel state is process-global and spans the whole torch.distributed world, so a megatron
-    model must be placed on every slot, in world order (colocated placement); it builds every head (causal LM for
-    actor and reference, value for critics, score for reward and cost models), and generation gathers its full
-    weights (the 3D-HybridEngine is wired to the torch engine)."""
-    import torch.distributed as dist
-
+    """A megatron model on the group's own slots and layout (its process groups come from the group's mesh and
+    the subgroups `_megatron_subgroups` asked for); it builds every head (causal LM for actor and reference, value
+    for critics, score for reward and cost models), and generation gathers its full weights (the 3D-HybridEngine
+    is wired to the torch engine)."""
     from engines.megatron import MegatronEngine
+    from engines.megatron_groups import megatron_groups
 
     if setup.rollout_tp is not None:
         raise ValueError("rollout_tp (the 3D-HybridEngine) runs on the torch engine; drop it or use "
                          "engine='torch'")
-    world = dist.get_world_size()
-    ranks = setup.mesh.mesh.flatten().tolist()
-    if ranks != list(range(world)):
-        raise ValueError(f"the megatron engine's parallel state spans the whole torch.distributed world "
-                         f"({world} ranks, in order); this group holds ranks {ranks}: place it on every slot "
-                         f"(colocated) or use engine='torch'")
     engine = MegatronEngine.from_hf_model(setup.model, setup.optim, tp=setup.layout.tp, pp=setup.layout.pp,
-                                          trainable=setup.trainable, head=setup.head)
+                                          trainable=setup.trainable, head=setup.head,
+                                          groups=megatron_groups(setup.mesh, setup.subgroups))
     return TrainingBuild(engine, gathers_to_generate=True)  # generation gathers the TP x PP shards
+
+
+def _megatron_subgroups(pp: int, dp: int, tp: int) -> list[tuple[int, ...]]:
+    from engines.megatron_groups import megatron_subgroups
+
+    return megatron_subgroups(pp, dp, tp)
 
 
 def _build_hf(setup: GenerationSetup) -> GenerationEngine:
@@ -99,7 +103,7 @@ def _build_hf(setup: GenerationSetup) -> GenerationEngine:
 
 _TRAINING: dict[str, TrainingEngineEntry] = {
     "torch": TrainingEngineEntry(_build_torch),
-    "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True),
+    "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True, subgroups=_megatron_subgroups),
 }
 _GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf}
 _NOT_WIRED: dict[str, str] = {
@@ -110,12 +114,13 @@ _NOT_WIRED: dict[str, str] = {
 """Generation engines that exist but cannot yet be built through the GenerationEngine interface, and why."""
 
 
-def register_training_engine(name: str, build: TrainingFactory, *, pipeline_parallel: bool = False) -> None:
+def register_training_engine(name: str, build: TrainingFactory, *, pipeline_parallel: bool = False,
+                             subgroups: Callable[[int, int, int], list[tuple[int, ...]]] | None = None) -> None:
     """Make a training engine selectable as `ModelConfig(engine=name)`. Register it in a module that both the
     controller (which validates the config) and the worker processes (which build the engine) import."""
     if name in _TRAINING and _TRAINING[name].build is not build:
         raise ValueError(f"a training engine named {name!r} is already registered; choose another name")
-    _TRAINING[name] = TrainingEngineEntry(build, pipeline_parallel)
+    _TRAINING[name] = TrainingEngineEntry(build, pipeline_parallel, subgroups)
 
 
 def register_generation_engine(name: str, build: GenerationFactory) -> None:
@@ -136,7 +141,22 @@ def generation_engine_names() -> list[str]:
     return sorted(_GENERATION)
 
 
+def _import_provider(name: str) -> None:
+    """A name "package.module:engine" names the module that registers it: import it first (on the controller and
+    on every worker alike, so an engine of one's own needs no set-up on the workers)."""
+    module, sep, _ = name.partition(":")
+    if sep and module:
+        import importlib
+
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"engine {name!r}: its module {module!r} cannot be imported here ({e})") from None
+
+
 def training_engine(name: str) -> TrainingEngineEntry:
+    if name not in _TRAINING:
+        _import_provider(name)
     try:
         return _TRAINING[name]
     except KeyError:
@@ -145,6 +165,8 @@ def training_engine(name: str) -> TrainingEngineEntry:
 
 
 def generation_engine(name: str) -> GenerationFactory:
+    if name not in _GENERATION:
+        _import_provider(name)
     if name in _NOT_WIRED:
         raise NotImplementedError(f"rollout_engine={name!r}: {_NOT_WIRED[name]}")
     try:

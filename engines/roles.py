@@ -50,12 +50,15 @@ class ModelWorker(Worker):
 
     @classmethod
     def process_groups(cls, layout: Layout, *args: Any, **kwargs: Any) -> list[tuple[int, ...]]:
-        """No extra groups; refuses, on the controller, a layout the model's engine cannot run (pp > 1 without
-        pipeline parallelism). Every role takes its ModelConfig first (`model`)."""
+        """The extra groups the model's engine asks for (engines.registry; megatron's, say); refuses, on the
+        controller, a layout the engine cannot run (pp > 1 without pipeline parallelism). Every role takes its
+        ModelConfig first (`model`)."""
         model = args[0] if args else kwargs.get("model")
-        if isinstance(model, ModelConfig):
-            check_training_layout(model.engine, layout.pp)
-        return []
+        if not isinstance(model, ModelConfig):
+            return []
+        check_training_layout(model.engine, layout.pp)
+        subgroups = training_engine(model.engine).subgroups
+        return subgroups(layout.pp, layout.dp, layout.tp) if subgroups else []
 
     def _setup(self, model: ModelConfig, optim: OptimConfig | None, trainable: bool,
                rollout_tp: int | None = None) -> None:
@@ -159,7 +162,7 @@ class ActorWorker(ModelWorker):
         subclass forwarding them keeps working; its own extra keywords are left out)."""
         import inspect
 
-        super().process_groups(layout, *args, **kwargs)
+        engine_groups = super().process_groups(layout, *args, **kwargs)
         signature = inspect.signature(ActorWorker.__init__)
         known = {k: v for k, v in kwargs.items() if k in signature.parameters}
         try:
@@ -169,10 +172,11 @@ class ActorWorker(ModelWorker):
         generation_engine(bound.get("rollout_engine", "hf"))
         rollout_tp = bound.get("rollout_tp")
         if rollout_tp is None:
-            return []
+            return engine_groups
         from engines.hybrid_engine import HybridEngine, layout_of
 
-        return HybridEngine.process_groups(layout_of((layout.pp, layout.dp, layout.tp), rollout_tp))
+        hybrid = HybridEngine.process_groups(layout_of((layout.pp, layout.dp, layout.tp), rollout_tp))
+        return [*engine_groups, *(g for g in hybrid if g not in engine_groups)]
 
     def _generation_model(self) -> torch.nn.Module:
         if self.hybrid is not None:

@@ -1,6 +1,8 @@
-"""Worker classes running the megatron engine inside flowactors groups on CPU (importable on worker processes).
+"""Worker classes running the megatron engine inside flowactors groups on CPU (importable on worker processes), and
+the same engine under a name the algorithms take: `model.engine=tests.engines.megatron_probes:megatron_cpu` (the
+registry imports this module on the workers, whose factory applies the shim, then builds the real engine).
 
-They apply the test-only CUDA shim (tests/engines/megatron_shim.py) in the worker process before building the role,
+The classes apply the test-only CUDA shim (tests/engines/megatron_shim.py) in the worker process before building the role,
 which is the only difference from the product's roles. `TorchCritic` is the torch-engine reference for a megatron
 critic, with an endpoint to read its weights."""
 
@@ -8,14 +10,27 @@ from __future__ import annotations
 
 import torch
 
+from engines import registry
 from engines.roles import ActorWorker, CriticWorker, RewardModelWorker
 from flowactors import ONE_TO_ALL, Batch, endpoint
+
+MEGATRON_CPU = "tests.engines.megatron_probes:megatron_cpu"
 
 
 def _shim() -> None:
     from tests.engines import megatron_shim
 
     megatron_shim.apply()
+
+
+def _build_megatron_cpu(setup):
+    _shim()
+    return registry.training_engine("megatron").build(setup)
+
+
+_megatron = registry.training_engine("megatron")
+registry.register_training_engine(MEGATRON_CPU, _build_megatron_cpu, pipeline_parallel=True,
+                                  subgroups=_megatron.subgroups)
 
 
 class _Shimmed:

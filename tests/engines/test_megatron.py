@@ -3,7 +3,7 @@
 megatron-core runs in `torch.multiprocessing.spawn`ed processes that apply the CUDA shim
 (tests/engines/megatron_shim.py) first; the references (a transformers forward, a torch AdamW step) run in the
 pytest process, which never sees the shim. One spawn of two processes runs every two-rank layout in turn
-(TP=2, PP=2, DP=2; megatron's parallel state is reset between them), one spawn of one process the TP=1/PP=1
+(TP=2, PP=2, DP=2; each engine builds its own process groups), one spawn of one process the TP=1/PP=1
 baseline, so the file costs two process start-ups.
 
 Adam's first step moves each weight by lr·g/(|g| + eps) with eps = 1e-8: where the reference gradient is itself
@@ -85,8 +85,6 @@ def _run_layouts(rank: int, world: int, port: int, runs: list, out_dir: str) -> 
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-
     from engines.megatron import MegatronEngine
     from engines.training import OptimConfig
 
@@ -96,7 +94,7 @@ def _run_layouts(rank: int, world: int, port: int, runs: list, out_dir: str) -> 
             engine = MegatronEngine.from_hf_model(model, OptimConfig(lr=LR, micro_batch_tokens=MICRO_BATCH_TOKENS),
                                                   tp=tp, pp=pp)
             batch = fixed_batch()
-            dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+            dp, dp_rank = engine.dp_size, engine.dp_rank
             lp = engine.log_probs(batch, with_entropy=True)
             share = batch.chunk(len(batch) // dp)[dp_rank]  # what a DP protocol hands this rank
             metrics = engine.update([share], pg_loss, lambda mb: engine.policy_outputs(mb, 1.0, False))
@@ -104,7 +102,6 @@ def _run_layouts(rank: int, world: int, port: int, runs: list, out_dir: str) -> 
             torch.save({"log_probs": lp["log_probs"], "entropy": lp["entropy"], "metrics": metrics,
                         "weights": weights, "dp": dp}, Path(out_dir) / f"{name}.{rank}.pt")
             del engine
-            parallel_state.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
 

@@ -77,8 +77,6 @@ def _run_layouts(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-
     from engines.megatron import MegatronEngine
 
     try:
@@ -89,7 +87,7 @@ def _run_layouts(rank: int, world: int, port: int, out_dir: str) -> None:
             out = {}
             if head == "value":
                 out["values"] = engine.values(batch)
-                dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+                dp, dp_rank = engine.dp_size, engine.dp_rank
                 share = batch.chunk(len(batch) // dp)[dp_rank]
                 out["metrics"] = engine.update([share], value_loss, engine.value_outputs)
             else:
@@ -97,7 +95,6 @@ def _run_layouts(rank: int, world: int, port: int, out_dir: str) -> None:
             out["weights"] = engine.full_state_dict()
             torch.save(out, Path(out_dir) / f"{name}.{rank}.pt")
             del engine
-            parallel_state.destroy_model_parallel()
     finally:
         dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """The roles on the megatron engine (TP=2, PP=2) inside a real 2-slot flowactors group, against the torch engine's
 roles on one slot: the actor (same log-probs, greedy samples and weights after one update), the critic (same values
-and weights after one update) and the reward model (same scores)."""
+and weights after one update) and the reward model (same scores); and megatron groups of different layouts and
+sizes side by side in the same processes."""
 
 from __future__ import annotations
 
@@ -115,8 +116,48 @@ def test_megatron_critic_and_reward_model_match_torch(fresh_controller, layout):
             g.close()
 
 
-def test_megatron_engine_refuses_what_it_cannot_do(fresh_controller):
+def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_controller):
+    """Three megatron models in the same two worker processes, each on its own process groups (megatron's global
+    parallel state is never used): an actor with pp=2 over both slots, a critic with tp=2 over both, and a reward
+    model on the second slot alone. Each equals the torch engine's role on one slot, and the actor and critic
+    still do after one update each, interleaved on the same processes."""
     ctl = fresh_controller
-    with pytest.raises(fa.RemoteError, match="spans the whole torch.distributed world"):
-        fa.ActorGroup(ctl, ShimmedActor, name="mega_half", slots=ctl.slots[1:],
-                      args=(ModelConfig(engine="megatron", **CFG),))
+    tok = build_tokenizer(ModelConfig(**CFG))
+    mega_cfg = ModelConfig(engine="megatron", **CFG)
+    groups = {
+        "actor": fa.ActorGroup(ctl, ShimmedActor, name="actor", slots=ctl.slots, layout=fa.Layout(pp=2),
+                               args=(mega_cfg, OPTIM, SAMPLING)),
+        "critic": fa.ActorGroup(ctl, ShimmedCritic, name="critic", slots=ctl.slots, layout=fa.Layout(tp=2),
+                                args=(mega_cfg, OPTIM)),
+        "rm": fa.ActorGroup(ctl, ShimmedRewardModel, name="rm", slots=ctl.slots[1:], args=(mega_cfg,)),
+        "t_actor": fa.ActorGroup(ctl, HybridActorProbe, name="t_actor", slots=ctl.slots[:1],
+                                 args=(ModelConfig(**CFG), OPTIM, SAMPLING)),
+        "t_critic": fa.ActorGroup(ctl, TorchCritic, name="t_critic", slots=ctl.slots[:1],
+                                  args=(ModelConfig(**CFG), OPTIM)),
+        "t_rm": fa.ActorGroup(ctl, RewardModelWorker, name="t_rm", slots=ctl.slots[:1], args=(ModelConfig(**CFG),)),
+    }
+    try:
+        batch = _scored(tok)
+        mask = batch["response_mask"].bool()
+        torch.testing.assert_close(groups["rm"].compute_reward(batch).result()["rewards"],
+                                   groups["t_rm"].compute_reward(batch).result()["rewards"], atol=1e-5, rtol=0)
+        lp_m, lp_t = groups["actor"].compute_log_prob(batch).result(), groups["t_actor"].compute_log_prob(batch).result()
+        torch.testing.assert_close(lp_m["old_log_probs"][mask], lp_t["old_log_probs"][mask], atol=1e-5, rtol=0)
+        v_m, v_t = groups["critic"].compute_values(batch).result(), groups["t_critic"].compute_values(batch).result()
+        torch.testing.assert_close(v_m["values"][mask], v_t["values"][mask], atol=1e-5, rtol=0)
+
+        g = torch.Generator().manual_seed(1)
+        train = fa.Batch({**batch.tensors, "advantages": torch.randn(batch["responses"].shape, generator=g)})
+        spec = UpdateSpec(mini_batch_samples=4)
+        updates = {name: groups[name].update_actor(train, pg_loss, spec) if "actor" in name
+                   else groups[name].update_critic(train, squared_value_loss, spec)
+                   for name in ("actor", "critic", "t_actor", "t_critic")}
+        for mine, ref in (("actor", "t_actor"), ("critic", "t_critic")):
+            assert updates[mine].result()["grad_norm"] == pytest.approx(updates[ref].result()["grad_norm"], rel=1e-4)
+            w_m, w_t = groups[mine].full_weights().result()[0], groups[ref].full_weights().result()[0]
+            assert set(w_m) == set(w_t)
+            for k, v in w_t.items():
+                torch.testing.assert_close(w_m[k], v, atol=2e-5, rtol=0, msg=f"{mine}: {k}")
+    finally:
+        for g in groups.values():
+            g.close()

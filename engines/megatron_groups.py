@@ -1,0 +1,123 @@
+"""megatron-core's process groups for one flowactors group: any slots, several models side by side.
+
+megatron-core's `parallel_state` is process-global and built over the whole torch.distributed world, which would
+force every megatron model to span every slot with one (p, t, d). megatron-core 0.16 also accepts the groups
+explicitly: a `ProcessGroupCollection` passed to GPTModel, its DDP, optimizer, schedules and gradient
+finalisation. We build that collection from the flowactors group's own DeviceMesh (pp, dp, tp) — the same rank
+order megatron uses (tp fastest, then dp, then pp) — plus a few subgroups created with the group
+(`megatron_subgroups`, returned by the roles' `process_groups`), so `parallel_state` is never initialised: an actor
+on two slots and a critic on two others, or two colocated models with different layouts, each have their own.
+
+Group ranks: r = (pp_i · dp + dp_i) · tp + tp_i. No context or expert parallelism (cp = ep = 1): their groups are
+this rank alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["MegatronGroups", "megatron_subgroups", "megatron_groups", "world_groups"]
+
+
+def _rank(pp: int, dp: int, tp: int, p: int, d: int, t: int) -> int:
+    return (p * dp + d) * tp + t
+
+
+def megatron_subgroups(pp: int, dp: int, tp: int) -> list[tuple[int, ...]]:
+    """Group-rank tuples megatron needs beyond the mesh's tp / dp / pp dimensions: model parallel (tp × pp at one
+    dp index), tensor × data parallel (one stage), embedding (first and last stage at one (dp, tp)), each rank
+    alone (context / expert parallel of size 1, the position-embedding group) and the whole group (gradient
+    statistics of the distributed optimizer). Every world rank creates them, in this order."""
+    mp = [tuple(_rank(pp, dp, tp, p, d, t) for p in range(pp) for t in range(tp)) for d in range(dp)]
+    tp_dp = [tuple(_rank(pp, dp, tp, p, d, t) for d in range(dp) for t in range(tp)) for p in range(pp)]
+    embd = [tuple(sorted({_rank(pp, dp, tp, 0, d, t), _rank(pp, dp, tp, pp - 1, d, t)}))
+            for d in range(dp) for t in range(tp)]
+    alone = [(r,) for r in range(pp * dp * tp)]
+    out: list[tuple[int, ...]] = []
+    for sub in [*mp, *tp_dp, *embd, *alone, tuple(range(pp * dp * tp))]:
+        if sub not in out:
+            out.append(sub)
+    return out
+
+
+@dataclass
+class MegatronGroups:
+    """This rank's place in the model's (pp, dp, tp) grid and megatron's `ProcessGroupCollection` for it."""
+
+    collection: Any
+    pp: int
+    dp: int
+    tp: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def last_stage_rank(self) -> int:
+        """The global rank of the last pipeline stage in this rank's pipeline (a broadcast source)."""
+        return dist.get_global_rank(self.collection.pp, self.pp - 1)
+
+
+def megatron_groups(mesh: Any, subgroups: Mapping[tuple[int, ...], Any]) -> MegatronGroups:
+    """The collection for this rank from its group's DeviceMesh (pp, dp, tp) and the subgroups it is a member of
+    (`megatron_subgroups` of the mesh's shape, keyed by group-rank tuples)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pp, dp, tp = (int(s) for s in mesh.mesh.shape)
+    p, d, t = (int(c) for c in mesh.get_coordinate())
+    me = _rank(pp, dp, tp, p, d, t)
+
+    def sub(ranks: tuple[int, ...]) -> Any:
+        try:
+            return subgroups[ranks]
+        except KeyError:
+            raise RuntimeError(f"the megatron subgroup {ranks} was not created with this group; the role's "
+                               f"process_groups must return engines.megatron_groups.megatron_subgroups(pp, dp, tp)"
+                               ) from None
+
+    whole = mesh.mesh.flatten().tolist()
+    tp_g, dp_g, pp_g = mesh.get_group("tp"), mesh.get_group("dp"), mesh.get_group("pp")
+    mp = sub(tuple(_rank(pp, dp, tp, q, d, s) for q in range(pp) for s in range(tp)))
+    tp_dp = sub(tuple(_rank(pp, dp, tp, p, e, s) for e in range(dp) for s in range(tp)))
+    embd_ranks = tuple(sorted({_rank(pp, dp, tp, 0, d, t), _rank(pp, dp, tp, pp - 1, d, t)}))
+    alone = sub((me,))
+    collection = ProcessGroupCollection(
+        tp=tp_g, pp=pp_g, mp=mp, dp=dp_g, dp_cp=dp_g, intra_dp_cp=dp_g, expt_dp=dp_g, intra_expt_dp=dp_g,
+        cp=alone, tp_cp=tp_g, hcp=[alone], ep=alone, expt_tp=tp_g, tp_ep=tp_g, tp_ep_pp=mp, tp_dp_cp=tp_dp,
+        # the embedding group ties the first and last stages' word embeddings (only those ranks are members)
+        embd=sub(embd_ranks) if p in (0, pp - 1) else None,
+        pos_embd=alone if p == 0 else None,  # rotary embeddings: no learned position table to tie
+        intra_dist_opt=sub(tuple(range(len(whole)))), inter_dist_opt=None)
+    return MegatronGroups(collection, pp, dp, tp, p, d, t)
+
+
+def world_groups(tp: int, pp: int) -> MegatronGroups:
+    """The groups for a model spanning the whole torch.distributed world (a program of its own, or tests): every
+    world rank calls this, with the same sizes."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of tp × pp = {tp} × {pp}; choose tp and pp whose "
+                         f"product divides the number of ranks (the rest is data parallel)")
+    dp = world // (tp * pp)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = DeviceMesh(device, torch.arange(world).reshape(pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    me, mine = dist.get_rank(), {}
+    for ranks in megatron_subgroups(pp, dp, tp):
+        group = dist.new_group(list(ranks))
+        if me in ranks:
+            mine[ranks] = group
+    return megatron_groups(mesh, mine)
