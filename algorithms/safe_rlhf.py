@@ -95,6 +95,8 @@ class SafeRLHF(Algorithm):
         m["lagrange_lambda"] = self.lagrange.value  # the λ this step's advantages used
         self.lagrange.update(m["cost_mean"])
         m.update({f"actor/{k}": v for k, v in updates[2].result().items()})
+        for name, update in (("critic", updates[0]), ("cost_critic", updates[1])):
+            m.update({f"{name}/{k}": v for k, v in update.result().items()})
         return m
 
     def state_dict(self) -> dict:

@@ -53,7 +53,9 @@ megatron's torch-norm path refuses), overlapped gradient reduction and parameter
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -65,7 +67,7 @@ from engines.hybrid.shards import ModelGeometry
 from engines.megatron_groups import MegatronGroups, world_groups
 from engines.megatron_convert import HEADS, check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
 from engines.ops import response_logits
-from engines.training import LossFn, OptimConfig
+from engines.training import LossFn, OptimConfig, token_mean
 from flowactors import Batch
 
 __all__ = ["MegatronEngine", "megatron_available"]
@@ -126,6 +128,21 @@ def _transformer_config(config, g: ModelGeometry, tp: int, pp: int, dtype: torch
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
     )
+
+
+def _quiet() -> None:
+    """Filter what megatron-core 0.16.1 says on every build or step that asks nothing of the user: that Transformer
+    Engine / Apex are missing (we build the local layer spec and torch optimizers on purpose; on GPU they are used
+    where installed), its own deprecated default `cuda_graph_scope`, and torch's renames of the collectives its
+    DDP calls (`reduce_scatter_tensor`, `all_gather_into_tensor`; same operations)."""
+    for message, category in ((r".*(Transformer Engine|Apex).* not installed", UserWarning),
+                              (r"full scope is deprecated", UserWarning),
+                              (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+                               FutureWarning)):
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+_quiet()  # before megatron-core is first imported, which is where most of these are said
 
 
 def _process_state(tp_rank: int) -> None:
@@ -189,6 +206,31 @@ def _mark_tensor_parallel(model: torch.nn.Module) -> None:
         weight = getattr(module, "weight", None)
         if dim is not None and weight is not None and not hasattr(weight, "tensor_model_parallel"):
             mtp.set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+
+@contextlib.contextmanager
+def _default_group_is(group: Any) -> Iterator[None]:
+    """Within this block, `all_gather_object` and `get_world_size` without a group mean `group`.
+
+    megatron-core 0.16.1's `get_megatron_optimizer` aligns its parameter groups with an all_gather_object over
+    the default (whole-world) group even when given a ProcessGroupCollection (optimizer/__init__.py,
+    `_get_param_groups`), so a model on part of the world would wait there for ranks that never come. Only the
+    task thread calls torch.distributed, so redirecting the default for the duration of that call is safe; the
+    gather only agrees on which parameter groups exist, for which the model's own ranks are the right set."""
+    gather, size = dist.all_gather_object, dist.get_world_size
+
+    def all_gather_object(object_list: list, obj: Any, group: Any = None) -> None:
+        return gather(object_list, obj, group=group if group is not None else default)
+
+    def get_world_size(group: Any = None) -> int:
+        return size(group if group is not None else default)
+
+    default = group
+    dist.all_gather_object, dist.get_world_size = all_gather_object, get_world_size
+    try:
+        yield
+    finally:
+        dist.all_gather_object, dist.get_world_size = gather, size
 
 
 class _ScalarHead(torch.nn.Linear):
@@ -301,12 +343,13 @@ class MegatronEngine:
         self.config.finalize_model_grads_func = finalize_model_grads  # the schedule passes our groups
         self.config.no_sync_func = self.model.no_sync
         c = self.cfg
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.betas[0],
-                            adam_beta2=c.betas[1], adam_eps=c.eps, clip_grad=c.grad_clip or _GRAD_CLIP_OFF,
-                            use_distributed_optimizer=distributed_optimizer, bf16=self.config.bf16,
-                            fp16=self.config.fp16, params_dtype=self.config.params_dtype),
-            [self.model], use_gloo_process_groups=False, pg_collection=self.groups.collection)
+        with _default_group_is(self.groups.collection.intra_dist_opt):  # see _default_group_is
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.betas[0],
+                                adam_beta2=c.betas[1], adam_eps=c.eps, clip_grad=c.grad_clip or _GRAD_CLIP_OFF,
+                                use_distributed_optimizer=distributed_optimizer, bf16=self.config.bf16,
+                                fp16=self.config.fp16, params_dtype=self.config.params_dtype),
+                [self.model], use_gloo_process_groups=False, pg_collection=self.groups.collection)
         self._apply_lr()
 
     # -- learning rate ----------------------------------------------------------------------------------------
@@ -479,7 +522,8 @@ class MegatronEngine:
                 raise FloatingPointError("megatron's optimizer skipped the step (non-finite gradients)")
             norms.append(float(grad_norm))
             self._steps += 1
-        out = self._from_last_stage({k: v / max(tokens, 1e-9) for k, v in sums.items()})
+        dp_group = self.groups.collection.dp if self.dp_size > 1 else None
+        out = self._from_last_stage(token_mean(sums, tokens, dp_group) if self.last_stage else {})
         out["grad_norm"] = sum(norms) / max(len(norms), 1)
         out["lr"] = self._peak_lr * self._lr_factor(self._steps)
         return out

@@ -74,6 +74,18 @@ class OptimConfig:
         return 1.0
 
 
+def token_mean(sums: dict[str, float], tokens: float, dp_group: Any = None) -> dict[str, float]:
+    """Loss metrics over every data-parallel rank's tokens: `sums` (metric × tokens) and `tokens` summed over
+    `dp_group` (one all-reduce; None: this rank only), then divided. Each rank alone would report its own share of
+    the batch, and the group's result (rank 0's) would not be the batch's loss."""
+    keys = sorted(sums)
+    if dp_group is not None:
+        totals = torch.tensor([tokens, *(sums[k] for k in keys)], dtype=torch.float64)
+        dist.all_reduce(totals, group=dp_group)
+        tokens, sums = float(totals[0]), {k: float(v) for k, v in zip(keys, totals[1:])}
+    return {k: sums[k] / max(tokens, 1e-9) for k in keys}
+
+
 class TrainEngine:
     """A (possibly sharded) transformers model with its optimiser. `dp_group` is the data-parallel group."""
 
@@ -186,7 +198,7 @@ class TrainEngine:
             norms.append(self._clip())
             self.optimizer.step()
             self.scheduler.step()
-        out = {k: v / max(tokens, 1e-9) for k, v in sums.items()}
+        out = token_mean(sums, tokens, self.dp_group if self.dp_size > 1 else None)
         out["grad_norm"] = sum(norms) / max(len(norms), 1)
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out

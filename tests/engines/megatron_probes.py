@@ -18,6 +18,7 @@ MEGATRON_CPU = "tests.engines.megatron_probes:megatron_cpu"
 
 
 def _shim() -> None:
+    import engines.megatron  # noqa: F401 - its warning filters, before the shim imports megatron-core
     from tests.engines import megatron_shim
 
     megatron_shim.apply()

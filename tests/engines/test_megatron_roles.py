@@ -119,7 +119,7 @@ def test_megatron_critic_and_reward_model_match_torch(fresh_controller, layout):
 def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_controller):
     """Three megatron models in the same two worker processes, each on its own process groups (megatron's global
     parallel state is never used): an actor with pp=2 over both slots, a critic with tp=2 over both, and a reward
-    model on the second slot alone. Each equals the torch engine's role on one slot, and the actor and critic
+    model and another critic on the second slot alone. Each equals the torch engine's role on one slot, and the actor and critic
     still do after one update each, interleaved on the same processes."""
     ctl = fresh_controller
     tok = build_tokenizer(ModelConfig(**CFG))
@@ -130,6 +130,9 @@ def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_
         "critic": fa.ActorGroup(ctl, ShimmedCritic, name="critic", slots=ctl.slots, layout=fa.Layout(tp=2),
                                 args=(mega_cfg, OPTIM)),
         "rm": fa.ActorGroup(ctl, ShimmedRewardModel, name="rm", slots=ctl.slots[1:], args=(mega_cfg,)),
+        # trainable on one slot: megatron's optimizer set-up must not wait for the idle rank 0 (see
+        # engines.megatron._default_group_is)
+        "critic1": fa.ActorGroup(ctl, ShimmedCritic, name="critic1", slots=ctl.slots[1:], args=(mega_cfg, OPTIM)),
         "t_actor": fa.ActorGroup(ctl, HybridActorProbe, name="t_actor", slots=ctl.slots[:1],
                                  args=(ModelConfig(**CFG), OPTIM, SAMPLING)),
         "t_critic": fa.ActorGroup(ctl, TorchCritic, name="t_critic", slots=ctl.slots[:1],
@@ -145,6 +148,8 @@ def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_
         torch.testing.assert_close(lp_m["old_log_probs"][mask], lp_t["old_log_probs"][mask], atol=1e-5, rtol=0)
         v_m, v_t = groups["critic"].compute_values(batch).result(), groups["t_critic"].compute_values(batch).result()
         torch.testing.assert_close(v_m["values"][mask], v_t["values"][mask], atol=1e-5, rtol=0)
+        v_1 = groups["critic1"].compute_values(batch).result()
+        torch.testing.assert_close(v_1["values"][mask], v_t["values"][mask], atol=1e-5, rtol=0)
 
         g = torch.Generator().manual_seed(1)
         train = fa.Batch({**batch.tensors, "advantages": torch.randn(batch["responses"].shape, generator=g)})
