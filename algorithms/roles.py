@@ -23,6 +23,7 @@ from algorithms.core import SFTLoss
 from algorithms.data import PromptData
 from algorithms.tasks import Task
 from engines import ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
+from engines.registry import training_engine
 from flowactors import Controller, Layout
 
 __all__ = ["Roles", "Pools", "check_before_start", "place", "rollout_tp", "build_roles", "run_warm_start"]
@@ -152,7 +153,8 @@ def _planned_dp(cfg: RLConfig) -> dict[str, int]:
 
 def rollout_tp(cfg: RLConfig) -> int | None:
     """The actor's generation TP size under the 3D-HybridEngine: a plan's actor "generate" sizes, else
-    cfg.rollout_tp; None when off."""
+    cfg.rollout_tp; None when off, and for a plan on an engine without the 3D-HybridEngine (megatron today), whose
+    actor generates from its gathered whole weights instead of the plan's generation layout."""
     if cfg.plan:
         actor = next(m for m in _load_plan(cfg).models if m.role == "actor")
         if actor.generate is not None:
@@ -160,6 +162,8 @@ def rollout_tp(cfg: RLConfig) -> int | None:
             if p_g != 1:
                 raise ConfigError(f"the plan generates the actor over p_g={p_g} pipeline stages; the transformers "
                                   f"generation engine has none: plan generate [1, t_g]")
+            if not training_engine(cfg.model.engine).resharding:
+                return None  # it generates from its gathered whole weights; the plan's layout waits for resharding
             return t_g
     return cfg.rollout_tp or None
 

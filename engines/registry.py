@@ -41,6 +41,9 @@ class TrainingEngineEntry:
     build: TrainingFactory
     pipeline_parallel: bool = False
     """It runs pp > 1 pipeline stages; without it a group with pp > 1 is refused before any rank starts."""
+    resharding: bool = False
+    """It runs the 3D-HybridEngine (`rollout_tp`: generation in a smaller TP layout); without it the actor gathers
+    its whole weights to generate."""
     subgroups: Callable[[int, int, int], list[tuple[int, ...]]] | None = None
     """(pp, dp, tp) → the extra process groups (tuples of group ranks) its ranks need, created with the group
     (the roles' `process_groups`); None: the mesh's dimensions are enough."""
@@ -102,7 +105,7 @@ def _build_hf(setup: GenerationSetup) -> GenerationEngine:
 
 
 _TRAINING: dict[str, TrainingEngineEntry] = {
-    "torch": TrainingEngineEntry(_build_torch),
+    "torch": TrainingEngineEntry(_build_torch, resharding=True),
     "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True, subgroups=_megatron_subgroups),
 }
 _GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf}
@@ -120,7 +123,7 @@ def register_training_engine(name: str, build: TrainingFactory, *, pipeline_para
     controller (which validates the config) and the worker processes (which build the engine) import."""
     if name in _TRAINING and _TRAINING[name].build is not build:
         raise ValueError(f"a training engine named {name!r} is already registered; choose another name")
-    _TRAINING[name] = TrainingEngineEntry(build, pipeline_parallel, subgroups)
+    _TRAINING[name] = TrainingEngineEntry(build, pipeline_parallel=pipeline_parallel, subgroups=subgroups)
 
 
 def register_generation_engine(name: str, build: GenerationFactory) -> None:

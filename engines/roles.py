@@ -173,6 +173,11 @@ class ActorWorker(ModelWorker):
         rollout_tp = bound.get("rollout_tp")
         if rollout_tp is None:
             return engine_groups
+        model = bound.get("model")
+        if isinstance(model, ModelConfig) and not training_engine(model.engine).resharding:
+            raise ValueError(f"rollout_tp={rollout_tp}: the 3D-HybridEngine does not run on the {model.engine!r} "
+                             f"training engine yet (it gathers whole weights to generate); drop rollout_tp or use "
+                             f"engine='torch'")
         from engines.hybrid_engine import HybridEngine, layout_of
 
         hybrid = HybridEngine.process_groups(layout_of((layout.pp, layout.dp, layout.tp), rollout_tp))

@@ -166,3 +166,11 @@ def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_
     finally:
         for g in groups.values():
             g.close()
+
+
+def test_megatron_actor_refuses_rollout_tp_before_any_rank_starts(fresh_controller):
+    ctl = fresh_controller
+    with pytest.raises(ValueError, match="3D-HybridEngine does not run on the 'megatron'"):
+        fa.ActorGroup(ctl, ShimmedActor, name="mega_hybrid", slots=ctl.slots, layout=fa.Layout(tp=2),
+                      args=(ModelConfig(engine="megatron", **CFG), OPTIM, SAMPLING, 1))
+    assert ctl.client.run(lambda: 1)  # nothing was started: the workers are idle and answer
