@@ -1,8 +1,9 @@
 """The megatron-core training engine: the GPU production path for TP / PP / DP (DESIGN §4).
 
 `MegatronEngine` implements engines.interfaces.TrainingEngine, as the torch-native `engines.training.TrainEngine`
-does, so a role holds either; `ModelConfig(engine="megatron")` chooses it (engines.registry). Its checkpoint_state is
-not wired yet (megatron dist-ckpt): export_hf saves its weights. Inside, everything is megatron-core's own
+does, so a role holds either; `ModelConfig(engine="megatron")` chooses it (engines.registry). Its checkpoints hold each
+rank's shards and distributed-optimizer state as it holds them (same-layout resume and recovery; see
+`checkpoint_state`). Inside, everything is megatron-core's own
 machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the transformers config,
 explicit process groups for the TP × DP × PP rank grid (engines.megatron_groups: the group's own mesh, in
 megatron's order, tp fastest, then dp, then pp; megatron's process-global `parallel_state` is never initialised, so
@@ -54,6 +55,7 @@ megatron's torch-norm path refuses), overlapped gradient reduction and parameter
 from __future__ import annotations
 
 import contextlib
+import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -72,12 +74,12 @@ from flowactors import Batch
 
 __all__ = ["MegatronEngine", "megatron_available"]
 
+_ADAM_STATE = ("param", "exp_avg", "exp_avg_sq")
+"""What a checkpoint keeps of each distributed-optimizer shard (its main parameter and Adam moments)."""
+
 _GRAD_CLIP_OFF = 1e30
 """megatron computes the gradient norm only when clipping; with grad_clip = 0 we clip at a norm never reached."""
 
-
-_NO_CHECKPOINTS = ("checkpoints of the megatron engine (megatron dist-ckpt) are not wired yet; export_hf saves its "
-                   "weights")
 
 
 def megatron_available() -> bool:
@@ -530,10 +532,90 @@ class MegatronEngine:
 
     # -- weights ----------------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
-        raise NotImplementedError(_NO_CHECKPOINTS)
+        """This rank's state for torch.distributed.checkpoint, by its place in the (pp, dp, tp) grid.
+
+        "model": this rank's TP × PP shard under `pp{p}.tp{t}` (data-parallel replicas hold the same key and
+        values, so DCP writes it once); when training, "optim": this rank's part of the distributed optimizer (the
+        main parameters and Adam moments of the flat ranges it owns, under `pp{p}.tp{t}.dp{d}`, plus megatron's
+        parameter-group state), and "scheduler" (steps taken, peak LR). Nothing is gathered: each rank writes what
+        it holds. It loads under the same (p, t, d) only ("layout" says which); a different layout needs
+        megatron's model-space resharding, not built yet."""
+        where = f"pp{self.pp_rank}.tp{self.tp_rank}"
+        state: dict[str, Any] = {
+            "layout": {"pp": self.pp, "dp": self.dp_size, "tp": self.tp},
+            "model": {where: {k: v for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}},
+        }
+        if self.optimizer is None:
+            return state
+        parts = {}
+        for i, opt in enumerate(self._distributed_optimizers()):
+            started = len(opt.optimizer.state) > 0
+            shards = {}
+            for name, param in self.module.named_parameters():
+                if param not in opt.model_param_group_index_map:
+                    continue  # this DP rank owns no range of it (or another optimizer of the chain does)
+                if started:
+                    tensors = {k: v for k, v in opt._get_main_param_and_optimizer_states(param).items()
+                               if k in _ADAM_STATE}
+                else:  # a fresh optimizer has no moments yet: zeros of their shapes, for a load to fill
+                    group, order = opt.model_param_group_index_map[param]
+                    main = opt.optimizer.param_groups[group]["params"][order]
+                    tensors = {"param": main, "exp_avg": torch.zeros_like(main),
+                               "exp_avg_sq": torch.zeros_like(main)}
+                shards[name] = dict(tensors)
+            # megatron's own part (param groups, step) is one opaque entry: before the first step it has no
+            # state_dict() and after it a nested one, and DCP needs the same keys on both sides of a load
+            parts[str(i)] = {"params": shards, "groups": pickle.dumps(opt.state_dict()) if started else b""}
+        state["optim"] = {f"{where}.dp{self.dp_rank}": parts}
+        state["scheduler"] = {"steps": self._steps, "peak_lr": self._peak_lr}
+        return state
+
+    def _distributed_optimizers(self) -> list[Any]:
+        """The DistributedOptimizers behind megatron's optimizer (a ChainedOptimizer of one per parameter kind)."""
+        opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        if not all(hasattr(o, "model_param_group_index_map") for o in opts):
+            raise NotImplementedError("checkpoints of the megatron engine keep the distributed optimizer's state; "
+                                      "build it with distributed_optimizer=True (the default)")
+        return opts
+
+    def check_layout(self, saved: Mapping[str, int]) -> None:
+        """Refuse a checkpoint saved under another (p, t, d), saying so (its keys would just be missing)."""
+        if dict(saved) != {"pp": self.pp, "dp": self.dp_size, "tp": self.tp}:
+            raise ValueError(f"this megatron checkpoint was saved under (p, t, d) = ({saved['pp']}, {saved['tp']}, "
+                             f"{saved['dp']}) and loads only under that layout; this group is "
+                             f"({self.pp}, {self.tp}, {self.dp_size}). Resume with the same plan")
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError(_NO_CHECKPOINTS)
+        """Apply a `checkpoint_state()` dict that torch.distributed.checkpoint has filled in place."""
+        self.check_layout(state["layout"])
+        where = f"pp{self.pp_rank}.tp{self.tp_rank}"
+        with torch.no_grad():
+            own = self.module.state_dict()
+            for k, v in state["model"][where].items():
+                own[k].copy_(v)
+        if self.optimizer is None or "optim" not in state:
+            return
+        parts = state["optim"][f"{where}.dp{self.dp_rank}"]
+        named = dict(self.module.named_parameters())
+        for i, opt in enumerate(self._distributed_optimizers()):
+            part = parts[str(i)]
+            if not part["groups"]:
+                continue  # saved before the first step: nothing but the weights to restore
+            opt.load_state_dict(pickle.loads(part["groups"]))
+            # Without Apex / Transformer Engine, megatron hands every parameter's state one shared `step` tensor,
+            # which torch's Adam then increments once per parameter per step (wrong bias correction after a load).
+            for held in opt.optimizer.state.values():
+                if isinstance(held.get("step"), torch.Tensor):
+                    held["step"] = held["step"].clone()
+            with torch.no_grad():
+                for name, tensors in part["params"].items():
+                    group, order = opt.model_param_group_index_map[named[name]]
+                    main = opt.optimizer.param_groups[group]["params"][order]
+                    held = {"param": main, **opt.optimizer.state[main]}  # "step" comes with the groups
+                    for k in _ADAM_STATE:
+                        held[k].copy_(tensors[k])
+        self._steps, self._peak_lr = int(state["scheduler"]["steps"]), float(state["scheduler"]["peak_lr"])
+        self._apply_lr()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded Hugging Face state dict on CPU (every rank of the model-parallel group must call this: it

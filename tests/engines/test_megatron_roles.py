@@ -174,3 +174,35 @@ def test_megatron_actor_refuses_rollout_tp_before_any_rank_starts(fresh_controll
         fa.ActorGroup(ctl, ShimmedActor, name="mega_hybrid", slots=ctl.slots, layout=fa.Layout(tp=2),
                       args=(ModelConfig(engine="megatron", **CFG), OPTIM, SAMPLING, 1))
     assert ctl.client.run(lambda: 1)  # nothing was started: the workers are idle and answer
+
+
+def test_megatron_checkpoint_restores_an_update_exactly_and_refuses_another_layout(fresh_controller, tmp_path):
+    """Save a critic (pp=2) after one update, update it again; a fresh critic loaded from the save and updated the
+    same way ends with the same weights, bit for bit. A tp=2 critic is told the checkpoint's layout."""
+    ctl = fresh_controller
+    tok = build_tokenizer(ModelConfig(**CFG))
+    batch, spec = _scored(tok), UpdateSpec(mini_batch_samples=4)
+    args = (ModelConfig(engine="megatron", **CFG), OPTIM)
+    first = fa.ActorGroup(ctl, ShimmedCritic, name="first", slots=ctl.slots, layout=fa.Layout(pp=2), args=args)
+    try:
+        first.update_critic(batch, squared_value_loss, spec).result()
+        first.save_checkpoint(str(tmp_path)).result()
+        after = first.update_critic(batch, squared_value_loss, spec).result()
+        want = first.full_weights().result()[0]
+    finally:
+        first.close()
+    second = fa.ActorGroup(ctl, ShimmedCritic, name="second", slots=ctl.slots, layout=fa.Layout(pp=2), args=args)
+    try:
+        second.load_checkpoint(str(tmp_path)).result()
+        again = second.update_critic(batch, squared_value_loss, spec).result()
+        got = second.full_weights().result()[0]
+    finally:
+        second.close()
+    assert again == after
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    other = fa.ActorGroup(ctl, ShimmedCritic, name="other", slots=ctl.slots, layout=fa.Layout(tp=2), args=args)
+    try:
+        with pytest.raises(fa.RemoteError, match=r"saved under \(p, t, d\) = \(2, 1, 1\).*this group is \(1, 2, 1\)"):
+            other.load_checkpoint(str(tmp_path)).result()
+    finally:
+        other.close()
