@@ -172,9 +172,29 @@ def megatron_tp1():
         assert any(not torch.equal(weights[k], initial[k]) for k in initial), "update moved no weight"
         return f"log-prob err {err:.1e}, grad_norm {metrics['grad_norm']:.3f}, {len(weights)} HF tensors back"
     finally:
-        from megatron.core import parallel_state
-        parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+def megatron_ppo():
+    """Two PPO steps on the megatron engine from the README's command line, with a plan giving the actor, the
+    reference and the critic p = 2 pipeline stages (p = 1 on a one-GPU machine)."""
+    import json, subprocess, tempfile
+    import megatron.core  # noqa: F401  (ImportError: skipped)
+    from placement import ModelPlan, Plan
+    n = torch.cuda.device_count()
+    p = 2 if n >= 2 else 1
+    d = tempfile.mkdtemp()
+    roles = ["actor", "ref", "critic", "reward"]
+    Plan(placement=[roles], models=[ModelPlan(r, p, (p, 1, 1) if r != "reward" else (1, 1, p)) for r in roles]
+         ).save(f"{d}/plan.json")
+    cmd = [sys.executable, "algorithms/ppo.py", "--plan", f"{d}/plan.json", "--steps", "2", "sft_steps=5",
+           f"n_slots={p}", "dashboard=none", "model.engine=megatron", "--metrics-file", f"{d}/m.jsonl"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-6000:], sep="\n")
+        raise RuntimeError(f"megatron PPO exited {r.returncode}")
+    rows_ = [json.loads(x) for x in open(f"{d}/m.jsonl")]
+    assert [x["step"] for x in rows_] == [0, 1], rows_
+    return f"p={p}: 2 steps, reward {rows_[-1]['reward_mean']:.3f}, step {rows_[-1]['step_s']:.1f}s"
 
 check("flowactors NCCL group all_reduce", nccl_group)
 check("transformers model on CUDA", engine_cuda)
@@ -182,6 +202,7 @@ check("vllm import", vllm_import)
 check("vllm engine TP=1 on CUDA vs transformers", vllm_engine)
 check("megatron-core import", megatron_import)
 check("megatron engine TP=1 on CUDA (no shim)", megatron_tp1)
+check("megatron PPO, plan with p=2 (CLI)", megatron_ppo)
 print(f"\n{'check':<36} {'result':<8} {'time':>6}  detail")
 for r in rows:
     print(f"{r[0]:<36} {r[1]:<8} {r[2]:>6}  {r[3]}")
