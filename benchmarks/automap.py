@@ -6,6 +6,8 @@
     python benchmarks/automap.py                         # search time: PPO, four 7B models, 8 -> 1024 GPUs
     python benchmarks/automap.py --algorithm safe-rlhf   # six models, 203 placements
     python benchmarks/automap.py --json                  # only the JSON lines
+    python benchmarks/automap.py --stages                # 13B/70B: stage seconds of colocation and the splits
+                                                         # at 64, 96, 128 A100s (why colocation stays ahead)
 
 `--table` prints, per case and cluster size, the placement chosen (pools and their GPUs), each model's (p,t,d) and
 the actor's generation (p_g,t_g), the engine the plan needs, the estimated iteration time, and the runner-up
@@ -27,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from placement import ALGORITHMS, AutoMapper, Workload, get_hardware, iteration_cost, parse_model  # noqa: E402
-from placement.search import SearchResult  # noqa: E402
+from placement.search import SearchResult, set_partitions  # noqa: E402
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 TABLE_SIZES = (8, 16, 32, 64, 96, 128)
@@ -50,8 +52,13 @@ def main(argv: list[str] | None = None) -> int:
                                                        "--table)")
     ap.add_argument("--repeat", type=int, default=3, help="searches per size; the fastest is reported")
     ap.add_argument("--json", action="store_true", help="print only the JSON lines")
+    ap.add_argument("--stages", action="store_true", help="stage seconds of the 13B/70B case's colocated and split "
+                                                          "plans (default 64, 96 and 128 GPUs)")
     args = ap.parse_args(argv)
     hardware = get_hardware(args.gpu)
+    if args.stages:
+        print(stage_breakdown(hardware, args.gpus or STAGE_SIZES))
+        return 0
     if args.table:
         print(placement_table(hardware, args.gpus or TABLE_SIZES))
         print()
@@ -140,6 +147,68 @@ def paper_placements(hardware, sizes) -> str:
     lines += ["  ".join(f"{cell:{'<' if c == len(header) - 1 else '>'}{w}}" for c, (cell, w) in
                         enumerate(zip(row, widths))).rstrip() for row in [header, *rows]]
     return "\n".join(lines)
+
+
+STAGE_SIZES = (64, 96, 128)
+
+
+def stage_breakdown(hardware, sizes) -> str:
+    """Why the 13B/70B case stays colocated (docs/placement.md): per cluster size, the stage seconds of colocation,
+    of the best plan with actor and critic apart, and of the paper's 128-GPU plan on halves, each pool's and each
+    model's; then the speedup colocation would have to be held to for the best split to tie."""
+    case = TABLE_CASES["ppo 13b/70b"]
+    mapper = AutoMapper({role: parse_model(size) for role, size in case.items()}, hardware)
+    every = tuple(mapper.models)
+    apart = [p for p in set_partitions(list(every)) if len(p) > 1
+             and next(s for s in p if "actor" in s) != next(s for s in p if "critic" in s)]
+    lines = ["13B actor+ref / 70B critic+reward, PPO: seconds per stage (gen = the actor's transition and generation, "
+             "inf = every scoring pass, train = the updates). Models in a pool add up; pools take the max per stage.",
+             ""]
+    base = None
+    for gpus in sizes:
+        plans = [("colocate", [every], None)]
+        best = None
+        for placement in apart:
+            found = mapper.cost_placement(placement, gpus)
+            if found and (best is None or found[0] < best[0]):
+                best = (found[0], placement, found[1])
+        if best:
+            plans.append(("best split (actor, critic apart)", best[1], best[2]))
+        halves = [("actor", "ref", "reward"), ("critic",)]
+        plans.append(("paper's 128-GPU plan on halves", halves, (gpus // 2, gpus - gpus // 2)))
+        lines.append(f"== {gpus} x {hardware.name}")
+        costs = {}
+        for name, placement, alloc in plans:
+            if alloc is None:
+                found = mapper.cost_placement(placement, gpus)
+                alloc = found[1] if found else None
+            sets = None if alloc is None else [mapper.solve_set(tuple(r for r in every if r in s), c)
+                                               for s, c in zip(placement, alloc)]
+            if sets is None or None in sets:
+                lines.append(f"  {name}: does not fit")
+                continue
+            stage_max = [max(s.stages[i] for s in sets) for i in range(3)]
+            costs[name] = sum(stage_max)
+            lines.append(f"  {name}: {sum(stage_max):.1f} s = gen {stage_max[0]:.1f} + inf {stage_max[1]:.1f} "
+                         f"+ train {stage_max[2]:.1f}")
+            for s in sets:
+                lines.append(f"    [{'+'.join(s.roles)}]={s.gpus}: gen {s.stages[0]:.1f}  inf {s.stages[1]:.1f}  "
+                             f"train {s.stages[2]:.1f}  (peak {s.peak_bytes / 2**30:.1f} GiB)")
+                for m in s.models:
+                    gen = f"/{m.parallel.p_g},{m.parallel.t_g}" if m.parallel.generate else ""
+                    batch = f" batch {m.generation_batch}" if m.generation_batch else ""
+                    lines.append(f"      {m.role:7s} {','.join(map(str, m.parallel.train)) + gen:11s} "
+                                 f"gen {m.generate_s + m.transition_s:6.1f}  inf {m.inference_s:6.1f}  "
+                                 f"train {m.train_s:6.1f}{batch}")
+        if base is None and "colocate" in costs:
+            base = (gpus, costs["colocate"])
+        elif base and "colocate" in costs and "best split (actor, critic apart)" in costs:
+            g0, c0 = base
+            need = c0 / costs["best split (actor, critic apart)"]
+            lines.append(f"  colocation {g0} -> {gpus} GPUs: ideal speedup {gpus / g0:.2f}x, modelled "
+                         f"{c0 / costs['colocate']:.2f}x; the best split ties only if it is at most {need:.2f}x")
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def _pools(result: SearchResult) -> str:
