@@ -153,8 +153,8 @@ def _planned_dp(cfg: RLConfig) -> dict[str, int]:
 
 def rollout_tp(cfg: RLConfig) -> int | None:
     """The actor's generation TP size under the 3D-HybridEngine: a plan's actor "generate" sizes, else
-    cfg.rollout_tp; None when off, and for a plan on an engine without the 3D-HybridEngine (megatron today), whose
-    actor generates from its gathered whole weights instead of the plan's generation layout."""
+    cfg.rollout_tp; None when off, and for a plan on an engine without the 3D-HybridEngine (one registered
+    with resharding=False), whose actor generates from its gathered whole weights instead."""
     if cfg.plan:
         actor = next(m for m in _load_plan(cfg).models if m.role == "actor")
         if actor.generate is not None:

@@ -24,7 +24,7 @@ so callers see the same rows as without resharding.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from engines.hybrid.reshard import Method, ReshardGroups, Resharder, ReshardStat
 from engines.hybrid.shards import ModelGeometry, TrainShard, check_model_fits, shard_layout
 from flowactors import Batch
 
-__all__ = ["HybridEngine", "bind_training_shard", "layout_of", "untie_embeddings"]
+__all__ = ["HybridEngine", "bind_training_shard", "fill_training_shard", "layout_of", "untie_embeddings"]
 
 
 def _split_name(name: str) -> tuple[str, str]:
@@ -108,6 +108,17 @@ def bind_training_shard(model: torch.nn.Module, geometry: ModelGeometry, layout:
     return shard
 
 
+def fill_training_shard(shard: TrainShard, pieces: Mapping[str, torch.Tensor]) -> None:
+    """Copy a rank's training pieces (Hugging Face names, this TP rank's slices) into `shard`'s layout."""
+    t = shard.layout.tp_size
+    for entry in shard.layout.entries:
+        rule = entry.rule
+        for (hf_name, _), part in zip(rule.parts, rule.part_views(shard.tensors[rule.name], t)):
+            if hf_name not in pieces:
+                raise ValueError(f"no training piece {hf_name!r} for stage {shard.layout.stage} of the hybrid layout")
+            part.copy_(pieces[hf_name])
+
+
 def layout_of(mesh_or_sizes: DeviceMesh | tuple[int, int, int], gen_tp: int) -> HybridLayout:
     """The hybrid layout of an actor whose training mesh is (pp, dp, tp), generating at TP = gen_tp."""
     if isinstance(mesh_or_sizes, DeviceMesh):
@@ -126,9 +137,16 @@ class HybridEngine:
 
     def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, gen_tp: int,
                  subgroups: Mapping[tuple[int, ...], dist.ProcessGroup], *, method: Method = "micro-dp",
-                 limits: GenerationEngineLimits | None = None) -> None:
+                 limits: GenerationEngineLimits | None = None,
+                 pieces: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> None:
         """`subgroups`: this rank's process groups among the mesh's ranks, keyed by mesh rank tuples, created
-        beforehand from `HybridEngine.process_groups` (flowactors' `Worker.process_groups` does that)."""
+        beforehand from `HybridEngine.process_groups` (flowactors' `Worker.process_groups` does that).
+
+        `pieces`: for a training engine that keeps its weights in its own buffers (megatron-core): returns this
+        rank's current training pieces (Hugging Face names, TP-local slices, e.g.
+        engines.megatron_convert.megatron_shard_to_hf_local). Each transition then copies them into a training
+        shard that lives only while generating (one shard of extra memory, counted in extra_generation_bytes);
+        `model` only lends its class and config to the generation skeleton."""
         self.layout = layout_of(mesh, gen_tp)
         self.geometry = ModelGeometry.from_hf_config(model.config)
         self.method = method
@@ -140,7 +158,11 @@ class HybridEngine:
         self.rank = groups.rank
         self.groups = groups
         self.train_model = model
-        self.train = bind_training_shard(model, self.geometry, self.layout, self.rank)
+        self._pieces = pieces
+        self._train_spec = shard_layout(self.geometry, self.layout.train_pp, self.layout.train_coord(self.rank).pp,
+                                        self.layout.train_tp)
+        self.train: TrainShard | None = None if pieces else bind_training_shard(model, self.geometry, self.layout,
+                                                                                 self.rank)
         self.resharder = Resharder(self.geometry, self.layout, groups, method=method, engine=limits)
         self.gen_tp = gen_tp if method == "micro-dp" else 1  # the baselines gather the whole model
         self._tp_group: dist.ProcessGroup | None = None  # the generation TP group's collectives
@@ -215,12 +237,20 @@ class HybridEngine:
         if gen is None:
             return 0
         own = self.train.flat.untyped_storage().data_ptr()
-        return sum(p.numel() * p.element_size() for p in gen.pieces() if p.untyped_storage().data_ptr() != own)
+        received = sum(p.numel() * p.element_size() for p in gen.pieces() if p.untyped_storage().data_ptr() != own)
+        copied = self.train.flat.numel() * self.train.flat.element_size() if self._pieces else 0
+        return received + copied
 
     def generation_model(self) -> torch.nn.Module:
         """Reshard to the generation layout (collective) and return a model that computes on the gathered pieces."""
         if self.resharder.in_generation:
             self.release()
+        if self._pieces is not None:
+            pieces = self._pieces()
+            first = next(iter(pieces.values()))
+            self.train = TrainShard.allocate(self._train_spec, dtype=first.dtype, device=first.device)
+            with torch.no_grad():
+                fill_training_shard(self.train, pieces)
         shard = self.resharder.to_generation(self.train)
         model = self._skeleton()
         modules: dict[str, dict[str, tuple[list[torch.Tensor], int | None]]] = {}
@@ -252,6 +282,8 @@ class HybridEngine:
         self._model = None
         if self.resharder.in_generation:
             self.resharder.to_training()
+        if self._pieces is not None:
+            self.train = None  # the copy lives only while generating
 
     def generation_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The generation shard as whole tensors (HF names; merged tensors are copies), for checks and for

@@ -578,6 +578,32 @@ class MegatronEngine:
                                       "build it with distributed_optimizer=True (the default)")
         return opts
 
+    def hybrid_engine(self, model: torch.nn.Module, mesh: Any, gen_tp: int,
+                      subgroups: Mapping[tuple[int, ...], Any]) -> Any:
+        """The 3D-HybridEngine over this actor's shards: (p, t, d) → (1, t_g) by all-gather inside micro-DP groups
+        (engines.hybrid_engine), fed from megatron's own parameters. megatron-core keeps its weights in its DDP
+        buffers, which the resharder's training layout cannot alias, so each transition copies this rank's shard
+        (megatron_shard_to_hf_local: q/k/v out of the per-group interleave, gate/up apart) into a training shard
+        that lives only while generating. `model` (the transformers model the engine was built from) lends its
+        class and config to the generation skeleton; no weights of it are kept."""
+        import copy
+
+        from engines.hybrid_engine import HybridEngine
+        from engines.megatron_convert import megatron_shard_to_hf_local
+
+        if self.head != "lm":
+            raise ValueError(f"the 3D-HybridEngine reshards a causal LM; this engine has head={self.head!r}")
+        config = copy.deepcopy(self.hf_config)
+        config.tie_word_embeddings = False  # the resharder keeps lm_head apart, as megatron's output layer is
+        with torch.device("meta"):
+            template = type(model)(config)
+
+        def pieces() -> dict[str, torch.Tensor]:
+            local = {k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
+            return megatron_shard_to_hf_local(local, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp)
+
+        return HybridEngine(template, mesh, gen_tp, subgroups, pieces=pieces)
+
     def check_layout(self, saved: Mapping[str, int]) -> None:
         """Refuse a checkpoint saved under another (p, t, d), saying so (its keys would just be missing)."""
         if dict(saved) != {"pp": self.pp, "dp": self.dp_size, "tp": self.tp}:

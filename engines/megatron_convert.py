@@ -215,3 +215,37 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
     # tied: transformers' state_dict() lists lm_head.weight as the embedding itself, so mirror that
     out["lm_head.weight"] = out["model.embed_tokens.weight"] if g.tied_embeddings else cat(last, "output_layer.weight")
     return out
+
+
+def megatron_shard_to_hf_local(shard: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int,
+                               pp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:
+    """One causal-LM shard (pp_rank, tp_rank) under Hugging Face names, each tensor this TP rank's slice as a
+    vocab- and tensor-parallel transformers model holds it (rows of q/k/v, gate/up, embedding and lm_head; columns
+    of o_proj and down_proj; norms whole), with global layer indices: the pieces the 3D-HybridEngine's training
+    layout is made of. No collective; views of `shard` where no reordering is needed."""
+    g = _geometry(config)
+    d, qpg, groups = g.head_dim, g.num_heads // g.num_kv_heads, g.num_kv_heads // tp_size
+    out: dict[str, torch.Tensor] = {}
+    if pp_rank == 0:
+        out["model.embed_tokens.weight"] = shard["embedding.word_embeddings.weight"]
+    for local, i in enumerate(_stage_layers(g, pp_rank, pp_size)):
+        hf, mg = f"model.layers.{i}", f"decoder.layers.{local}"
+        out[f"{hf}.input_layernorm.weight"] = shard[f"{mg}.input_layernorm.weight"]
+        for kind in ("weight", "bias") if g.qkv_bias else ("weight",):
+            fused = shard[f"{mg}.self_attention.linear_qkv.{kind}"]
+            per_group = fused.reshape(groups, (qpg + 2) * d, *fused.shape[1:])
+            q, k, v = torch.split(per_group, [qpg * d, d, d], dim=1)
+            tail = fused.shape[1:]
+            out[f"{hf}.self_attn.q_proj.{kind}"] = q.reshape(-1, *tail)
+            out[f"{hf}.self_attn.k_proj.{kind}"] = k.reshape(-1, *tail)
+            out[f"{hf}.self_attn.v_proj.{kind}"] = v.reshape(-1, *tail)
+        out[f"{hf}.self_attn.o_proj.weight"] = shard[f"{mg}.self_attention.linear_proj.weight"]
+        out[f"{hf}.post_attention_layernorm.weight"] = shard[f"{mg}.pre_mlp_layernorm.weight"]
+        gate, up = shard[f"{mg}.mlp.linear_fc1.weight"].chunk(2)
+        out[f"{hf}.mlp.gate_proj.weight"], out[f"{hf}.mlp.up_proj.weight"] = gate, up
+        out[f"{hf}.mlp.down_proj.weight"] = shard[f"{mg}.mlp.linear_fc2.weight"]
+    if pp_rank == pp_size - 1:
+        out["model.norm.weight"] = shard["decoder.final_layernorm.weight"]
+        # a tied model with one stage projects with the embedding itself; otherwise the last stage holds the head
+        out["lm_head.weight"] = shard.get("output_layer.weight", shard.get("embedding.word_embeddings.weight"))
+    return out

@@ -12,7 +12,8 @@ Built in:
 * training "torch": engines.training.TrainEngine over FSDP2 / DTensor TP, with the 3D-HybridEngine for a hybrid
   actor (`rollout_tp`); no pipeline parallelism.
 * training "megatron": engines.megatron.MegatronEngine (megatron-core TP / PP / DP) on any slots, with its own
-  process groups (engines.megatron_groups), so groups of different layouts live side by side.
+  process groups (engines.megatron_groups), so groups of different layouts live side by side; the 3D-HybridEngine
+  for a hybrid actor, fed from its shards.
 * generation "hf": engines.generation.HFGenerationEngine (transformers with a KV cache).
 * generation "vllm": named, not built. engines.vllm_engine.VLLMGenerationEngine serves a Hugging Face folder and
   takes weights through `load_weights`; the actor hands its generation engine a module (the GenerationEngine
@@ -77,18 +78,19 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
 def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
     """A megatron model on the group's own slots and layout (its process groups come from the group's mesh and
     the subgroups `_megatron_subgroups` asked for); it builds every head (causal LM for actor and reference, value
-    for critics, score for reward and cost models), and generation gathers its full weights (the 3D-HybridEngine
-    is wired to the torch engine)."""
+    for critics, score for reward and cost models). An actor with `rollout_tp` generates through the
+    3D-HybridEngine fed from its shards (MegatronEngine.hybrid_engine); without, generation gathers its full
+    weights."""
     from engines.megatron import MegatronEngine
     from engines.megatron_groups import megatron_groups
 
-    if setup.rollout_tp is not None:
-        raise ValueError("rollout_tp (the 3D-HybridEngine) runs on the torch engine; drop it or use "
-                         "engine='torch'")
     engine = MegatronEngine.from_hf_model(setup.model, setup.optim, tp=setup.layout.tp, pp=setup.layout.pp,
                                           trainable=setup.trainable, head=setup.head,
                                           groups=megatron_groups(setup.mesh, setup.subgroups))
-    return TrainingBuild(engine, gathers_to_generate=True)  # generation gathers the TP x PP shards
+    hybrid = None
+    if setup.rollout_tp is not None:
+        hybrid = engine.hybrid_engine(setup.model, setup.mesh, setup.rollout_tp, setup.subgroups)
+    return TrainingBuild(engine, gathers_to_generate=hybrid is None, hybrid=hybrid)
 
 
 def _megatron_subgroups(pp: int, dp: int, tp: int) -> list[tuple[int, ...]]:
@@ -106,7 +108,8 @@ def _build_hf(setup: GenerationSetup) -> GenerationEngine:
 
 _TRAINING: dict[str, TrainingEngineEntry] = {
     "torch": TrainingEngineEntry(_build_torch, resharding=True),
-    "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True, subgroups=_megatron_subgroups),
+    "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True, resharding=True,
+                                    subgroups=_megatron_subgroups),
 }
 _GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf}
 _NOT_WIRED: dict[str, str] = {
@@ -118,12 +121,14 @@ _NOT_WIRED: dict[str, str] = {
 
 
 def register_training_engine(name: str, build: TrainingFactory, *, pipeline_parallel: bool = False,
+                             resharding: bool = False,
                              subgroups: Callable[[int, int, int], list[tuple[int, ...]]] | None = None) -> None:
     """Make a training engine selectable as `ModelConfig(engine=name)`. Register it in a module that both the
     controller (which validates the config) and the worker processes (which build the engine) import."""
     if name in _TRAINING and _TRAINING[name].build is not build:
         raise ValueError(f"a training engine named {name!r} is already registered; choose another name")
-    _TRAINING[name] = TrainingEngineEntry(build, pipeline_parallel=pipeline_parallel, subgroups=subgroups)
+    _TRAINING[name] = TrainingEngineEntry(build, pipeline_parallel=pipeline_parallel, resharding=resharding,
+                                          subgroups=subgroups)
 
 
 def register_generation_engine(name: str, build: GenerationFactory) -> None:

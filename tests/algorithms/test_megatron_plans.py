@@ -74,8 +74,8 @@ def test_safe_rlhf_on_a_split_plan_with_pipeline_stages(tmp_path):
 
 def test_ppo_on_a_colocated_plan_with_pipeline_stages(tmp_path):
     """Every model on both slots; actor, reference and critic with two pipeline stages; the plan's actor generates
-    at [p_g, t_g] = [1, 1] (the torch engine reshards to it; megatron, without the 3D-HybridEngine yet, gathers its
-    whole weights: the same model either way)."""
+    at [p_g, t_g] = [1, 1] through the 3D-HybridEngine on both engines (megatron: (2, 1, 1) → (1, 1), each rank
+    gathering the other stage inside its micro-DP group)."""
     from algorithms.ppo import main
 
     mega, torch_ = _plans([["actor", "ref", "critic", "reward"]], ("actor", "ref", "critic"), 2, generate=(1, 1))
