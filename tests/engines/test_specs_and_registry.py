@@ -11,6 +11,7 @@ import torch
 
 from engines import GenerationEngine, GenerationSpec, ModelConfig, TrainingEngine, UpdateSpec
 from engines.generation import HFGenerationEngine
+from engines.megatron_groups import megatron_subgroups
 from engines.protocols import MINIBATCH, plan_minibatches
 from engines.registry import (check_training_layout, generation_engine, register_training_engine, training_engine,
                               training_engine_names)
@@ -97,7 +98,8 @@ def test_engines_implement_the_interfaces():
 
 def test_model_config_names_the_known_training_engines():
     assert {"torch", "megatron"} <= set(training_engine_names())
-    with pytest.raises(ValueError, match=r"ModelConfig.engine must be one of \['megatron', 'torch'.*'jax'"):
+    known = r"ModelConfig.engine must be one of \[.*'megatron'.*'torch'.*'package.module:name'.*'jax'"
+    with pytest.raises(ValueError, match=known):
         ModelConfig(engine="jax")
 
 
@@ -132,7 +134,8 @@ def test_roles_refuse_what_their_engines_cannot_run_on_the_controller():
         CriticWorker.process_groups(Layout(pp=2), ModelConfig())
     with pytest.raises(ValueError, match="no pipeline parallelism"):
         ActorWorker.process_groups(Layout(pp=2), model=ModelConfig())
-    assert CriticWorker.process_groups(Layout(pp=2), ModelConfig(engine="megatron")) == []
+    # megatron asks for its own groups (model parallel, embedding, each rank alone) with the group
+    assert CriticWorker.process_groups(Layout(pp=2), ModelConfig(engine="megatron")) == megatron_subgroups(2, 1, 1)
     with pytest.raises(NotImplementedError, match="rollout_engine='vllm'"):
         ActorWorker.process_groups(Layout(dp=2), ModelConfig(), None, None, None, "vllm")
     with pytest.raises(ValueError, match="unknown generation engine"):
