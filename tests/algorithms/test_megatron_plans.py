@@ -85,6 +85,7 @@ def test_ppo_on_a_colocated_plan_with_pipeline_stages(tmp_path):
     _same_metrics(m, t)
 
 
+@pytest.mark.slow  # 40 s; the default run keeps the engine-level bit-exact load (tests/engines/test_megatron_roles.py)
 def test_ppo_on_megatron_resumes_exactly(tmp_path):
     """A run stopped after step 2 (checkpoints every step) and resumed reproduces the uninterrupted run's steps 2
     and 3 exactly: weights, distributed-optimizer state, LR schedule, data position and RNG all come back."""
