@@ -92,9 +92,7 @@ class TrainingEngine(Protocol):
 
     def checkpoint_state(self) -> dict[str, Any]:
         """This rank's shards of the model (and optimizer and LR schedule when training), as a nested state dict
-        that torch.distributed.checkpoint saves and loads in place; NotImplementedError where not wired. An engine
-        whose checkpoints load only under the layout that saved them puts a "layout" entry in it and has a
-        `check_layout(saved)` that refuses another one, so the role can say so before reading the shards."""
+        that torch.distributed.checkpoint saves and loads in place; NotImplementedError where not wired."""
         ...
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:

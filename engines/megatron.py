@@ -1,9 +1,8 @@
 """The megatron-core training engine: the GPU production path for TP / PP / DP (DESIGN §4).
 
 `MegatronEngine` implements engines.interfaces.TrainingEngine, as the torch-native `engines.training.TrainEngine`
-does, so a role holds either; `ModelConfig(engine="megatron")` chooses it (engines.registry). Its checkpoints hold each
-rank's shards and distributed-optimizer state as it holds them (same-layout resume and recovery; see
-`checkpoint_state`). Inside, everything is megatron-core's own
+does, so a role holds either; `ModelConfig(engine="megatron")` chooses it (engines.registry). Its checkpoints hold the weights and
+the distributed optimizer's state in model space, so they load under any (p, t, d) (see `checkpoint_state`). Inside, everything is megatron-core's own
 machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the transformers config,
 explicit process groups for the TP × DP × PP rank grid (engines.megatron_groups: the group's own mesh, in
 megatron's order, tp fastest, then dp, then pp; megatron's process-global `parallel_state` is never initialised, so
@@ -55,7 +54,6 @@ megatron's torch-norm path refuses), overlapped gradient reduction and parameter
 from __future__ import annotations
 
 import contextlib
-import pickle
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -532,43 +530,72 @@ class MegatronEngine:
 
     # -- weights ----------------------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
-        """This rank's state for torch.distributed.checkpoint, by its place in the (pp, dp, tp) grid.
+        """This rank's state for torch.distributed.checkpoint, in model space, so it loads under any (p, t, d).
 
-        "model": this rank's TP × PP shard under `pp{p}.tp{t}` (data-parallel replicas hold the same key and
-        values, so DCP writes it once); when training, "optim": this rank's part of the distributed optimizer (the
-        main parameters and Adam moments of the flat ranges it owns, under `pp{p}.tp{t}.dp{d}`, plus megatron's
-        parameter-group state), and "scheduler" (steps taken, peak LR). Nothing is gathered: each rank writes what
-        it holds. It loads under the same (p, t, d) only ("layout" says which); a different layout needs
-        megatron's model-space resharding, not built yet."""
-        where = f"pp{self.pp_rank}.tp{self.tp_rank}"
-        state: dict[str, Any] = {
-            "layout": {"pp": self.pp, "dp": self.dp_size, "tp": self.tp},
-            "model": {where: {k: v for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}},
-        }
+        Every tensor is named as the Hugging Face model names it (global layer indices) and is this rank's TP slice
+        as a DTensor over the TP group (`megatron_shard_to_hf_local`: q/k/v out of megatron's per-group
+        interleave, gate/up apart), so DCP records which part of the whole tensor each rank holds and hands a
+        rank of another layout exactly the parts it needs; data-parallel replicas hold equal keys and are written
+        once. "model": the weights. When training, "optim": the distributed optimizer's main parameters and Adam
+        moments in the same space — each DP rank owns a flat range of every TP-local parameter, so the ranges
+        are summed over the DP group into whole TP-local tensors first (transient: one shard's optimizer state) —
+        plus the Adam step; "scheduler": steps taken and peak LR."""
+        local = {k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
+        state: dict[str, Any] = {"model": self._model_space(local)}
         if self.optimizer is None:
             return state
-        parts = {}
-        for i, opt in enumerate(self._distributed_optimizers()):
-            started = len(opt.optimizer.state) > 0
-            shards = {}
-            for name, param in self.module.named_parameters():
+        moments: dict[str, dict[str, torch.Tensor]] = {k: {} for k in _ADAM_STATE}
+        step = 0
+        named = dict(self.module.named_parameters())
+        for name, param in named.items():
+            whole = {k: torch.zeros(param.shape, dtype=torch.float32, device=param.device) for k in _ADAM_STATE}
+            for opt in self._distributed_optimizers():
                 if param not in opt.model_param_group_index_map:
-                    continue  # this DP rank owns no range of it (or another optimizer of the chain does)
-                if started:
-                    tensors = {k: v for k, v in opt._get_main_param_and_optimizer_states(param).items()
-                               if k in _ADAM_STATE}
-                else:  # a fresh optimizer has no moments yet: zeros of their shapes, for a load to fill
-                    group, order = opt.model_param_group_index_map[param]
-                    main = opt.optimizer.param_groups[group]["params"][order]
-                    tensors = {"param": main, "exp_avg": torch.zeros_like(main),
-                               "exp_avg_sq": torch.zeros_like(main)}
-                shards[name] = dict(tensors)
-            # megatron's own part (param groups, step) is one opaque entry: before the first step it has no
-            # state_dict() and after it a nested one, and DCP needs the same keys on both sides of a load
-            parts[str(i)] = {"params": shards, "groups": pickle.dumps(opt.state_dict()) if started else b""}
-        state["optim"] = {f"{where}.dp{self.dp_rank}": parts}
+                    continue
+                rng = opt._get_model_param_range_map(param)["param"]
+                group, order = opt.model_param_group_index_map[param]
+                main = opt.optimizer.param_groups[group]["params"][order]
+                held = {"param": main, **opt.optimizer.state.get(main, {})}
+                for k in _ADAM_STATE:
+                    if k in held:
+                        whole[k].view(-1)[rng.start:rng.end] = held[k].detach().float()
+                if "step" in held:
+                    step = int(held["step"])
+            for k in _ADAM_STATE:
+                moments[k][name] = whole[k]
+        if self.dp_size > 1:  # every element is owned by one DP rank: the sum over DP is the whole tensor
+            flat = [t for k in _ADAM_STATE for t in moments[k].values()]
+            for t in flat:
+                dist.all_reduce(t, group=self.groups.collection.dp)
+            box = torch.tensor([step], dtype=torch.int64)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.groups.collection.dp)
+            step = int(box)
+        state["optim"] = {k: self._model_space(moments[k]) for k in _ADAM_STATE}
+        state["optim"]["step"] = step
         state["scheduler"] = {"steps": self._steps, "peak_lr": self._peak_lr}
         return state
+
+    def _model_space(self, local: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """megatron-named tensors of this rank's shard → Hugging Face names, TP slices as DTensors."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        from engines.megatron_convert import hf_local_placement, megatron_shard_to_hf_local
+
+        pieces = megatron_shard_to_hf_local(local, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp,
+                                            self.head)
+        out = {}
+        for name, t in pieces.items():
+            kind, dim = hf_local_placement(name)
+            placement = Shard(dim) if kind == "shard" else Replicate()
+            out[name] = DTensor.from_local(t.contiguous(), self.groups.tp_mesh, [placement], run_check=False)
+        return out
+
+    def _from_model_space(self, tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        from engines.megatron_convert import hf_local_to_megatron_shard
+
+        pieces = {k: v.to_local() for k, v in tensors.items()}
+        return hf_local_to_megatron_shard(pieces, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp,
+                                          self.head)
 
     def _distributed_optimizers(self) -> list[Any]:
         """The DistributedOptimizers behind megatron's optimizer (a ChainedOptimizer of one per parameter kind)."""
@@ -604,42 +631,34 @@ class MegatronEngine:
 
         return HybridEngine(template, mesh, gen_tp, subgroups, pieces=pieces)
 
-    def check_layout(self, saved: Mapping[str, int]) -> None:
-        """Refuse a checkpoint saved under another (p, t, d), saying so (its keys would just be missing)."""
-        if dict(saved) != {"pp": self.pp, "dp": self.dp_size, "tp": self.tp}:
-            raise ValueError(f"this megatron checkpoint was saved under (p, t, d) = ({saved['pp']}, {saved['tp']}, "
-                             f"{saved['dp']}) and loads only under that layout; this group is "
-                             f"({self.pp}, {self.tp}, {self.dp_size}). Resume with the same plan")
-
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Apply a `checkpoint_state()` dict that torch.distributed.checkpoint has filled in place."""
-        self.check_layout(state["layout"])
-        where = f"pp{self.pp_rank}.tp{self.tp_rank}"
+        """Apply a `checkpoint_state()` dict that torch.distributed.checkpoint has filled (from a save under any
+        layout): weights, and when training the optimizer's ranges this DP rank owns, step and LR schedule."""
         with torch.no_grad():
             own = self.module.state_dict()
-            for k, v in state["model"][where].items():
+            for k, v in self._from_model_space(state["model"]).items():
                 own[k].copy_(v)
         if self.optimizer is None or "optim" not in state:
             return
-        parts = state["optim"][f"{where}.dp{self.dp_rank}"]
+        moments = {k: self._from_model_space(state["optim"][k]) for k in _ADAM_STATE}
+        step = int(state["optim"]["step"])
         named = dict(self.module.named_parameters())
-        for i, opt in enumerate(self._distributed_optimizers()):
-            part = parts[str(i)]
-            if not part["groups"]:
-                continue  # saved before the first step: nothing but the weights to restore
-            opt.load_state_dict(pickle.loads(part["groups"]))
-            # Without Apex / Transformer Engine, megatron hands every parameter's state one shared `step` tensor,
-            # which torch's Adam then increments once per parameter per step (wrong bias correction after a load).
-            for held in opt.optimizer.state.values():
-                if isinstance(held.get("step"), torch.Tensor):
-                    held["step"] = held["step"].clone()
+        for opt in self._distributed_optimizers():
             with torch.no_grad():
-                for name, tensors in part["params"].items():
-                    group, order = opt.model_param_group_index_map[named[name]]
+                for name, param in named.items():
+                    if param not in opt.model_param_group_index_map:
+                        continue
+                    rng = opt._get_model_param_range_map(param)["param"]
+                    group, order = opt.model_param_group_index_map[param]
                     main = opt.optimizer.param_groups[group]["params"][order]
-                    held = {"param": main, **opt.optimizer.state[main]}  # "step" comes with the groups
-                    for k in _ADAM_STATE:
-                        held[k].copy_(tensors[k])
+                    main.copy_(moments["param"][name].reshape(-1)[rng.start:rng.end])
+                    if step == 0:
+                        continue  # saved before the first step: no moments yet
+                    held = opt.optimizer.state[main]
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        held[k] = moments[k][name].reshape(-1)[rng.start:rng.end].to(main.dtype).clone()
+                    # one step tensor per parameter: torch's Adam increments each in place
+                    held["step"] = torch.tensor(float(step), dtype=torch.float32)
         self._steps, self._peak_lr = int(state["scheduler"]["steps"]), float(state["scheduler"]["peak_lr"])
         self._apply_lr()
 

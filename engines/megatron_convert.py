@@ -218,7 +218,7 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
 
 
 def megatron_shard_to_hf_local(shard: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int,
-                               pp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:
+                               pp_rank: int, pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
     """One causal-LM shard (pp_rank, tp_rank) under Hugging Face names, each tensor this TP rank's slice as a
     vocab- and tensor-parallel transformers model holds it (rows of q/k/v, gate/up, embedding and lm_head; columns
     of o_proj and down_proj; norms whole), with global layer indices: the pieces the 3D-HybridEngine's training
@@ -246,6 +246,54 @@ def megatron_shard_to_hf_local(shard: Mapping[str, torch.Tensor], config, tp_ran
         out[f"{hf}.mlp.down_proj.weight"] = shard[f"{mg}.mlp.linear_fc2.weight"]
     if pp_rank == pp_size - 1:
         out["model.norm.weight"] = shard["decoder.final_layernorm.weight"]
-        # a tied model with one stage projects with the embedding itself; otherwise the last stage holds the head
-        out["lm_head.weight"] = shard.get("output_layer.weight", shard.get("embedding.word_embeddings.weight"))
+        if head != "lm":
+            out["score.weight"] = shard["output_layer.weight"]
+            if "output_layer.bias" in shard:
+                out["score.bias"] = shard["output_layer.bias"]
+        else:  # a tied model with one stage projects with the embedding itself; else the last stage holds the head
+            out["lm_head.weight"] = shard.get("output_layer.weight", shard.get("embedding.word_embeddings.weight"))
     return out
+
+
+def hf_local_to_megatron_shard(pieces: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int,
+                               pp_rank: int, pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
+    """Inverse of `megatron_shard_to_hf_local`: the GPTModel state dict of shard (pp_rank, tp_rank) from this TP
+    rank's slices under Hugging Face names (q/k/v interleaved per query group, gate/up fused)."""
+    g = _geometry(config)
+    d, qpg, groups = g.head_dim, g.num_heads // g.num_kv_heads, g.num_kv_heads // tp_size
+    out: dict[str, torch.Tensor] = {}
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = pieces["model.embed_tokens.weight"]
+    for local, i in enumerate(_stage_layers(g, pp_rank, pp_size)):
+        hf, mg = f"model.layers.{i}", f"decoder.layers.{local}"
+        attn = f"{hf}.self_attn"
+        out[f"{mg}.input_layernorm.weight"] = pieces[f"{hf}.input_layernorm.weight"]
+        for kind in ("weight", "bias") if g.qkv_bias else ("weight",):
+            q, k, v = (pieces[f"{attn}.{x}_proj.{kind}"] for x in "qkv")
+            parts = []
+            for grp in range(groups):
+                parts += [q[grp * qpg * d:(grp + 1) * qpg * d], k[grp * d:(grp + 1) * d], v[grp * d:(grp + 1) * d]]
+            out[f"{mg}.self_attention.linear_qkv.{kind}"] = torch.cat(parts)
+        out[f"{mg}.self_attention.linear_proj.weight"] = pieces[f"{attn}.o_proj.weight"]
+        out[f"{mg}.pre_mlp_layernorm.weight"] = pieces[f"{hf}.post_attention_layernorm.weight"]
+        out[f"{mg}.mlp.linear_fc1.weight"] = torch.cat([pieces[f"{hf}.mlp.gate_proj.weight"],
+                                                        pieces[f"{hf}.mlp.up_proj.weight"]])
+        out[f"{mg}.mlp.linear_fc2.weight"] = pieces[f"{hf}.mlp.down_proj.weight"]
+    if pp_rank == pp_size - 1:
+        out["decoder.final_layernorm.weight"] = pieces["model.norm.weight"]
+        if head != "lm":
+            out["output_layer.weight"] = pieces["score.weight"]
+            if "score.bias" in pieces:
+                out["output_layer.bias"] = pieces["score.bias"]
+        elif not g.tied_embeddings or pp_size > 1:
+            out["output_layer.weight"] = pieces["lm_head.weight"]
+    return out
+
+
+def hf_local_placement(name: str) -> tuple[str, int | None]:
+    """How a Hugging Face tensor of a TP-split model is cut over TP: ("shard", dim) or ("replicate", None)."""
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return "shard", 1
+    if "norm" in name or name.startswith("score."):
+        return "replicate", None
+    return "shard", 0

@@ -49,6 +49,8 @@ class MegatronGroups:
     """This rank's place in the model's (pp, dp, tp) grid and megatron's `ProcessGroupCollection` for it."""
 
     collection: Any
+    tp_mesh: Any
+    """This rank's TP dimension as a DeviceMesh (checkpoints describe TP shards as DTensors over it)."""
     pp: int
     dp: int
     tp: int
@@ -99,7 +101,7 @@ def megatron_groups(mesh: Any, subgroups: Mapping[tuple[int, ...], Any]) -> Mega
         embd=sub(embd_ranks) if p in (0, pp - 1) else None,
         pos_embd=alone if p == 0 else None,  # rotary embeddings: no learned position table to tie
         intra_dist_opt=sub(tuple(range(len(whole)))), inter_dist_opt=None)
-    return MegatronGroups(collection, pp, dp, tp, p, d, t)
+    return MegatronGroups(collection, mesh["tp"], pp, dp, tp, p, d, t)
 
 
 def world_groups(tp: int, pp: int) -> MegatronGroups:

@@ -113,10 +113,6 @@ class ModelWorker(Worker):
         from flowactors.checkpoint import load_sharded, restore_rng
 
         state = self.engine.checkpoint_state()
-        if "layout" in state:  # an engine whose checkpoints load only under the layout that saved them
-            saved = {"layout": dict(state["layout"])}
-            load_sharded(saved, directory, process_group=self.process_group, strict=False)
-            self.engine.check_layout(saved["layout"])
         load_sharded(state, directory, process_group=self.process_group)
         self.engine.load_checkpoint_state(state)
         rng = Path(directory) / f"rng_rank{self.rank}_of{self.world_size}.pt"

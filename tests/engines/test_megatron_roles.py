@@ -218,9 +218,10 @@ def test_megatron_actor_generates_through_the_3d_hybrid_engine(fresh_controller,
         ref.close()
 
 
-def test_megatron_checkpoint_restores_an_update_exactly_and_refuses_another_layout(fresh_controller, tmp_path):
+def test_megatron_checkpoint_restores_an_update_exactly_and_loads_under_another_layout(fresh_controller, tmp_path):
     """Save a critic (pp=2) after one update, update it again; a fresh critic loaded from the save and updated the
-    same way ends with the same weights, bit for bit. A tp=2 critic is told the checkpoint's layout."""
+    same way ends with the same weights, bit for bit. A tp=2 critic loaded from it (weights and Adam moments
+    resharded by DCP in model space) ends there too, up to float rounding."""
     ctl = fresh_controller
     tok = build_tokenizer(ModelConfig(**CFG))
     batch, spec = _scored(tok), UpdateSpec(mini_batch_samples=4)
@@ -228,23 +229,27 @@ def test_megatron_checkpoint_restores_an_update_exactly_and_refuses_another_layo
     first = fa.ActorGroup(ctl, ShimmedCritic, name="first", slots=ctl.slots, layout=fa.Layout(pp=2), args=args)
     try:
         first.update_critic(batch, squared_value_loss, spec).result()
+        saved = first.full_weights().result()[0]
         first.save_checkpoint(str(tmp_path)).result()
         after = first.update_critic(batch, squared_value_loss, spec).result()
         want = first.full_weights().result()[0]
     finally:
         first.close()
-    second = fa.ActorGroup(ctl, ShimmedCritic, name="second", slots=ctl.slots, layout=fa.Layout(pp=2), args=args)
-    try:
-        second.load_checkpoint(str(tmp_path)).result()
-        again = second.update_critic(batch, squared_value_loss, spec).result()
-        got = second.full_weights().result()[0]
-    finally:
-        second.close()
-    assert again == after
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
-    other = fa.ActorGroup(ctl, ShimmedCritic, name="other", slots=ctl.slots, layout=fa.Layout(tp=2), args=args)
-    try:
-        with pytest.raises(fa.RemoteError, match=r"saved under \(p, t, d\) = \(2, 1, 1\).*this group is \(1, 2, 1\)"):
-            other.load_checkpoint(str(tmp_path)).result()
-    finally:
-        other.close()
+    assert any(not torch.equal(want[k], saved[k]) for k in want)  # the second update moved the weights
+    for name, layout, exact in (("second", fa.Layout(pp=2), True), ("other", fa.Layout(tp=2), False)):
+        group = fa.ActorGroup(ctl, ShimmedCritic, name=name, slots=ctl.slots, layout=layout, args=args)
+        try:
+            group.load_checkpoint(str(tmp_path)).result()
+            loaded = group.full_weights().result()[0]
+            again = group.update_critic(batch, squared_value_loss, spec).result()
+            got = group.full_weights().result()[0]
+        finally:
+            group.close()
+        assert set(got) == set(want)
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved), name  # weights move without rounding
+        if exact:
+            assert again == after and all(torch.equal(got[k], want[k]) for k in want)
+        else:  # Adam moments and step came along: the update matches, not just the weights
+            assert again["grad_norm"] == pytest.approx(after["grad_norm"], rel=1e-4)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=0, msg=k)
