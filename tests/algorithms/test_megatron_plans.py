@@ -104,3 +104,20 @@ def test_ppo_on_megatron_resumes_exactly(tmp_path):
         for k in ("reward_mean", "kl", "entropy", "response_length_mean", "actor/pg_loss", "critic/vf_loss",
                   "actor/grad_norm", "critic/grad_norm"):
             assert x[k] == y[k], (x["step"], k, x[k], y[k])
+
+
+@pytest.mark.slow  # 30-60 s; equality with the torch engine (above) runs by default
+def test_ppo_learns_on_megatron_with_pipeline_stages(tmp_path):
+    """40 PPO steps on a p = 2 plan (actor, reference and critic in two stages, the actor generating through the
+    3D-HybridEngine at [1, 1]): the reward of the last 10 steps beats the first 10, as on the torch engine
+    (tests/algorithms/test_learning.py)."""
+    from algorithms.ppo import main
+
+    plan, _ = _plans([["actor", "ref", "critic", "reward"]], ("actor", "ref", "critic"), 2, generate=(1, 1))
+    plan.save(tmp_path / "plan.json")
+    metrics = tmp_path / "m.jsonl"
+    main(["dashboard=none", "--plan", str(tmp_path / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
+          "--steps", "40", "--metrics-file", str(metrics)])
+    h = [json.loads(line) for line in metrics.read_text().splitlines()]
+    first, last = (sum(r["reward_mean"] for r in rows) / len(rows) for rows in (h[:10], h[-10:]))
+    assert last > first + 0.05, (first, last)
