@@ -1,15 +1,11 @@
 """Exact resume (mid-epoch and at an epoch boundary), resharded loading, and recovery from a killed worker."""
 
-import os
 import re
-import signal
-import threading
-import time
 
 import pytest
-from distributed import Client, LocalCluster
 
 from algorithms.ppo import main as ppo
+from tests.algorithms.kill import worker_killed_when
 
 # 64 prompts, 32 per step: an epoch ends every 2 steps
 COMMON = ["dashboard=none", "sft_steps=10", "dataset_prompts=64", "prompts_per_step=32", "mini_batch_samples=16"]
@@ -55,74 +51,32 @@ def test_checkpoint_loads_under_a_different_data_parallel_size(tmp_path, referen
 def test_killed_worker_mid_run_recovers_and_finishes_with_equal_metrics(tmp_path, reference, capsys):
     """SIGKILL one worker process once the step-2 checkpoint exists (steps 2 and 3 still to run): the run must see
     that worker die, recover from the checkpoint, and end with the metrics of the uninterrupted run."""
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address=None, resources={"slot": 1})
-    client = Client(cluster)
-    try:
-        victim, pid = list(client.run(os.getpid).items())[1]
-        ck = tmp_path / "ck"
-        run_over = threading.Event()
-        killed_mid_run = threading.Event()
-
-        def kill_after_first_checkpoint():
-            deadline = time.monotonic() + 120
-            while not (ck / "step_000002").exists() and time.monotonic() < deadline and not run_over.is_set():
-                time.sleep(0.05)
-            if (ck / "step_000002").exists() and not run_over.is_set():
-                os.kill(pid, signal.SIGKILL)
-                killed_mid_run.set()
-
-        killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
-        killer.start()
-        try:
-            history = ppo(["--steps", "4", *COMMON, "--address", cluster.scheduler_address, "--checkpoint-dir",
-                           str(ck), "--save-every", "2", "recovery_wait_s=60"])
-        finally:
-            run_over.set()
-            killer.join()
-        err = capsys.readouterr().err
-        assert killed_mid_run.is_set(), "the run ended before the worker was killed: the test proved nothing"
-        # the run saw that very worker die and recovered once (`_Run.recover` in algorithms/loop.py says so)
-        assert f"worker {victim} died" in err and re.search(r"recovering \(1/\d+\)", err), err[-3000:]
-        assert not re.search(r"recovering \(2/", err), err[-3000:]
-        same(reference, history)
-    finally:
-        client.close()
-        cluster.close()
+    ck = tmp_path / "ck"
+    with worker_killed_when(lambda: (ck / "step_000002").exists()) as (address, victim, killed):
+        history = ppo(["--steps", "4", *COMMON, "--address", address, "--checkpoint-dir", str(ck), "--save-every",
+                       "2", "recovery_wait_s=60"])
+    err = capsys.readouterr().err
+    assert killed.is_set(), "the run ended before the worker was killed: the test proved nothing"
+    # the run saw that very worker die and recovered once (`_Run.recover` in algorithms/loop.py says so)
+    assert f"worker {victim} died" in err and re.search(r"recovering \(1/\d+\)", err), err[-3000:]
+    assert not re.search(r"recovering \(2/", err), err[-3000:]
+    same(reference, history)
 
 
 def test_a_worker_lost_before_the_first_checkpoint_restarts_from_step_0(tmp_path, reference, capsys):
     """No checkpoint yet (none configured): the lost worker costs the steps so far, and the run, restarted from
     step 0 with the warm start, ends with the metrics of the uninterrupted run."""
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address=None, resources={"slot": 1})
-    client = Client(cluster)
-    try:
-        victim, pid = list(client.run(os.getpid).items())[1]
-        metrics = tmp_path / "m.jsonl"
-        killed_mid_run = threading.Event()
-
-        def kill_after_step_0():
-            deadline = time.monotonic() + 120
-            while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            os.kill(pid, signal.SIGKILL)
-            killed_mid_run.set()
-
-        killer = threading.Thread(target=kill_after_step_0, daemon=True)
-        killer.start()
-        history = ppo(["--steps", "4", *COMMON, "--address", cluster.scheduler_address, "--metrics-file",
-                       str(metrics), "recovery_wait_s=60"])
-        killer.join()
-        err = capsys.readouterr().err
-        assert killed_mid_run.is_set()
-        assert f"worker {victim} died" in err and "restarting from step 0 (no checkpoint yet)" in err, err[-3000:]
-        same(reference, history)
-        import json
-        assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1, 2, 3]
-    finally:
-        client.close()
-        cluster.close()
+    metrics = tmp_path / "m.jsonl"
+    with worker_killed_when(lambda: metrics.exists() and bool(metrics.read_text().strip())) as (address, victim,
+                                                                                                   killed):
+        history = ppo(["--steps", "4", *COMMON, "--address", address, "--metrics-file", str(metrics),
+                       "recovery_wait_s=60"])
+    err = capsys.readouterr().err
+    assert killed.is_set()
+    assert f"worker {victim} died" in err and "restarting from step 0 (no checkpoint yet)" in err, err[-3000:]
+    same(reference, history)
+    import json
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1, 2, 3]
 
 
 def test_resume_applies_changed_settings_and_refuses_ones_fixed_at_the_start(tmp_path, capsys):

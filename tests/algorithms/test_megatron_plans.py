@@ -85,24 +85,55 @@ def test_ppo_on_a_colocated_plan_with_pipeline_stages(tmp_path):
     _same_metrics(m, t)
 
 
+def _resume_args(workdir) -> list[str]:
+    plan, _ = _plans([["actor", "ref", "critic", "reward"]], ("actor", "ref", "critic"), 2)
+    plan.save(workdir / "plan.json")
+    return ["dashboard=none", "--plan", str(workdir / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
+            "sft_steps=10", "dataset_prompts=64", "prompts_per_step=32", "mini_batch_samples=16"]
+
+
+RESUME_KEYS = ("reward_mean", "kl", "entropy", "response_length_mean", "actor/pg_loss", "critic/vf_loss",
+               "actor/grad_norm", "critic/grad_norm")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Four PPO steps on the megatron p = 2 plan, uninterrupted."""
+    from algorithms.ppo import main
+
+    return main(["--steps", "4", *_resume_args(tmp_path_factory.mktemp("mega_ref"))])
+
+
 @pytest.mark.slow  # 40 s; the default run keeps the engine-level bit-exact load (tests/engines/test_megatron_roles.py)
-def test_ppo_on_megatron_resumes_exactly(tmp_path):
+def test_ppo_on_megatron_resumes_exactly(tmp_path, uninterrupted):
     """A run stopped after step 2 (checkpoints every step) and resumed reproduces the uninterrupted run's steps 2
     and 3 exactly: weights, distributed-optimizer state, LR schedule, data position and RNG all come back."""
     from algorithms.ppo import main
 
-    plan, _ = _plans([["actor", "ref", "critic", "reward"]], ("actor", "ref", "critic"), 2)
-    plan.save(tmp_path / "plan.json")
-    common = ["dashboard=none", "--plan", str(tmp_path / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
-              "sft_steps=10", "dataset_prompts=64", "prompts_per_step=32", "mini_batch_samples=16"]
-    reference = main(["--steps", "4", *common])
-    ck = str(tmp_path / "ck")
+    common, ck = _resume_args(tmp_path), str(tmp_path / "ck")
     main(["--steps", "2", *common, "--checkpoint-dir", ck, "--save-every", "1"])
     resumed = main(["--steps", "4", *common, "--checkpoint-dir", ck, "--save-every", "1", "--resume", "auto"])
     assert [r["step"] for r in resumed] == [2, 3]
-    for x, y in zip(reference[2:], resumed):
-        for k in ("reward_mean", "kl", "entropy", "response_length_mean", "actor/pg_loss", "critic/vf_loss",
-                  "actor/grad_norm", "critic/grad_norm"):
+    for x, y in zip(uninterrupted[2:], resumed):
+        for k in RESUME_KEYS:
+            assert x[k] == y[k], (x["step"], k, x[k], y[k])
+
+
+@pytest.mark.slow  # about a minute
+def test_ppo_on_megatron_recovers_from_a_killed_worker(tmp_path, uninterrupted, capsys):
+    """SIGKILL a worker once the step-2 checkpoint exists: the run rebuilds its megatron groups, loads the
+    checkpoint and ends with the uninterrupted run's metrics."""
+    from algorithms.ppo import main
+    from tests.algorithms.kill import worker_killed_when
+
+    common, ck = _resume_args(tmp_path), tmp_path / "ck"
+    with worker_killed_when(lambda: (ck / "step_000002").exists()) as (address, victim, killed):
+        history = main(["--steps", "4", *[a for a in common if a != "n_slots=2"], "--address", address,
+                        "--checkpoint-dir", str(ck), "--save-every", "2", "recovery_wait_s=60"])
+    err = capsys.readouterr().err
+    assert killed.is_set() and f"worker {victim} died" in err, err[-3000:]
+    for x, y in zip(uninterrupted, history):
+        for k in RESUME_KEYS:
             assert x[k] == y[k], (x["step"], k, x[k], y[k])
 
 
