@@ -103,6 +103,9 @@ class RLConfig(RunConfig):
     """The same for Safe-RLHF's cost role."""
     tensorboard_dir: str | None = None
     """Also write the step metrics as TensorBoard scalars here (needs the tensorboard package)."""
+    export_dir: str | None = None
+    """Write the trained policy here as a Hugging Face folder (weights and tokenizer) when the run ends, for
+    evaluation or serving (vLLM, transformers); None: the checkpoints are the only copy."""
     # -- checkpoints and recovery ---------------------------------------------------------------------------------
     checkpoint_dir: str | None = None
     """Checkpoint root; None disables checkpoints (and so recovery)."""

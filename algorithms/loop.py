@@ -289,6 +289,9 @@ class _Run:
             bar.close()
             if self.tensorboard is not None:
                 self.tensorboard.close()
+        if self.cfg.export_dir:
+            path = self.roles.actor.export_hf(str(Path(self.cfg.export_dir).resolve())).result()
+            print(f"[{self.algo.name}] trained policy written to {path} (a Hugging Face folder)", file=sys.stderr)
         print_summary(self.algo.name, self.history, self.algo.key_metrics, self.algo.summary_notes(self.history))
         return self.history
 

@@ -87,7 +87,7 @@ def check_before_start(cfg: RLConfig) -> None:
     for name in ("reward_model", "cost_model"):
         if getattr(cfg, name):
             _check_score_model(getattr(cfg, name), name)
-    for name in ("metrics_file", "tensorboard_dir"):
+    for name in ("metrics_file", "tensorboard_dir", "export_dir"):
         value = getattr(cfg, name)
         if value and not Path(value).resolve().parent.is_dir():
             raise ConfigError(f"{name}={value}: the directory {Path(value).resolve().parent} does not exist; "
@@ -97,6 +97,8 @@ def check_before_start(cfg: RLConfig) -> None:
         raise ConfigError(f"resume={cfg.resume} is not a checkpoint directory; give one (e.g. "
                           f"{cfg.checkpoint_dir or 'CKPT_DIR'}/step_00000010), auto (the newest complete one in "
                           f"checkpoint_dir) or never")
+    if cfg.export_dir and Path(cfg.export_dir).exists() and not Path(cfg.export_dir).is_dir():
+        raise ConfigError(f"export_dir={cfg.export_dir} is a file; the policy is written as a folder there")
     if cfg.checkpoint_dir:
         try:
             Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)

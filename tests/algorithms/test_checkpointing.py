@@ -113,3 +113,18 @@ def test_finished_steps_reach_the_metrics_file_when_a_run_fails(tmp_path):
         run_program(FailsAtStep2, ppo_tiny_cpu, ["--steps", "4", *COMMON, "--metrics-file", str(metrics)], "test")
     import json
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1]
+
+
+def test_the_trained_policy_is_exported_as_a_hugging_face_folder(tmp_path):
+    """export_dir: the actor at the end of the run, as a folder transformers loads. A run that resumes the last
+    checkpoint with no steps left exports the same weights, bit for bit: the export is the trained state."""
+    import torch
+    import transformers
+
+    ck = str(tmp_path / "ck")
+    ppo(["--steps", "2", *COMMON, "--checkpoint-dir", ck, "--save-every", "2", "export_dir=" + str(tmp_path / "a")])
+    ppo(["--steps", "2", *COMMON, "--checkpoint-dir", ck, "export_dir=" + str(tmp_path / "b")])
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a").state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "a")("sum 12:").input_ids
