@@ -59,6 +59,7 @@ def _same_metrics(mega: list[dict], torch_: list[dict]) -> None:
             assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key)
 
 
+@pytest.mark.slow  # 45-60 s with four worker processes; the colocated PPO plan below runs by default
 def test_safe_rlhf_on_a_split_plan_with_pipeline_stages(tmp_path):
     """Actor + reference on two slots, critics + reward + cost on two others; actor, reference and both critics
     with two pipeline stages."""
