@@ -110,24 +110,34 @@ def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
     return t.narrow(dim, rank * n, n)
 
 
-def _fuse_qkv(g: ModelGeometry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp_rank: int,
-              tp_size: int) -> torch.Tensor:
-    """TP shard of the per-group interleaved [q_g; k_g; v_g] tensor (weights or biases: rows are dim 0)."""
-    d, qpg = g.head_dim, g.num_heads // g.num_kv_heads
-    groups = range(tp_rank * g.num_kv_heads // tp_size, (tp_rank + 1) * g.num_kv_heads // tp_size)
+def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: range, qpg: int,
+                    d: int) -> torch.Tensor:
+    """[q_g; k_g; v_g] for each query group g in `groups` (rows of q, k, v indexed from group groups[0])."""
     parts = []
     for grp in groups:
         parts += [q[grp * qpg * d:(grp + 1) * qpg * d], k[grp * d:(grp + 1) * d], v[grp * d:(grp + 1) * d]]
     return torch.cat(parts)
 
 
-def _split_qkv(g: ModelGeometry, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of the full (all TP shards concatenated) per-group interleave."""
-    d, qpg = g.head_dim, g.num_heads // g.num_kv_heads
-    per_group = fused.reshape(g.num_kv_heads, (qpg + 2) * d, *fused.shape[1:])
+def _deinterleave_qkv(fused: torch.Tensor, groups: int, qpg: int, d: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `_interleave_qkv` over `groups` consecutive query groups."""
+    per_group = fused.reshape(groups, (qpg + 2) * d, *fused.shape[1:])
     q, k, v = torch.split(per_group, [qpg * d, d, d], dim=1)
     tail = fused.shape[1:]
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def _fuse_qkv(g: ModelGeometry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp_rank: int,
+              tp_size: int) -> torch.Tensor:
+    """TP shard of the per-group interleaved [q_g; k_g; v_g] tensor (weights or biases: rows are dim 0)."""
+    groups = range(tp_rank * g.num_kv_heads // tp_size, (tp_rank + 1) * g.num_kv_heads // tp_size)
+    return _interleave_qkv(q, k, v, groups, g.num_heads // g.num_kv_heads, g.head_dim)
+
+
+def _split_qkv(g: ModelGeometry, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of the full (all TP shards concatenated) per-group interleave."""
+    return _deinterleave_qkv(fused, g.num_kv_heads, g.num_heads // g.num_kv_heads, g.head_dim)
 
 
 def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int, pp_rank: int,
@@ -232,13 +242,10 @@ def megatron_shard_to_hf_local(shard: Mapping[str, torch.Tensor], config, tp_ran
         hf, mg = f"model.layers.{i}", f"decoder.layers.{local}"
         out[f"{hf}.input_layernorm.weight"] = shard[f"{mg}.input_layernorm.weight"]
         for kind in ("weight", "bias") if g.qkv_bias else ("weight",):
-            fused = shard[f"{mg}.self_attention.linear_qkv.{kind}"]
-            per_group = fused.reshape(groups, (qpg + 2) * d, *fused.shape[1:])
-            q, k, v = torch.split(per_group, [qpg * d, d, d], dim=1)
-            tail = fused.shape[1:]
-            out[f"{hf}.self_attn.q_proj.{kind}"] = q.reshape(-1, *tail)
-            out[f"{hf}.self_attn.k_proj.{kind}"] = k.reshape(-1, *tail)
-            out[f"{hf}.self_attn.v_proj.{kind}"] = v.reshape(-1, *tail)
+            q, k, v = _deinterleave_qkv(shard[f"{mg}.self_attention.linear_qkv.{kind}"], groups, qpg, d)
+            out[f"{hf}.self_attn.q_proj.{kind}"] = q
+            out[f"{hf}.self_attn.k_proj.{kind}"] = k
+            out[f"{hf}.self_attn.v_proj.{kind}"] = v
         out[f"{hf}.self_attn.o_proj.weight"] = shard[f"{mg}.self_attention.linear_proj.weight"]
         out[f"{hf}.post_attention_layernorm.weight"] = shard[f"{mg}.pre_mlp_layernorm.weight"]
         gate, up = shard[f"{mg}.mlp.linear_fc1.weight"].chunk(2)
@@ -270,10 +277,7 @@ def hf_local_to_megatron_shard(pieces: Mapping[str, torch.Tensor], config, tp_ra
         out[f"{mg}.input_layernorm.weight"] = pieces[f"{hf}.input_layernorm.weight"]
         for kind in ("weight", "bias") if g.qkv_bias else ("weight",):
             q, k, v = (pieces[f"{attn}.{x}_proj.{kind}"] for x in "qkv")
-            parts = []
-            for grp in range(groups):
-                parts += [q[grp * qpg * d:(grp + 1) * qpg * d], k[grp * d:(grp + 1) * d], v[grp * d:(grp + 1) * d]]
-            out[f"{mg}.self_attention.linear_qkv.{kind}"] = torch.cat(parts)
+            out[f"{mg}.self_attention.linear_qkv.{kind}"] = _interleave_qkv(q, k, v, range(groups), qpg, d)
         out[f"{mg}.self_attention.linear_proj.weight"] = pieces[f"{attn}.o_proj.weight"]
         out[f"{mg}.pre_mlp_layernorm.weight"] = pieces[f"{hf}.post_attention_layernorm.weight"]
         out[f"{mg}.mlp.linear_fc1.weight"] = torch.cat([pieces[f"{hf}.mlp.gate_proj.weight"],
