@@ -4,8 +4,8 @@ engine.
 Each name maps to a factory that builds the engine on a rank from a `TrainingSetup` / `GenerationSetup`
 (engines.interfaces), so the roles hold no `if engine == ...` branches and a new engine is one entry here, or one
 `register_*_engine` call in a module of one's own, registered under a name "package.module:engine" that says where
-it lives (the module is imported on first lookup, on the controller and the workers alike). Factories import their engine on first use:
-naming "megatron" costs nothing on a machine without megatron-core until a role builds it.
+it lives (the module is imported on first lookup, on the controller and the workers alike). Factories import their
+engine on first use: naming "megatron" costs nothing on a machine without megatron-core until a role builds it.
 
 Built in:
 
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engines.interfaces import GenerationEngine, GenerationSetup, TrainingBuild, TrainingSetup
+from engines.megatron_groups import megatron_subgroups  # plain torch.distributed: no megatron-core import
 
 __all__ = ["TrainingEngineEntry", "register_training_engine", "register_generation_engine", "training_engine",
            "generation_engine", "training_engine_names", "generation_engine_names", "check_training_layout"]
@@ -77,7 +78,7 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
 
 def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
     """A megatron model on the group's own slots and layout (its process groups come from the group's mesh and
-    the subgroups `_megatron_subgroups` asked for); it builds every head (causal LM for actor and reference, value
+    the subgroups `megatron_subgroups` asked for); it builds every head (causal LM for actor and reference, value
     for critics, score for reward and cost models). An actor with `rollout_tp` generates through the
     3D-HybridEngine fed from its shards (MegatronEngine.hybrid_engine); without, generation gathers its full
     weights."""
@@ -93,12 +94,6 @@ def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
     return TrainingBuild(engine, gathers_to_generate=hybrid is None, hybrid=hybrid)
 
 
-def _megatron_subgroups(pp: int, dp: int, tp: int) -> list[tuple[int, ...]]:
-    from engines.megatron_groups import megatron_subgroups
-
-    return megatron_subgroups(pp, dp, tp)
-
-
 def _build_hf(setup: GenerationSetup) -> GenerationEngine:
     from engines.generation import HFGenerationEngine
 
@@ -109,7 +104,7 @@ def _build_hf(setup: GenerationSetup) -> GenerationEngine:
 _TRAINING: dict[str, TrainingEngineEntry] = {
     "torch": TrainingEngineEntry(_build_torch, resharding=True),
     "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True, resharding=True,
-                                    subgroups=_megatron_subgroups),
+                                    subgroups=megatron_subgroups),
 }
 _GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf}
 _NOT_WIRED: dict[str, str] = {
