@@ -85,6 +85,9 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 class HFGenerationEngine:
     """Sample responses from a transformers causal LM (`model` is unsharded on this rank)."""
 
+    holds_weights = False
+    """It samples from the module each call hands it (engines.interfaces.GenerationEngine)."""
+
     def __init__(self, eos_token_id: int, pad_token_id: int, max_context: int | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
         """`compute_dtype`: autocast dtype of the decoding forwards (a float32-master model sampling in bf16);

@@ -241,8 +241,7 @@ class HybridEngine:
         copied = self.train.flat.numel() * self.train.flat.element_size() if self._pieces else 0
         return received + copied
 
-    def generation_model(self) -> torch.nn.Module:
-        """Reshard to the generation layout (collective) and return a model that computes on the gathered pieces."""
+    def _to_generation(self):  # -> engines.hybrid.reshard.GenerationShard
         if self.resharder.in_generation:
             self.release()
         if self._pieces is not None:
@@ -251,7 +250,23 @@ class HybridEngine:
             self.train = TrainShard.allocate(self._train_spec, dtype=first.dtype, device=first.device)
             with torch.no_grad():
                 fill_training_shard(self.train, pieces)
-        shard = self.resharder.to_generation(self.train)
+        return self.resharder.to_generation(self.train)
+
+    def hand_over(self, load: Callable[[Iterator[tuple[str, torch.Tensor]]], object]) -> object:
+        """Reshard to the generation layout (collective), give `load` this rank's generation shard in the fused
+        per-rank layout an inference engine keeps (q/k/v → qkv_proj, gate/up → gate_up_proj, this TP rank's
+        vocabulary rows: vLLM's), one tensor at a time, then free the received pieces; returns what `load`
+        returned. For an engine that holds its own weights (engines.vllm_engine)."""
+        shard = self._to_generation()
+        self.held_extra_bytes = self.extra_generation_bytes
+        try:
+            return load(shard.named_weights("fused"))
+        finally:
+            self.release()
+
+    def generation_model(self) -> torch.nn.Module:
+        """Reshard to the generation layout (collective) and return a model that computes on the gathered pieces."""
+        shard = self._to_generation()
         model = self._skeleton()
         modules: dict[str, dict[str, tuple[list[torch.Tensor], int | None]]] = {}
         for name, views, dim in shard.named_pieces():

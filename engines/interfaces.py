@@ -9,11 +9,11 @@ chosen by name through engines.registry, which builds them from the `TrainingSet
 Both protocols are `runtime_checkable`, so a test can assert that an engine has every member (isinstance checks
 names, not signatures).
 
-Why the generation interface takes the model. The transformers engine samples from whatever module the role hands
-it: the training model itself (unsharded actor), a gathered copy (FSDP2 actor), or the 3D-HybridEngine's generation
-model bound to resharded weights. vLLM's engine (engines.vllm_engine) instead holds its own copy of the weights and
-takes new ones with `load_weights`; it does not have this interface yet, which is why the registry names it but
-refuses to build it (see engines.registry).
+Two kinds of generation engine. The transformers engine samples from whatever module the role hands it: the
+training model itself (unsharded actor), a gathered copy (FSDP2 actor), or the 3D-HybridEngine's generation model
+bound to resharded weights. vLLM's engine (engines.vllm_engine) holds its own copy of the weights instead
+(`holds_weights`): after each update the actor sends it the new weights (`load_shard`: this rank's generation shard
+straight from the 3D-HybridEngine; `load_weights`: whole tensors) and hands `generate`/`stream` no model.
 """
 
 from __future__ import annotations
@@ -106,13 +106,18 @@ class GenerationEngine(Protocol):
     group); output layout: engines.generation's module docstring (prompts, responses, input_ids, attention_mask,
     position_ids, response_mask, rollout_log_probs). Runs no collectives unless the model does."""
 
-    def generate(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, *, greedy: bool = False,
+    holds_weights: bool
+    """False: samples from the module handed to each call. True: samples from its own copy of the weights, which
+    the actor refreshes after each update with `load_shard(fused per-rank shard)` or `load_weights(whole HF
+    tensors)`; the calls below then take `model=None`."""
+
+    def generate(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, *, greedy: bool = False,
                  seed: int = 0, seed_offset: int = 0) -> Batch:
         """One response per prompt row. A row draws from its `seed` column, else from seed * 1000003 +
         seed_offset + its index, so sampling rows a:b separately with seed_offset=a gives the same samples."""
         ...
 
-    def stream(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
+    def stream(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
                greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0) -> Iterator[Batch]:
         """The samples of `generate` (bit-identical rows), yielded in chunks of `chunk_rows` finished rows in the
         order they finish, each row with `row_index` (its index in `prompts` plus `row_offset`)."""
@@ -164,3 +169,9 @@ class GenerationSetup:
     """Autocast dtype of decoding (the training engine's `compute_dtype`)."""
     config: ModelConfig
     rollout_tp: int | None = None
+    hf_config: Any = None
+    """The transformers config of the model generation runs (untied embeddings under the 3D-HybridEngine), for an
+    engine that builds its own copy (vLLM)."""
+    group: Any = None
+    """This rank's generation replica as a process group (the t_g ranks of its generation TP group, or this rank
+    alone), for an engine that runs collectives of its own (vLLM's tensor parallel)."""

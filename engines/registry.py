@@ -15,10 +15,10 @@ Built in:
   process groups (engines.megatron_groups), so groups of different layouts live side by side; the 3D-HybridEngine
   for a hybrid actor, fed from its shards.
 * generation "hf": engines.generation.HFGenerationEngine (transformers with a KV cache).
-* generation "vllm": named, not built. engines.vllm_engine.VLLMGenerationEngine serves a Hugging Face folder and
-  takes weights through `load_weights`; the actor hands its generation engine a module (the GenerationEngine
-  interface), and the weight hand-over between them is not wired yet, so asking for it fails before any rank
-  starts, saying so.
+* generation "vllm": engines.vllm_engine.VLLMGenerationEngine, one in-process engine per rank over its generation
+  replica (t_g = rollout_tp ranks, or the rank alone), started from the model's config with dummy weights; the
+  actor sends it weights before each rollout that follows an update. Asking for it where vllm is not installed
+  fails on the controller, before any rank starts, naming the install.
 """
 
 from __future__ import annotations
@@ -101,18 +101,47 @@ def _build_hf(setup: GenerationSetup) -> GenerationEngine:
                               compute_dtype=setup.compute_dtype)
 
 
+def _build_vllm(setup: GenerationSetup) -> GenerationEngine:
+    """vLLM over a folder holding only the model's config (weights arrive from the actor); KV cache: vLLM's GPU
+    share on CUDA, FLOWACTORS_VLLM_KV_CACHE_MB (default 256) MiB on CPU."""
+    import os
+    import tempfile
+
+    import torch
+
+    from engines.vllm_engine import VLLMGenerationEngine, check_vllm_model
+
+    tp = setup.rollout_tp or 1
+    check_vllm_model(setup.hf_config, tp)  # identical on every rank, before vLLM's first collective
+    folder = tempfile.mkdtemp(prefix="flowactors-vllm-")
+    setup.hf_config.save_pretrained(folder)
+    dtype = setup.compute_dtype or setup.config.torch_dtype
+    on_gpu = torch.cuda.is_available()
+    kv = None if on_gpu else int(os.environ.get("FLOWACTORS_VLLM_KV_CACHE_MB", "256")) << 20
+    return VLLMGenerationEngine(folder, tp=tp, group=setup.group, eos_token_id=setup.eos_token_id,
+                                pad_token_id=setup.pad_token_id, max_model_len=setup.max_context,
+                                kv_cache_bytes=kv, dtype=str(dtype).removeprefix("torch."), seed=setup.config.seed,
+                                load_format="dummy", engine_args=None if on_gpu else {"block_size": 32})
+
+
+def _vllm_installed() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        from engines.vllm_engine import VLLM_INSTALL_HINT
+
+        raise ImportError(f"rollout_engine='vllm' needs vllm, which is not installed here: {VLLM_INSTALL_HINT}; "
+                          f"or use rollout_engine='hf'")
+
+
 _TRAINING: dict[str, TrainingEngineEntry] = {
     "torch": TrainingEngineEntry(_build_torch, resharding=True),
     "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True, resharding=True,
                                     subgroups=megatron_subgroups),
 }
-_GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf}
-_NOT_WIRED: dict[str, str] = {
-    "vllm": "the vLLM rollout is not wired into the actor yet: VLLMGenerationEngine (engines.vllm_engine) serves a "
-            "Hugging Face folder and takes new weights with load_weights, while the actor hands its generation "
-            "engine a model each call; use rollout_engine='hf' (or drive VLLMGenerationEngine directly)",
-}
-"""Generation engines that exist but cannot yet be built through the GenerationEngine interface, and why."""
+_GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf, "vllm": _build_vllm}
+_GENERATION_CHECKS: dict[str, Callable[[], None]] = {"vllm": _vllm_installed}
+"""What a generation engine needs before any rank starts (checked on the controller by `generation_engine`)."""
 
 
 def register_training_engine(name: str, build: TrainingFactory, *, pipeline_parallel: bool = False,
@@ -132,7 +161,6 @@ def register_generation_engine(name: str, build: GenerationFactory) -> None:
     if name in _GENERATION and _GENERATION[name] is not build:
         raise ValueError(f"a generation engine named {name!r} is already registered; choose another name")
     _GENERATION[name] = build
-    _NOT_WIRED.pop(name, None)
 
 
 def training_engine_names() -> list[str]:
@@ -140,7 +168,7 @@ def training_engine_names() -> list[str]:
 
 
 def generation_engine_names() -> list[str]:
-    """The engines `rollout_engine` can name today (not those that are named but not wired)."""
+    """The engines `rollout_engine` can name."""
     return sorted(_GENERATION)
 
 
@@ -170,13 +198,14 @@ def training_engine(name: str) -> TrainingEngineEntry:
 def generation_engine(name: str) -> GenerationFactory:
     if name not in _GENERATION:
         _import_provider(name)
-    if name in _NOT_WIRED:
-        raise NotImplementedError(f"rollout_engine={name!r}: {_NOT_WIRED[name]}")
     try:
-        return _GENERATION[name]
+        build = _GENERATION[name]
     except KeyError:
         raise ValueError(f"unknown generation engine rollout_engine={name!r}; known: {generation_engine_names()} "
                          f"(engines.registry.register_generation_engine adds one)") from None
+    if name in _GENERATION_CHECKS:
+        _GENERATION_CHECKS[name]()
+    return build
 
 
 def check_training_layout(name: str, pp: int) -> None:

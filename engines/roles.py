@@ -23,6 +23,7 @@ run one at a time in issue order, so no later call on the actor runs beside the 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ class ModelWorker(Worker):
         self.tokenizer = build_tokenizer(model)
         net = build_model(model, self.head, self.tokenizer)
         self.hf_config = net.config
+        self._lm_class = type(net).__name__
         built = training_engine(model.engine).build(TrainingSetup(
             model=net, config=model, head=self.head, optim=optim, trainable=trainable, layout=self.layout,
             mesh=self.mesh, subgroups=self.subgroups, rollout_tp=rollout_tp))
@@ -74,8 +76,12 @@ class ModelWorker(Worker):
         self.hybrid = built.hybrid
         self.sharded = built.gathers_to_generate
 
+    weights_version = 0
+    """Bumped whenever this rank's weights change (an update, a checkpoint load)."""
+
     def _update(self, shares: list[Batch], loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]],
                 spec: UpdateSpec) -> dict[str, float]:
+        self.weights_version += 1
         mb = spec.mini_batch_samples // self.layout.dp
         mini_batches = [m for local in shares for m in local.chunk(mb)]
         if spec.lr is None:
@@ -115,6 +121,7 @@ class ModelWorker(Worker):
         state = self.engine.checkpoint_state()
         load_sharded(state, directory, process_group=self.process_group)
         self.engine.load_checkpoint_state(state)
+        self.weights_version += 1
         rng = Path(directory) / f"rng_rank{self.rank}_of{self.world_size}.pt"
         if rng.exists():
             restore_rng(torch.load(rng, weights_only=False))
@@ -142,14 +149,21 @@ class ActorWorker(ModelWorker):
                  rollout_engine: str = "hf") -> None:
         """`rollout_tp`: generation tensor-parallel size t_g (dividing the group's tp) for the 3D-HybridEngine;
         None keeps the FSDP2 training layout and gathers whole weights to generate. `rollout_engine`: the
-        generation engine by name (engines.registry; "hf": transformers with a KV cache)."""
+        generation engine by name (engines.registry; "hf": transformers with a KV cache, "vllm": an in-process
+        vLLM engine per generation replica, fed in memory after each update)."""
         build_generator = generation_engine(rollout_engine)  # an unknown name fails before the model is built
         self._setup(model, optim or OptimConfig(), trainable=True, rollout_tp=rollout_tp)
         self.sampling = sampling or SamplingConfig()
+        hf_config = copy.deepcopy(self.hf_config)  # as an engine building its own copy (vLLM) must see it
+        hf_config.architectures = hf_config.architectures or [self._lm_class]
+        if self.hybrid is not None:
+            hf_config.tie_word_embeddings = False  # the hybrid layout shards lm_head apart from the embedding
         self.generator = build_generator(GenerationSetup(
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
             max_context=self.hf_config.max_position_embeddings, compute_dtype=self.engine.compute_dtype,
-            config=model, rollout_tp=rollout_tp))
+            config=model, rollout_tp=rollout_tp, hf_config=hf_config, group=self._replica_group()))
+        self._loaded_version = -1  # the weights_version the generator holds (engines that hold weights)
+        self.handover: dict[str, Any] = {}
         self._gen_model: torch.nn.Module | None = None
         self._stream: GenerationStream | None = None
         self._split_stream = False
@@ -171,6 +185,8 @@ class ActorWorker(ModelWorker):
             return []  # the constructor itself will name the bad arguments
         generation_engine(bound.get("rollout_engine", "hf"))
         rollout_tp = bound.get("rollout_tp")
+        if bound.get("rollout_engine") == "vllm" and (rollout_tp or 1) == 1:  # vLLM's world: the rank alone
+            engine_groups = [*engine_groups, *((r,) for r in range(layout.world_size) if (r,) not in engine_groups)]
         if rollout_tp is None:
             return engine_groups
         model = bound.get("model")
@@ -182,6 +198,39 @@ class ActorWorker(ModelWorker):
 
         hybrid = HybridEngine.process_groups(layout_of((layout.pp, layout.dp, layout.tp), rollout_tp))
         return [*engine_groups, *(g for g in hybrid if g not in engine_groups)]
+
+    def _replica_group(self) -> Any:
+        """This rank's generation replica as a process group: its generation TP group under the 3D-HybridEngine
+        with t_g > 1, else the rank alone (declared by `process_groups` for engines that need it); None when it
+        was not declared."""
+        if self.hybrid is not None and self.hybrid.gen_tp > 1:
+            members = self.hybrid.layout.gen_tp_group(self.rank)
+            if members.index(self.rank) != self.hybrid.layout.gen_coord(self.rank).tp:
+                raise ValueError(f"generation TP group {members}: group ranks out of TP order")
+            return self.subgroups.get(members)
+        return self.subgroups.get((self.rank,))
+
+    def _send_weights(self) -> None:
+        """Bring an engine that holds its own weights up to this rank's weights_version (collective over the
+        actor's ranks): this rank's generation shard from the 3D-HybridEngine, else whole gathered tensors."""
+        if not self.generator.holds_weights or self._loaded_version == self.weights_version:
+            return
+        import time
+
+        t0 = time.perf_counter()
+        if self.hybrid is not None:
+            copied = self.hybrid.hand_over(self.generator.load_shard)
+            received = self.hybrid.stats.received_bytes
+        else:
+            state = self.engine.full_state_dict() if self.sharded else self.engine.model.state_dict()
+            copied = sum(t.numel() * t.element_size() for t in state.values())
+            received = copied if self.sharded else 0
+            self.generator.load_weights(state.items())
+            del state
+        self._loaded_version = self.weights_version
+        self.handover = {"seconds": time.perf_counter() - t0, "bytes_received": int(received),
+                         "bytes_loaded": int(copied), "engine_weight_bytes": int(self.generator.weight_bytes),
+                         "loads": self.handover.get("loads", 0) + 1}
 
     def _generation_model(self) -> torch.nn.Module:
         if self.hybrid is not None:
@@ -199,6 +248,12 @@ class ActorWorker(ModelWorker):
         `seed` column (None: GenerationSpec())."""
         spec = _generation_spec(spec)
         greedy, seed = spec.greedy, spec.seed
+        if self.generator.holds_weights:
+            self._send_weights()
+            rows = self.hybrid.micro_slice(len(prompts)) if self.hybrid is not None else slice(0, len(prompts))
+            part = self.generator.generate(None, prompts.slice(rows.start, rows.stop), self.sampling, greedy=greedy,
+                                           seed=seed, seed_offset=rows.start)
+            return self.hybrid.gather_micro(part) if self.hybrid is not None else part
         if self.hybrid is None:
             return self.generator.generate(self._generation_model(), prompts, self.sampling, greedy=greedy,
                                            seed=seed)
@@ -227,7 +282,11 @@ class ActorWorker(ModelWorker):
         self._split_stream = d_g > 1 and len(prompts) % d_g == 0 and chunk_samples % d_g == 0
         if self._split_stream:  # each generation replica streams its rows; chunk k joins their k-th chunks
             rows, per_chunk = self.hybrid.micro_slice(len(prompts)), chunk_samples // d_g
-        model = self._generation_model()
+        if self.generator.holds_weights:
+            self._send_weights()  # in the task thread: the decoding thread runs no collective of the actor's
+            model = None
+        else:
+            model = self._generation_model()
         chunks = self.generator.stream(model, prompts.slice(rows.start, rows.stop), self.sampling, per_chunk,
                                        greedy=spec.greedy, seed=spec.seed,
                                        row_offset=self.coords[1] * len(prompts) + rows.start, seed_offset=rows.start)
@@ -267,6 +326,20 @@ class ActorWorker(ModelWorker):
         from dataclasses import asdict
 
         return {**asdict(self.hybrid.stats), "extra_generation_bytes": self.hybrid.held_extra_bytes}
+
+    def shutdown(self) -> None:
+        self._end_stream()
+        close = getattr(self.generator, "shutdown", None)
+        if close is not None:
+            close()
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def handover_stats(self) -> dict[str, Any]:
+        """This rank's last weight hand-over to a generation engine that holds its own weights (vLLM): seconds,
+        bytes_received (the micro-DP all-gather under the 3D-HybridEngine, else the whole-model gather),
+        bytes_loaded into the engine, engine_weight_bytes (what the engine holds) and loads so far; {} before the
+        first one and for engines that sample from the actor's own modules."""
+        return dict(self.handover)
 
     @endpoint(protocol=MESH)
     def compute_log_prob(self, batch: Batch) -> Batch:

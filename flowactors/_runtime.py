@@ -286,7 +286,12 @@ def construct(name: str, cls: type, args: tuple, kwargs: dict, _after: Any = Non
 def destroy(name: str, _after: Any = None) -> None:
     ctx = _GROUPS.pop(name, None)
     if ctx is not None:
-        ctx.instance = None
+        instance, ctx.instance = ctx.instance, None
+        if instance is not None:
+            try:
+                instance.shutdown()
+            except Exception as e:  # noqa: BLE001 - closing goes on; what was not released is logged
+                _log.warning("shutdown_failed", group=name, error=f"{type(e).__name__}: {e}")
 
 
 def call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tuple[Protocol, Layout] | None,

@@ -72,6 +72,10 @@ class Worker:
         ValueError here for arguments that cannot work."""
         return []
 
+    def shutdown(self) -> None:
+        """Called on each rank when the group is closed: release what memory alone does not (threads, engines with
+        process-global state). Local, no collectives; the default does nothing."""
+
     @property
     def coords(self) -> tuple[int, int, int]:
         """(pp, dp, tp) coordinates of this rank."""
