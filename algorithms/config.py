@@ -145,6 +145,10 @@ class RLConfig(RunConfig):
     """Generation TP size t_g of the actor under the 3D-HybridEngine (must divide the actor's tp; a plan's actor
     "generate" sizes set it); 0: off, a sharded actor gathers its whole weights to generate. With the actor's
     tp > 1 its vocabulary must divide tp: set model.pad_vocab_to."""
+    rollout_engine: str = "hf"
+    """The actor's generation engine: hf (transformers with a KV cache) or vllm (an in-process vLLM engine per
+    generation replica, fed the actor's weights in memory after each update; needs vllm installed and, on CPU,
+    attention heads of >= 32 dimensions)."""
     temperature: float = 1.0
     """Sampling temperature; log-probs of the actor and the reference use the same one."""
     max_new_tokens: int = 0
@@ -169,6 +173,9 @@ class RLConfig(RunConfig):
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.rollout_engine not in ("hf", "vllm") and ":" not in self.rollout_engine:
+            raise ConfigError(f"rollout_engine must be hf or vllm (or a registered 'module:name'), got "
+                              f"{self.rollout_engine!r}")
         if self.rollout_tp < 0:
             raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
         if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:

@@ -23,7 +23,7 @@ from algorithms.core import SFTLoss
 from algorithms.data import PromptData
 from algorithms.tasks import Task
 from engines import ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
-from engines.registry import training_engine
+from engines.registry import generation_engine, training_engine
 from flowactors import Controller, Layout
 
 __all__ = ["Roles", "Pools", "check_before_start", "place", "rollout_tp", "build_roles", "run_warm_start"]
@@ -77,6 +77,10 @@ def check_before_start(cfg: RLConfig) -> None:
         except ConfigError as e:
             raise ConfigError(f"{role}: {e}") from None
     rollout_tp(cfg)  # the plan's generation sizes
+    try:
+        generation_engine(cfg.rollout_engine)  # known, and installed (vllm)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"rollout_engine: {e}") from None
     if cfg.model.path is not None:
         from engines import check_model_dir
 
@@ -249,7 +253,8 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
         slots, layout = pools[role]
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
 
-    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), rollout_tp(cfg))
+    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), rollout_tp(cfg),
+                  cfg.rollout_engine)
     sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
     ref = group("ref", RefWorker, sft, cfg.temperature)
     built = {}

@@ -111,6 +111,10 @@ def _build_vllm(setup: GenerationSetup) -> GenerationEngine:
 
     from engines.vllm_engine import VLLMGenerationEngine, check_vllm_model
 
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # a cluster's workers report nothing home
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the run's progress is the runner's to print
+    if not torch.cuda.is_available():  # the slot's cores are the worker's: vLLM must not pin its threads
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     tp = setup.rollout_tp or 1
     check_vllm_model(setup.hf_config, tp)  # identical on every rank, before vLLM's first collective
     folder = tempfile.mkdtemp(prefix="flowactors-vllm-")

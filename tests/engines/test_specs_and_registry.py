@@ -3,6 +3,8 @@ the protocols are pure functions and the refusals happen on the controller (`pro
 
 from __future__ import annotations
 
+import importlib.util
+
 import re
 from pathlib import Path
 
@@ -122,9 +124,12 @@ def test_a_registered_training_engine_is_selectable_by_config():
 
 def test_generation_engines_by_name():
     assert generation_engine("hf") is not None
-    with pytest.raises(NotImplementedError, match="vLLM rollout is not wired into the actor yet"):
-        generation_engine("vllm")
-    with pytest.raises(ValueError, match=r"unknown generation engine rollout_engine='sglang'; known: \['hf'\]"):
+    if importlib.util.find_spec("vllm") is None:  # the default environment: refused on the controller, with the fix
+        with pytest.raises(ImportError, match="rollout_engine='vllm' needs vllm.*vllm_cpu_check.sh"):
+            generation_engine("vllm")
+    else:
+        assert generation_engine("vllm") is not None
+    with pytest.raises(ValueError, match=r"unknown generation engine rollout_engine='sglang'; known: \['hf', 'vllm'\]"):
         generation_engine("sglang")
 
 
@@ -136,8 +141,11 @@ def test_roles_refuse_what_their_engines_cannot_run_on_the_controller():
         ActorWorker.process_groups(Layout(pp=2), model=ModelConfig())
     # megatron asks for its own groups (model parallel, embedding, each rank alone) with the group
     assert CriticWorker.process_groups(Layout(pp=2), ModelConfig(engine="megatron")) == megatron_subgroups(2, 1, 1)
-    with pytest.raises(NotImplementedError, match="rollout_engine='vllm'"):
-        ActorWorker.process_groups(Layout(dp=2), ModelConfig(), None, None, None, "vllm")
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ImportError, match="rollout_engine='vllm' needs vllm"):
+            ActorWorker.process_groups(Layout(dp=2), ModelConfig(), None, None, None, "vllm")
+    else:  # vLLM's world is one generation replica: each rank alone at t_g = 1, the generation TP groups above
+        assert ActorWorker.process_groups(Layout(dp=2), ModelConfig(), None, None, None, "vllm") == [(0,), (1,)]
     with pytest.raises(ValueError, match="unknown generation engine"):
         ActorWorker.process_groups(Layout(dp=2), ModelConfig(), rollout_engine="nope")
     assert ActorWorker.process_groups(Layout(dp=2), ModelConfig(), rollout_engine="hf") == []

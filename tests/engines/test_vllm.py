@@ -115,7 +115,7 @@ def setup(tmp_path_factory):
 
 
 def test_greedy_tokens_and_log_probs_equal_transformers(setup):
-    out = setup["engine"].generate(setup["prompts"], GREEDY, greedy=True)
+    out = setup["engine"].generate(None, setup["prompts"], GREEDY, greedy=True)
     ref = setup["ref"]
     assert torch.equal(out["responses"], ref["responses"]), (out["responses"], ref["responses"])
     assert torch.equal(out["response_mask"], ref["response_mask"])
@@ -123,15 +123,15 @@ def test_greedy_tokens_and_log_probs_equal_transformers(setup):
     print(f"\ngreedy: {int(ref['response_mask'].sum())} tokens equal; log-prob max error {err:.2e}")
     assert err < LOGP_TOL
     # per-row stop lengths (stop_at) become per-request max_tokens; the layout is the transformers engine's
-    stopped = setup["engine"].generate(setup["stopped"], GREEDY, greedy=True)
+    stopped = setup["engine"].generate(None, setup["stopped"], GREEDY, greedy=True)
     for k in setup["ref_stopped"].keys():
         assert torch.allclose(stopped[k].double(), setup["ref_stopped"][k].double(), atol=LOGP_TOL, rtol=0), k
 
 
 def test_sampled_rows_reproducible_and_layout_equals_transformers(setup):
     engine, prompts, ref = setup["engine"], setup["prompts"], setup["ref_sampled"]
-    a = engine.generate(prompts, SAMPLED, seed=5)
-    b = engine.generate(prompts, SAMPLED, seed=5)
+    a = engine.generate(None, prompts, SAMPLED, seed=5)
+    b = engine.generate(None, prompts, SAMPLED, seed=5)
     for k in a.keys():
         assert torch.equal(a[k], b[k]), k
     assert sorted(a.keys()) == sorted(ref.keys())
@@ -144,9 +144,9 @@ def test_sampled_rows_reproducible_and_layout_equals_transformers(setup):
     assert bool((a["responses"][~resp] == setup["tok"].pad_token_id).all())
     assert bool((a["rollout_log_probs"][~resp] == 0).all())
     # a row's sample depends on its seed only: rows 1.. alone, with their offset, draw the same tokens
-    tail = engine.generate(prompts.take(torch.arange(1, len(prompts))), SAMPLED, seed=5, seed_offset=1)
+    tail = engine.generate(None, prompts.take(torch.arange(1, len(prompts))), SAMPLED, seed=5, seed_offset=1)
     assert torch.equal(tail["responses"], a["responses"][1:])
-    assert not torch.equal(engine.generate(prompts, SAMPLED, seed=6)["responses"], a["responses"])
+    assert not torch.equal(engine.generate(None, prompts, SAMPLED, seed=6)["responses"], a["responses"])
     # rollout log-probs are log-softmax(logits / temperature) of the sampled tokens, as compute_log_prob sees them
     with torch.no_grad():
         logits = setup["model"](input_ids=a["input_ids"], attention_mask=a["attention_mask"],
@@ -162,13 +162,13 @@ def test_reload_weights_in_memory_equals_transformers_with_those_weights(setup):
     t0 = time.time()
     engine.load_weights(setup["new"].items())
     took = time.time() - t0
-    out = engine.generate(prompts, GREEDY, greedy=True)
+    out = engine.generate(None, prompts, GREEDY, greedy=True)
     assert not torch.equal(setup["ref_new"]["responses"], setup["ref"]["responses"]), "perturbation changed nothing"
     assert torch.equal(out["responses"], setup["ref_new"]["responses"]), (out["responses"],
                                                                           setup["ref_new"]["responses"])
     err = float((out["rollout_log_probs"] - setup["ref_new"]["rollout_log_probs"]).abs().max())
     engine.load_weights(setup["original"].items())
-    back = engine.generate(prompts, GREEDY, greedy=True)
+    back = engine.generate(None, prompts, GREEDY, greedy=True)
     print(f"\nreload_weights: {took:.3f} s, perturbed tokens equal transformers, log-prob max error {err:.2e}; "
           f"original weights restored")
     assert err < LOGP_TOL
@@ -190,7 +190,7 @@ def test_tensor_parallel_2_under_external_launcher_equals_tp1(setup, tmp_path):
                 p.kill()
     assert codes == [0, 0], f"TP=2 ranks exited with {codes} (their output is above)"
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    tp1 = setup["engine"].generate(setup["prompts"], GREEDY, greedy=True)
+    tp1 = setup["engine"].generate(None, setup["prompts"], GREEDY, greedy=True)
     errs = []
     for r in results:
         assert torch.equal(torch.tensor(r["responses"]), tp1["responses"]), (r["responses"], tp1["responses"])
@@ -211,10 +211,10 @@ def _tp_rank(model_dir: str, out_file: str) -> None:
     engine = build_engine(model_dir, tok, tp=2)
     start = time.time() - t0
     prompts = prompt_batch(tok)
-    out = engine.generate(prompts, GREEDY, greedy=True)
+    out = engine.generate(None, prompts, GREEDY, greedy=True)
     state = build_model(ModelConfig(path=model_dir), "lm", tok).state_dict()
     engine.load_weights(perturbed(state).items())
-    new = engine.generate(prompts, GREEDY, greedy=True)
+    new = engine.generate(None, prompts, GREEDY, greedy=True)
     Path(out_file).write_text(json.dumps({"responses": out["responses"].tolist(), "start_s": start,
                                           "log_probs": out["rollout_log_probs"].tolist(),
                                           "responses_new": new["responses"].tolist()}))

