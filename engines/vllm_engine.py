@@ -172,20 +172,32 @@ class VLLMGenerationEngine:
         """Bytes of the weights last sent to this rank's engine (its generation shard under `load_shard`)."""
 
     def shutdown(self) -> None:
-        """Stop the engine and drop vLLM's process-global parallel state (its groups only: torch's world stays),
-        so another engine can start in this process."""
+        """Stop the engine and drop vLLM's process-global parallel state (its own groups), so another engine can
+        start in this process. vLLM's own engine shutdown also destroys torch's default process group (a
+        standalone engine owns its world; here it is the cluster's), so it is detached and done piecewise."""
         if self.llm is None:
             return
+        import gc
+
         from vllm.distributed import parallel_state as ps
 
-        with contextlib.suppress(Exception):
-            self.llm.llm_engine.engine_core.shutdown()
+        client = self.llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()  # it would run EngineCore.shutdown: torch.distributed.destroy_process_group()
+        core = getattr(client, "engine_core", None)
+        for part in (getattr(core, "model_executor", None), getattr(core, "scheduler", None)):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.shutdown()
         self.llm = None
+        gc.unfreeze()  # vLLM froze its start-up objects
         ps.destroy_model_parallel()
         if ps._WORLD is not None:
             ps._WORLD.destroy()
             ps._WORLD = None
         _ENGINE_IN_PROCESS.clear()
+        gc.collect()
 
     def _model(self) -> torch.nn.Module:
         """This rank's vLLM model (in process under external_launcher)."""
