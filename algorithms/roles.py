@@ -26,7 +26,8 @@ from engines import ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
 from engines.registry import generation_engine, training_engine
 from flowactors import Controller, Layout
 
-__all__ = ["Roles", "Pools", "check_before_start", "place", "rollout_tp", "build_roles", "run_warm_start"]
+__all__ = ["Roles", "Pools", "check_before_start", "place", "rollout_tp", "rollout_engine", "build_roles",
+           "run_warm_start"]
 
 _SCORERS = ("critic", "cost_critic", "reward", "cost")
 
@@ -78,7 +79,7 @@ def check_before_start(cfg: RLConfig) -> None:
             raise ConfigError(f"{role}: {e}") from None
     rollout_tp(cfg)  # the plan's generation sizes
     try:
-        generation_engine(cfg.rollout_engine)  # known, and installed (vllm)
+        generation_engine(rollout_engine(cfg))  # known, and installed (vllm)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"rollout_engine: {e}") from None
     if cfg.model.path is not None:
@@ -174,6 +175,15 @@ def rollout_tp(cfg: RLConfig) -> int | None:
     return cfg.rollout_tp or None
 
 
+def rollout_engine(cfg: RLConfig) -> str:
+    """The actor's generation engine: a plan's actor "rollout_engine" when it names one, else cfg.rollout_engine."""
+    if cfg.plan:
+        actor = next(m for m in _load_plan(cfg).models if m.role == "actor")
+        if actor.rollout_engine is not None:
+            return actor.rollout_engine
+    return cfg.rollout_engine
+
+
 # -- placement ------------------------------------------------------------------------------------------------------
 
 def place(ctl: Controller, cfg: RLConfig) -> Pools:
@@ -254,7 +264,7 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
 
     actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), rollout_tp(cfg),
-                  cfg.rollout_engine)
+                  rollout_engine(cfg))
     sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
     ref = group("ref", RefWorker, sft, cfg.temperature)
     built = {}

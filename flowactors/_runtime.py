@@ -136,9 +136,8 @@ def teardown_world(_after: Any = None) -> None:
     which closes when the last reference to it goes; the interface settings of `init_world` are undone."""
     import torch.distributed as dist
 
-    for ctx in list(_GROUPS.values()):
-        ctx.instance = None
-    _GROUPS.clear()
+    for name in list(_GROUPS):
+        destroy(name)
     if dist.is_initialized():
         dist.destroy_process_group()
     _unpin_interfaces()
@@ -284,6 +283,7 @@ def construct(name: str, cls: type, args: tuple, kwargs: dict, _after: Any = Non
 
 
 def destroy(name: str, _after: Any = None) -> None:
+    """Drop this process's instance of group `name`, after its `shutdown()` (a failure there is logged)."""
     ctx = _GROUPS.pop(name, None)
     if ctx is not None:
         instance, ctx.instance = ctx.instance, None

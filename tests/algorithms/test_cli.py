@@ -6,6 +6,7 @@ the test, so a check that ran too late shows up as that failure, not as a slow p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import subprocess
@@ -80,6 +81,9 @@ def _plan(tmp_path, actor_train) -> str:
     (["model.hidden_size=-4"], r"ModelConfig.hidden_size must be a positive integer, got -4"),
     (["model.hidden_size=12"], r"head size hidden_size / num_heads = 12 / 4 = 3 must be even"),
     (["call_timeout_s=0"], r"call_timeout_s must be > 0 seconds"),
+    (["rollout_engine=sglang"], r"rollout_engine must be hf or vllm"),
+    *([(["rollout_engine=vllm"], r"rollout_engine: rollout_engine='vllm' needs vllm, which is not installed here: "
+                                 r".*scripts/vllm_cpu_check.sh")] if importlib.util.find_spec("vllm") is None else []),
 ])
 def test_a_user_error_is_one_line_and_status_2_before_the_cluster_starts(capsys, no_cluster, argv, message):
     import re

@@ -33,3 +33,18 @@ def test_safe_rlhf_learns_with_vllm_rollouts(tmp_path):
     assert window(h, "cost_mean", -20, None) < 0.3             # ... and the policy ends below the threshold
     assert window(h, "reward_mean", -20, None) > window(h, "reward_mean", 0, 20) + 0.05
     assert max(r["lagrange_lambda"] for r in h[:40]) > h[0]["lagrange_lambda"]  # λ rose while violated
+
+
+def test_stage_fusion_takes_vllm_requests_as_they_finish_and_changes_nothing(tmp_path):
+    """fuse=true streams vLLM's finished requests to the scorers; the samples, scores and updates are those of the
+    unfused run (equal metrics, step by step)."""
+    from algorithms.safe_rlhf import main
+
+    common = [*VLLM, "--steps", "3", "sft_steps=10", "fuse_chunk_samples=4"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = run(main, tmp_path / "a", *common, "fuse=false")
+    fused = run(main, tmp_path / "b", *common, "fuse=true")
+    for a, b in zip(plain, fused, strict=True):
+        for key in ("reward_mean", "cost_mean", "kl", "entropy", "response_length_mean"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])

@@ -30,6 +30,17 @@ def test_yaml_round_trip(tmp_path):
     assert json.loads((tmp_path / "plan.json").read_text()) == PLAN
 
 
+def test_the_actor_entry_names_its_rollout_engine():
+    data = json.loads(json.dumps(PLAN))
+    data["parallel"]["actor"]["rollout_engine"] = "vllm"
+    plan = Plan.from_dict(data)
+    assert plan.model("actor").rollout_engine == "vllm" and plan.to_dict() == data
+    assert Plan.from_dict(PLAN).model("actor").rollout_engine is None  # the run's setting decides
+    data["parallel"]["critic"]["rollout_engine"] = "vllm"
+    with pytest.raises(PlanError, match="critic: only the actor generates; drop its 'rollout_engine'"):
+        Plan.from_dict(data)
+
+
 def test_defaults_for_hand_written_plans():
     plan = Plan.from_dict({"placement": [["actor", "ref"]], "gpus": {"actor": 4, "ref": 4}})
     assert plan.model("ref").train == (1, 1, 4)  # pure data parallelism
