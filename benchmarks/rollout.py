@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", action="store_true", help="print one JSON line per row before the table")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     args = ap.parse_args(argv)
 

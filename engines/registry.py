@@ -103,7 +103,7 @@ def _build_hf(setup: GenerationSetup) -> GenerationEngine:
 
 def _build_vllm(setup: GenerationSetup) -> GenerationEngine:
     """vLLM over a folder holding only the model's config (weights arrive from the actor); KV cache: vLLM's GPU
-    share on CUDA, FLOWACTORS_VLLM_KV_CACHE_MB (default 256) MiB on CPU."""
+    share on CUDA, FLOWACTORS_VLLM_KV_CACHE_MB (default 1024) MiB on CPU."""
     import os
     import tempfile
 
@@ -121,7 +121,7 @@ def _build_vllm(setup: GenerationSetup) -> GenerationEngine:
     setup.hf_config.save_pretrained(folder)
     dtype = setup.compute_dtype or setup.config.torch_dtype
     on_gpu = torch.cuda.is_available()
-    kv = None if on_gpu else int(os.environ.get("FLOWACTORS_VLLM_KV_CACHE_MB", "256")) << 20
+    kv = None if on_gpu else int(os.environ.get("FLOWACTORS_VLLM_KV_CACHE_MB", "1024")) << 20
     return VLLMGenerationEngine(folder, tp=tp, group=setup.group, eos_token_id=setup.eos_token_id,
                                 pad_token_id=setup.pad_token_id, max_model_len=setup.max_context,
                                 kv_cache_bytes=kv, dtype=str(dtype).removeprefix("torch."), seed=setup.config.seed,

