@@ -113,15 +113,9 @@ class HFGenerationEngine:
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         tokens, logp = self._buffers(len(prompts), cfg)
-        pending: list[int] = []
-        for finished in self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed,
-                                     seed_offset=seed_offset):
-            pending += finished
-            while len(pending) >= chunk_rows:
-                yield self._chunk(prompts, tokens, logp, pending[:chunk_rows], cfg, row_offset)
-                pending = pending[chunk_rows:]
-        if pending:
-            yield self._chunk(prompts, tokens, logp, pending, cfg, row_offset)
+        finished = self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset)
+        for rows in chunk_finished(finished, chunk_rows):
+            yield self._chunk(prompts, tokens, logp, rows, cfg, row_offset)
 
     def _buffers(self, b: int, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
@@ -198,6 +192,19 @@ class HFGenerationEngine:
         idx = torch.tensor(rows, dtype=torch.long)
         out = self._assemble(prompts.take(idx), out_tokens[idx], out_logp[idx], cfg)
         return Batch({**out.tensors, ROW_INDEX: idx + row_offset}, out.rows, out.meta)
+
+
+def chunk_finished(finished: Iterator[list[int]], chunk_rows: int) -> Iterator[list[int]]:
+    """Group the rows a decode loop reports finished, step by step, into chunks of `chunk_rows` (the last may be
+    shorter), in the order they finished: what every engine's `stream` hands out."""
+    pending: list[int] = []
+    for rows in finished:
+        pending += rows
+        while len(pending) >= chunk_rows:
+            yield pending[:chunk_rows]
+            pending = pending[chunk_rows:]
+    if pending:
+        yield pending
 
 
 def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tensor, *, eos: int, pad: int,

@@ -48,7 +48,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from engines.generation import ROW_INDEX, STOP_AT, SamplingConfig, assemble_samples
+from engines.generation import ROW_INDEX, STOP_AT, SamplingConfig, assemble_samples, chunk_finished
 from flowactors import Batch
 
 __all__ = ["VLLMGenerationEngine", "VLLM_INSTALL_HINT", "check_vllm_model"]
@@ -290,14 +290,9 @@ class VLLMGenerationEngine:
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         tokens, logp = self._buffers(len(prompts), cfg)
-        pending: list[int] = []
-        for finished in self._run(prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset):
-            pending += finished
-            while len(pending) >= chunk_rows:
-                yield self._chunk(prompts, tokens, logp, pending[:chunk_rows], cfg, row_offset)
-                pending = pending[chunk_rows:]
-        if pending:
-            yield self._chunk(prompts, tokens, logp, pending, cfg, row_offset)
+        finished = self._run(prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset)
+        for rows in chunk_finished(finished, chunk_rows):
+            yield self._chunk(prompts, tokens, logp, rows, cfg, row_offset)
 
     def _buffers(self, b: int, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
