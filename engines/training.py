@@ -13,6 +13,16 @@ Loss aggregation is token-mean over the whole mini-batch across data-parallel ra
 token loss is divided by the mini-batch's global token count (one all-reduce), and multiplied by the DP size
 because FSDP2 averages gradients over ranks. The update is therefore the same whatever the DP size or the
 micro-batch split, which is what makes a dp=2 run reproduce a dp=1 run.
+
+Optimizer state over DP (ZeRO-1). A model whose DP ranks hold whole replicas (the 3D-HybridEngine's actor, whose
+parameters stay in Megatron's layout for resharding) would otherwise keep the full Adam state on every replica.
+With `sync_grads` each parameter has one owner among the DP ranks (greedy by size): gradients are reduced to it,
+it alone keeps the parameter's Adam moments and steps it, and broadcasts the result (Megatron's distributed
+optimizer does the same per flat-buffer range; here per parameter, which keeps every parameter a (D)Tensor and the
+checkpoint in model space). The optimizer state per rank is then about 1/d of the replica's; the update equals the
+unsharded one (same gradient sum, same AdamW per element, the norm summed over owners). Checkpoints are written in
+the unsharded optimizer's format (`get_state_dict`'s), each owner writing its parameters' state, so they load under
+any DP size, sharded or not.
 """
 
 from __future__ import annotations
@@ -74,6 +84,26 @@ class OptimConfig:
         return 1.0
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def assign_owners(model: torch.nn.Module, dp_size: int) -> dict[str, int]:
+    """ZeRO-1 ownership: each trainable parameter to one DP rank, largest first to the least loaded (ties: the lower
+    rank), so every rank keeps about 1/dp_size of the optimizer state. Global shapes only, so every rank of every TP
+    and DP coordinate computes the same map."""
+    params = sorted(((n, p.numel()) for n, p in model.named_parameters() if p.requires_grad),
+                    key=lambda x: (-x[1], x[0]))
+    load = [0] * dp_size
+    owners = {}
+    for name, numel in params:
+        rank = min(range(dp_size), key=lambda r: (load[r], r))
+        owners[name] = rank
+        load[rank] += numel
+    return owners
+
+
 def token_mean(sums: dict[str, float], tokens: float, dp_group: Any = None) -> dict[str, float]:
     """Loss metrics over every data-parallel rank's tokens: `sums` (metric × tokens) and `tokens` summed over
     `dp_group` (one all-reduce; None: this rank only), then divided. Each rank alone would report its own share of
@@ -91,9 +121,11 @@ class TrainEngine:
 
     def __init__(self, model: torch.nn.Module, optim: OptimConfig | None, *, dp_group: Any = None,
                  dp_size: int = 1, trainable: bool = True, sync_grads: bool = False,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 shard_optimizer: bool = True, compute_dtype: torch.dtype | None = None) -> None:
         """`compute_dtype`: autocast dtype of forward passes (bfloat16/float16), for a model whose float32
-        parameters are the master weights; a plain trainable model given in low precision is converted here."""
+        parameters are the master weights; a plain trainable model given in low precision is converted here.
+        `sync_grads`: DP ranks hold whole replicas (no FSDP) and the engine reduces their gradients;
+        `shard_optimizer` then shards the optimizer state over them (ZeRO-1, see the module docstring)."""
         low = [p for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
         if trainable and low:
             from torch.distributed.tensor import DTensor
@@ -111,8 +143,15 @@ class TrainEngine:
         self.sync_grads = sync_grads and dp_size > 1
         self.optimizer = None
         self.scheduler = None
+        self.owners: dict[str, int] | None = None
+        """ZeRO-1: parameter name → the DP rank (in dp_group) that keeps its optimizer state and steps it."""
         if trainable:
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
+            params = list(model.parameters())
+            if self.sync_grads and shard_optimizer:
+                self.owners = assign_owners(model, dp_size)
+                mine = dist.get_rank(dp_group)
+                params = [p for n, p in model.named_parameters() if self.owners[n] == mine]
+            self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=self.cfg.betas,
                                                eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         else:
@@ -185,7 +224,7 @@ class TrainEngine:
             if self.dp_size > 1:
                 dist.all_reduce(global_tokens, group=self.dp_group)
             denom = max(float(global_tokens), 1.0)
-            self.optimizer.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)  # not the optimizer's: under ZeRO-1 it holds only its share
             for mb in self.micro_batches(mini):
                 token_loss, weight, metrics = loss_fn(outputs_fn(mb), mb)
                 ((token_loss * weight).sum() / denom * self.dp_size).backward()
@@ -193,10 +232,16 @@ class TrainEngine:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * w
                 tokens += w
-            if self.sync_grads:
-                self._average_grads()
-            norms.append(self._clip())
-            self.optimizer.step()
+            if self.owners is not None:
+                self._reduce_grads_to_owners()
+                norms.append(self._clip(over=self.dp_group))
+                self.optimizer.step()
+                self._broadcast_from_owners()
+            else:
+                if self.sync_grads:
+                    self._average_grads()
+                norms.append(self._clip())
+                self.optimizer.step()
             self.scheduler.step()
         out = token_mean(sums, tokens, self.dp_group if self.dp_size > 1 else None)
         out["grad_norm"] = sum(norms) / max(len(norms), 1)
@@ -211,28 +256,63 @@ class TrainEngine:
 
     def _average_grads(self) -> None:
         """Mean of the replicas' gradients (what FSDP2's reduce-scatter gives), all tensors in flight at once."""
-        from torch.distributed.tensor import DTensor
-
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        locals_ = [_local(g) for g in grads]
         works = [dist.all_reduce(g, group=self.dp_group, async_op=True) for g in locals_]
         for work in works:
             work.wait()
         for g in locals_:
             g.div_(self.dp_size)
 
-    def _clip(self) -> float:
-        """Global gradient norm over all parameters (sharded DTensors and plain tensors alike), then clip."""
+    def _owned(self) -> list[tuple[str, torch.nn.Parameter, int]]:
+        """(name, parameter, owner's global rank) of every parameter, in the model's order (the same on every
+        rank, so the collectives below pair up)."""
+        return [(n, p, dist.get_global_rank(self.dp_group, self.owners[n])) for n, p in self.model.named_parameters()]
+
+    def _reduce_grads_to_owners(self) -> None:
+        """Sum every gradient on its owner (all in flight at once) and average it there; the other ranks drop
+        theirs, so after the step only owners hold gradients and optimizer state."""
+        me = dist.get_rank()
+        owned = [(p, src) for _, p, src in self._owned() if p.grad is not None]
+        works = [dist.reduce(_local(p.grad), dst=src, group=self.dp_group, async_op=True) for p, src in owned]
+        for work in works:
+            work.wait()
+        for p, src in owned:
+            if src == me:
+                _local(p.grad).div_(self.dp_size)
+            else:
+                p.grad = None
+
+    def _broadcast_from_owners(self) -> None:
+        """Every owner's stepped parameters to the other replicas (in place: the hybrid engine's parameters are
+        views of its training buffer)."""
+        works = [dist.broadcast(_local(p.data), src=src, group=self.dp_group, async_op=True)
+                 for _, p, src in self._owned()]
+        for work in works:
+            work.wait()
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its shard under ZeRO-1)."""
+        if self.optimizer is None:
+            return 0
+        return sum(_local(v).numel() * v.element_size() for state in self.optimizer.state.values()
+                   for v in state.values() if isinstance(v, torch.Tensor))
+
+    def _clip(self, over: Any = None) -> float:
+        """Global gradient norm over all parameters (sharded DTensors and plain tensors alike), then clip.
+        `over`: a group whose ranks each hold some of the gradients (ZeRO-1 owners): their squares are summed."""
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
         squares = torch.zeros((), dtype=torch.float64)
         for group in ([g for g in grads if isinstance(g, DTensor)], [g for g in grads if not isinstance(g, DTensor)]):
             if group:
                 n = torch.nn.utils.get_total_norm([g.float() for g in group])  # a bf16 norm rounds to ~0.4 %
                 squares = squares + (n.full_tensor() if isinstance(n, DTensor) else n).double() ** 2
+        if over is not None:
+            dist.all_reduce(squares, group=over)
+        elif not grads:
+            return 0.0
         norm = float(squares.sqrt())
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
             coef = self.cfg.grad_clip / (norm + 1e-6)
@@ -242,24 +322,47 @@ class TrainEngine:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """This rank's shards for torch.distributed.checkpoint: "model", and when training "optim" and
-        "scheduler" (the LR schedule's position)."""
+        "scheduler" (the LR schedule's position). Under ZeRO-1 "optim" holds this rank's parameters' state in the
+        unsharded optimizer's layout (see the module docstring)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         opt = self.optimizer
-        model_sd, optim_sd = get_state_dict(self.model, opt if opt is not None else [])
+        model_sd, optim_sd = get_state_dict(self.model, opt if opt is not None and self.owners is None else [])
         state = {"model": model_sd}
         if opt is not None:
-            state["optim"] = optim_sd
+            state["optim"] = optim_sd if self.owners is None else self._owned_optim_state()
             state["scheduler"] = self.scheduler.state_dict()
         return state
+
+    def _owned_optim_state(self) -> dict[str, Any]:
+        """{"state": {name: AdamW state}} for the parameters this rank owns (zeros and step 0 before the first
+        step, as `get_state_dict` gives), and "param_groups" naming every parameter, as the unsharded optimizer
+        writes them."""
+        state = {}
+        mine = {id(p) for p in self.optimizer.param_groups[0]["params"]}
+        for name, param in self.model.named_parameters():
+            if id(param) not in mine:
+                continue
+            held = self.optimizer.state.get(param) or {}
+            state[name] = {"step": held.get("step", torch.zeros((), dtype=torch.float32)),
+                           "exp_avg": held.get("exp_avg", torch.zeros_like(param.data)),
+                           "exp_avg_sq": held.get("exp_avg_sq", torch.zeros_like(param.data))}
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        return {"state": state, "param_groups": [{**group, "params": names}]}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Apply a `checkpoint_state()` dict that torch.distributed.checkpoint has filled in place."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         opt = self.optimizer
-        set_state_dict(self.model, opt if opt is not None else [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+        sharded = self.owners is not None
+        set_state_dict(self.model, opt if opt is not None and not sharded else [], model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}) if not sharded else {})
+        if sharded and opt is not None:
+            by_name = dict(self.model.named_parameters())
+            for name, held in state["optim"]["state"].items():
+                opt.state[by_name[name]] = dict(held)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
 

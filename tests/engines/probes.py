@@ -96,3 +96,13 @@ class HybridActorProbe(ActorWorker):
     @endpoint(protocol=ONE_TO_ALL)
     def full_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.full_state_dict()
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def optimizer_report(self) -> dict:
+        """This rank's Adam state bytes, and what a whole replica's would be (two fp32 moments of every local
+        parameter shard, and a step each)."""
+        params = list(self.engine.model.parameters())
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        return {"state_bytes": self.engine.optimizer_state_bytes(),
+                "replica_bytes": sum(2 * t.numel() * 4 + 4 for t in local),
+                "owners": self.engine.owners}

@@ -160,6 +160,62 @@ def test_hybrid_actor_checkpoint_round_trip_and_reshard_on_load(controller4, tmp
         plain.close()
 
 
+def _pg_batch(rows: fa.Batch, seed: int) -> fa.Batch:
+    g = torch.Generator().manual_seed(seed)
+    return fa.Batch({**rows.tensors, "advantages": torch.randn(rows["responses"].shape, generator=g)})
+
+
+def test_zero1_optimizer_state_sharded_over_dp_and_checkpoints_load_under_any_dp(controller4, tmp_path):
+    """The hybrid actor's DP replicas split the Adam state (ZeRO-1): each of a TP=2×DP=2 actor's ranks holds about
+    half of its replica's, the two halves add up to it, and the updates stay the unsharded actor's. Its checkpoint
+    is in the unsharded optimizer's format: an unsharded actor resumes from it, and a DP=2 actor resumes from the
+    unsharded actor's, with the same next update as the uninterrupted run."""
+    tok = build_tokenizer(CFG)
+    hybrid = _group(controller4, "hy_zero", 2, 2, 1)
+    plain = fa.ActorGroup(controller4, HybridActorProbe, name="hy_zero_plain", slots=controller4.slots[:1],
+                          args=(CFG, OPTIM, SAMPLING))
+    resumed = _group(controller4, "hy_zero_resumed", 2, 2, 1)
+    spec = UpdateSpec(mini_batch_samples=4)
+    try:
+        rows = hybrid.generate_sequences(_prompts(tok, seeded=True), SAMPLED).result()
+        first, second = _pg_batch(rows, 3), _pg_batch(rows, 4)
+        m_h = hybrid.update_actor(first, pg_loss, spec).result()
+        m_p = plain.update_actor(first, pg_loss, spec).result()
+        assert m_h["grad_norm"] == pytest.approx(m_p["grad_norm"], rel=1e-4)  # the norm summed over the owners
+
+        reports = hybrid.optimizer_report().result()
+        whole = plain.optimizer_report().result()[0]
+        assert whole["state_bytes"] == whole["replica_bytes"] and whole["owners"] is None
+        for tp_rank in range(2):  # ranks of one TP coordinate across DP: rank = dp·2 + tp
+            halves = [reports[d * 2 + tp_rank] for d in range(2)]
+            assert sum(r["state_bytes"] for r in halves) == halves[0]["replica_bytes"]
+            for r in halves:
+                assert 0 < r["state_bytes"] <= 0.6 * r["replica_bytes"], r
+        assert {reports[0]["owners"][n] for n in reports[0]["owners"]} == {0, 1}
+
+        hybrid.save_checkpoint(str(tmp_path / "zero")).result()
+        hybrid.update_actor(second, pg_loss, spec).result()
+        want = hybrid.full_weights().result()[0]
+
+        plain.load_checkpoint(str(tmp_path / "zero")).result()  # DP=2 ZeRO-1 → one unsharded replica
+        plain.save_checkpoint(str(tmp_path / "whole")).result()
+        plain.update_actor(second, pg_loss, spec).result()
+        for k, v in plain.full_weights().result()[0].items():
+            torch.testing.assert_close(v, want[k], atol=2e-5, rtol=0, msg=k)
+
+        resumed.load_checkpoint(str(tmp_path / "whole")).result()  # unsharded → DP=2 ZeRO-1
+        resumed.update_actor(second, pg_loss, spec).result()
+        moved = 0.0
+        for k, v in resumed.full_weights().result()[0].items():
+            assert torch.equal(v, want[k]), k  # the same state on the same layout: bit-exact
+        for k, v in ActorWorker_initial(tok).items():
+            moved = max(moved, float((want[k] - v).abs().max()))
+        assert moved > 1e-3
+    finally:
+        for g in (hybrid, plain, resumed):
+            g.close()
+
+
 def test_qwen2_biases_through_the_generation_pieces(controller4, tmp_path):
     """Qwen2's q/k/v biases are column-split with their weights: greedy tokens and rollout log-probs of a TP=4
     actor generating at t_g=2 equal the unsharded Qwen2 model's (biases made non-zero, loaded from a folder)."""
