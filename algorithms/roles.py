@@ -166,13 +166,24 @@ def rollout_tp(cfg: RLConfig) -> int | None:
         actor = next(m for m in _load_plan(cfg).models if m.role == "actor")
         if actor.generate is not None:
             p_g, t_g = actor.generate
-            if p_g != 1:
-                raise ConfigError(f"the plan generates the actor over p_g={p_g} pipeline stages; the transformers "
-                                  f"generation engine has none: plan generate [1, t_g]")
+            if p_g != 1 and rollout_engine(cfg) != "hf":
+                raise ConfigError(f"the plan generates the actor over p_g={p_g} pipeline stages, which the "
+                                  f"{rollout_engine(cfg)!r} rollout engine does not take inside the actor: plan "
+                                  f"generate [1, t_g] or rollout_engine hf")
             if not training_engine(cfg.model.engine).resharding:
                 return None  # it generates from its gathered whole weights; the plan's layout waits for resharding
             return t_g
     return cfg.rollout_tp or None
+
+
+def rollout_pp(cfg: RLConfig) -> int:
+    """The actor's generation pipeline stages p_g under the 3D-HybridEngine: a plan's actor "generate" sizes
+    (dividing its training p; the megatron engine), else 1."""
+    if cfg.plan and rollout_tp(cfg) is not None:
+        actor = next(m for m in _load_plan(cfg).models if m.role == "actor")
+        if actor.generate is not None:
+            return actor.generate[0]
+    return 1
 
 
 def rollout_engine(cfg: RLConfig) -> str:
@@ -264,7 +275,7 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
 
     actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), rollout_tp(cfg),
-                  rollout_engine(cfg))
+                  rollout_engine(cfg), rollout_pp(cfg))
     sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
     ref = group("ref", RefWorker, sft, cfg.temperature)
     built = {}

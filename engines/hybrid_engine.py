@@ -24,6 +24,7 @@ so callers see the same rows as without resharding.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -119,18 +120,18 @@ def fill_training_shard(shard: TrainShard, pieces: Mapping[str, torch.Tensor]) -
             part.copy_(pieces[hf_name])
 
 
-def layout_of(mesh_or_sizes: DeviceMesh | tuple[int, int, int], gen_tp: int) -> HybridLayout:
-    """The hybrid layout of an actor whose training mesh is (pp, dp, tp), generating at TP = gen_tp."""
+def layout_of(mesh_or_sizes: DeviceMesh | tuple[int, int, int], gen_tp: int, gen_pp: int = 1) -> HybridLayout:
+    """The hybrid layout of an actor whose training mesh is (pp, dp, tp), generating at (gen_pp, gen_tp)."""
     if isinstance(mesh_or_sizes, DeviceMesh):
         mesh = mesh_or_sizes
         pp, dp, tp = (mesh.size(mesh.mesh_dim_names.index(d)) for d in ("pp", "dp", "tp"))
     else:
         pp, dp, tp = mesh_or_sizes
-    return HybridLayout(train_pp=pp, train_tp=tp, train_dp=dp, gen_pp=1, gen_tp=gen_tp)
+    return HybridLayout(train_pp=pp, train_tp=tp, train_dp=dp, gen_pp=gen_pp, gen_tp=gen_tp)
 
 
 class HybridEngine:
-    """One actor rank's weights between the training layout (1, t, d) and the generation layout (1, t_g).
+    """One actor rank's weights between the training layout (p, t, d) and the generation layout (p_g, t_g).
 
     Collective: every rank of the actor's mesh constructs it, and calls `generation_model`/`release` in step.
     """
@@ -138,7 +139,7 @@ class HybridEngine:
     def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, gen_tp: int,
                  subgroups: Mapping[tuple[int, ...], dist.ProcessGroup], *, method: Method = "micro-dp",
                  limits: GenerationEngineLimits | None = None,
-                 pieces: Callable[[], Mapping[str, torch.Tensor]] | None = None) -> None:
+                 pieces: Callable[[], Mapping[str, torch.Tensor]] | None = None, gen_pp: int = 1) -> None:
         """`subgroups`: this rank's process groups among the mesh's ranks, keyed by mesh rank tuples, created
         beforehand from `HybridEngine.process_groups` (flowactors' `Worker.process_groups` does that).
 
@@ -146,8 +147,11 @@ class HybridEngine:
         rank's current training pieces (Hugging Face names, TP-local slices, e.g.
         engines.megatron_convert.megatron_shard_to_hf_local). Each transition then copies them into a training
         shard that lives only while generating (one shard of extra memory, counted in extra_generation_bytes);
-        `model` only lends its class and config to the generation skeleton."""
-        self.layout = layout_of(mesh, gen_tp)
+        `model` only lends its class and config to the generation skeleton.
+
+        `gen_pp` > 1 (it must divide the training pp): generation keeps pipeline stages, each rank running its
+        stage's layers (`_PipelineStage`)."""
+        self.layout = layout_of(mesh, gen_tp, gen_pp)
         self.geometry = ModelGeometry.from_hf_config(model.config)
         self.method = method
         limits = limits or transformers_engine_limits()
@@ -173,6 +177,14 @@ class HybridEngine:
             by_tp = {global_ranks[m]: self.layout.gen_coord(m).tp for m in members}
             ranks = dist.get_process_group_ranks(self._tp_group)
             self._tp_order = sorted(range(len(ranks)), key=lambda i: by_tp[ranks[i]])
+        self.gen_pp = self.layout.gen_pp if method == "micro-dp" else 1
+        self._pp_group: dist.ProcessGroup | None = None  # this rank's generation pipeline, group rank = stage
+        if self.gen_pp > 1:
+            members = self.layout.gen_pp_group(self.rank)
+            self._pp_group = subgroups[members]
+            stages = [self.layout.gen_coord(m).pp for m in members]
+            if stages != list(range(self.gen_pp)) or members != tuple(sorted(members)):
+                raise ValueError(f"generation pipeline group {members}: group ranks out of stage order")
         self._model: torch.nn.Module | None = None
         self.held_extra_bytes = 0
         """extra_generation_bytes during the last generation (kept after release, for reports)."""
@@ -183,6 +195,8 @@ class HybridEngine:
         groups = ReshardGroups.needed(layout, [method])
         if method == "micro-dp" and layout.gen_tp > 1:
             groups += [g for g in layout.gen_tp_groups() if g not in groups]
+        if method == "micro-dp" and layout.gen_pp > 1:
+            groups += [g for g in layout.gen_pp_groups() if g not in groups]
         return groups
 
     # ---- generation replicas -------------------------------------------------------------------------------
@@ -267,9 +281,12 @@ class HybridEngine:
     def generation_model(self) -> torch.nn.Module:
         """Reshard to the generation layout (collective) and return a model that computes on the gathered pieces."""
         shard = self._to_generation()
-        model = self._skeleton()
+        layers = shard.layers if self.gen_pp > 1 else None
+        model = self._skeleton(len(layers) if layers is not None else None)
         modules: dict[str, dict[str, tuple[list[torch.Tensor], int | None]]] = {}
         for name, views, dim in shard.named_pieces():
+            if layers is not None:
+                name = _local_layer_name(name, layers.start)
             module, attr = _split_name(name)
             modules.setdefault(module, {})[attr] = (views, dim)
         vocab_per_rank = self.geometry.vocab_size // self.gen_tp
@@ -288,6 +305,9 @@ class HybridEngine:
             else:
                 piece = _RowPieces(views, bias[0] if bias else None, self._tp_group)
             setattr(model.get_submodule(parent), attr, piece)
+        if layers is not None:
+            stage = self.layout.gen_coord(self.rank).pp
+            model = _PipelineStage(model, stage, self.gen_pp, self._pp_group, self.geometry.vocab_size)
         self._model = model
         self.held_extra_bytes = self.extra_generation_bytes
         return model
@@ -307,9 +327,14 @@ class HybridEngine:
             raise RuntimeError("not in generation; call generation_model() first")
         return self.resharder.generation.named_weights("hf")
 
-    def _skeleton(self) -> torch.nn.Module:
-        """A parameter-less (meta) copy of the training model; its linears and embedding get replaced by pieces."""
+    def _skeleton(self, num_layers: int | None = None) -> torch.nn.Module:
+        """A parameter-less (meta) copy of the training model (with `num_layers`: one pipeline stage's layers);
+        its linears and embedding get replaced by pieces."""
         config = copy.deepcopy(self.train_model.config)
+        if num_layers is not None:
+            config.num_hidden_layers = num_layers
+            if getattr(config, "layer_types", None) is not None:
+                config.layer_types = config.layer_types[:num_layers]
         with torch.device("meta"):
             model = type(self.train_model)(config)
         base = getattr(model, model.base_model_prefix)
@@ -320,6 +345,65 @@ class HybridEngine:
         if meta_buffers:
             raise ValueError(f"generation skeleton has computed buffers this engine cannot rebuild: {meta_buffers}")
         return model.eval()
+
+
+def _local_layer_name(name: str, first: int) -> str:
+    """`model.layers.{i}.…` of the whole model → the stage skeleton's `model.layers.{i − first}.…`."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "layers":
+        parts[2] = str(int(parts[2]) - first)
+    return ".".join(parts)
+
+
+class _PipelineStage(torch.nn.Module):
+    """One generation pipeline stage of a causal LM, called like the whole model by the decode loop on every
+    stage's rank in step (same rows, same seeds).
+
+    Stage 0 embeds the ids; each stage runs its layers over the hidden states from the previous stage (received
+    as float32) and sends its own to the next; the last stage applies the final norm and the output head to the
+    last position, and broadcasts those logits over the pipeline, so every stage samples the same token and keeps
+    its own layers' KV cache. One micro-batch in flight: the stages take turns (a decode step's latency is the sum
+    of the stages'), as a pipeline does for a single batch; the layout's point is that no rank holds more than
+    its stage."""
+
+    def __init__(self, model: torch.nn.Module, stage: int, stages: int, group: dist.ProcessGroup,
+                 vocab_size: int) -> None:
+        super().__init__()
+        from engines.generation import _cache_argument
+
+        self.stage, self.stages, self.group, self.vocab_size = stage, stages, group, vocab_size
+        self.base = getattr(model, model.base_model_prefix)
+        self.cache_arg = _cache_argument(self.base)
+        self.first, self.last = stage == 0, stage == stages - 1
+        if not self.first:
+            self.base.embed_tokens = torch.nn.Identity()  # the hidden states come from the previous stage
+        if not self.last:
+            self.base.norm = torch.nn.Identity()  # the final norm belongs to the last stage
+        self.lm_head = model.lm_head if self.last else None
+        self.hidden_size = model.config.hidden_size
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                use_cache: bool = True, past_key_values: object = None, cache: object = None) -> object:
+        kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": use_cache,
+                  self.cache_arg: cache if cache is not None else past_key_values}
+        if self.first:
+            out = self.base(input_ids=input_ids, **kwargs)
+        else:
+            hidden = torch.empty((*input_ids.shape, self.hidden_size), dtype=torch.float32)
+            dist.recv(hidden, group=self.group, group_src=self.stage - 1)
+            out = self.base(inputs_embeds=hidden, **kwargs)
+        if self.last:
+            logits = self.lm_head(out.last_hidden_state[:, -1:]).float().contiguous()
+            if logits.shape[-1] != self.vocab_size:
+                raise ValueError(f"the output head gives {logits.shape[-1]} logits, the model's vocabulary is "
+                                 f"{self.vocab_size}")
+        else:
+            dist.send(out.last_hidden_state.float().contiguous(), group=self.group, group_dst=self.stage + 1)
+            logits = torch.empty((input_ids.shape[0], 1, self.vocab_size), dtype=torch.float32)
+        dist.broadcast(logits, group=self.group, group_src=self.stages - 1)
+        kv = getattr(out, "cache", None)
+        kv = getattr(out, "past_key_values", None) if kv is None else kv
+        return SimpleNamespace(logits=logits, cache=kv, past_key_values=kv)
 
 
 class _ColumnPieces(torch.nn.Module):

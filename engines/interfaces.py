@@ -143,6 +143,8 @@ class TrainingSetup:
     """The extra process groups the role's `process_groups` declared (the 3D-HybridEngine's)."""
     rollout_tp: int | None = None
     """The actor's generation TP size for the 3D-HybridEngine; None: no hybrid resharding."""
+    rollout_pp: int = 1
+    """The actor's generation pipeline stages under the 3D-HybridEngine (dividing the training pp)."""
 
 
 @dataclass

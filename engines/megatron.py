@@ -606,8 +606,8 @@ class MegatronEngine:
         return opts
 
     def hybrid_engine(self, model: torch.nn.Module, mesh: Any, gen_tp: int,
-                      subgroups: Mapping[tuple[int, ...], Any]) -> Any:
-        """The 3D-HybridEngine over this actor's shards: (p, t, d) → (1, t_g) by all-gather inside micro-DP groups
+                      subgroups: Mapping[tuple[int, ...], Any], gen_pp: int = 1) -> Any:
+        """The 3D-HybridEngine over this actor's shards: (p, t, d) → (p_g, t_g) by all-gather inside micro-DP groups
         (engines.hybrid_engine), fed from megatron's own parameters. megatron-core keeps its weights in its DDP
         buffers, which the resharder's training layout cannot alias, so each transition copies this rank's shard
         (megatron_shard_to_hf_local: q/k/v out of the per-group interleave, gate/up apart) into a training shard
@@ -629,7 +629,7 @@ class MegatronEngine:
             local = {k: v.detach() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
             return megatron_shard_to_hf_local(local, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp)
 
-        return HybridEngine(template, mesh, gen_tp, subgroups, pieces=pieces)
+        return HybridEngine(template, mesh, gen_tp, subgroups, pieces=pieces, gen_pp=gen_pp)
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Apply a `checkpoint_state()` dict that torch.distributed.checkpoint has filled (from a save under any

@@ -10,10 +10,10 @@ engine on first use: naming "megatron" costs nothing on a machine without megatr
 Built in:
 
 * training "torch": engines.training.TrainEngine over FSDP2 / DTensor TP, with the 3D-HybridEngine for a hybrid
-  actor (`rollout_tp`); no pipeline parallelism.
+  actor (`rollout_tp`; its DP replicas shard the optimizer state, ZeRO-1); no pipeline parallelism.
 * training "megatron": engines.megatron.MegatronEngine (megatron-core TP / PP / DP) on any slots, with its own
   process groups (engines.megatron_groups), so groups of different layouts live side by side; the 3D-HybridEngine
-  for a hybrid actor, fed from its shards.
+  for a hybrid actor, fed from its shards, generating over (p_g, t_g) (`rollout_tp`, `rollout_pp`).
 * generation "hf": engines.generation.HFGenerationEngine (transformers with a KV cache).
 * generation "vllm": engines.vllm_engine.VLLMGenerationEngine, one in-process engine per rank over its generation
   replica (t_g = rollout_tp ranks, or the rank alone), started from the model's config with dummy weights; the
@@ -68,7 +68,7 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
 
         untie_embeddings(net)
         net = parallelize(net, setup.mesh, fsdp=False, vocab_parallel=True)
-        hybrid = HybridEngine(net, setup.mesh, setup.rollout_tp, setup.subgroups)
+        hybrid = HybridEngine(net, setup.mesh, setup.rollout_tp, setup.subgroups, gen_pp=setup.rollout_pp)
     elif sharded:
         net = parallelize(net, setup.mesh)
     engine = TrainEngine(net, setup.optim, dp_group=setup.mesh["dp"].get_group(), dp_size=layout.dp,
@@ -90,7 +90,8 @@ def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
                                           groups=megatron_groups(setup.mesh, setup.subgroups))
     hybrid = None
     if setup.rollout_tp is not None:
-        hybrid = engine.hybrid_engine(setup.model, setup.mesh, setup.rollout_tp, setup.subgroups)
+        hybrid = engine.hybrid_engine(setup.model, setup.mesh, setup.rollout_tp, setup.subgroups,
+                                      gen_pp=setup.rollout_pp)
     return TrainingBuild(engine, gathers_to_generate=hybrid is None, hybrid=hybrid)
 
 

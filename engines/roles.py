@@ -62,7 +62,7 @@ class ModelWorker(Worker):
         return subgroups(layout.pp, layout.dp, layout.tp) if subgroups else []
 
     def _setup(self, model: ModelConfig, optim: OptimConfig | None, trainable: bool,
-               rollout_tp: int | None = None) -> None:
+               rollout_tp: int | None = None, rollout_pp: int = 1) -> None:
         torch.manual_seed(model.seed)
         self.model_config = model
         self.tokenizer = build_tokenizer(model)
@@ -71,7 +71,7 @@ class ModelWorker(Worker):
         self._lm_class = type(net).__name__
         built = training_engine(model.engine).build(TrainingSetup(
             model=net, config=model, head=self.head, optim=optim, trainable=trainable, layout=self.layout,
-            mesh=self.mesh, subgroups=self.subgroups, rollout_tp=rollout_tp))
+            mesh=self.mesh, subgroups=self.subgroups, rollout_tp=rollout_tp, rollout_pp=rollout_pp))
         self.engine = built.engine
         self.hybrid = built.hybrid
         self.sharded = built.gathers_to_generate
@@ -146,13 +146,15 @@ class ActorWorker(ModelWorker):
 
     def __init__(self, model: ModelConfig, optim: OptimConfig | None = None,
                  sampling: SamplingConfig | None = None, rollout_tp: int | None = None,
-                 rollout_engine: str = "hf") -> None:
+                 rollout_engine: str = "hf", rollout_pp: int = 1) -> None:
         """`rollout_tp`: generation tensor-parallel size t_g (dividing the group's tp) for the 3D-HybridEngine;
-        None keeps the FSDP2 training layout and gathers whole weights to generate. `rollout_engine`: the
+        None keeps the FSDP2 training layout and gathers whole weights to generate. `rollout_pp`: generation
+        pipeline stages p_g (dividing the group's pp; with rollout_tp, on a pipeline-parallel engine: megatron).
+        `rollout_engine`: the
         generation engine by name (engines.registry; "hf": transformers with a KV cache, "vllm": an in-process
         vLLM engine per generation replica, fed in memory after each update)."""
         build_generator = generation_engine(rollout_engine)  # an unknown name fails before the model is built
-        self._setup(model, optim or OptimConfig(), trainable=True, rollout_tp=rollout_tp)
+        self._setup(model, optim or OptimConfig(), trainable=True, rollout_tp=rollout_tp, rollout_pp=rollout_pp)
         self.sampling = sampling or SamplingConfig()
         hf_config = copy.deepcopy(self.hf_config)  # as an engine building its own copy (vLLM) must see it
         hf_config.architectures = hf_config.architectures or [self._lm_class]
@@ -184,7 +186,10 @@ class ActorWorker(ModelWorker):
         except TypeError:
             return []  # the constructor itself will name the bad arguments
         generation_engine(bound.get("rollout_engine", "hf"))
-        rollout_tp = bound.get("rollout_tp")
+        rollout_tp, rollout_pp = bound.get("rollout_tp"), bound.get("rollout_pp", 1)
+        if rollout_pp != 1 and (rollout_tp is None or bound.get("rollout_engine", "hf") != "hf"):
+            raise ValueError(f"rollout_pp={rollout_pp}: generation over pipeline stages runs in the 3D-HybridEngine "
+                             f"with the hf rollout engine (set rollout_tp, rollout_engine='hf'), or use rollout_pp=1")
         if bound.get("rollout_engine") == "vllm" and (rollout_tp or 1) == 1:  # vLLM's world: the rank alone
             engine_groups = [*engine_groups, *((r,) for r in range(layout.world_size) if (r,) not in engine_groups)]
         if rollout_tp is None:
@@ -196,7 +201,7 @@ class ActorWorker(ModelWorker):
                              f"engine='torch'")
         from engines.hybrid_engine import HybridEngine, layout_of
 
-        hybrid = HybridEngine.process_groups(layout_of((layout.pp, layout.dp, layout.tp), rollout_tp))
+        hybrid = HybridEngine.process_groups(layout_of((layout.pp, layout.dp, layout.tp), rollout_tp, rollout_pp))
         return [*engine_groups, *(g for g in hybrid if g not in engine_groups)]
 
     def _replica_group(self) -> Any:

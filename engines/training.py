@@ -224,7 +224,8 @@ class TrainEngine:
             if self.dp_size > 1:
                 dist.all_reduce(global_tokens, group=self.dp_group)
             denom = max(float(global_tokens), 1.0)
-            self.model.zero_grad(set_to_none=True)  # not the optimizer's: under ZeRO-1 it holds only its share
+            # the optimizer's parameters (FSDP2 may leave others registered); under ZeRO-1 the rest were dropped
+            self.optimizer.zero_grad(set_to_none=True)
             for mb in self.micro_batches(mini):
                 token_loss, weight, metrics = loss_fn(outputs_fn(mb), mb)
                 ((token_loss * weight).sum() / denom * self.dp_size).backward()

@@ -47,8 +47,9 @@ class GenerationEngineLimits:
 
 
 def transformers_engine_limits() -> GenerationEngineLimits:
-    """transformers `generate()` under its TP plan (q/k/v/gate/up colwise, o/down rowwise); no pipeline."""
-    return GenerationEngineLimits(name="transformers", supports_pipeline=False)
+    """The transformers decode loop over the hybrid engine's pieces (q/k/v/gate/up colwise, o/down rowwise),
+    pipeline stages included (engines.hybrid_engine._PipelineStage)."""
+    return GenerationEngineLimits(name="transformers", supports_pipeline=True)
 
 
 def vllm_engine_limits() -> GenerationEngineLimits:

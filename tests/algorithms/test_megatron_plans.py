@@ -34,12 +34,13 @@ def _run(main, workdir, plan: Plan, *overrides: str) -> list[dict]:
 def _plans(placement: list[list[str]], staged: tuple[str, ...], per_pool: int,
            generate: tuple[int, int] | None = None) -> tuple[Plan, Plan]:
     """The plan with `staged` models on (p, t, d) = (2, 1, 1) and the same plan with (1, 1, 2) instead; the actor
-    generates with `generate` (p_g, t_g) where given, as automap's plans say."""
+    generates with `generate` (p_g, t_g) where given, as automap's plans say (the p = 1 plan with p_g = 1)."""
     roles = [r for pool in placement for r in pool]
     out = []
     for train in ((2, 1, 1), (1, 1, 2)):
+        gen = generate if generate is None or train[0] >= generate[0] else (1, generate[1])
         out.append(Plan(placement=placement, models=[
-            ModelPlan(r, per_pool, train if r in staged else (1, 1, per_pool), generate if r == "actor" else None)
+            ModelPlan(r, per_pool, train if r in staged else (1, 1, per_pool), gen if r == "actor" else None)
             for r in roles]))
     return out[0], out[1]
 
@@ -73,13 +74,16 @@ def test_safe_rlhf_on_a_split_plan_with_pipeline_stages(tmp_path):
     _same_metrics(m, t)
 
 
-def test_ppo_on_a_colocated_plan_with_pipeline_stages(tmp_path):
+@pytest.mark.parametrize("p_g", [1, 2])
+def test_ppo_on_a_colocated_plan_with_pipeline_stages(tmp_path, p_g):
     """Every model on both slots; actor, reference and critic with two pipeline stages; the plan's actor generates
-    at [p_g, t_g] = [1, 1] through the 3D-HybridEngine on both engines (megatron: (2, 1, 1) → (1, 1), each rank
-    gathering the other stage inside its micro-DP group)."""
+    at [p_g, t_g] through the 3D-HybridEngine: [1, 1] on both engines (megatron: (2, 1, 1) → (1, 1), each rank
+    gathering the other stage inside its micro-DP group), or [2, 1] on megatron (each rank generating with its own
+    stage, the two stages decoding in step) against the torch plan's [1, 1]."""
     from algorithms.ppo import main
 
-    mega, torch_ = _plans([["actor", "ref", "critic", "reward"]], ("actor", "ref", "critic"), 2, generate=(1, 1))
+    mega, torch_ = _plans([["actor", "ref", "critic", "reward"]], ("actor", "ref", "critic"), 2, generate=(p_g, 1))
+    assert mega.models[0].generate == (p_g, 1)
     m = _run(main, tmp_path / "megatron", mega, "n_slots=2", f"model.engine={MEGATRON_CPU}")
     t = _run(main, tmp_path / "torch", torch_, "n_slots=2")
     assert {"actor/grad_norm", "critic/grad_norm", "critic/vf_loss"} <= set(t[0])

@@ -168,12 +168,14 @@ def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_
             g.close()
 
 
-@pytest.mark.parametrize("layout", [fa.Layout(tp=2), fa.Layout(pp=2)], ids=["tp2", "pp2"])
-def test_megatron_actor_generates_through_the_3d_hybrid_engine(fresh_controller, layout):
+@pytest.mark.parametrize("layout,p_g", [(fa.Layout(tp=2), 1), (fa.Layout(pp=2), 1), (fa.Layout(pp=2), 2)],
+                         ids=["tp2", "pp2", "pp2-gen-pp2"])
+def test_megatron_actor_generates_through_the_3d_hybrid_engine(fresh_controller, layout, p_g):
     """(p, t, d) = (1, 2, 1) or (2, 1, 1) → (p_g, t_g) = (1, 1): each rank gathers, inside its micro-DP group of
     2, the other rank's shard (Table 2: (t − t_g)/(t_g·t) of the model for TP, the other stage for PP) and
-    generates half the rows; greedy samples equal the torch actor's before and after one update (the shards are
-    read again after it)."""
+    generates half the rows; (2, 1, 1) → (2, 1): no exchange at all, each rank generates with its own stage's
+    layers, both stages decoding every row in step. Greedy samples equal the torch actor's before and after one
+    update (the shards are read again after it)."""
     from engines.hybrid.accounting import expected_received_bytes
     from engines.hybrid.layout import HybridLayout
     from engines.hybrid.shards import ModelGeometry
@@ -182,7 +184,7 @@ def test_megatron_actor_generates_through_the_3d_hybrid_engine(fresh_controller,
     ctl = fresh_controller
     tok = build_tokenizer(ModelConfig(**CFG))
     mega = fa.ActorGroup(ctl, ShimmedActor, name="mega_hy", slots=ctl.slots, layout=layout,
-                         args=(ModelConfig(engine="megatron", **CFG), OPTIM, SAMPLING, 1))
+                         args=(ModelConfig(engine="megatron", **CFG), OPTIM, SAMPLING, 1, "hf", p_g))
     ref = fa.ActorGroup(ctl, HybridActorProbe, name="torch_hy", slots=ctl.slots[:1],
                         args=(ModelConfig(**CFG), OPTIM, SAMPLING))
     try:
@@ -193,12 +195,19 @@ def test_megatron_actor_generates_through_the_3d_hybrid_engine(fresh_controller,
         config = build_model(ModelConfig(**CFG), "lm", tok).config
         config.tie_word_embeddings = False
         geometry = ModelGeometry.from_hf_config(config)
-        hl = HybridLayout(layout.pp, layout.tp, layout.dp, 1, 1)
+        hl = HybridLayout(layout.pp, layout.tp, layout.dp, p_g, 1)
+        stage_bytes = {}
         for rank, stats in enumerate(mega.reshard_stats().result()):
             assert stats["received_bytes"] == expected_received_bytes(geometry, hl, rank, "micro-dp", 4)
             assert stats["redundant_bytes"] == 0
             # beyond megatron's own buffers: the received pieces plus the copy of this rank's shard
             assert stats["extra_generation_bytes"] > stats["received_bytes"]
+            stage_bytes[rank] = stats["extra_generation_bytes"] - stats["received_bytes"]  # the shard's copy
+            if p_g == 2:  # each rank keeps its stage: nothing received, it generates from its own half
+                assert stats["received_bytes"] == 0
+                assert stats["gen_param_bytes"] == stage_bytes[rank]
+        if p_g == 2:
+            assert sum(stage_bytes.values()) == 4 * geometry.numel
 
         g = torch.Generator().manual_seed(1)
         batch = fa.Batch({**out_t.tensors, "advantages": torch.randn(out_t["responses"].shape, generator=g)})

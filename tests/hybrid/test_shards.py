@@ -146,7 +146,7 @@ def test_models_the_layout_cannot_cut_are_rejected(overrides, layout, message):
 @pytest.mark.parametrize(
     ("engine", "layout", "overrides", "message"),
     [
-        (transformers_engine_limits(), HybridLayout(2, 2, 1, 2, 1), {}, "does not generate over pipeline stages"),
+        (GenerationEngineLimits("unpiped"), HybridLayout(2, 2, 1, 2, 1), {}, "does not generate over pipeline stages"),
         (vllm_engine_limits(), HybridLayout(1, 2, 1, 1, 2), {}, "needs head_dim >= 32"),
         (GenerationEngineLimits("tiny", max_tp=1), HybridLayout(1, 2, 1, 1, 2), {}, "at most tensor parallel 1"),
     ],
@@ -156,6 +156,15 @@ def test_engine_that_cannot_take_the_layout_fails_before_any_collective(engine, 
     groups = ReshardGroups(layout=layout, rank=0, methods=("micro-dp",))  # no process group exists at all
     with pytest.raises(ValueError, match=message):
         Resharder(geometry, layout, groups, engine=engine)
+
+
+def test_transformers_engine_takes_pipeline_stages_and_vllm_inside_the_actor_does_not():
+    geometry = ModelGeometry.from_hf_config(LlamaConfig(**SMALL))
+    layout = HybridLayout(2, 2, 1, 2, 1)
+    assert transformers_engine_limits().supports_pipeline
+    transformers_engine_limits().check(geometry, layout)  # the hybrid engine's _PipelineStage runs it
+    with pytest.raises(ValueError, match="does not generate over pipeline stages"):
+        GenerationEngineLimits("unpiped").check(geometry, layout)
 
 
 def test_unknown_model_type_is_rejected():

@@ -22,7 +22,7 @@ def test_json_output_has_the_documented_keys(capsys):
     assert out["estimated_iteration_s"] == pytest.approx(sum(out["stages"].values()))
     assert out["ranking"][0]["estimated_iteration_s"] == out["estimated_iteration_s"]
     assert sum(out["ranking"][1]["gpus"]) == 64  # the runner-up, with its own best allocation
-    assert out["parallel"]["actor"]["generate"][0] == 1  # p_g = 1: the runner's `generate: [1, t_g]`
+    assert out["parallel"]["actor"]["generate"][0] == 1  # p_g = 1: the search proposes no pipelined decoding
     assert out["engine"] == ("megatron" if any(v["train"][0] > 1 for v in out["parallel"].values()) else "torch")
 
 

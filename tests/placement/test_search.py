@@ -201,7 +201,8 @@ def test_parallel_config_enumeration():
     assert sorted(c.train for c in mapper.configs("ref", 8)) == sorted(
         [(1, 1, 8), (2, 1, 4), (4, 1, 2), (8, 1, 1), (1, 2, 4), (2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 4, 1),
          (1, 8, 1)])
-    # The actor adds every t_g dividing t, with p_g = 1 (the runner generates without pipeline stages): for
+    # The actor adds every t_g dividing t, with p_g = 1 (pipelined decoding, one batch in flight, pays every stage per
+    # step; docs/placement.md): for
     # (2, 4, 1), t_g in {1, 2, 4}.
     assert sorted(c.generate for c in mapper.configs("actor", 8) if c.train == (2, 4, 1)) == [(1, 1), (1, 2), (1, 4)]
     assert Parallel(2, 4, 1, 1, 2) in mapper.configs("actor", 8)
@@ -317,7 +318,7 @@ def test_plans_with_pipeline_stages_say_they_need_megatron():
     out = result.to_dict()
     assert out["engine"] == "megatron" and "model.engine=megatron" in out["engine_note"]
     assert all(f"{r} (p=" in out["engine_note"] for r in piped)
-    assert all(m.generate[0] == 1 for m in result.plan.models if m.generate)  # p_g = 1: what the runner accepts
+    assert all(m.generate[0] == 1 for m in result.plan.models if m.generate)  # p_g = 1: the search proposes no pipelined decoding
 
 
 def test_torch_only_search_keeps_p_1():
