@@ -1,8 +1,8 @@
 """A megatron actor's train → generate transition: the 3D-HybridEngine against gathering the whole model.
 
-    python benchmarks/megatron_hybrid.py --layouts 1,2:1 2,2:1
+    python benchmarks/megatron_hybrid.py --layouts 1,2:1 2,2:1 2,2:2,1
 
-Each layout `p,t:t_g` spawns p·t gloo processes on 127.0.0.1 (d = 1), builds a megatron-core GPTModel shard of one
+Each layout `p,t:t_g` (or `p,t:p_g,t_g`) spawns p·t gloo processes on 127.0.0.1 (d = 1), builds a megatron-core GPTModel shard of one
 Llama-shaped model (random weights, float32) on each (megatron-core on CPU needs the test-only CUDA shim,
 tests/engines/megatron_shim.py, applied first: a measurement on CPU, not a product path), and times, rounds
 interleaved, (a) `MegatronEngine.hybrid_engine(...).generation_model()` + `release()` — copy of the rank's shard
@@ -39,7 +39,8 @@ def _model():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_tp: int, rounds: int, out: dict) -> None:
+def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_pp: int, gen_tp: int, rounds: int,
+         out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from tests.engines import megatron_shim
@@ -56,11 +57,11 @@ def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_tp: int, rounds
     engine = MegatronEngine.from_hf_model(model, OptimConfig(), tp=tp, pp=pp)
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(pp, 1, tp), mesh_dim_names=("pp", "dp", "tp"))
     mine = {}
-    for ranks in HybridEngine.process_groups(layout_of((pp, 1, tp), gen_tp)):
+    for ranks in HybridEngine.process_groups(layout_of((pp, 1, tp), gen_tp, gen_pp)):
         group = dist.new_group(list(ranks))
         if rank in ranks:
             mine[ranks] = group
-    hybrid = engine.hybrid_engine(model, mesh, gen_tp, mine)
+    hybrid = engine.hybrid_engine(model, mesh, gen_tp, mine, gen_pp=gen_pp)
     own = sum(v.numel() * v.element_size() for k, v in engine.module.state_dict().items()
               if not k.endswith("_extra_state"))
     times = {"hybrid": [], "gather": []}
@@ -90,23 +91,25 @@ def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_tp: int, rounds
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", nargs="+", default=["1,2:1", "2,2:1"], help="p,t:t_g per run (d = 1)")
+    ap.add_argument("--layouts", nargs="+", default=["1,2:1", "2,2:1", "2,2:2,1"],
+                    help="p,t:t_g or p,t:p_g,t_g per run (d = 1)")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    print(f"{'(p,t)->(1,t_g)':<16} {'rank':>4} {'hybrid recv MB':>15} {'Table 2 MB':>11} {'held extra MB':>14} "
+    print(f"{'(p,t)->(p_g,t_g)':<16} {'rank':>4} {'hybrid recv MB':>15} {'Table 2 MB':>11} {'held extra MB':>14} "
           f"{'redundant':>9} {'gather recv MB':>15} {'hybrid s':>9} {'gather s':>9} {'ratio':>6}")
     for spec in args.layouts:
-        sizes, gen_tp = spec.split(":")
+        sizes, gen = spec.split(":")
         pp, tp = (int(x) for x in sizes.split(","))
+        gen_pp, gen_tp = (int(x) for x in gen.split(",")) if "," in gen else (1, int(gen))
         world = pp * tp
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         out = mp.Manager().dict()
-        mp.spawn(_run, args=(world, port, pp, tp, int(gen_tp), args.rounds, out), nprocs=world, join=True)
+        mp.spawn(_run, args=(world, port, pp, tp, gen_pp, gen_tp, args.rounds, out), nprocs=world, join=True)
         for rank in range(world):
             r = out[rank]
-            print(f"({pp},{tp})->(1,{gen_tp}){'':<6} {rank:>4} {r['received'] / 1e6:>15.2f} {r['table2'] / 1e6:>11.2f} "
+            print(f"{f'({pp},{tp})->({gen_pp},{gen_tp})':<16} {rank:>4} {r['received'] / 1e6:>15.2f} {r['table2'] / 1e6:>11.2f} "
                   f"{r['extra'] / 1e6:>14.2f} {r['redundant']:>9} {r['gather_received'] / 1e6:>15.2f} "
                   f"{r['hybrid_s']:>9.4f} {r['gather_s']:>9.4f} {r['hybrid_s'] / r['gather_s']:>6.2f}")
 
