@@ -39,6 +39,8 @@ else
     "$VENV/bin/python" -c "import engines, sys; sys.exit(0 if engines.__file__.startswith('$ROOT/') else 1)" \
         2>/dev/null || "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
 fi
+# megatron-core for the megatron actor feeding vLLM (its requirements, numpy/packaging/torch, are already there)
+"$VENV/bin/python" -c "import megatron.core" 2>/dev/null || "$VENV/bin/pip" install -q --no-deps "megatron-core==0.16.1"
 [[ "${1:-}" == "--setup-only" ]] && exit 0
 
 # Small CPU footprint: 1 GiB of KV cache, one OpenMP thread, no thread pinning (shared machine).
