@@ -6,14 +6,21 @@ Cases (2 ranks): `noop` (a call with no data on every rank, awaited), `split4MiB
 split over the ranks and gathered back), `chain3` (three chained calls on the 4 MiB batch, only the last fetched;
 `controller_bytes` counts batch bytes deserialized in the controller process, which also hosts the embedded
 scheduler), `resplit` (the 4 MiB batch through a call on a one-rank group, whose output a 2-rank call splits: the
-layouts differ, so the output cannot pass part for part). Ray and verl rows are added when those packages are installed. One JSON object per line, then a table.
+layouts differ, so the output cannot pass part for part). One JSON object per line, then a table.
+
+`--verl-python PATH` adds verl 0.9.1's rows (`noop`, `split4MiB`: its Ray worker group of 2 CPU actors,
+benchmarks/verl_peer.py) from that interpreter's environment, measured just before and just after the Dask rows
+(the figure is the mean of the two medians, so drift of the machine's load affects both systems alike), and a
+`vs verl` column. `scripts/verl_venv.sh` builds such an environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -124,27 +131,50 @@ def run(repeats: int) -> list[dict]:
     return rows
 
 
+def verl_rows(python: str, repeats: int) -> list[dict] | None:
+    """verl's rows from `python` (benchmarks/verl_peer.py), or None with the reason on stderr."""
+    probe = subprocess.run([python, "-c", "import verl, ray"], capture_output=True, text=True)
+    if probe.returncode:
+        print(f"# verl not importable by {python}: no verl rows (scripts/verl_venv.sh builds an environment)",
+              file=sys.stderr)
+        return None
+    script = Path(__file__).resolve().parent / "verl_peer.py"
+    out = subprocess.run([python, str(script), "--repeats", str(repeats)], capture_output=True, text=True,
+                         env={**os.environ, "RAY_AUTH_MODE": "disabled"}, check=True, timeout=900).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object per line before the table")
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--verl-python", default=None, help="interpreter of an environment with verl 0.9.1 installed")
     args = p.parse_args(argv)
+    before = verl_rows(args.verl_python, args.repeats) if args.verl_python else None
     rows = run(args.repeats)
-    for name in ("ray", "verl"):
-        try:
-            __import__(name)
-            print(f"# {name} is installed but its runner is not part of this benchmark yet", file=sys.stderr)
-        except ImportError:
-            print(f"# {name} not installed: no {name} rows", file=sys.stderr)
+    after = verl_rows(args.verl_python, args.repeats) if before else None
+    verl = {}
+    if before and after:
+        for b, a in zip(before, after):
+            verl[b["case"]] = {**b, "median_ms": (b["median_ms"] + a["median_ms"]) / 2,
+                               "p90_ms": max(b["p90_ms"], a["p90_ms"])}
+            print(f"# verl {b['case']}: median {b['median_ms']:.2f} ms before, {a['median_ms']:.2f} ms after the "
+                  f"Dask rows", file=sys.stderr)
+        rows += list(verl.values())
+    elif not args.verl_python:
+        print("# no --verl-python: no verl rows", file=sys.stderr)
     if args.json:
         for r in rows:
             print(json.dumps(r))
     floor = {r["case"]: r["median_ms"] for r in rows if r["system"] == "dask-pinned"}
-    print(f"\n{'system':<12} {'case':<10} {'median ms':>10} {'p90 ms':>9} {'ctl bytes':>10} {'vs dask-pinned':>15}")
+    print(f"\n{'system':<12} {'case':<10} {'median ms':>10} {'p90 ms':>9} {'ctl bytes':>10} {'vs dask-pinned':>15} "
+          f"{'vs verl':>8}")
     for r in rows:
-        ratio = r["median_ms"] / floor[r["case"]]
+        ratio = f"{r['median_ms'] / floor[r['case']]:.2f}x" if r["case"] in floor else "-"
+        vs_verl = f"{r['median_ms'] / verl[r['case']]['median_ms']:.2f}x" if r["case"] in verl else "-"
+        ctl_bytes = "-" if r["controller_bytes"] is None else r["controller_bytes"]
         print(f"{r['system']:<12} {r['case']:<10} {r['median_ms']:>10.2f} {r['p90_ms']:>9.2f} "
-              f"{r['controller_bytes']:>10} {ratio:>14.2f}x")
+              f"{ctl_bytes:>10} {ratio:>15} {vs_verl:>8}")
 
 
 if __name__ == "__main__":

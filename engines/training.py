@@ -265,16 +265,17 @@ class TrainEngine:
         for g in locals_:
             g.div_(self.dp_size)
 
-    def _owned(self) -> list[tuple[str, torch.nn.Parameter, int]]:
-        """(name, parameter, owner's global rank) of every parameter, in the model's order (the same on every
-        rank, so the collectives below pair up)."""
-        return [(n, p, dist.get_global_rank(self.dp_group, self.owners[n])) for n, p in self.model.named_parameters()]
+    def _with_owners(self) -> list[tuple[str, torch.nn.Parameter, int]]:
+        """(name, parameter, owner's global rank) of every trainable parameter, in the model's order (the same on
+        every rank, so the collectives below pair up)."""
+        return [(n, p, dist.get_global_rank(self.dp_group, self.owners[n])) for n, p in self.model.named_parameters()
+                if n in self.owners]
 
     def _reduce_grads_to_owners(self) -> None:
         """Sum every gradient on its owner (all in flight at once) and average it there; the other ranks drop
         theirs, so after the step only owners hold gradients and optimizer state."""
         me = dist.get_rank()
-        owned = [(p, src) for _, p, src in self._owned() if p.grad is not None]
+        owned = [(p, src) for _, p, src in self._with_owners() if p.grad is not None]
         works = [dist.reduce(_local(p.grad), dst=src, group=self.dp_group, async_op=True) for p, src in owned]
         for work in works:
             work.wait()
@@ -288,7 +289,7 @@ class TrainEngine:
         """Every owner's stepped parameters to the other replicas (in place: the hybrid engine's parameters are
         views of its training buffer)."""
         works = [dist.broadcast(_local(p.data), src=src, group=self.dp_group, async_op=True)
-                 for _, p, src in self._owned()]
+                 for _, p, src in self._with_owners()]
         for work in works:
             work.wait()
 
