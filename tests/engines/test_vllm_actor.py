@@ -77,6 +77,23 @@ def _assert_same_rows(out: fa.Batch, ref: fa.Batch) -> float:
     return err
 
 
+def _greedy_then_update_then_greedy(actor: fa.ActorGroup, tok, prompts: fa.Batch) -> tuple[float, list, fa.Batch]:
+    """Greedy rows equal to transformers' on the same weights, one update, and again on the updated weights
+    (which must change some token). Returns the first log-prob error, the first hand-over's stats, the second
+    rows."""
+    first = actor.generate_sequences(prompts, GREEDY).result()
+    err = _assert_same_rows(first, _reference(tok, prompts, GREEDY))
+    stats = actor.handover_stats().result()
+    g = torch.Generator().manual_seed(0)
+    batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)})
+    actor.update_actor(batch, pg_loss, UpdateSpec(mini_batch_samples=4)).result()
+    updated = actor.full_weights().result()[0]
+    second = actor.generate_sequences(prompts, GREEDY).result()
+    _assert_same_rows(second, _reference(tok, prompts, GREEDY, updated))
+    assert not torch.equal(second["responses"], first["responses"]), "the update changed no greedy token"
+    return err, stats, second
+
+
 @pytest.mark.parametrize("dp,tp,t_g", LAYOUTS)
 def test_greedy_rollout_equals_hf_then_follows_an_update(ctl, dp, tp, t_g):
     """Greedy tokens and log-probs equal the transformers engine's on the same weights, before and after an
@@ -85,17 +102,7 @@ def test_greedy_rollout_equals_hf_then_follows_an_update(ctl, dp, tp, t_g):
     prompts = _prompts(tok)
     actor = _actor(ctl, f"vl_{dp}{tp}{t_g}", dp, tp, t_g)
     try:
-        first = actor.generate_sequences(prompts, GREEDY).result()
-        err = _assert_same_rows(first, _reference(tok, prompts, GREEDY))
-        stats = actor.handover_stats().result()
-
-        g = torch.Generator().manual_seed(0)
-        batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)})
-        actor.update_actor(batch, pg_loss, UpdateSpec(mini_batch_samples=4)).result()
-        updated = actor.full_weights().result()[0]
-        second = actor.generate_sequences(prompts, GREEDY).result()
-        _assert_same_rows(second, _reference(tok, prompts, GREEDY, updated))
-        assert not torch.equal(second["responses"], first["responses"]), "the update changed no greedy token"
+        err, stats, second = _greedy_then_update_then_greedy(actor, tok, prompts)
         again = actor.handover_stats().result()
         third = actor.generate_sequences(prompts, GREEDY).result()  # no update in between: nothing is sent
         assert torch.equal(third["responses"], second["responses"])
@@ -158,16 +165,7 @@ def test_megatron_actor_feeds_vllm_through_the_3d_hybrid_engine(ctl):
                           args=(dataclasses.replace(CFG, engine="megatron"), OPTIM, SAMPLING),
                           kwargs={"rollout_engine": "vllm", "rollout_tp": 1})
     try:
-        first = actor.generate_sequences(prompts, GREEDY).result()
-        _assert_same_rows(first, _reference(tok, prompts, GREEDY))
-        stats = actor.handover_stats().result()
-        g = torch.Generator().manual_seed(0)
-        batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)})
-        actor.update_actor(batch, pg_loss, UpdateSpec(mini_batch_samples=4)).result()
-        updated = actor.full_weights().result()[0]
-        second = actor.generate_sequences(prompts, GREEDY).result()
-        _assert_same_rows(second, _reference(tok, prompts, GREEDY, updated))
-        assert not torch.equal(second["responses"], first["responses"]), "the update changed no greedy token"
+        _, stats, _ = _greedy_then_update_then_greedy(actor, tok, prompts)
     finally:
         actor.close()
     geometry = ModelGeometry.from_hf_config(build_model(CFG, "lm", tok).config)
