@@ -37,7 +37,9 @@ that migration frees (the placement would have to plan those). Not done here; wi
 machine the actor has a single rank and nothing to migrate to. Intra-stage
 fusion (RLHFuse's fused actor/critic training pipeline, which interleaves micro-batches of the two models' 1F1B
 schedules on the same pipeline stages) needs pipeline-parallel training engines exposing per-micro-batch forward /
-backward steps and a joint schedule; the torch-native engine here runs each update as one call.
+backward steps and a joint schedule; the torch-native engine here runs each update as one call. What both would
+save on a GPU cluster is estimated with the placement simulator: placement/fusion.py, `benchmarks/fusion.py
+--cluster`.
 """
 
 from __future__ import annotations

@@ -228,6 +228,12 @@ class Simulator:
 
     def _pass_s(self, spec: LlamaSpec, role: Role, cfg: Parallel, backward: bool) -> float:
         """One 1F1B-pipelined pass (a training mini-batch when `backward`, else the scoring pass)."""
+        work, micro = self.pass_work(spec, role, cfg, backward)
+        return work * (1 + (cfg.p - 1) / micro)
+
+    def pass_work(self, spec: LlamaSpec, role: Role, cfg: Parallel, backward: bool) -> tuple[float, int]:
+        """A pass's busy time per pipeline stage without the 1F1B fill/drain bubble, and its micro-batches: the
+        bubble adds (p - 1)/micro of it."""
         hw, wl = self.hw, self.wl
         tokens = self._replica_tokens(role, cfg.d, backward)
         micro = _ceil_div(tokens, wl.micro_batch_tokens)
@@ -239,7 +245,7 @@ class Simulator:
         # Each pipeline hop sends a micro-batch's activations forward (and their gradients back), SP-sharded.
         hops = (2 if backward else 1) * micro
         pp = hops * self.collective_s(activations / cfg.t, cfg.t * cfg.d, cfg.p) if cfg.p > 1 else 0.0
-        return (compute + tp + pp) * (1 + (cfg.p - 1) / micro)
+        return compute + tp + pp, micro
 
     def gradient_sync_s(self, spec: LlamaSpec, role: Role, cfg: Parallel) -> float:
         """Distributed optimizer, once per update: reduce-scatter fp32 gradients and all-gather bf16 weights over

@@ -1,0 +1,67 @@
+"""The cluster-scale fusion estimate (placement/fusion.py) pinned to hand-derived values of its pieces."""
+
+from __future__ import annotations
+
+import pytest
+
+from placement.fusion import decode_timeline, estimate_fusion
+from placement.hardware import a100_80gb
+from placement.models import llama_13b
+from placement.simulator import ROLES, Parallel, Simulator, Workload
+
+WL = Workload(prompts_per_step=64, prompt_tokens=256, response_tokens=256, mini_batches_per_step=2)
+
+
+def _setup(p: int = 2):
+    sim = Simulator(a100_80gb(), WL)
+    spec = llama_13b()
+    specs = {r: spec for r in ("actor", "critic", "ref", "reward")}
+    cfgs = {r: Parallel(p, 4, 16 // (4 * p), *((1, 4) if r == "actor" else ())) for r in specs}
+    return sim, spec, specs, cfgs
+
+
+def test_without_a_tail_nothing_migrates_and_fusion_changes_nothing_there():
+    sim, _, specs, cfgs = _setup()
+    e = estimate_fusion(sim, specs, cfgs, [256] * 64)
+    assert e.migrated == 0 and e.tail_replicas == 0
+    assert e.fused_generate_inference_s == pytest.approx(e.generate_s + e.inference_s)
+
+
+def test_a_long_tail_migrates_to_one_replica_and_the_freed_devices_score_meanwhile():
+    sim, spec, specs, cfgs = _setup()
+    lengths = [256] * 4 + [8] * 60  # 4 long rows, one per replica of 4 (16 devices at t_g = 4)
+    e = estimate_fusion(sim, specs, cfgs, lengths, migrate_below=0.1)
+    assert e.migrated == 4 and e.tail_replicas == 1  # 4 rows <= 6.4 once the short ones end; one replica holds them
+    steps = decode_timeline(sim, spec, cfgs["actor"], lengths)
+    assert len(steps) == 256 and steps[7] > steps[8]  # the batch empties to one row per replica after step 8
+    assert e.generate_s == pytest.approx(sim.prefill_s(spec, cfgs["actor"], 16) + sum(steps))
+    # fused: generation up to step 8, the tail re-prefilled (prompt + 8 tokens) and decoded on one replica of 4
+    # devices while the other 12 score the 60 finished samples; what is left is scored on all 16
+    tail = (sim.prefill_s(spec, cfgs["actor"], 4) * (256 + 8) / 256
+            + 248 * sim.decode_step_s(spec, cfgs["actor"], 4))
+    work = e.inference_s * 16
+    left = work - min(work * 60 / 64, 12 * tail)
+    want = sim.prefill_s(spec, cfgs["actor"], 16) + sum(steps[:8]) + tail + left / 16
+    assert e.fused_generate_inference_s == pytest.approx(want)
+    assert e.fused_generate_inference_s < e.generate_s + e.inference_s
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_fused_training_pays_the_pipeline_bubble_once(p):
+    sim, spec, specs, cfgs = _setup(p)
+    e = estimate_fusion(sim, specs, cfgs, [256] * 64)
+    a, ma = sim.pass_work(spec, ROLES["actor"], cfgs["actor"], backward=True)
+    c, mc = sim.pass_work(spec, ROLES["critic"], cfgs["critic"], backward=True)
+    saved = 2 * (p - 1) * (a / ma + c / mc - (a + c) / (ma + mc))  # 2 updates per iteration
+    assert e.train_s - e.fused_train_s == pytest.approx(saved)
+    assert (saved > 0) == (p > 1)
+
+
+def test_bad_input_is_named():
+    sim, _, specs, cfgs = _setup()
+    with pytest.raises(ValueError, match="64 response lengths in 1...256"):
+        estimate_fusion(sim, specs, cfgs, [256] * 63)
+    with pytest.raises(ValueError, match="colocated on the same devices"):
+        estimate_fusion(sim, specs, {**cfgs, "ref": Parallel(1, 1, 8)}, [256] * 64)
+    with pytest.raises(ValueError, match="generation sizes"):
+        estimate_fusion(sim, specs, {**cfgs, "actor": Parallel(2, 4, 2)}, [256] * 64)
