@@ -295,7 +295,18 @@ def destroy(name: str, _after: Any = None) -> None:
 
 
 def call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tuple[Protocol, Layout] | None,
-         step: int | None, agree: bool = False, keep: bool = True, _after: Any = None) -> Any:
+         step: int | None, agree: bool = False, keep: bool = True, push: tuple[str, str] | None = None,
+         _after: Any = None) -> Any:
+    result = _call(name, method, rank, args, kwargs, split, step, agree, keep)
+    if push is not None:  # (the controller's inbox, this task's key): flowactors._push
+        from flowactors._push import push as send
+
+        send(push[0], push[1], result)
+    return result
+
+
+def _call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tuple[Protocol, Layout] | None,
+          step: int | None, agree: bool, keep: bool) -> Any:
     """Run `method` on this rank's instance.
 
     With `split`, the inputs are the whole call's and are split here with the protocol. With `agree`, every rank

@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -57,11 +58,13 @@ class CallFuture:
     output of the rank that produced its part.
     """
 
-    __slots__ = ("_controller", "futures", "protocol", "layout", "group", "method", "addresses", "__weakref__")
+    __slots__ = ("_controller", "futures", "protocol", "layout", "group", "method", "addresses", "pushed",
+                 "__weakref__")
 
     def __init__(self, controller: "Controller", futures: Sequence[Future], protocol: Protocol, layout: Layout,
-                 group: str, method: str, addresses: Sequence[str]) -> None:
-        self._controller, self.futures = controller, list(futures)
+                 group: str, method: str, addresses: Sequence[str], pushed: bool = False) -> None:
+        """`pushed`: the ranks also push their outputs to the controller's inbox (flowactors._push)."""
+        self._controller, self.futures, self.pushed = controller, list(futures), pushed
         self.protocol, self.layout, self.group, self.method = protocol, layout, group, method
         self.addresses = tuple(addresses)
 
@@ -77,6 +80,16 @@ class CallFuture:
         `HangError` reports the stack of every rank of this call."""
         ctl = self._controller
         timeout = ctl.call_timeout_s if timeout is None else timeout
+        if self.pushed and ctl._inbox is not None:
+            start = time.monotonic()
+            pushed = ctl._inbox.wait(self.futures, timeout)
+            if pushed is not None:
+                return _runtime.collect(self.group, self.method, self.protocol, self.layout, *pushed)
+            if timeout is not None:  # the Dask path gets what is left of the watchdog, reported as a whole
+                try:
+                    ctl.wait([self], max(0.0, timeout - (time.monotonic() - start)))
+                except HangError as e:
+                    raise HangError(e.call, timeout, e.report) from e.__cause__
         try:
             if timeout is None:
                 outputs = ctl.client.gather(self.futures)
@@ -120,9 +133,10 @@ class Controller:
 
     def __init__(self, client: Client, cluster: LocalCluster | None = None, *,
                  collective_timeout_s: float = 600.0, call_timeout_s: float | None = None,
-                 stream_interval_ms: float | None = 1.0) -> None:
+                 stream_interval_ms: float | None = 1.0, push_results: bool | None = None) -> None:
         """`stream_interval_ms`: the batching interval of the Dask streams between client, scheduler and workers
-        (flowactors._streams; None keeps Dask's 2-10 ms, which most call hops then pay)."""
+        (flowactors._streams; None keeps Dask's 2-10 ms, which most call hops then pay). `push_results`: ranks
+        send small outputs straight to the controller (flowactors._push); None: only with the embedded cluster."""
         self.client = client
         self.cluster = cluster
         self.collective_timeout_s = collective_timeout_s
@@ -141,6 +155,11 @@ class Controller:
         client.subscribe_topic("all", self._on_event)
         if _check_interval(stream_interval_ms) is not None:
             _shorten_streams(client, stream_interval_ms / 1000)
+        self._inbox = None
+        if push_results or (push_results is None and isinstance(cluster, LocalCluster)):
+            from flowactors._push import ResultInbox
+
+            self._inbox = ResultInbox(client, _client_host(client))
 
     # -- opening and closing --------------------------------------------------------------------------------
     @classmethod
@@ -180,6 +199,8 @@ class Controller:
         for group in list(self.groups.values()):
             group.close(wait=False)
         self._teardown_world()
+        if self._inbox is not None:
+            self._inbox.close()
         try:
             self.client.unsubscribe_topic("all")
         except Exception:  # noqa: BLE001 - closing anyway
@@ -379,7 +400,14 @@ class Controller:
     def _track(self, call: CallFuture) -> CallFuture:
         for a in call.addresses:
             self._calls.setdefault(a, weakref.WeakSet()).add(call)
+        if call.pushed and self._inbox is not None:
+            weakref.finalize(call, self._inbox.forget, [f.key for f in call.futures])
         return call
+
+    def push_target(self, key: str) -> dict[str, Any]:
+        """The task keyword that has a rank push its output for `key` to this controller (none without an
+        inbox)."""
+        return {} if self._inbox is None else {"push": (self._inbox.address, key)}
 
     # -- failures -------------------------------------------------------------------------------------------
     async def _on_event(self, event: tuple[float, dict]) -> None:
@@ -616,3 +644,12 @@ def _shorten_streams(client: Client, interval_s: float) -> None:
         structlog.get_logger("flowactors.controller").warning(
             "stream_interval_not_set", error=f"{type(e).__name__}: {e}",
             hint="install flowactors on the scheduler and workers, or pass stream_interval_ms=None")
+
+
+def _client_host(client: Client) -> str:
+    """The interface this client reaches its scheduler from (where workers can reach it back)."""
+    from distributed.comm import get_address_host
+
+    comm = getattr(client.scheduler_comm, "comm", None)
+    local = getattr(comm, "local_address", None)
+    return get_address_host(local) if local else "127.0.0.1"

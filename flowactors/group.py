@@ -155,9 +155,11 @@ class ActorGroup:
         agree = agree and self.world_size > 1
         token, label = _token(), f"{self.name}.{method}"
         outs = ctl.submit_pinned_all([(a, _runtime.call, (self.name, method, r, per_rank[r][0], per_rank[r][1], split,
-                                                          ctl.step, agree, r in keep), {}, f"{label}-{r}-{token}")
+                                                          ctl.step, agree, r in keep),
+                                       ctl.push_target(f"{label}-{r}-{token}"), f"{label}-{r}-{token}")
                                       for r, a in enumerate(self.addresses)])
-        return ctl._track(CallFuture(ctl, outs, protocol, layout, self.name, method, self.addresses))
+        return ctl._track(CallFuture(ctl, outs, protocol, layout, self.name, method, self.addresses,
+                                     pushed=bool(ctl.push_target(""))))
 
     def close(self, wait: bool = True) -> None:
         """Drop the instances (their memory is freed on the workers). The process group stays with the world."""
