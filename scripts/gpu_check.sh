@@ -185,8 +185,8 @@ def megatron_ppo():
     d = tempfile.mkdtemp()
     roles = ["actor", "ref", "critic", "reward"]
     Plan(placement=[roles], models=[ModelPlan(r, p, (p, 1, 1) if r != "reward" else (1, 1, p),
-                                              (1, 1) if r == "actor" else None) for r in roles]
-         ).save(f"{d}/plan.json")  # the actor generates at [1, 1] through the 3D-HybridEngine
+                                              (p, 1) if r == "actor" else None) for r in roles]
+         ).save(f"{d}/plan.json")  # the actor generates at [p_g, t_g] = [p, 1]: its own stage on each GPU
     cmd = [sys.executable, "algorithms/ppo.py", "--plan", f"{d}/plan.json", "--steps", "2", "sft_steps=5",
            f"n_slots={p}", "dashboard=none", "model.engine=megatron", "--metrics-file", f"{d}/m.jsonl"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
