@@ -61,5 +61,16 @@ def shorten(client: Client, interval_s: float) -> None:
     if not interval_s >= 0:
         raise ValueError(f"stream interval must be >= 0 seconds, got {interval_s!r}")
     client.scheduler_comm.interval = interval_s
-    client.register_plugin(_SchedulerStreams(interval_s), name=PLUGIN_NAME)
+
+    def reuse(dask_scheduler: Any, interval_s: float = interval_s) -> bool:
+        """A scheduler that already has the plugin (a second controller) gets the new interval; True: it has none."""
+        plugin = dask_scheduler.plugins.get(PLUGIN_NAME)
+        if plugin is None:
+            return True
+        plugin.interval_s = interval_s
+        plugin.start(dask_scheduler)
+        return False
+
+    if client.run_on_scheduler(reuse):
+        client.register_plugin(_SchedulerStreams(interval_s), name=PLUGIN_NAME)
     client.register_plugin(_WorkerStream(interval_s), name=PLUGIN_NAME)

@@ -630,14 +630,10 @@ def _check_interval(ms: float | None) -> float | None:
 def _shorten_streams(client: Client, interval_s: float) -> None:
     """Shorter stream batching (flowactors._streams); a scheduler that cannot take the plugins (flowactors not
     importable there) keeps Dask's intervals, with a warning: calls are slower, not wrong."""
-    import warnings
-
     from flowactors._streams import shorten
 
     try:
-        with warnings.catch_warnings():  # a second controller on the same scheduler replaces the same plugin
-            warnings.filterwarnings("ignore", message=".*already contains a plugin with name flowactors-streams")
-            shorten(client, interval_s)
+        shorten(client, interval_s)
     except Exception as e:  # noqa: BLE001 - an optimisation; the runtime works without it
         import structlog
 
