@@ -145,12 +145,17 @@ class TrainEngine:
         self.scheduler = None
         self.owners: dict[str, int] | None = None
         """ZeRO-1: parameter name → the DP rank (in dp_group) that keeps its optimizer state and steps it."""
+        self._owner_ranks: list[tuple[torch.nn.Parameter, int]] = []
+        """ZeRO-1: (parameter, its owner's global rank) in the model's order, the same on every rank, so the
+        collectives over them pair up."""
         if trainable:
             params = list(model.parameters())
             if self.sync_grads and shard_optimizer:
                 self.owners = assign_owners(model, dp_size)
                 mine = dist.get_rank(dp_group)
                 params = [p for n, p in model.named_parameters() if self.owners[n] == mine]
+                self._owner_ranks = [(p, dist.get_global_rank(dp_group, self.owners[n]))
+                                     for n, p in model.named_parameters() if n in self.owners]
             self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=self.cfg.betas,
                                                eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -265,17 +270,11 @@ class TrainEngine:
         for g in locals_:
             g.div_(self.dp_size)
 
-    def _with_owners(self) -> list[tuple[str, torch.nn.Parameter, int]]:
-        """(name, parameter, owner's global rank) of every trainable parameter, in the model's order (the same on
-        every rank, so the collectives below pair up)."""
-        return [(n, p, dist.get_global_rank(self.dp_group, self.owners[n])) for n, p in self.model.named_parameters()
-                if n in self.owners]
-
     def _reduce_grads_to_owners(self) -> None:
         """Sum every gradient on its owner (all in flight at once) and average it there; the other ranks drop
         theirs, so after the step only owners hold gradients and optimizer state."""
         me = dist.get_rank()
-        owned = [(p, src) for _, p, src in self._with_owners() if p.grad is not None]
+        owned = [(p, src) for p, src in self._owner_ranks if p.grad is not None]
         works = [dist.reduce(_local(p.grad), dst=src, group=self.dp_group, async_op=True) for p, src in owned]
         for work in works:
             work.wait()
@@ -289,7 +288,7 @@ class TrainEngine:
         """Every owner's stepped parameters to the other replicas (in place: the hybrid engine's parameters are
         views of its training buffer)."""
         works = [dist.broadcast(_local(p.data), src=src, group=self.dp_group, async_op=True)
-                 for _, p, src in self._with_owners()]
+                 for p, src in self._owner_ranks]
         for work in works:
             work.wait()
 
