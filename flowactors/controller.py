@@ -80,22 +80,23 @@ class CallFuture:
         `HangError` reports the stack of every rank of this call."""
         ctl = self._controller
         timeout = ctl.call_timeout_s if timeout is None else timeout
+        left = timeout
         if self.pushed and ctl._inbox is not None:
             start = time.monotonic()
             pushed = ctl._inbox.wait(self.futures, timeout)
             if pushed is not None:
                 return _runtime.collect(self.group, self.method, self.protocol, self.layout, *pushed)
-            if timeout is not None:  # the Dask path gets what is left of the watchdog, reported as a whole
-                try:
-                    ctl.wait([self], max(0.0, timeout - (time.monotonic() - start)))
-                except HangError as e:
-                    raise HangError(e.call, timeout, e.report) from e.__cause__
+            if timeout is not None:  # the Dask path gets what is left of the watchdog
+                left = max(0.0, timeout - (time.monotonic() - start))
         try:
-            if timeout is None:
-                outputs = ctl.client.gather(self.futures)
-            else:
-                ctl.wait([self], timeout)
-                outputs = ctl.client.gather(self.futures)
+            if timeout is not None:
+                try:
+                    ctl.wait([self], left)
+                except HangError as e:
+                    if e.timeout_s == timeout:
+                        raise
+                    raise HangError(e.call, timeout, e.report) from e.__cause__  # reported as a whole
+            outputs = ctl.client.gather(self.futures)
         except (FutureCancelledError, FuturesCancelledError) as e:
             lost = self._controller._lost_error(self.addresses, self.label)
             if lost is not None:
@@ -404,10 +405,15 @@ class Controller:
             weakref.finalize(call, self._inbox.forget, [f.key for f in call.futures])
         return call
 
+    @property
+    def pushes_results(self) -> bool:
+        """Whether group calls' ranks push their outputs to this controller's inbox (flowactors._push)."""
+        return self._inbox is not None
+
     def push_target(self, key: str) -> dict[str, Any]:
         """The task keyword that has a rank push its output for `key` to this controller (none without an
         inbox)."""
-        return {} if self._inbox is None else {"push": (self._inbox.address, key)}
+        return {"push": (self._inbox.address, key)} if self.pushes_results else {}
 
     # -- failures -------------------------------------------------------------------------------------------
     async def _on_event(self, event: tuple[float, dict]) -> None:

@@ -159,7 +159,7 @@ class ActorGroup:
                                        ctl.push_target(f"{label}-{r}-{token}"), f"{label}-{r}-{token}")
                                       for r, a in enumerate(self.addresses)])
         return ctl._track(CallFuture(ctl, outs, protocol, layout, self.name, method, self.addresses,
-                                     pushed=bool(ctl.push_target(""))))
+                                     pushed=ctl.pushes_results))
 
     def close(self, wait: bool = True) -> None:
         """Drop the instances (their memory is freed on the workers). The process group stays with the world."""
