@@ -38,6 +38,7 @@ from distributed import Client, Future, LocalCluster
 from distributed.client import FutureCancelledError, FuturesCancelledError
 
 from flowactors import _runtime
+from flowactors._direct import DirectChannel, DirectFuture
 from flowactors._submit import PinnedTask, submit_pinned_tasks
 from flowactors.errors import HangError, PlacementError, SchedulerUnreachableError, WorkerLostError
 from flowactors.profiling import ComputeProfile, controller_share
@@ -80,6 +81,9 @@ class CallFuture:
         `HangError` reports the stack of every rank of this call."""
         ctl = self._controller
         timeout = ctl.call_timeout_s if timeout is None else timeout
+        if self.direct:
+            outputs = ctl._direct_outputs([self], timeout)[0]
+            return _runtime.collect(self.group, self.method, self.protocol, self.layout, *outputs)
         left = timeout
         if self.pushed and ctl._inbox is not None:
             start = time.monotonic()
@@ -112,6 +116,11 @@ class CallFuture:
         return None
 
     @property
+    def direct(self) -> bool:
+        """Whether this call went on the direct path (flowactors._direct), not through the scheduler."""
+        return bool(self.futures) and isinstance(self.futures[0], DirectFuture)
+
+    @property
     def parts(self) -> list[list[int]] | None:
         """The ranks of each part of the output (Protocol.parts), or None when the protocol does not say."""
         return self.protocol.parts(self.layout) if self.protocol.parts is not None else None
@@ -134,10 +143,13 @@ class Controller:
 
     def __init__(self, client: Client, cluster: LocalCluster | None = None, *,
                  collective_timeout_s: float = 600.0, call_timeout_s: float | None = None,
-                 stream_interval_ms: float | None = 1.0, push_results: bool | None = None) -> None:
+                 stream_interval_ms: float | None = 1.0, push_results: bool | None = None,
+                 direct_calls: bool | None = None) -> None:
         """`stream_interval_ms`: the batching interval of the Dask streams between client, scheduler and workers
         (flowactors._streams; None keeps Dask's 2-10 ms, which most call hops then pay). `push_results`: ranks
-        send small outputs straight to the controller (flowactors._push); None: only with the embedded cluster."""
+        send small outputs straight to the controller (flowactors._push); None: only with the embedded cluster.
+        `direct_calls`: calls go from the controller straight to the workers, not through the scheduler
+        (flowactors._direct); None: only with the embedded cluster."""
         self.client = client
         self.cluster = cluster
         self.collective_timeout_s = collective_timeout_s
@@ -156,8 +168,11 @@ class Controller:
         client.subscribe_topic("all", self._on_event)
         if _check_interval(stream_interval_ms) is not None:
             _shorten_streams(client, stream_interval_ms / 1000)
+        self._direct: DirectChannel | None = None
+        if direct_calls or (direct_calls is None and isinstance(cluster, LocalCluster)):
+            self._direct = DirectChannel(client)
         self._inbox = None
-        if push_results or (push_results is None and isinstance(cluster, LocalCluster)):
+        if self._direct is None and (push_results or (push_results is None and isinstance(cluster, LocalCluster))):
             from flowactors._push import ResultInbox
 
             self._inbox = ResultInbox(client, _client_host(client))
@@ -240,7 +255,10 @@ class Controller:
         futs = self.submit_pinned_all([(a, _runtime.teardown_world, (), {}, f"world.teardown-{r}-{token}")
                                        for r, a in enumerate(self._world) if a not in self._lost])
         try:  # this client's own wait: `distributed.wait` looks for a default client, and this one is not
-            self.client.sync(_wait, futs, timeout=timeout_s)
+            if self._direct is not None:
+                self._direct.wait(futs, timeout_s)
+            else:
+                self.client.sync(_wait, futs, timeout=timeout_s)
         except Exception:  # noqa: BLE001 - closing anyway; a hung rank is killed with its process
             pass
         self._world = None
@@ -285,6 +303,10 @@ class Controller:
         from distributed.utils import TimeoutError as DaskTimeoutError
 
         timeout = self.call_timeout_s if timeout is None else timeout
+        direct = [c for c in calls if c.direct]
+        if direct:
+            self._direct_outputs(direct, timeout, values=False)
+            calls = [c for c in calls if not c.direct]
         try:
             self.client.sync(_wait, [f for c in calls for f in c.futures], timeout=timeout)
         except (DaskTimeoutError, TimeoutError) as e:
@@ -298,10 +320,49 @@ class Controller:
                     raise lost from e
             raise
 
+    def _direct_outputs(self, calls: Sequence[CallFuture], timeout: float | None, values: bool = True) -> list:
+        """Wait for direct calls (flowactors._direct) under the watchdog, as `wait` does for Dask futures: a
+        `HangError` with every unfinished rank's stack past `timeout`, a `WorkerLostError` for a dead worker, the
+        exception of a runtime function that raised; then each call's rank outputs (when `values`)."""
+        assert self._direct is not None
+        futures = [f for c in calls for f in c.futures]
+        if not self._direct.wait(futures, timeout):
+            pending = [c for c in calls if not c.done()]
+            label = ", ".join(sorted({c.label for c in pending})) or "calls"
+            raise HangError(label, float(timeout or 0), self.hang_report(pending))
+        for c in calls:
+            lost = next((f for f in c.futures if f.status == "lost"), None)
+            if lost is not None:  # its connection broke: the worker is gone, whether or not the scheduler said so
+                with self._lock:
+                    self._lost.setdefault(lost.address, self._hosted.get(lost.address, []))
+                self._direct.fail_address(lost.address, ConnectionError(f"worker {lost.address} died"))
+                raise self._lost_error([lost.address], c.label) from lost.error
+        if not values:
+            return []
+        for c in calls:
+            failed = next((f for f in c.futures if f.status == "error"), None)
+            if failed is not None:
+                raise failed.error if isinstance(failed.error, BaseException) else RuntimeError(failed.error)
+        return [self._direct.values(c.futures) for c in calls]
+
+    def gather(self, futures: Sequence[Any], timeout: float | None = None) -> list:
+        """The values of per-rank futures as `submit_pinned_all` returns them (direct or Dask)."""
+        if futures and isinstance(futures[0], DirectFuture):
+            call = CallFuture(self, futures, ONE_TO_ALL, Layout(dp=len(futures)), "runtime", "gather",
+                              [f.address for f in futures])
+            return self._direct_outputs([call], timeout)[0]
+        return self.client.gather(list(futures))
+
+    def call_records(self, start: float, stop: float) -> list[dict]:
+        """What the workers ran on the direct call path between `start` and `stop` (`distributed.metrics.time`),
+        shaped like Dask's task-stream records (those calls are not tasks, so the task stream misses them); [] when
+        calls go through the scheduler."""
+        return self._direct.records(start, stop) if self._direct is not None else []
+
     def profile(self) -> contextlib.AbstractContextManager[ComputeProfile]:
         """`with ctl.profile() as p: ...` measures the block: `p.controller_share` is the fraction of its wall
         time in which no worker computed anything (see `flowactors.profiling`)."""
-        return controller_share(self.client)
+        return controller_share(self.client, extra=self._direct.spans if self._direct is not None else None)
 
     def report_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Publish a step's metrics to the scheduler (topic "flowactors.metrics"), where dashboards read them."""
@@ -323,6 +384,11 @@ class Controller:
         label = name or getattr(fn, "__name__", "apply")
         args = tuple(_unwrap_one(a) for a in args)
         kwargs = {k: _unwrap_one(v) for k, v in kwargs.items()}
+        if self._direct is not None:  # on the worker that produced the first input (else the least busy one)
+            where = next((f.address for v in (*args, *kwargs.values()) for f in _direct_futures(v)), None) \
+                or self._direct.least_busy([a for a in self.slots if a not in self._lost] or self.slots)
+            fut = self.submit_pinned(where, _runtime.apply, fn, args, kwargs, key=f"{label}-{_token()}")
+            return self._track(CallFuture(self, [fut], _runtime.SINGLE, Layout(), label, "apply", (where,)))
         with self._lock:
             seq = next(self._seq)
         fut = self.client.submit(_runtime.apply, fn, args, kwargs, key=f"{label}-{_token()}", pure=False,
@@ -335,6 +401,9 @@ class Controller:
         A task that is not pinned (`Controller.apply`) is reported by its key with what the scheduler says of it:
         the worker it runs on (and its stack), or the inputs it still waits for, or that it waits for a worker."""
         stacks = self.client.call_stack()  # {worker: {key: [frames]}} of every executing task
+        if self._direct is not None:
+            for addr, running in self._direct.stacks().items():
+                stacks.setdefault(addr, {}).update(running)
         running_on = {key: addr for addr, tasks in stacks.items() for key in tasks}
         free = [f.key for c in calls if not c.addresses for f in c.futures if not f.done() and f.key not in running_on]
         states = _scheduler_states(self.client, free) if free else {}
@@ -343,9 +412,12 @@ class Controller:
             for rank, f in enumerate(c.futures):
                 if f.done():
                     continue
-                if c.addresses:
+                if c.addresses and c.method != "apply":
                     addr = c.addresses[rank]
                     head = f"{c.group} rank {rank} on {addr}"
+                elif c.addresses:  # a direct-path apply, pinned where its first input is
+                    addr = c.addresses[0]
+                    head = f"{c.label} task {f.key} on {addr}"
                 else:
                     addr = running_on.get(f.key) or states.get(f.key, {}).get("worker")
                     head = f"{c.label} task {f.key} on {addr or 'no worker yet'}"
@@ -378,6 +450,11 @@ class Controller:
             for address, *_, key in tasks:
                 if address in self._lost:
                     raise WorkerLostError(address, self._lost[address], call=key.rsplit("-", 1)[0])
+            if self._direct is not None:
+                futs = self._direct.submit(tasks, step=self.step)
+                for f in futs:  # its stored output is dropped once nobody can ask for it
+                    weakref.finalize(f, self._direct.release_one, f.key, f.address)
+                return futs
             out: list[Future] = []
             batch: list[PinnedTask] = []
             seq = next(self._seq)
@@ -406,6 +483,11 @@ class Controller:
         return call
 
     @property
+    def direct_calls(self) -> bool:
+        """Whether pinned work goes straight to the workers (flowactors._direct) instead of through the scheduler."""
+        return self._direct is not None
+
+    @property
     def pushes_results(self) -> bool:
         """Whether group calls' ranks push their outputs to this controller's inbox (flowactors._push)."""
         return self._inbox is not None
@@ -429,6 +511,9 @@ class Controller:
             last = self._last.pop(address, None)
         if last is not None:
             futures.append(last)
+        if self._direct is not None:
+            self._direct.fail_address(address, ConnectionError(f"worker {address} died"))
+        futures = [f for f in futures if not isinstance(f, DirectFuture)]
         if futures:
             await self.client.cancel(futures, asynchronous=True, reason="worker-lost",
                                      msg=f"worker {address} died")
@@ -471,6 +556,11 @@ class Controller:
             self.groups.clear()
             self._world = None
             self.slots = live
+        if self._direct is not None:
+            for a in {f.address for f in stale if isinstance(f, DirectFuture)}:
+                self._direct.fail_address(a, ConnectionError("the controller rebuilt its groups after a lost worker"))
+            self._direct.reset()
+        stale = [f for f in stale if not isinstance(f, DirectFuture)]
         if stale:
             self.client.cancel(stale, reason="recovery", msg="the controller rebuilt its groups after a lost worker")
         return live
@@ -616,6 +706,17 @@ def _unwrap_one(v: Any) -> Any:
     if isinstance(v, (list, tuple)) and any(isinstance(x, CallFuture) for x in v):
         return type(v)(_unwrap_one(x) for x in v)
     return v
+
+
+def _direct_futures(v: Any) -> list[DirectFuture]:
+    """The direct futures a (possibly nested) argument refers to."""
+    if isinstance(v, DirectFuture):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [f for x in v for f in _direct_futures(x)]
+    if isinstance(v, dict):
+        return [f for x in v.values() for f in _direct_futures(x)]
+    return []
 
 
 def _token() -> str:

@@ -35,6 +35,10 @@ Design decisions, and why:
   other role the next palette colour nobody holds, in the order roles first submit work, so roles never share a
   colour while the palette lasts and one program looks the same from run to run; `role_color` alone (no such
   record) picks by a stable hash of the name.
+- **Direct calls.** Calls on the direct path (flowactors._direct) are not Dask tasks: the workers report each
+  item after it ran (key, inputs, the item before it on that process, compute span, the controller's step) on
+  topic `flowactors.calls`, and the plugin records them as finished tasks and spans, the same records as above.
+  They appear when finished (within `_direct.REPORT_S`), never as processing.
 - **Idle time** is measured over a recent window (default 60 s, never before the plugin started): per slot,
   window length minus the union of its compute spans; per stage (node), over the stage's span in the window,
   the slot-seconds in which a slot ran nothing at all (the cost of a stage that does not use every device).
@@ -55,6 +59,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 import tornado.routing
 from tornado import web
 
+from flowactors._direct import CALLS_TOPIC
 from flowactors.profiling import union_spans as _union
 
 __all__ = ["FlowactorsDashboard", "install_dashboard", "TaskRecord", "Interval", "node_of", "role_of",
@@ -367,6 +372,7 @@ class FlowactorsDashboard(SchedulerPlugin):
         self._started = 0.0
         self._steps: OrderedDict[int, dict[str, TaskRecord]] = OrderedDict()
         self._key_step: dict[str, int] = {}
+        self._step_times: deque[tuple[float, int]] = deque(maxlen=1000)  # (when, step from then on)
         self._intervals: deque[Interval] = deque(maxlen=self.max_intervals)
         self._colors: dict[str, str] = {**_RUNTIME_COLORS, **self.role_colors}  # grows as roles appear
 
@@ -397,29 +403,77 @@ class FlowactorsDashboard(SchedulerPlugin):
 
     # -- recording -------------------------------------------------------------------------------------------
     def log_event(self, topic: str, msg: Any) -> None:
+        if topic == CALLS_TOPIC and isinstance(msg, Mapping):
+            self._direct_calls(str(msg.get("worker", "")), msg.get("calls") or ())
+            return
         if not isinstance(msg, Mapping) or not isinstance(msg.get("step"), int):
             return
         if topic == METRICS_TOPIC:
             self.step = msg["step"] + 1
         elif topic == STEP_TOPIC:
             self.step = msg["step"]
+        else:
+            return
+        from distributed.metrics import time
 
-    def update_graph(self, scheduler: Any, *, tasks: Sequence[Any] = (), **kwargs: Any) -> None:
-        records = self._steps.get(self.step)
+        self._step_times.append((time(), self.step))
+
+    def _records(self, step: int) -> dict[str, TaskRecord] | None:
+        """The records of `step` (created when it is the newest; None for a step already dropped)."""
+        records = self._steps.get(step)
         if records is None:
-            records = self._steps[self.step] = {}
+            if self._steps and step < next(reversed(self._steps)):
+                return None
+            records = self._steps[step] = {}
             while len(self._steps) > self.keep_steps:
                 _, old = self._steps.popitem(last=False)
                 for k in old:
                     self._key_step.pop(k, None)
+        return records
+
+    def update_graph(self, scheduler: Any, *, tasks: Sequence[Any] = (), **kwargs: Any) -> None:
+        records = self._records(self.step)
         for key in tasks:
             ts = scheduler.tasks.get(key)
-            if ts is None or key in self._key_step or not isinstance(key, str):
+            if ts is None or key in self._key_step or not isinstance(key, str) or records is None:
                 continue
             records[key] = TaskRecord(key, _state(ts.state), tuple(str(d.key) for d in ts.dependencies),
                                       _order_deps(ts))
             self._color_role(role_of(node_of(key)))
             self._key_step[key] = self.step
+
+    def _direct_calls(self, worker: str, calls: Iterable[Mapping]) -> None:
+        """Items a worker ran on the direct call path (flowactors._direct), reported after they finished: each
+        becomes a finished task of its step (the controller's step when it had one) and a span on the worker."""
+        skew = self._skew(worker)
+        for c in calls:
+            key = str(c.get("key"))
+            start, stop = c.get("start"), c.get("stop")
+            timed = isinstance(start, (int, float)) and isinstance(stop, (int, float))
+            step = c["step"] if isinstance(c.get("step"), int) else \
+                self._step_at(start + skew) if timed else self.step
+            records = self._records(step)
+            if records is not None and key not in self._key_step:
+                data = tuple(str(d) for d in c.get("deps") or ())
+                order = (str(c["order"]),) if c.get("order") and str(c["order"]) not in data else ()  # as _order_deps
+                records[key] = TaskRecord(key, "memory" if c.get("ok") else "erred", data + order, order,
+                                          done=bool(c.get("ok")))
+                self._color_role(role_of(node_of(key)))
+                self._key_step[key] = step
+            if timed:
+                self._intervals.append(Interval(worker, node_of(key), start + skew, stop + skew, step))
+
+    def _step_at(self, when: float) -> int:
+        """The step that was current at time `when` (scheduler clock): reports arrive after the fact."""
+        times = [t for t, _ in self._step_times]
+        i = bisect.bisect_right(times, when)
+        return self._step_times[i - 1][1] if i else (self._step_times[0][1] - 1 if times else self.step)
+
+    def _skew(self, worker: str) -> float:
+        """Spans are in the worker's clock; shift them only for a real skew (the estimate includes latency)."""
+        ws = self.scheduler.workers.get(worker) if self.scheduler is not None else None
+        skew = getattr(ws, "time_delay", 0.0) or 0.0
+        return skew if abs(skew) > 0.1 else 0.0
 
     def _color_role(self, role: str) -> None:
         if role not in self._colors:
@@ -434,10 +488,7 @@ class FlowactorsDashboard(SchedulerPlugin):
             rec.done = rec.done or finish == "memory"
         worker = kwargs.get("worker")
         if start == "processing" and finish in ("memory", "erred") and worker:
-            # Spans are in the worker's clock; shift them only for a real skew (the estimate includes latency).
-            ws = self.scheduler.workers.get(worker) if self.scheduler is not None else None
-            skew = getattr(ws, "time_delay", 0.0) or 0.0
-            skew = skew if abs(skew) > 0.1 else 0.0
+            skew = self._skew(worker)
             for ss in kwargs.get("startstops") or ():
                 if ss.get("action") == "compute":
                     self._intervals.append(Interval(worker, node_of(key), ss["start"] + skew, ss["stop"] + skew,

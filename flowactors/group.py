@@ -150,7 +150,8 @@ class ActorGroup:
             split = (protocol, layout)
         else:
             per_rank, agree = _route(protocol, layout, args, kwargs)
-        per_rank = _ship_large(ctl, self.addresses, per_rank)
+        if not ctl.direct_calls:  # the direct path carries each rank's inputs in its own request
+            per_rank = _ship_large(ctl, self.addresses, per_rank)
         keep = _kept_ranks(protocol, layout)
         agree = agree and self.world_size > 1
         token, label = _token(), f"{self.name}.{method}"
@@ -172,7 +173,7 @@ class ActorGroup:
             for r, a in enumerate(self.addresses) if a not in lost])
         try:
             if wait:
-                self.controller.client.gather(futs)
+                self.controller.gather(futs)
         finally:
             self.controller.forget_group(self.name)
 

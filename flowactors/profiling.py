@@ -64,11 +64,12 @@ class ComputeProfile:
 
 
 @contextlib.contextmanager
-def controller_share(client: Any) -> Iterator[ComputeProfile]:
+def controller_share(client: Any, extra: Any = None) -> Iterator[ComputeProfile]:
     """Profile the block: `with controller_share(client) as p: ...`, then read `p.controller_share`.
 
     `Controller.profile()` calls this with its client. Records Dask's task stream while the block runs (the
     scheduler's `TaskStreamPlugin`, added on first use), so it costs a scheduler round trip at each end.
+    `extra(start, stop)`: compute spans of work that is not a Dask task (the direct call path's items).
     """
     from distributed import get_task_stream
     from distributed.metrics import time
@@ -79,4 +80,5 @@ def controller_share(client: Any) -> Iterator[ComputeProfile]:
         yield profile
         stop = time()
     profile.wall_s = stop - start
-    profile.busy_s = busy_seconds(compute_spans(stream.data), start, stop)
+    spans = compute_spans(stream.data) + (list(extra(start, stop)) if extra is not None else [])
+    profile.busy_s = busy_seconds(spans, start, stop)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -53,8 +54,17 @@ def page():
             scorer.sleep(0.05).result()
             assert rows.result() == 8 and total.result() == [3.0 * step] * 2
             ctl.report_metrics(step, {"reward_mean": 0.2 + 0.1 * step, "kl": 0.01 * step, "cost_mean": 1.0 - step / 4})
-        _, text = _get(f"{url}/data.json")
-        yield ctl, url, json.loads(text)
+        # Calls on the direct path (flowactors._direct) reach the page when their workers report them (every
+        # 0.2 s): read it once the last step's calls are all there, as the page's own polling would.
+        deadline = time.monotonic() + 15
+        while True:
+            d = json.loads(_get(f"{url}/data.json")[1])
+            nodes = d["graph"]["nodes"]
+            if (d["step"] == STEPS - 1 and len(nodes) == 5 and all(n["done"] == n["n"] for n in nodes)) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        yield ctl, url, d
     finally:
         ctl.close()
 

@@ -17,7 +17,7 @@ from tests.runtime.workers import Reducer
 
 @pytest.fixture(scope="module")
 def ctl():
-    with fa.Controller.local(2, dashboard=None, call_timeout_s=60) as c:
+    with fa.Controller.local(2, dashboard=None, call_timeout_s=60, direct_calls=False) as c:
         yield c
 
 
@@ -80,7 +80,7 @@ def test_outputs_are_dropped_with_their_call(ctl, group):
 
 
 def test_without_an_inbox_calls_take_the_dask_path():
-    with fa.Controller.local(1, dashboard=None, push_results=False) as ctl:
+    with fa.Controller.local(1, dashboard=None, push_results=False, direct_calls=False) as ctl:
         g = fa.ActorGroup(ctl, Reducer, name="plain")
         call = g.all_reduce(2.0)
         assert not call.pushed and ctl._inbox is None and call.result() == [2.0]  # one rank: 2.0 x 1

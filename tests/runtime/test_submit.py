@@ -1,4 +1,5 @@
-"""One graph update per call: every rank's task sent at once, each still pinned, ordered and prioritised."""
+"""The Dask call path (`direct_calls=False`): one graph update per call, every rank's task sent at once, each
+still pinned, ordered and prioritised."""
 
 import pytest
 
@@ -19,6 +20,14 @@ def _task_states(keys, dask_scheduler=None):
 def _graph_updates(ctl) -> int:
     return sum(1 for _, e in ctl.client.get_events(ctl.client.id)
                if isinstance(e, dict) and e.get("action") == "update-graph")
+
+
+@pytest.fixture(scope="module")
+def controller4():
+    """Calls through the scheduler, not the direct path (flowactors._direct)."""
+    ctl = fa.Controller.local(4, dashboard=None, collective_timeout_s=120, direct_calls=False)
+    yield ctl
+    ctl.close()
 
 
 @pytest.fixture(scope="module")

@@ -65,20 +65,38 @@ def test_world_formation_is_under_the_watchdog():
         ctl.close()
 
 
-def test_hang_report_of_an_apply_task_says_where_it_is(controller4):
-    g = fa.ActorGroup(controller4, Reducer, name="wd_apply", slots=controller4.slots[:2])
+@pytest.fixture(params=["direct", "dask"])
+def any_path(request, controller4):
+    """controller4 (calls on the direct path), or a 4-slot controller whose calls go through the scheduler."""
+    if request.param == "direct":
+        yield controller4
+    else:
+        ctl = fa.Controller.local(4, dashboard=None, direct_calls=False)
+        yield ctl
+        ctl.close()
+
+
+def test_hang_report_of_an_apply_task_says_where_it_is(any_path):
+    ctl = any_path
+    g = fa.ActorGroup(ctl, Reducer, name="wd_apply", slots=ctl.slots[:2])
     try:
         busy = g.sleep(4.0)
-        waiting = controller4.apply(nap, 0.0, busy, name="join")  # needs busy's outputs first
-        running = controller4.apply(nap, 4.0, name="slow")
+        waiting = ctl.apply(nap, 0.0, busy, name="join")  # needs busy's outputs first
+        running = ctl.apply(nap, 4.0, name="slow")
         time.sleep(0.5)
         with pytest.raises(fa.HangError) as info:
-            controller4.wait([waiting, running], timeout=1.0)
+            ctl.wait([waiting, running], timeout=1.0)
         report = info.value.report
         assert "None" not in report and "rank 0" not in report
         join, slow = report.split("- slow.apply")
-        wanted = ", ".join(sorted(f.key for f in busy.futures))
-        assert f"- join.apply task {waiting.futures[0].key} on no worker yet: waiting for its inputs: {wanted}" in join
+        key = waiting.futures[0].key
+        if ctl.direct_calls:  # pinned behind the call that produced its first input, on that call's rank 0
+            assert f"- join.apply task {key} on {g.addresses[0]}: waiting; its worker is running: " \
+                   f"{busy.futures[0].key}" in join
+            assert running.futures[0].address in ctl.slots[2:]  # the least busy slot: no wait
+        else:
+            wanted = ", ".join(sorted(f.key for f in busy.futures))
+            assert f"- join.apply task {key} on no worker yet: waiting for its inputs: {wanted}" in join
         assert f" task {running.futures[0].key} on tcp://127.0.0.1:" in slow and "running slow.apply" in slow
         assert "time.sleep(seconds)" in slow  # its stack, in nap
         assert waiting.result(timeout=30) == 0.0 and running.result(timeout=30) == 4.0
