@@ -2,18 +2,21 @@
 
 Why: a group call through Dask is a chain of messages (client → scheduler → worker → scheduler → client, then the
 value), each with the scheduler's bookkeeping on the way; on the 2-core CI machine a no-op call over 2 ranks costs
-~5 ms that way, ~10 times a Ray actor call. Sent as one request per rank over Dask's own comms (the connection pool
-the client already has) it costs ~0.9 ms, and running the scheduler's bookkeeping for the same call next to it
-(a Dask task per rank kept only for the record) brings it back to ~3 ms on 2 cores: so direct work is not a Dask
-task at all. Measured in benchmarks/dispatch.py.
+~5 ms that way, ~10 times a Ray actor call. Measured there (benchmarks/dispatch.py and the notes in the module's
+history): one request per rank over Dask's comms (the client's connection pool, handled on the event loops of
+client and worker) costs ~0.9 ms for the round trip alone, each hop waking an event loop in a process whose GIL
+other threads hold; keeping a Dask task per rank next to it for the record brings it back to ~3 ms; a plain socket
+per worker, written by the controller's thread and read by a thread of the worker that hands each item to the task
+thread, costs ~0.2 ms. So direct work is not a Dask task, and its requests and replies travel on such a socket.
+Worker-to-worker transfers (inputs, large outputs) stay on Dask's comms, where the bytes dominate.
 
 What calls keep promising, and how:
 
-- **Issue order per process.** The controller numbers what it sends to each worker (`seq`, per controller
-  session); the worker runs item n only after item n - 1, whatever order the requests arrive in, one at a time,
-  in its single task thread (the executor Dask runs tasks in: torch state, the CUDA device, and anything else bound
-  to that thread is shared with Dask-path work). An item fetches its inputs before its turn, so a transfer overlaps
-  the previous item's compute.
+- **Issue order per process.** Each controller has one connection to each worker, written under the controller's
+  lock in issue order; the worker's reader thread hands each item, in arrival order, to its single task thread (the
+  executor Dask runs tasks in: torch state, the CUDA device, and anything else bound to that thread is shared with
+  Dask-path work), which runs them one at a time. An item's inputs are fetched as soon as it arrives (on the
+  worker's event loop), so a transfer overlaps the compute of the items before it.
 - **Chaining.** An item's output stays in its worker's store under the item's key until the controller drops the
   future that names it (a `CallFuture` and every call that takes it as input). In a later item's arguments a
   `DirectFuture` travels as a `DirectRef` (key and worker); the worker replaces it by the value, from its own store
@@ -25,6 +28,8 @@ What calls keep promising, and how:
   fails; the controller also fails every pending item of a worker the scheduler removed (`fail_address`).
   `result()` waits under the controller's watchdog; the hang report asks each worker what its task thread runs
   (`stacks`).
+- **Listening.** Each worker's socket listens on the address its Dask comm uses (127.0.0.1 for the embedded
+  cluster, the only default) and, like Dask's own TCP comm, trusts whoever connects: it runs what it receives.
 - **Visibility.** Every worker reports the items it ran (key, inputs, previous item, compute span) to the
   scheduler's event log every `REPORT_S` on topic `flowactors.calls`; the `/flowactors` dashboard page draws them
   like tasks, and `Controller.profile` counts their spans. Dask's task stream does not show them: they are not
@@ -34,13 +39,13 @@ What calls keep promising, and how:
 from __future__ import annotations
 
 import asyncio
-import itertools
+import socket
+import struct
 import threading
 import time
-import uuid
 import weakref
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -53,6 +58,7 @@ until `result()` asks."""
 CALLS_TOPIC = "flowactors.calls"
 REPORT_S = 0.2
 RELEASE_S = 0.5
+_FRAME = struct.Struct("!QI")  # pickle bytes, number of out-of-band buffers; then each buffer's length (!Q), data
 PLUGIN_NAME = "flowactors-direct"
 
 
@@ -104,58 +110,144 @@ class DirectFuture:
         return f"<DirectFuture {self.key} {self.status}>"
 
 
+class _Connection:
+    """One socket between a controller and a worker, written whole-message at a time under a lock."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.lock = threading.Lock()
+
+    def send(self, frames: list) -> None:
+        with self.lock:
+            self.sock.sendall(frames[0])
+            for f in frames[1:]:
+                self.sock.sendall(f)
+
+    def receive(self) -> Any:
+        """The next message (ConnectionError once the other end closed)."""
+        import pickle
+
+        data, buffers = self.receive_frames()
+        return pickle.loads(data, buffers=buffers)
+
+    def receive_frames(self) -> tuple[bytearray, list[bytearray]]:
+        """The next message's pickle bytes and out-of-band buffers, not yet unpickled."""
+        n, count = _FRAME.unpack(_read_exactly(self.sock, _FRAME.size))
+        sizes = struct.unpack(f"!{count}Q", _read_exactly(self.sock, 8 * count)) if count else ()
+        data = _read_exactly(self.sock, n)
+        return data, [_read_exactly(self.sock, k) for k in sizes]
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _frames(obj: Any) -> list:
+    """`obj` as the frames of one message: pickle protocol 5, tensors out of band (cloudpickle where needed)."""
+    from distributed.protocol.pickle import dumps
+
+    buffers: list = []
+    data = dumps(obj, buffer_callback=buffers.append)
+    views = [b.raw() for b in buffers]
+    return [_FRAME.pack(len(data), len(views)) + struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)) + data,
+            *views]
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("the connection was closed")
+        got += k
+    return buf
+
+
 class DirectChannel:
     """The controller's end: sends items, keeps their futures, releases stored outputs nobody can ask for."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
-        self.session = uuid.uuid4().hex[:12]
-        self._seq: dict[str, itertools.count] = {}
         self._cond = threading.Condition()
         self._pending: dict[str, weakref.WeakSet[DirectFuture]] = {}
+        self._inflight: dict[str, tuple[DirectFuture, Any]] = {}  # key -> (future, its arguments, held)
+        self._connections: dict[str, _Connection] = {}
         self._dropped: dict[str, list[str]] = {}
         self._flush_pending = False
+        self._closed = False
         client.register_plugin(DirectPlugin(), name=PLUGIN_NAME)
+
+    # -- connections -----------------------------------------------------------------------------------------
+    def _connection(self, address: str) -> _Connection:
+        conn = self._connections.get(address)
+        if conn is None:
+            from distributed.comm import get_address_host
+
+            port = self._client.run(listen_port, workers=[address])[address]
+            conn = _Connection(socket.create_connection((get_address_host(address), port), timeout=30))
+            conn.sock.settimeout(None)
+            self._connections[address] = conn
+            threading.Thread(target=self._read_replies, args=(address, conn), daemon=True,
+                             name=f"flowactors-direct {address}").start()
+        return conn
+
+    def _read_replies(self, address: str, conn: _Connection) -> None:
+        while True:
+            try:
+                key, status, value, stored = conn.receive()
+            except Exception as e:  # noqa: BLE001 - closed: the worker died, or this channel closed
+                if self._connections.get(address) is conn:
+                    del self._connections[address]
+                if not self._closed:
+                    self.fail_address(address, ConnectionError(f"lost the connection to worker {address}: {e}"))
+                return
+            self._on_reply(key, status, value, stored)
+            del value  # nothing of a finished item may stay referenced here while the next reply is awaited
+
+    def _on_reply(self, key: str, status: str, value: Any, stored: bool) -> None:
+        with self._cond:
+            entry = self._inflight.pop(key, None)  # the future, and the arguments held for it until now
+        if entry is not None:
+            if status == "error":
+                self._finish(entry[0], "error", error=value)
+            else:
+                self._finish(entry[0], "finished", value=value, stored=stored)
+
+    def close(self) -> None:
+        self._closed = True
+        for conn in list(self._connections.values()):
+            conn.close()
+        self._connections.clear()
 
     # -- sending ---------------------------------------------------------------------------------------------
     def submit(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None = None
                ) -> list[DirectFuture]:
         """Send each (address, fn, args, kwargs, key) item to run on its address after everything sent there
-        before. All are serialized first, so an argument that cannot travel raises at the call site and no item
-        is sent (no rank enters a collective alone); arguments are held until their item is done, so the outputs
-        they name stay stored until it has read them."""
-        from distributed.protocol.serialize import Serialized, serialize
-
-        payloads = [Serialized(*serialize((fn, args, kwargs), serializers=("dask", "pickle"), on_error="raise"))
-                    for _, fn, args, kwargs, _ in items]
+        before (the caller holds the controller's lock: one issue order). All are serialized first, so an argument
+        that cannot travel raises at the call site and no item is sent (no rank enters a collective alone);
+        arguments are held until their item is done, so the outputs they name stay stored until it has read them."""
+        frames = [_frames((fn, args, kwargs)) for _, fn, args, kwargs, _ in items]
         out = []
-        for (address, _, args, kwargs, key), payload in zip(items, payloads):
+        for (address, _, args, kwargs, key), task in zip(items, frames):
             fut = DirectFuture(self, key, address)
-            with self._cond:
-                seq = next(self._seq.setdefault(address, itertools.count()))
-                self._pending.setdefault(address, weakref.WeakSet()).add(fut)
-                release = self._dropped.pop(address, [])  # outputs to drop there: they ride along
-            self._client.loop.add_callback(self._send, fut, seq, payload, step, release, (args, kwargs))
             out.append(fut)
+            with self._cond:
+                self._pending.setdefault(address, weakref.WeakSet()).add(fut)
+                self._inflight[key] = (fut, (args, kwargs))
+                release = self._dropped.pop(address, [])  # outputs to drop there: they ride along
+            try:
+                conn = self._connection(address)
+                conn.send([*_frames(("call", key, step, release)), *task])  # the task: a message of its own
+            except Exception as e:  # noqa: BLE001 - the worker is gone (or never answered)
+                with self._cond:
+                    self._inflight.pop(key, None)
+                self._finish(fut, "lost", error=e)
         return out
-
-    async def _send(self, fut: DirectFuture, seq: int, payload: Any, step: int | None, release: list[str],
-                    keep: tuple) -> None:
-        from distributed.comm.core import CommClosedError
-
-        try:
-            reply = await self._client.rpc(fut.address).flowactors_call(
-                session=self.session, seq=seq, key=fut.key, task=payload, step=step, release=release)
-        except (OSError, CommClosedError, asyncio.CancelledError) as e:
-            self._finish(fut, "lost", error=e)
-            return
-        except Exception as e:  # noqa: BLE001 - e.g. the worker could not deserialize the item
-            self._finish(fut, "error", error=e)
-            return
-        if reply.get("status") == "error":
-            self._finish(fut, "error", error=reply.get("exception"))
-        else:
-            self._finish(fut, "finished", value=reply.get("value"), stored=bool(reply.get("stored")))
 
     def _finish(self, fut: DirectFuture, status: str, value: Any = None, stored: bool = False,
                 error: BaseException | None = None) -> None:
@@ -202,43 +294,45 @@ class DirectChannel:
         """Fail every pending item sent to `address` (its worker died); returns them."""
         with self._cond:
             futs = list(self._pending.pop(address, ()))
+            for f in futs:
+                self._inflight.pop(f.key, None)
         for f in futs:
             self._finish(f, "lost", error=error)
+        conn = self._connections.pop(address, None)
+        if conn is not None:
+            conn.close()
         return futs
 
     def release_one(self, key: str, address: str) -> None:
         """Drop the stored output of `key` on `address` (its future is gone: nobody can refer to it any more).
-        Called from finalizers in any thread; the drops of one moment go in one request per worker."""
+        Called from finalizers in any thread: the next item sent to that worker takes the drops along, and a quiet
+        worker gets them on their own after `RELEASE_S`."""
         with self._cond:
             self._dropped.setdefault(address, []).append(key)
             if self._flush_pending:
                 return
             self._flush_pending = True
-        try:  # the next item sent to the worker takes them; a quiet worker gets them on their own shortly
-            self._client.loop.add_callback(self._client.loop.call_later, RELEASE_S, self._release)
-        except Exception:  # noqa: BLE001 - the loop is gone (interpreter exit): the workers went with it
-            pass
+        timer = threading.Timer(RELEASE_S, self._release)
+        timer.daemon = True
+        timer.start()
 
     def _release(self) -> None:
-        asyncio.ensure_future(self._release_now())
-
-    async def _release_now(self) -> None:
         with self._cond:
             by_address, self._dropped, self._flush_pending = self._dropped, {}, False
-
-        async def one(address: str, keys: list[str]) -> None:
+        for address, keys in by_address.items():
+            conn = self._connections.get(address)
+            if conn is None:
+                continue  # never connected, or gone with its worker
             try:
-                await self._client.rpc(address).flowactors_release(keys=keys)
-            except Exception:  # noqa: BLE001 - a dead worker holds nothing any more
+                conn.send(_frames(("release", keys)))
+            except OSError:  # a dead worker holds nothing any more
                 pass
 
-        await asyncio.gather(*(one(a, k) for a, k in by_address.items()))
-
     def reset(self) -> None:
-        """A new session (after recovery): numbering starts again; items of the old one are not waited for."""
-        with self._cond:
-            self.session = uuid.uuid4().hex[:12]
-            self._seq.clear()
+        """After recovery: connections to workers that are gone are dropped (the live ones keep their order)."""
+        live = set(self._client.scheduler_info(n_workers=-1)["workers"])
+        for address in [a for a in self._connections if a not in live]:
+            self.fail_address(address, ConnectionError(f"worker {address} is gone"))
 
     # -- reports ---------------------------------------------------------------------------------------------
     def stacks(self) -> dict[str, dict[str, list[str]]]:
@@ -276,43 +370,153 @@ def _unwrap_reply(reply: Any) -> Any:
 # ---- the worker's end ----------------------------------------------------------------------------------------------
 
 _STORE: dict[str, Any] = {}
-_READY: dict[str, asyncio.Event] = {}
-_LANES: dict[str, "_Lane"] = {}
+_READY: dict[str, asyncio.Event] = {}  # touched on the worker's event loop only
 _SPANS: deque[tuple[str, float, float]] = deque(maxlen=20000)
-_REPORTS: list[dict] = []
+_REPORTS: deque[dict] = deque()
 _RUNNING: dict[str, Any] = {}  # {"key": ..., "thread": ident} while the task thread runs an item
 
 
-class _Lane:
-    """One controller session's order on this worker."""
-
-    def __init__(self) -> None:
-        self.next = 0
-        self.last: str | None = None
-        self.turn = asyncio.Condition()
-
-
 class DirectPlugin(WorkerPlugin):
-    """Installs the direct path's handlers on every worker (present and joining later)."""
+    """Listens for controllers on every worker (present and joining later) and serves peers' fetches."""
 
     name = PLUGIN_NAME
     idempotent = True
 
     def setup(self, worker: Any) -> None:
+        from distributed.comm import get_address_host
         from tornado.ioloop import PeriodicCallback
 
-        worker.handlers.update({
-            "flowactors_call": lambda comm=None, **kw: _handle_call(worker, **kw),
-            "flowactors_get": lambda comm=None, **kw: _handle_get(worker, **kw),
-            "flowactors_release": lambda comm=None, **kw: _handle_release(**kw),
-        })
+        worker.handlers["flowactors_get"] = lambda comm=None, **kw: _handle_get(worker, **kw)
+        self._listener = socket.create_server((get_address_host(worker.address), 0))
+        worker._flowactors_direct_port = self._listener.getsockname()[1]
+        threading.Thread(target=_accept, args=(worker, self._listener), daemon=True,
+                         name="flowactors-direct accept").start()
         self._report = PeriodicCallback(lambda: _flush_reports(worker), REPORT_S * 1000)
         self._report.start()
 
     def teardown(self, worker: Any) -> None:
-        report = getattr(self, "_report", None)
-        if report is not None:
-            report.stop()
+        for attr in ("_report",):
+            obj = getattr(self, attr, None)
+            if obj is not None:
+                obj.stop()
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            listener.close()
+
+
+def listen_port(dask_worker: Any = None) -> int:
+    """The port this worker's direct-path socket listens on (run through `Client.run`)."""
+    return dask_worker._flowactors_direct_port
+
+
+def _accept(worker: Any, listener: socket.socket) -> None:
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except OSError:  # closed with the plugin
+            return
+        threading.Thread(target=_serve, args=(worker, _Connection(sock)), daemon=True,
+                         name="flowactors-direct serve").start()
+
+
+class _Order:
+    """What one controller's connection ran last on this worker (the dashboard's order edge)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+
+def _serve(worker: Any, conn: _Connection) -> None:
+    """Read one controller's items in order and queue each on the task thread; its inputs are fetched meanwhile."""
+    import pickle
+
+    loop = worker.loop.asyncio_loop
+    executor = worker.executors["default"]
+    order = _Order()
+    while True:
+        try:
+            msg = conn.receive()
+            if msg[0] == "release":
+                loop.call_soon_threadsafe(_handle_release, msg[1])
+                continue
+            _, key, step, release = msg
+            if release:
+                loop.call_soon_threadsafe(_handle_release, release)
+            data, buffers = conn.receive_frames()  # unpickled apart: a failure there is this item's failure
+        except Exception:  # noqa: BLE001 - the controller went away
+            conn.close()
+            return
+        try:
+            fn, args, kwargs = pickle.loads(data, buffers=buffers)
+        except BaseException as e:  # noqa: BLE001 - e.g. a class the worker cannot import
+            fn, args, kwargs = _raise, (e,), {}
+        deps: list[str] = []
+        inputs = None
+        if _has_refs((args, kwargs)):
+            inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), deps), loop)
+        executor.submit(_job, worker, conn, order, key, step, fn, args, kwargs, inputs, deps)
+
+
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+def _job(worker: Any, conn: _Connection, order: _Order, key: str, step: int | None, fn: Any, args: tuple,
+         kwargs: dict, inputs: Any, deps: list[str]) -> None:
+    """In the worker's task thread: wait for the inputs, run the item as a task would run (`get_worker()` answers
+    there), keep its output, reply to the controller."""
+    from distributed.metrics import time as now
+    from distributed.worker import _worker_cvar
+
+    from flowactors._push import payload_bytes
+
+    failed: BaseException | None = None
+    if inputs is not None:
+        try:
+            args, kwargs = inputs.result()
+        except _InputRaised as e:  # an input's item raised: this one raises the same, without running (as Dask)
+            failed = e.error
+        except BaseException as e:  # noqa: BLE001
+            failed = e
+    previous, order.last = order.last, key
+    start = now()
+    value = None
+    if failed is None:
+        token = _worker_cvar.set(worker)
+        _RUNNING.update(key=key, thread=threading.get_ident())
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - sent to the controller, raised by result()
+            failed = e
+        finally:
+            _RUNNING.clear()
+            _worker_cvar.reset(token)
+    stop = now()
+    _SPANS.append((key, start, stop))
+    _REPORTS.append({"key": key, "deps": deps, "order": previous, "start": start, "stop": stop,
+                     "ok": failed is None, "step": step})
+    _STORE[key] = _Raised(failed) if failed is not None else value
+    worker.loop.asyncio_loop.call_soon_threadsafe(_mark_ready, key)
+    if failed is not None:
+        reply = (key, "error", failed, False)
+    elif payload_bytes(value) <= INLINE_BYTES:
+        reply = (key, "ok", value, False)
+    else:
+        reply = (key, "ok", None, True)
+    try:
+        try:
+            frames = _frames(reply)
+        except Exception as e:  # noqa: BLE001 - an output or exception that cannot travel
+            frames = _frames((key, "error", RuntimeError(f"{key}: its result cannot be sent back: {e}"), False))
+        conn.send(frames)
+    except OSError:  # the controller went away
+        pass
+
+
+def _mark_ready(key: str) -> None:
+    _ready(key).set()
 
 
 def _ready(key: str) -> asyncio.Event:
@@ -320,64 +524,6 @@ def _ready(key: str) -> asyncio.Event:
     if ev is None:
         ev = _READY[key] = asyncio.Event()
     return ev
-
-
-async def _handle_call(worker: Any, session: str, seq: int, key: str, task: Any, step: int | None = None,
-                       release: Sequence[str] = ()) -> dict:
-    from distributed.metrics import time as now
-    from distributed.protocol import to_serialize
-
-    from flowactors._push import payload_bytes
-
-    _handle_release(release)
-    fn, args, kwargs = task
-    deps: list[str] = []
-    failed: BaseException | None = None
-    try:
-        args, kwargs = await _fetch_inputs(worker, (args, kwargs), deps)
-    except _InputRaised as e:  # an input's item raised: this one raises the same, without running (as Dask does)
-        failed = e.error
-    lane = _LANES.setdefault(session, _Lane())
-    async with lane.turn:
-        await lane.turn.wait_for(lambda: lane.next >= seq)
-    previous = lane.last
-    start = now()
-    value = None
-    if failed is None:
-        try:
-            value = await asyncio.get_running_loop().run_in_executor(worker.executors["default"], _run, worker, key,
-                                                                     fn, args, kwargs)
-        except BaseException as e:  # noqa: BLE001 - sent to the controller, raised by result()
-            failed = e
-    stop = now()
-    async with lane.turn:
-        lane.next, lane.last = max(lane.next, seq + 1), key
-        lane.turn.notify_all()
-    _SPANS.append((key, start, stop))
-    _REPORTS.append({"key": key, "deps": deps, "order": previous, "start": start, "stop": stop,
-                     "ok": failed is None, "step": step})
-    if failed is not None:
-        _STORE[key] = _Raised(failed)
-        _ready(key).set()
-        return {"status": "error", "exception": to_serialize(failed)}
-    _STORE[key] = value
-    _ready(key).set()
-    if payload_bytes(value) <= INLINE_BYTES:
-        return {"status": "ok", "value": to_serialize(value)}
-    return {"status": "ok", "stored": True}
-
-
-def _run(worker: Any, key: str, fn: Any, args: tuple, kwargs: dict) -> Any:
-    """In the worker's task thread, as a task would run: `get_worker()` answers there."""
-    from distributed.worker import _worker_cvar
-
-    token = _worker_cvar.set(worker)
-    _RUNNING.update(key=key, thread=threading.get_ident())
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _RUNNING.clear()
-        _worker_cvar.reset(token)
 
 
 class _Raised:
@@ -413,6 +559,12 @@ def _handle_release(keys: Sequence[str]) -> None:
         ev = _READY.get(k)
         if ev is not None and ev.is_set():
             del _READY[k]
+
+
+def _has_refs(value: Any) -> bool:
+    refs: dict[str, DirectRef] = {}
+    _collect_refs(value, refs)
+    return bool(refs)
 
 
 async def _fetch_inputs(worker: Any, value: Any, deps: list[str]) -> Any:
@@ -478,10 +630,11 @@ def _replace_refs(value: Any, got: dict[str, Any]) -> Any:
 
 
 def _flush_reports(worker: Any) -> None:
-    if not _REPORTS:
+    calls = []
+    while _REPORTS:
+        calls.append(_REPORTS.popleft())
+    if not calls:
         return
-    calls = list(_REPORTS)
-    _REPORTS.clear()
     try:
         worker.log_event(CALLS_TOPIC, {"worker": worker.address, "calls": calls})
     except Exception:  # noqa: BLE001 - the dashboard misses a few items; calls are unaffected

@@ -215,6 +215,8 @@ class Controller:
         for group in list(self.groups.values()):
             group.close(wait=False)
         self._teardown_world()
+        if self._direct is not None:
+            self._direct.close()
         if self._inbox is not None:
             self._inbox.close()
         try:
