@@ -141,8 +141,10 @@ class PolicyLoss:
 
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mask = mb["response_mask"].float()
-        loss, clipped = policy_loss(out["log_probs"], mb["old_log_probs"], mb["advantages"], self.clip_ratio,
-                                    self.dual_clip)
+        # Without old log-probs the batch is trained on by the policy that sampled it, in one optimizer step
+        # (GRPO's on-policy case): the ratio is exactly 1, so the current log-probs, detached, are the old ones.
+        old = mb["old_log_probs"] if "old_log_probs" in mb else out["log_probs"].detach()
+        loss, clipped = policy_loss(out["log_probs"], old, mb["advantages"], self.clip_ratio, self.dual_clip)
         metrics = {"pg_loss": float(masked_mean(loss.detach(), mask)), "pg_clipfrac": float(masked_mean(clipped, mask))}
         if self.entropy_coef:
             loss = loss - self.entropy_coef * out["entropy"]
@@ -150,6 +152,7 @@ class PolicyLoss:
             kl = kl_penalty(out["log_probs"], mb["ref_log_probs"], self.kl_estimator)
             loss = loss + self.kl_coef * kl
             metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
+            metrics["kl"] = float(masked_mean(out["log_probs"].detach() - mb["ref_log_probs"], mask))  # k1
         metrics["entropy"] = float(masked_mean(out["entropy"].detach(), mask))
         return loss, mask, metrics
 

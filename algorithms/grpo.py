@@ -4,6 +4,10 @@ PPO minus the critic: the advantage of a sample is its reward standardised withi
 every token; the KL to the reference (k3 estimator) is a loss term instead of a reward penalty. Losses are
 token-mean over the mini-batch (the DAPO / Dr. GRPO aggregation), not the original per-sequence mean.
 Default task: `reverse`.
+
+When a step's samples are trained on in one optimizer step (`ppo_epochs=1`, `mini_batch_samples` = the step's
+samples), the policy that computes the loss is the one that sampled: the old log-probs equal the current ones, so
+their forward pass is skipped (as TRL does) and the step's entropy and KL come from the update's own forward.
 """
 
 from __future__ import annotations
@@ -34,16 +38,26 @@ class GRPO(Algorithm):
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward
 
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step over exactly the step's samples: the old log-probs need no pass of their own."""
+        cfg = self.cfg
+        return cfg.ppo_epochs == 1 and cfg.mini_batch_samples == cfg.prompts_per_step * cfg.samples_per_prompt
+
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
-        cfg, ctl, actor = self.cfg, self.ctl, self.actor
+        ctl, actor = self.ctl, self.actor
         samples = actor.generate_sequences(prompts)
-        batch = ctl.apply(grpo_step_advantages, samples, actor.compute_log_prob(samples),
-                          self.ref.compute_ref_log_prob(samples), self.reward.compute_reward(samples))
+        old = () if self.on_policy else (actor.compute_log_prob(samples),)
+        batch = ctl.apply(grpo_step_advantages, samples, *old, self.ref.compute_ref_log_prob(samples),
+                          self.reward.compute_reward(samples))
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch)
         self.stage("generate", samples), self.stage("score", batch), self.stage("update", update)
-        m = metrics.result()
-        m.update({f"actor/{k}": v for k, v in update.result().items()})
+        m, u = metrics.result(), update.result()
+        if self.on_policy:  # the update's forward ran the sampling policy: its entropy and KL are the step's
+            m.setdefault("entropy", u["entropy"])
+            m.setdefault("kl", u["kl"])
+        m.update({f"actor/{k}": v for k, v in u.items()})
         return m
 
 

@@ -30,7 +30,7 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
     }
     if "entropy" in batch:
         out["entropy"] = float(masked_mean(batch["entropy"], mask))
-    if "ref_log_probs" in batch:
+    if "ref_log_probs" in batch and "old_log_probs" in batch:
         out["kl"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
     if "costs" in batch:
         out["cost_mean"] = float(batch["costs"].float().mean())

@@ -53,6 +53,32 @@ def test_two_data_parallel_ranks_match_one(tmp_path):
             assert a[key] == pytest.approx(b[key], abs=2e-3), (a["step"], key)
 
 
+def test_grpo_on_policy_steps_skip_the_old_log_prob_pass_and_update_alike(tmp_path, monkeypatch):
+    """One optimizer step per batch (the default): no compute_log_prob call, the update's own forward gives the
+    old log-probs (ratio 1). The updates equal those with the separate pass, so later steps sample the same
+    sequences and report the same metrics."""
+    import flowactors as fa
+    from algorithms import grpo
+
+    calls = []
+    issue = fa.ActorGroup._call
+    monkeypatch.setattr(fa.ActorGroup, "_call", lambda self, method, *a: calls.append(method) or issue(self, method, *a))
+    common = ["--steps", "3", "sft_steps=10"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    skipped = run(grpo.main, tmp_path / "a", *common)
+    assert "compute_log_prob" not in calls and calls.count("update_actor") == 3 + 10  # SFT updates and RL ones
+    calls.clear()
+    monkeypatch.setattr(grpo.GRPO, "on_policy", property(lambda self: False))
+    full = run(grpo.main, tmp_path / "b", *common)
+    assert calls.count("compute_log_prob") == 3
+    for a, b in zip(skipped, full):
+        assert a["reward_mean"] == b["reward_mean"] and a["response_length_mean"] == b["response_length_mean"]
+        for key in ("kl", "entropy", "actor/pg_loss", "actor/kl_loss"):
+            assert a[key] == pytest.approx(b[key], abs=1e-4), (a["step"], key)
+        assert a["actor/pg_clipfrac"] == b["actor/pg_clipfrac"] == 0.0
+
+
 def test_plan_with_tensor_parallel_actor_matches_data_parallel(tmp_path):
     """A TP=2 actor generating through the 3D-HybridEngine at TP=1 (micro-DP 2), a TP=2 FSDP actor that gathers
     its weights, and a DP=2 actor: same metrics."""
