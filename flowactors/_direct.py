@@ -219,10 +219,15 @@ class DirectChannel:
                 self._finish(entry[0], "finished", value=value, stored=stored)
 
     def close(self) -> None:
+        """Close the connections, and the workers' listeners with the plugin (a long-lived cluster keeps none)."""
         self._closed = True
         for conn in list(self._connections.values()):
             conn.close()
         self._connections.clear()
+        try:
+            self._client.unregister_worker_plugin(PLUGIN_NAME)
+        except Exception:  # noqa: BLE001 - workers already gone
+            pass
 
     # -- sending ---------------------------------------------------------------------------------------------
     def submit(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None = None
@@ -401,6 +406,10 @@ class DirectPlugin(WorkerPlugin):
                 obj.stop()
         listener = getattr(self, "_listener", None)
         if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept(); close() alone does not
+            except OSError:
+                pass
             listener.close()
 
 

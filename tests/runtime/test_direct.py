@@ -155,3 +155,25 @@ def test_direct_items_become_dashboard_records_and_profile_spans(ctl, group):
     with ctl.profile() as p:
         group.sleep(0.5).result()
     assert p.busy_s >= 0.45 and p.controller_share < 0.5
+
+
+def test_on_a_cluster_it_joined_the_controller_leaves_no_listener_behind():
+    """direct_calls=True on a cluster the controller did not start: after close() the workers listen no more."""
+    import socket
+
+    from distributed import Client, LocalCluster
+
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                           dashboard_address=None, resources={"slot": 1})
+    try:
+        client = Client(cluster, set_as_default=False)
+        ctl = fa.Controller(client, None, direct_calls=True)
+        g = fa.ActorGroup(ctl, Reducer, name="joined")
+        assert g.all_reduce(1.0).result() == [3.0, 3.0] and ctl.direct_calls
+        ports = client.run(_direct.listen_port)
+        ctl.close()
+        for port in ports.values():
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        cluster.close()
