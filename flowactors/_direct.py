@@ -295,15 +295,16 @@ class DirectChannel:
         with self._cond:
             return min(addresses, key=lambda a: len(self._pending.get(a, ())))
 
-    def fail_address(self, address: str, error: BaseException) -> list[DirectFuture]:
-        """Fail every pending item sent to `address` (its worker died); returns them."""
+    def fail_address(self, address: str, error: BaseException, lost: bool = True) -> list[DirectFuture]:
+        """Fail every pending item sent to `address`: `lost` (its worker died: the connection is closed too), or
+        cancelled with `error` (the worker lives on; what it still replies for them is ignored). Returns them."""
         with self._cond:
             futs = list(self._pending.pop(address, ()))
             for f in futs:
                 self._inflight.pop(f.key, None)
         for f in futs:
-            self._finish(f, "lost", error=error)
-        conn = self._connections.pop(address, None)
+            self._finish(f, "lost" if lost else "error", error=error)
+        conn = self._connections.pop(address, None) if lost else None
         if conn is not None:
             conn.close()
         return futs

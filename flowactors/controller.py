@@ -565,7 +565,8 @@ class Controller:
             self.slots = live
         if self._direct is not None:
             for a in {f.address for f in stale if isinstance(f, DirectFuture)}:
-                self._direct.fail_address(a, ConnectionError("the controller rebuilt its groups after a lost worker"))
+                self._direct.fail_address(a, FutureCancelledError(a, "recovery", "the controller rebuilt its groups "
+                                                                             "after a lost worker"), lost=False)
             self._direct.reset()
         stale = [f for f in stale if not isinstance(f, DirectFuture)]
         if stale:
