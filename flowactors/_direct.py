@@ -2,8 +2,8 @@
 
 Why: a group call through Dask is a chain of messages (client → scheduler → worker → scheduler → client, then the
 value), each with the scheduler's bookkeeping on the way; on the 2-core CI machine a no-op call over 2 ranks costs
-~5 ms that way, ~10 times a Ray actor call. Measured there (benchmarks/dispatch.py and the notes in the module's
-history): one request per rank over Dask's comms (the client's connection pool, handled on the event loops of
+~5 ms that way, ~10 times a Ray actor call. Measured there with prototypes of each design (the no-op case of
+benchmarks/dispatch.py): one request per rank over Dask's comms (the client's connection pool, handled on the event loops of
 client and worker) costs ~0.9 ms for the round trip alone, each hop waking an event loop in a process whose GIL
 other threads hold; keeping a Dask task per rank next to it for the record brings it back to ~3 ms; a plain socket
 per worker, written by the controller's thread and read by a thread of the worker that hands each item to the task
@@ -24,7 +24,8 @@ What calls keep promising, and how:
 - **Values.** The reply to the request carries the output when it is small (`INLINE_BYTES`), else only that it is
   stored; `result()` then fetches it from the worker.
 - **Failures.** A rank's failure is its returned `RankFailure`, as on the Dask path; an exception raised by a
-  runtime function (forming the world, say) is sent back and raised by `result()`. A request to a dead worker
+  runtime function (forming the world, a `Controller.apply`) is sent back and raised by `result()`, and items that
+  take its output raise the same without running (as Dask fails a task whose input erred). A request to a dead worker
   fails; the controller also fails every pending item of a worker the scheduler removed (`fail_address`).
   `result()` waits under the controller's watchdog; the hang report asks each worker what its task thread runs
   (`stacks`).
