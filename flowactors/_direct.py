@@ -402,10 +402,9 @@ class DirectPlugin(WorkerPlugin):
         self._report.start()
 
     def teardown(self, worker: Any) -> None:
-        for attr in ("_report",):
-            obj = getattr(self, attr, None)
-            if obj is not None:
-                obj.stop()
+        report = getattr(self, "_report", None)
+        if report is not None:
+            report.stop()
         listener = getattr(self, "_listener", None)
         if listener is not None:
             try:
@@ -463,11 +462,10 @@ def _serve(worker: Any, conn: _Connection) -> None:
             fn, args, kwargs = pickle.loads(data, buffers=buffers)
         except BaseException as e:  # noqa: BLE001 - e.g. a class the worker cannot import
             fn, args, kwargs = _raise, (e,), {}
-        deps: list[str] = []
-        inputs = None
-        if _has_refs((args, kwargs)):
-            inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), deps), loop)
-        executor.submit(_job, worker, conn, order, key, step, fn, args, kwargs, inputs, deps)
+        refs: dict[str, DirectRef] = {}
+        _collect_refs((args, kwargs), refs)
+        inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs), loop) if refs else None
+        executor.submit(_job, worker, conn, order, key, step, fn, args, kwargs, inputs, list(refs))
 
 
 def _raise(error: BaseException) -> None:
@@ -572,22 +570,10 @@ def _handle_release(keys: Sequence[str]) -> None:
             del _READY[k]
 
 
-def _has_refs(value: Any) -> bool:
-    refs: dict[str, DirectRef] = {}
-    _collect_refs(value, refs)
-    return bool(refs)
-
-
-async def _fetch_inputs(worker: Any, value: Any, deps: list[str]) -> Any:
-    """`value` with every DirectRef replaced by what it names (fetched from its worker where not held here); an
-    input that cannot be had becomes a RankFailure, which the runtime reports as the rank's failure, and one whose
-    item raised raises `_InputRaised`."""
-    refs: dict[str, DirectRef] = {}
-    _collect_refs(value, refs)
-    if not refs:
-        return value
-    deps.extend(refs)
-
+async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef]) -> Any:
+    """`value` with its DirectRefs (`refs`, by key) replaced by what they name (fetched from their worker where not
+    held here); an input that cannot be had becomes a RankFailure, which the runtime reports as the rank's failure,
+    and one whose item raised raises `_InputRaised`."""
     async def one(ref: DirectRef) -> Any:
         try:
             if ref.address == worker.address:

@@ -446,12 +446,13 @@ class FlowactorsDashboard(SchedulerPlugin):
         """Items a worker ran on the direct call path (flowactors._direct), reported after they finished: each
         becomes a finished task of its step (the controller's step when it had one) and a span on the worker."""
         skew = self._skew(worker)
+        times = [t for t, _ in self._step_times]
         for c in calls:
             key = str(c.get("key"))
             start, stop = c.get("start"), c.get("stop")
             timed = isinstance(start, (int, float)) and isinstance(stop, (int, float))
             step = c["step"] if isinstance(c.get("step"), int) else \
-                self._step_at(start + skew) if timed else self.step
+                self._step_at(start + skew, times) if timed else self.step
             records = self._records(step)
             if records is not None and key not in self._key_step:
                 data = tuple(str(d) for d in c.get("deps") or ())
@@ -463,9 +464,9 @@ class FlowactorsDashboard(SchedulerPlugin):
             if timed:
                 self._intervals.append(Interval(worker, node_of(key), start + skew, stop + skew, step))
 
-    def _step_at(self, when: float) -> int:
-        """The step that was current at time `when` (scheduler clock): reports arrive after the fact."""
-        times = [t for t, _ in self._step_times]
+    def _step_at(self, when: float, times: Sequence[float]) -> int:
+        """The step that was current at time `when` (scheduler clock): reports arrive after the fact. `times`:
+        the times of `_step_times`, taken once per report."""
         i = bisect.bisect_right(times, when)
         return self._step_times[i - 1][1] if i else (self._step_times[0][1] - 1 if times else self.step)
 
