@@ -25,7 +25,7 @@ import flowactors as fa
 from algorithms.cli import open_controller, parse_args, user_errors
 from algorithms.config import ConfigError, RunConfig
 from algorithms.metrics import MetricsFile
-from engines import ModelConfig, OptimConfig
+from engines import ModelConfig, OptimConfig, check_model_dir
 from flowactors import Layout
 
 __all__ = ["StageConfig", "Stage", "run_stage"]
@@ -59,21 +59,24 @@ class StageConfig(RunConfig):
     """Responses are cut to this many tokens (EOS included)."""
     eval_every: int = 0
     """Evaluate every K steps (0: only after the last)."""
+    trainable_layers: int = 0
+    """Train only the top K decoder layers with the final norm and the head (0: every parameter): a pretrained
+    backbone's lower layers stay as they are and a step costs little more than a forward pass."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("epochs", "samples_per_step", "micro_batch_tokens", "max_response_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_every < 0 or self.warmup_steps < 0 or not self.lr > 0:
-            raise ConfigError("eval_every and warmup_steps must be >= 0 and lr > 0")
+        if self.eval_every < 0 or self.warmup_steps < 0 or self.trainable_layers < 0 or not self.lr > 0:
+            raise ConfigError("eval_every, warmup_steps and trainable_layers must be >= 0 and lr > 0")
         if self.samples_per_step % self.n_slots:
             raise ConfigError(f"samples_per_step={self.samples_per_step} cannot be split over data-parallel size "
                               f"{self.n_slots} (n_slots); use a multiple of {self.n_slots}")
 
     def optim(self, total_steps: int) -> OptimConfig:
         return OptimConfig(lr=self.lr, micro_batch_tokens=self.micro_batch_tokens, warmup_steps=self.warmup_steps,
-                           total_steps=max(1, total_steps))
+                           total_steps=max(1, total_steps), trainable_layers=self.trainable_layers)
 
 
 class Stage:
@@ -131,6 +134,7 @@ def run_stage(stage_cls: type[Stage], preset: Callable[[], StageConfig], argv: S
             raise ConfigError("train_files=PATH[,PATH] is required (JSONL or Parquet)")
         if cfg.metrics_file and not Path(cfg.metrics_file).resolve().parent.is_dir():
             raise ConfigError(f"metrics_file={cfg.metrics_file}: its directory does not exist")
+        _check_trainable_layers(cfg)
         stage = stage_cls(cfg)
         stage.load()
         per_epoch = len(stage.examples) // cfg.samples_per_step
@@ -140,6 +144,18 @@ def run_stage(stage_cls: type[Stage], preset: Callable[[], StageConfig], argv: S
         fa.configure_logging(cfg.log_format, cfg.log_level)
         with open_controller(cfg) as ctl:
             return _train(stage, ctl, cfg, per_epoch)
+
+
+def _check_trainable_layers(cfg: StageConfig) -> None:
+    if not cfg.trainable_layers:
+        return
+    if cfg.model.engine != "torch":
+        raise ConfigError(f"trainable_layers={cfg.trainable_layers} needs model.engine=torch (the {cfg.model.engine} "
+                          f"engine trains every layer); or set trainable_layers=0")
+    layers = check_model_dir(cfg.model.path)["num_hidden_layers"] if cfg.model.path else cfg.model.num_layers
+    if cfg.trainable_layers > layers:
+        raise ConfigError(f"trainable_layers={cfg.trainable_layers} but the model has {layers} decoder layers; give "
+                          f"1..{layers}, or 0 to train every parameter")
 
 
 def _train(stage: Stage, ctl: fa.Controller, cfg: StageConfig, per_epoch: int) -> list[dict]:

@@ -21,7 +21,7 @@ from engines.registry import training_engine, training_engine_names
 from engines.tokenizer import char_tokenizer, load_tokenizer
 
 __all__ = ["ModelConfig", "build_model", "build_tokenizer", "same_vocabulary", "save_pretrained", "check_model_dir",
-           "SUPPORTED_ARCHITECTURES"]
+           "freeze_lower_layers", "SUPPORTED_ARCHITECTURES"]
 
 Head = Literal["lm", "value", "score"]
 _ARCH = {
@@ -175,6 +175,19 @@ def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokeni
             if cfg.path is not None and mod is not None and "score.weight" not in _saved_keys(cfg.path):
                 torch.nn.init.zeros_(mod.weight)
     return model
+
+
+def freeze_lower_layers(model: torch.nn.Module, trainable_layers: int) -> None:
+    """Leave only the top `trainable_layers` decoder layers, the final norm and the head trainable: the embeddings
+    (and a head tied to them) and the layers below are frozen, so backward stops at the lowest trainable layer."""
+    base = getattr(model, model.base_model_prefix)
+    layers = base.layers
+    if not 0 < trainable_layers <= len(layers):
+        raise ValueError(f"trainable_layers={trainable_layers} but the model has {len(layers)} decoder layers; give "
+                         f"1..{len(layers)}, or 0 to train every parameter")
+    base.embed_tokens.requires_grad_(False)
+    for layer in layers[:len(layers) - trainable_layers]:
+        layer.requires_grad_(False)
 
 
 def _saved_keys(path: str) -> set[str]:

@@ -58,6 +58,10 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
     from engines.training import TrainEngine
 
     net, layout = setup.model, setup.layout
+    if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
+        from engines.models import freeze_lower_layers
+
+        freeze_lower_layers(net, setup.optim.trainable_layers)  # before sharding: FSDP2 groups by requires_grad
     compute_dtype = None
     if setup.trainable and setup.config.torch_dtype != torch.float32:
         net, compute_dtype = net.float(), setup.config.torch_dtype  # float32 master weights, low-precision compute
@@ -85,6 +89,9 @@ def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
     from engines.megatron import MegatronEngine
     from engines.megatron_groups import megatron_groups
 
+    if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
+        raise ValueError(f"the megatron engine trains every layer (trainable_layers={setup.optim.trainable_layers}); "
+                         f"use model.engine=torch to train only the top layers")
     engine = MegatronEngine.from_hf_model(setup.model, setup.optim, tp=setup.layout.tp, pp=setup.layout.pp,
                                           trainable=setup.trainable, head=setup.head,
                                           groups=megatron_groups(setup.mesh, setup.subgroups))

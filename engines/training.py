@@ -65,6 +65,10 @@ class OptimConfig:
     total_steps: int = 1000
     micro_batch_tokens: int = 4096
     """Tokens (rows x sequence length) per forward/backward on one rank; bounds activation memory."""
+    trainable_layers: int = 0
+    """Train only the top K decoder layers, the final norm and the head (0: every parameter). The layers below
+    get no gradient and no backward pass, so a step costs about a forward pass plus K layers' backward: how a score
+    head is fitted on a pretrained backbone cheaply (torch engine)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -73,6 +77,9 @@ class OptimConfig:
             raise ValueError(f"OptimConfig.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.trainable_layers < 0:
+            raise ValueError(f"OptimConfig.trainable_layers must be >= 0 (0: train every layer), got "
+                             f"{self.trainable_layers}")
 
     def lr_factor(self, step: int) -> float:
         """The schedule's multiplier of `lr` after `step` optimizer steps (linear warm-up, then constant/cosine)."""

@@ -101,3 +101,35 @@ def test_a_cost_dataset_without_safety_labels_is_refused_before_any_worker(tmp_p
     with pytest.raises(SystemExit):
         train_reward(["kind=cost", f"train_files={_jsonl(tmp_path / 'p.jsonl', rows)}", f"out={tmp_path / 'o'}"])
     assert "kind=cost needs `chosen_safe` and `rejected_safe`" in capsys.readouterr().err
+
+
+def test_trainable_layers_trains_only_the_top_layers_and_the_head(tmp_path):
+    """trainable_layers=1 on a 2-layer pretrained backbone (FSDP2 over 2 ranks): the written model keeps the
+    backbone's embeddings and first layer bit for bit, its top layer and head moved, and it still learns."""
+    from algorithms.train_reward import main as train_reward
+    from engines import ModelConfig, build_model, build_tokenizer, save_pretrained
+
+    cfg = ModelConfig(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    tok = build_tokenizer(cfg)
+    save_pretrained(build_model(cfg, "lm", tok), tok, tmp_path / "base")
+    train = _jsonl(tmp_path / "train.jsonl", _pairs(96, seed=1))
+    held_out = _jsonl(tmp_path / "eval.jsonl", _pairs(16, seed=2))
+    history = train_reward([*COMMON, f"model.path={tmp_path / 'base'}", f"train_files={train}",
+                            f"eval_files={held_out}", f"out={tmp_path / 'rm'}", "epochs=2", "trainable_layers=1"])
+    assert history[-1]["eval/pair_accuracy"] >= 0.9
+    base = build_model(ModelConfig(path=str(tmp_path / "base")), "score").state_dict()
+    trained = build_model(ModelConfig(path=str(tmp_path / "rm")), "score").state_dict()
+    frozen = [n for n in base if n.startswith(("model.embed_tokens.", "model.layers.0."))]
+    moved = [n for n in base if n.startswith(("model.layers.1.", "score."))]
+    assert frozen and moved
+    assert all(torch.equal(base[n], trained[n]) for n in frozen)
+    assert all(not torch.equal(base[n], trained[n]) for n in moved if not n.endswith("norm.weight"))
+
+
+def test_trainable_layers_beyond_the_model_is_refused_before_any_worker(tmp_path, capsys, no_cluster):
+    from algorithms.train_reward import main as train_reward
+
+    train = _jsonl(tmp_path / "p.jsonl", _pairs(4, 0))
+    with pytest.raises(SystemExit):
+        train_reward([f"train_files={train}", f"out={tmp_path / 'o'}", "model.num_layers=2", "trainable_layers=3"])
+    assert "trainable_layers=3 but the model has 2 decoder layers" in capsys.readouterr().err
