@@ -93,6 +93,8 @@ class Settings:
     lambda_init: float
     tie: float = 0.05
     """Pairs whose gold scores differ by less than this are ties and left out."""
+    rm_trainable_layers: int = 0
+    """Reward and cost models train only their top K decoder layers and the head (0: every layer)."""
 
     @staticmethod
     def full() -> "Settings":
@@ -193,6 +195,7 @@ def train_scorer(kind: str, model_dir: str, out: Path, s: Settings, seed: int) -
         f"eval_files={out / f'{kind[0]}m_eval.jsonl'}", f"out={out / f'{kind}_model'}", "n_slots=2",
         "dashboard=none", f"epochs={s.rm_epochs}", f"samples_per_step={s.rm_samples_per_step}", f"lr={s.rm_lr}",
         "warmup_steps=2", f"max_response_tokens={s.max_new_tokens + 1}", "micro_batch_tokens=2048", f"seed={seed}",
+        f"trainable_layers={s.rm_trainable_layers}",
         f"metrics_file={out / f'{kind}_metrics.jsonl'}"])
     return history[-1]
 
