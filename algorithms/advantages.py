@@ -24,26 +24,37 @@ def _gae_fields(batch: Batch, scores: torch.Tensor, values_key: str, kl_coef: fl
     return gae(rewards, batch[values_key], mask, gamma, lam)
 
 
+def _scaled(scores: torch.Tensor, whiten: bool) -> torch.Tensor:
+    """`scores` over their standard deviation across the batch (not shifted), when asked and defined."""
+    if not whiten or scores.numel() < 2:
+        return scores
+    return scores / scores.float().std().clamp_min(1e-8)
+
+
 def join(*batches: Batch) -> Batch:
     """Fields of several results about the same samples side by side."""
     return batches[0].union(*batches[1:])
 
 
-def ppo_advantages(*parts: Batch, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool) -> Batch:
+def ppo_advantages(*parts: Batch, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool,
+                   whiten_rewards: bool = False) -> Batch:
     batch = join(*parts)
-    adv, ret = _gae_fields(batch, batch["rewards"], "values", kl_coef, kl_estimator, gamma, lam)
+    adv, ret = _gae_fields(batch, _scaled(batch["rewards"], whiten_rewards), "values", kl_coef, kl_estimator, gamma,
+                           lam)
     if whiten:
         adv = masked_whiten(adv, batch["response_mask"])
     return batch.union(Batch({"advantages": adv, "returns": ret}))
 
 
 def safe_rlhf_advantages(*parts: Batch, lagrange_lambda: float, gamma: float, lam: float, kl_coef: float,
-                         kl_estimator: str) -> Batch:
+                         kl_estimator: str, whiten_rewards: bool = False) -> Batch:
     """Reward advantages (KL penalty in the reward) and cost advantages, combined as (A_r − λ·A_c) / (1 + λ)."""
     batch = join(*parts)
     mask = batch["response_mask"]
-    adv_r, ret_r = _gae_fields(batch, batch["rewards"], "values", kl_coef, kl_estimator, gamma, lam)
-    adv_c, ret_c = _gae_fields(batch, batch["costs"], "cost_values", 0.0, kl_estimator, gamma, lam)
+    adv_r, ret_r = _gae_fields(batch, _scaled(batch["rewards"], whiten_rewards), "values", kl_coef, kl_estimator,
+                               gamma, lam)
+    adv_c, ret_c = _gae_fields(batch, _scaled(batch["costs"], whiten_rewards), "cost_values", 0.0, kl_estimator,
+                               gamma, lam)
     # whiten the combination, not each part: a cost that no sample incurs has no variance to normalise
     adv = masked_whiten((adv_r - lagrange_lambda * adv_c) / (1 + lagrange_lambda), mask)
     return batch.union(Batch({"advantages": adv, "returns": ret_r, "cost_returns": ret_c}))

@@ -232,6 +232,10 @@ class PPOConfig(RLConfig):
     """Critic learning rate (AdamW)."""
     whiten_advantages: bool = True
     """Normalise advantages to zero mean, unit variance over the step's tokens."""
+    whiten_rewards: bool = False
+    """Divide each step's model scores (rewards, and Safe-RLHF's costs) by their standard deviation over the step's
+    samples, without shifting them (TRL's whiten_rewards): a learned reward model's scale is arbitrary (one trained
+    briefly scores within ±0.1), and the KL penalty and λ should act on unit-scale scores. Metrics stay raw."""
     # -- stage fusion (RLHFuse; algorithms/fusion.py) ---------------------------------------------------------------
     fuse: bool = False
     """Score finished samples in chunks while generation goes on (scorers on the actor's slots still wait).

@@ -58,7 +58,8 @@ class PPO(Algorithm):
                                            self.ref.compute_ref_log_prob(samples), self.critic.compute_values(samples),
                                            self.reward.compute_reward(samples))
         batch = ctl.apply(ppo_advantages, *parts, gamma=cfg.gamma, lam=cfg.lam,
-                          kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages)
+                          kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
+                          whiten_rewards=cfg.whiten_rewards)
         critic_update = self.critic.update_critic(batch, ValueLoss(cfg.value_clip), self.update_spec(i))
         actor_update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch)

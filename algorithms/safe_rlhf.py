@@ -81,7 +81,8 @@ class SafeRLHF(Algorithm):
             samples = actor.generate_sequences(prompts)
             generated, parts = [samples], (samples, *(score(samples) for score in scorers))
         batch = ctl.apply(safe_rlhf_advantages, *parts, lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
-                          lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
+                          lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+                          whiten_rewards=cfg.whiten_rewards)
         spec = self.update_spec(i)
         updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip), spec),
                    self.cost_critic.update_critic(batch, ValueLoss(cfg.value_clip, prefix="cost_"), spec),

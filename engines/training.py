@@ -160,7 +160,7 @@ class TrainEngine:
             if self.sync_grads and shard_optimizer:
                 self.owners = assign_owners(model, dp_size)
                 mine = dist.get_rank(dp_group)
-                params = [p for n, p in model.named_parameters() if self.owners[n] == mine]
+                params = [p for n, p in model.named_parameters() if self.owners.get(n) == mine]
                 self._owner_ranks = [(p, dist.get_global_rank(dp_group, self.owners[n]))
                                      for n, p in model.named_parameters() if n in self.owners]
             self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=self.cfg.betas,

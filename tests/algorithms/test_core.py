@@ -117,3 +117,35 @@ def test_controllers():
     assert other.value == lag.value
     with pytest.raises(ValueError, match="log-parameterised"):
         LagrangeMultiplier(threshold=1.0, init=0.0)
+
+
+def _scored_batch(reward_scale: float, cost_scale: float) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    b, r = 6, 4
+    mask = torch.ones(b, r)
+    mask[0, 3:] = 0
+    return Batch({"response_mask": mask, "old_log_probs": -torch.rand(b, r, generator=g),
+                  "ref_log_probs": -torch.rand(b, r, generator=g), "values": torch.randn(b, r, generator=g),
+                  "cost_values": torch.randn(b, r, generator=g),
+                  "rewards": reward_scale * torch.randn(b, generator=g),
+                  "costs": cost_scale * torch.randn(b, generator=g)})
+
+
+def test_whiten_rewards_divides_the_scores_by_their_batch_std_without_shifting():
+    from algorithms.advantages import ppo_advantages, safe_rlhf_advantages
+
+    kw = dict(gamma=1.0, lam=0.95, kl_coef=0.1, kl_estimator="k1")
+    small = _scored_batch(0.05, 0.02)
+    # the reference: the same call on scores divided by hand (unbiased std over the batch's samples)
+    by_hand = Batch({**small.tensors, "rewards": small["rewards"] / small["rewards"].std(),
+                     "costs": small["costs"] / small["costs"].std()})
+    for fn, extra in ((ppo_advantages, {"whiten": True}), (safe_rlhf_advantages, {"lagrange_lambda": 0.7})):
+        out = fn(small, whiten_rewards=True, **kw, **extra)
+        ref = fn(by_hand, **kw, **extra)
+        torch.testing.assert_close(out["advantages"], ref["advantages"])
+        torch.testing.assert_close(out["returns"], ref["returns"])
+        assert torch.equal(out["rewards"], small["rewards"])  # the batch (and so the metrics) keeps raw scores
+        # scale-free: a reward model scoring ten times larger gives the same advantages; unwhitened it does not
+        large = _scored_batch(0.5, 0.2)
+        torch.testing.assert_close(fn(large, whiten_rewards=True, **kw, **extra)["advantages"], out["advantages"])
+        assert not torch.allclose(fn(large, **kw, **extra)["advantages"], fn(small, **kw, **extra)["advantages"])
