@@ -17,7 +17,9 @@ The stages, each a progress bar, each on the project's own programs and a 2-slot
    prompt, the reward model's loss had not left ln 2 after 13 steps of 8 pairs at lr 5e-5). Prompts whose extremes
    score (almost) the same give no pair. Pairs of a few training topics are held out for the pair accuracies.
 3. **Reward and cost models** trained from SmolLM2 with a score head by `algorithms/train_reward.py`
-   (Bradley-Terry; `kind=cost`: Safe-RLHF's cost loss with the sign labels).
+   (Bradley-Terry; `kind=cost`: Safe-RLHF's cost loss with the sign labels), only the top 10 of its 30 decoder
+   layers and the head (`trainable_layers=10`): the same held-out accuracy here as training every layer
+   (measured: correlation with the gold reward 0.47-0.50 either way), at about half the time a step.
 4. **The cost threshold in the learned model's units.** The gold threshold is the policy's starting mean
    subjectivity (measured on the stage-1 samples): "become more positive, no more opinionated than you are". The
    cost model's units are arbitrary, so the held-out pair answers are scored with it and a least-squares line maps
@@ -26,7 +28,9 @@ The stages, each a progress bar, each on the project's own programs and a 2-slot
    gold cost.
 5. **Safe-RLHF** (`algorithms/safe_rlhf.py`, PPO-Lagrangian) with `reward_model=`, `cost_model=`, `train_files=`,
    `eval_files=`, `eval_every=`, on the `safe_rlhf_smollm2()` preset with `sft_steps=0` (the instruct model is the
-   SFT policy). The run is driven in-process (`algorithms.loop._Run`, as tests/algorithms/test_smollm2.py does) so
+   SFT policy) and `whiten_rewards=true`: a briefly trained reward model scores within about ±0.1, so unscaled its
+   differences between samples were smaller than the KL penalty, which then steered the policy (measured: neither
+   the learned reward nor the gold one rose in 10 steps; whitened, the gold reward rose by 0.18 in 10 steps). The run is driven in-process (`algorithms.loop._Run`, as tests/algorithms/test_smollm2.py does) so
    that its evaluations also decode the held-out answers and score them with the gold scorers: before the first
    step, every `eval_every` steps and after the last. Evaluation samples (temperature 1, the distribution the
    constraint is about) with a fixed seed per prompt and sample, so every evaluation draws the same random numbers
@@ -99,16 +103,16 @@ class Settings:
     @staticmethod
     def full() -> "Settings":
         return Settings(pair_prompts=256, answers_per_prompt=4, pair_eval_topics=6, eval_topics=12, eval_prompts=64,
-                        eval_samples=2, max_new_tokens=24, rm_epochs=1, rm_samples_per_step=8, rm_lr=1e-4, rl_steps=20,
-                        prompts_per_step=16, mini_batch_samples=8, eval_every=5, actor_lr=2e-5, critic_lr=2e-5,
-                        kl_coef=0.05, lambda_lr=0.2, lambda_init=0.5)
+                        eval_samples=8, max_new_tokens=24, rm_epochs=1, rm_samples_per_step=8, rm_lr=1e-4, rl_steps=20,
+                        prompts_per_step=16, mini_batch_samples=8, eval_every=10, actor_lr=4e-5, critic_lr=2e-5,
+                        kl_coef=0.05, lambda_lr=0.2, lambda_init=0.5, rm_trainable_layers=10)
 
     @staticmethod
     def quick() -> "Settings":
         return Settings(pair_prompts=64, answers_per_prompt=2, pair_eval_topics=8, eval_topics=4, eval_prompts=8,
                         eval_samples=1, max_new_tokens=12, rm_epochs=1, rm_samples_per_step=8, rm_lr=3e-5, rl_steps=2,
                         prompts_per_step=4, mini_batch_samples=4, eval_every=1, actor_lr=1e-5, critic_lr=1e-5,
-                        kl_coef=0.05, lambda_lr=0.2, lambda_init=0.5)
+                        kl_coef=0.05, lambda_lr=0.2, lambda_init=0.5, rm_trainable_layers=10)
 
 
 # -- stage 1: the policy's own samples, gold-scored --------------------------------------------------------------
