@@ -62,6 +62,10 @@ class StageConfig(RunConfig):
     trainable_layers: int = 0
     """Train only the top K decoder layers with the final norm and the head (0: every parameter): a pretrained
     backbone's lower layers stay as they are and a step costs little more than a forward pass."""
+    zero_stage: int = OptimConfig.zero_stage
+    """3: parameters, gradients and optimizer state sharded over the ranks (FSDP2); 1: a whole model per rank,
+    gradients averaged once a step, optimizer state sharded (ZeRO-1: much less communication for a model that fits
+    on one device)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -70,13 +74,16 @@ class StageConfig(RunConfig):
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0 or self.warmup_steps < 0 or self.trainable_layers < 0 or not self.lr > 0:
             raise ConfigError("eval_every, warmup_steps and trainable_layers must be >= 0 and lr > 0")
+        if self.zero_stage not in (1, 3):
+            raise ConfigError(f"zero_stage must be 1 (replicas) or 3 (FSDP2), got {self.zero_stage}")
         if self.samples_per_step % self.n_slots:
             raise ConfigError(f"samples_per_step={self.samples_per_step} cannot be split over data-parallel size "
                               f"{self.n_slots} (n_slots); use a multiple of {self.n_slots}")
 
     def optim(self, total_steps: int) -> OptimConfig:
         return OptimConfig(lr=self.lr, micro_batch_tokens=self.micro_batch_tokens, warmup_steps=self.warmup_steps,
-                           total_steps=max(1, total_steps), trainable_layers=self.trainable_layers)
+                           total_steps=max(1, total_steps), trainable_layers=self.trainable_layers,
+                           zero_stage=self.zero_stage)
 
 
 class Stage:

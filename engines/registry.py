@@ -65,7 +65,9 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
     compute_dtype = None
     if setup.trainable and setup.config.torch_dtype != torch.float32:
         net, compute_dtype = net.float(), setup.config.torch_dtype  # float32 master weights, low-precision compute
-    sharded = layout.dp > 1 or layout.tp > 1
+    # ZeRO-1: whole replicas over DP (each TP shard when tp > 1); the engine averages their gradients
+    replicas = setup.trainable and setup.optim is not None and setup.optim.zero_stage == 1
+    sharded = layout.tp > 1 or (layout.dp > 1 and not replicas)
     hybrid = None
     if setup.rollout_tp is not None:
         from engines.hybrid_engine import HybridEngine, untie_embeddings
@@ -73,10 +75,11 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
         untie_embeddings(net)
         net = parallelize(net, setup.mesh, fsdp=False, vocab_parallel=True)
         hybrid = HybridEngine(net, setup.mesh, setup.rollout_tp, setup.subgroups, gen_pp=setup.rollout_pp)
-    elif sharded:
-        net = parallelize(net, setup.mesh)
+    elif layout.dp > 1 or layout.tp > 1:
+        net = parallelize(net, setup.mesh, fsdp=not replicas)
     engine = TrainEngine(net, setup.optim, dp_group=setup.mesh["dp"].get_group(), dp_size=layout.dp,
-                         trainable=setup.trainable, sync_grads=hybrid is not None, compute_dtype=compute_dtype)
+                         trainable=setup.trainable, sync_grads=hybrid is not None or replicas,
+                         compute_dtype=compute_dtype)
     return TrainingBuild(engine, gathers_to_generate=sharded, hybrid=hybrid)
 
 

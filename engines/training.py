@@ -69,6 +69,12 @@ class OptimConfig:
     """Train only the top K decoder layers, the final norm and the head (0: every parameter). The layers below
     get no gradient and no backward pass, so a step costs about a forward pass plus K layers' backward: how a score
     head is fitted on a pretrained backbone cheaply (torch engine)."""
+    zero_stage: int = 3
+    """How data-parallel ranks hold the model (torch engine, DeepSpeed's numbering): 3 shards parameters,
+    gradients and optimizer state (FSDP2: least memory, but every layer's weights are gathered in each forward and
+    backward); 1 keeps a whole replica per rank, averages gradients once per step and shards only the optimizer
+    state (ZeRO-1: far less communication, for models that fit on one device; with tp > 1 each rank keeps its TP
+    shard)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -80,6 +86,9 @@ class OptimConfig:
         if self.trainable_layers < 0:
             raise ValueError(f"OptimConfig.trainable_layers must be >= 0 (0: train every layer), got "
                              f"{self.trainable_layers}")
+        if self.zero_stage not in (1, 3):
+            raise ValueError(f"OptimConfig.zero_stage must be 1 (replicas, sharded optimizer state) or 3 (FSDP2), "
+                             f"got {self.zero_stage}")
 
     def lr_factor(self, step: int) -> float:
         """The schedule's multiplier of `lr` after `step` optimizer steps (linear warm-up, then constant/cosine)."""

