@@ -136,6 +136,11 @@ class RLConfig(RunConfig):
     """Passes over each step's samples."""
     micro_batch_tokens: int = OptimConfig.micro_batch_tokens
     """Tokens per forward/backward on one rank (gradient accumulation beyond it)."""
+    zero_stage: int = OptimConfig.zero_stage
+    """How the actor's and critics' data-parallel ranks hold them (torch engine): 3 = FSDP2 (everything sharded);
+    1 = a whole replica per rank (its TP shard when tp > 1), gradients averaged once per mini-batch, Adam state
+    sharded (ZeRO-1), and the actor samples from its own replica: less communication for models that fit on one
+    device. The 3D-HybridEngine (rollout_tp) always keeps replicas."""
     # -- model and sampling ---------------------------------------------------------------------------------------
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (and the models started from it): model.path=DIR loads a Hugging Face folder, else sizes."""
@@ -176,6 +181,9 @@ class RLConfig(RunConfig):
         if self.rollout_engine not in ("hf", "vllm") and ":" not in self.rollout_engine:
             raise ConfigError(f"rollout_engine must be hf or vllm (or a registered 'module:name'), got "
                               f"{self.rollout_engine!r}")
+        if self.zero_stage not in (1, 3):
+            raise ConfigError(f"zero_stage must be 1 (replicas, sharded optimizer state) or 3 (FSDP2), got "
+                              f"{self.zero_stage}")
         if self.rollout_tp < 0:
             raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
         if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:

@@ -235,7 +235,8 @@ def place(ctl: Controller, cfg: RLConfig) -> Pools:
 # -- building -------------------------------------------------------------------------------------------------------
 
 def actor_optim(cfg: RLConfig) -> OptimConfig:
-    return OptimConfig(lr=cfg.actor_lr, micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=1.0)
+    return OptimConfig(lr=cfg.actor_lr, micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=1.0,
+                       zero_stage=cfg.zero_stage)
 
 
 def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
@@ -277,23 +278,23 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
     actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), rollout_tp(cfg),
                   rollout_engine(cfg), rollout_pp(cfg))
     sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
-    ref = group("ref", RefWorker, sft, cfg.temperature)
+    ref = group("ref", RefWorker, sft, cfg.temperature, cfg.zero_stage)
     built = {}
     for key in critics:  # PPOConfig: checked above
-        optim = OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens)
+        optim = OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens, zero_stage=cfg.zero_stage)
         built[key] = group(key, CriticWorker, sft, optim, "values" if key == "critic" else "cost_values")
-    reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model)
+    reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.zero_stage)
     if with_cost:
-        built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model)
+        built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)
     return Roles(actor=actor, ref=ref, reward=reward, **built)
 
 
 def _scorer(group: Callable[..., fa.ActorGroup], role: str, model_dir: str | None, rule: Callable,
-            policy: ModelConfig) -> fa.ActorGroup:
+            policy: ModelConfig, zero_stage: int) -> fa.ActorGroup:
     """A learned model (a score-head folder) when one is given, else the task's rule."""
     from engines import RewardModelWorker, RuleRewardWorker
 
     if model_dir:
         return group(role, RewardModelWorker, ModelConfig(path=model_dir, dtype=policy.dtype, engine=policy.engine),
-                     policy)
+                     policy, None, zero_stage)
     return group(role, RuleRewardWorker, rule, policy)

@@ -145,6 +145,10 @@ class TrainingSetup:
     """The actor's generation TP size for the 3D-HybridEngine; None: no hybrid resharding."""
     rollout_pp: int = 1
     """The actor's generation pipeline stages under the 3D-HybridEngine (dividing the training pp)."""
+    zero_stage: int = 3
+    """How the DP ranks hold the model (torch engine): 3 shards it (FSDP2), 1 keeps a whole replica per rank (a
+    trainable one averages gradients and shards its Adam state, ZeRO-1). A trainable role takes it from its
+    OptimConfig."""
 
 
 @dataclass

@@ -65,8 +65,9 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
     compute_dtype = None
     if setup.trainable and setup.config.torch_dtype != torch.float32:
         net, compute_dtype = net.float(), setup.config.torch_dtype  # float32 master weights, low-precision compute
-    # ZeRO-1: whole replicas over DP (each TP shard when tp > 1); the engine averages their gradients
-    replicas = setup.trainable and setup.optim is not None and setup.optim.zero_stage == 1
+    # zero_stage 1: whole replicas over DP (each TP shard when tp > 1); a trainable one's gradients are averaged
+    # by the engine and its Adam state sharded (ZeRO-1)
+    replicas = setup.zero_stage == 1 and setup.rollout_tp is None  # (the hybrid engine keeps replicas anyway)
     sharded = layout.tp > 1 or (layout.dp > 1 and not replicas)
     hybrid = None
     if setup.rollout_tp is not None:

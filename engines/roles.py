@@ -62,7 +62,8 @@ class ModelWorker(Worker):
         return subgroups(layout.pp, layout.dp, layout.tp) if subgroups else []
 
     def _setup(self, model: ModelConfig, optim: OptimConfig | None, trainable: bool,
-               rollout_tp: int | None = None, rollout_pp: int = 1) -> None:
+               rollout_tp: int | None = None, rollout_pp: int = 1, zero_stage: int = 3) -> None:
+        """`zero_stage` (3 or 1, see TrainingSetup) for a frozen model; a trainable one's comes from `optim`."""
         torch.manual_seed(model.seed)
         self.model_config = model
         self.tokenizer = build_tokenizer(model)
@@ -71,7 +72,8 @@ class ModelWorker(Worker):
         self._lm_class = type(net).__name__
         built = training_engine(model.engine).build(TrainingSetup(
             model=net, config=model, head=self.head, optim=optim, trainable=trainable, layout=self.layout,
-            mesh=self.mesh, subgroups=self.subgroups, rollout_tp=rollout_tp, rollout_pp=rollout_pp))
+            mesh=self.mesh, subgroups=self.subgroups, rollout_tp=rollout_tp, rollout_pp=rollout_pp,
+            zero_stage=optim.zero_stage if optim is not None else zero_stage))
         self.engine = built.engine
         self.hybrid = built.hybrid
         self.sharded = built.gathers_to_generate
@@ -362,8 +364,9 @@ class ActorWorker(ModelWorker):
 class RefWorker(ModelWorker):
     """Frozen reference policy: compute_ref_log_prob."""
 
-    def __init__(self, model: ModelConfig, temperature: float = 1.0) -> None:
-        self._setup(model, None, trainable=False)
+    def __init__(self, model: ModelConfig, temperature: float = 1.0, zero_stage: int = 3) -> None:
+        """`zero_stage=1`: a whole replica per DP rank, no weight gathers in its forwards (see TrainingSetup)."""
+        self._setup(model, None, trainable=False, zero_stage=zero_stage)
         self.temperature = temperature
 
     @endpoint(protocol=MESH)
@@ -399,10 +402,11 @@ class RewardModelWorker(ModelWorker):
 
     head = "score"
 
-    def __init__(self, model: ModelConfig, policy: ModelConfig | None = None, optim: OptimConfig | None = None
-                 ) -> None:
-        """`optim`: train this model (`update_scorer`), e.g. a reward model on preference pairs; None: frozen."""
-        self._setup(model, optim, trainable=optim is not None)
+    def __init__(self, model: ModelConfig, policy: ModelConfig | None = None, optim: OptimConfig | None = None,
+                 zero_stage: int = 3) -> None:
+        """`optim`: train this model (`update_scorer`), e.g. a reward model on preference pairs; None: frozen,
+        held as `zero_stage` says (TrainingSetup)."""
+        self._setup(model, optim, trainable=optim is not None, zero_stage=zero_stage)
         policy_tokenizer = build_tokenizer(policy) if policy is not None else None
         self.policy_tokenizer = None if policy_tokenizer is None or same_vocabulary(policy_tokenizer, self.tokenizer) \
             else policy_tokenizer

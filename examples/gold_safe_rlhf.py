@@ -302,7 +302,7 @@ def run_safe_rlhf(model_dir: str, out: Path, s: Settings, threshold: float, gold
         f"train_files={out / 'rl_train.jsonl'}", f"eval_files={out / 'rl_eval.jsonl'}",
         f"eval_every={s.eval_every}", f"eval_prompts={s.eval_prompts}", f"cost_threshold={threshold}",
         f"actor_lr={s.actor_lr}", f"critic_lr={s.critic_lr}", f"kl_coef={s.kl_coef}", f"lambda_lr={s.lambda_lr}",
-        f"lambda_init={s.lambda_init}", "micro_batch_tokens=2048", f"seed={seed}", "whiten_rewards=true",
+        f"lambda_init={s.lambda_init}", "micro_batch_tokens=2048", f"seed={seed}", "whiten_rewards=true", "zero_stage=1",
         f"metrics_file={out / 'rl_metrics.jsonl'}"])
     check_before_start(cfg)
     with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="gold-safe-rlhf-") as tmp:

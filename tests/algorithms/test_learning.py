@@ -46,11 +46,14 @@ def test_two_data_parallel_ranks_match_one(tmp_path):
     common = ["--steps", "4", "sft_steps=20", "prompts_per_step=8", "mini_batch_samples=16"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
+    (tmp_path / "c").mkdir()
     one = run(main, tmp_path / "a", "n_slots=1", *common)
     two = run(main, tmp_path / "b", "n_slots=2", *common)
-    for a, b in zip(one, two):
+    replicas = run(main, tmp_path / "c", "n_slots=2", "zero_stage=1", *common)  # actor and reference unsharded
+    for a, b, c in zip(one, two, replicas):
         for key in ("reward_mean", "kl", "entropy", "response_length_mean"):
             assert a[key] == pytest.approx(b[key], abs=2e-3), (a["step"], key)
+            assert a[key] == pytest.approx(c[key], abs=2e-3), (a["step"], key)
 
 
 def test_grpo_on_policy_steps_skip_the_old_log_prob_pass_and_update_alike(tmp_path, monkeypatch):

@@ -216,6 +216,49 @@ def test_zero1_optimizer_state_sharded_over_dp_and_checkpoints_load_under_any_dp
             g.close()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero_stage_1_actor_keeps_replicas_without_the_hybrid_engine(controller4, tmp_path, tp):
+    """OptimConfig(zero_stage=1) without rollout_tp: a DP=2 actor keeps a whole replica (its TP shard when tp = 2)
+    on each rank, samples what the unsharded model samples, updates as the unsharded actor does with the Adam state
+    split over DP, and its checkpoint resumes an unsharded actor to the same next update."""
+    from dataclasses import replace
+
+    tok = build_tokenizer(CFG)
+    zero1 = fa.ActorGroup(controller4, HybridActorProbe, name=f"z1_actor_{tp}", slots=controller4.slots[:2 * tp],
+                          layout=fa.Layout(dp=2, tp=tp), args=(CFG, replace(OPTIM, zero_stage=1), SAMPLING))
+    plain = fa.ActorGroup(controller4, HybridActorProbe, name=f"z1_plain_{tp}", slots=controller4.slots[:1],
+                          args=(CFG, OPTIM, SAMPLING))
+    spec = UpdateSpec(mini_batch_samples=4)
+    try:
+        prompts = _prompts(tok, seeded=True)
+        rows = zero1.generate_sequences(prompts, SAMPLED).result()
+        assert torch.equal(rows["responses"], _reference(tok, prompts, SAMPLED)["responses"])
+        first, second = _pg_batch(rows, 3), _pg_batch(rows, 4)
+        m_z = zero1.update_actor(first, pg_loss, spec).result()
+        m_p = plain.update_actor(first, pg_loss, spec).result()
+        assert m_z["grad_norm"] == pytest.approx(m_p["grad_norm"], rel=1e-4)
+        reports = zero1.optimizer_report().result()
+        for tp_rank in range(tp):  # the two DP ranks of a TP coordinate split its Adam state
+            halves = [reports[d * tp + tp_rank] for d in range(2)]
+            assert sum(r["state_bytes"] for r in halves) == halves[0]["replica_bytes"]
+            assert all(0 < r["state_bytes"] < r["replica_bytes"] for r in halves)
+        w_z, w_p = zero1.full_weights().result()[0], plain.full_weights().result()[0]
+        for k, v in ActorWorker_initial(tok).items():
+            assert float((w_p[k] - v).abs().max()) > 0 or k.endswith("norm.weight"), k  # it moved
+            torch.testing.assert_close(w_z[k], w_p[k], atol=2e-5, rtol=0, msg=k)
+
+        zero1.save_checkpoint(str(tmp_path / "z1")).result()
+        zero1.update_actor(second, pg_loss, spec).result()
+        want = zero1.full_weights().result()[0]
+        plain.load_checkpoint(str(tmp_path / "z1")).result()
+        plain.update_actor(second, pg_loss, spec).result()
+        for k, v in plain.full_weights().result()[0].items():
+            torch.testing.assert_close(v, want[k], atol=2e-5, rtol=0, msg=k)
+    finally:
+        zero1.close()
+        plain.close()
+
+
 def test_qwen2_biases_through_the_generation_pieces(controller4, tmp_path):
     """Qwen2's q/k/v biases are column-split with their weights: greedy tokens and rollout log-probs of a TP=4
     actor generating at t_g=2 equal the unsharded Qwen2 model's (biases made non-zero, loaded from a folder)."""
