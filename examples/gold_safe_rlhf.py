@@ -26,10 +26,14 @@ The stages, each a progress bar, each on the project's own programs and a 2-slot
    holds a whole replica (`zero_stage=1`): FSDP2 would gather every layer's weights twice a step.
 4. **The cost threshold in the learned model's units.** The gold threshold is the policy's starting mean
    intensity (measured on the stage-1 samples): "become more positive, no more emotional than you are". The
-   cost model's units are arbitrary, so the held-out pair answers are scored with it and a least-squares line maps
-   its scores to gold costs; the RL threshold is that line's inverse at the gold threshold less a small margin
-   (`--cost-margin`, gold units), because the learned cost is a noisy proxy of the gold one and the target is the
-   gold cost.
+   cost model's units are arbitrary, so the held-out pair answers are scored with it and a least-squares line
+   learned ≈ c·gold + d gives the learned cost an answer of a given gold cost gets on average; the RL threshold is
+   that line at the gold threshold less a small margin (`--cost-margin`, gold units: the learned cost is a noisy
+   proxy and the target is the gold cost). This direction, not the inverse of gold ≈ a·learned + b: the constraint
+   is on a step's mean learned cost, whose errors independent of the gold cost average out, so shifting the
+   policy's mean gold cost by Δ shifts its mean learned cost by c·Δ. The inverse line's slope is shrunk by the
+   proxy's noise (a = r²/c), so it asks for a 1/r² times larger cut: measured with r = 0.44, it held the learned
+   cost ~5x too low and the policy gave up positivity to get there (gold reward 0.24 → 0.18 after 10 steps).
 5. **Safe-RLHF** (`algorithms/safe_rlhf.py`, PPO-Lagrangian) with `reward_model=`, `cost_model=`, `train_files=`,
    `eval_files=`, `eval_every=`, on the `safe_rlhf_smollm2()` preset with `sft_steps=0` (the instruct model is the
    SFT policy) and `whiten_rewards=true`: a briefly trained reward model scores within about ±0.1, so unscaled its
@@ -243,14 +247,15 @@ def learned_costs(model_dir: str, cost_model: str, pairs_file: Path, response_to
 
 
 def learned_threshold(learned: list[float], gold: list[float], gold_threshold: float) -> tuple[float, dict]:
-    """The learned cost at which the least-squares line gold ≈ a·learned + b reaches `gold_threshold`."""
-    slope, intercept = statistics.linear_regression(learned, gold)
+    """The learned cost that the least-squares line learned ≈ c·gold + d gives at `gold_threshold` (see the module
+    docstring, stage 4, for why this direction)."""
+    slope, intercept = statistics.linear_regression(gold, learned)
     fit = {"slope": slope, "intercept": intercept, "correlation": statistics.correlation(learned, gold)}
     if slope <= 0:
         print("[gold] the cost model's scores do not rise with the gold cost on held-out answers; using its sign "
               "boundary (threshold 0)", file=sys.stderr)
         return 0.0, fit
-    return (gold_threshold - intercept) / slope, fit
+    return slope * gold_threshold + intercept, fit
 
 
 # -- stage 5: Safe-RLHF with gold evaluations --------------------------------------------------------------------

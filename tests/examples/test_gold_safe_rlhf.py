@@ -69,12 +69,18 @@ def test_the_cost_model_gets_every_pair_of_a_prompts_answers(example, tmp_path):
         ("y", "x", True, False), ("y", "z", True, False)]
 
 
-def test_the_learned_threshold_inverts_the_calibration_line(example):
-    learned = [-2.0, -1.0, 0.0, 1.0, 2.0]
-    gold = [0.1, 0.2, 0.3, 0.4, 0.5]  # gold = 0.1 * learned + 0.3
+def test_the_learned_threshold_is_the_learned_cost_expected_at_the_gold_threshold(example):
+    gold = [0.1, 0.2, 0.3, 0.4, 0.5]
+    learned = [-2.0, -1.0, 0.0, 1.0, 2.0]  # learned = 10 * gold - 3, exactly
     threshold, fit = example.learned_threshold(learned, gold, 0.35)
-    assert threshold == pytest.approx(0.5) and fit["slope"] == pytest.approx(0.1)
-    assert example.learned_threshold(learned, gold[::-1], 0.35)[0] == 0.0  # a useless cost model: its sign boundary
+    assert threshold == pytest.approx(0.5) and fit["slope"] == pytest.approx(10)
+    # a noisy proxy (r < 1): the expected learned cost at the threshold, not the inverse of gold-on-learned,
+    # which would ask for a 1/r^2 larger cut
+    noisy = [-2.0, 1.0, 0.0, -1.0, 2.0]  # by hand: learned ≈ 6·gold − 1.8 (r = 0.6); gold ≈ 0.06·learned + 0.3
+    threshold, fit = example.learned_threshold(noisy, gold, 0.35)
+    assert fit["slope"] == pytest.approx(6) and fit["correlation"] == pytest.approx(0.6)
+    assert threshold == pytest.approx(0.3)  # the inverse of gold-on-learned would say (0.35 − 0.3) / 0.06 = 0.83
+    assert example.learned_threshold(learned[::-1], gold, 0.35)[0] == 0.0  # a useless cost model: its sign boundary
 
 
 def test_missing_packages_stop_with_the_install_command(example, monkeypatch, tmp_path, capsys):
