@@ -7,7 +7,7 @@ import flowactors as fa
 from engines import (ActorWorker, CriticWorker, ModelConfig, RewardModelWorker, RuleRewardWorker, SamplingConfig,
                      build_model, build_tokenizer, save_pretrained)
 from engines.generation import HFGenerationEngine
-from engines.training import TrainEngine
+from engines.training import OptimConfig, TrainEngine
 from flowactors import Batch
 
 CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=3)
@@ -46,13 +46,18 @@ def test_actor_group_samples_and_scores_like_the_local_model(samples):
     assert torch.allclose(lp["old_log_probs"], ref["log_probs"], atol=1e-5)
 
 
-def test_critic_and_reward_model_groups_match_direct_forward(controller4, samples, tmp_path):
+@pytest.mark.parametrize("zero_stage", [3, 1])
+def test_critic_and_reward_model_groups_match_direct_forward(controller4, samples, tmp_path, zero_stage):
+    """Over 2 DP ranks, sharded (FSDP2) or as whole replicas (zero_stage=1): the unsharded model's values and
+    scores."""
     tok, out, _ = samples
     save_pretrained(build_model(CFG, "score", tok), tok, tmp_path / "sft")  # a trained-looking, non-zero head
     sft = ModelConfig(path=str(tmp_path / "sft"))
-    critic = fa.ActorGroup(controller4, CriticWorker, name="roles_critic", slots=controller4.slots[:2], args=(sft,))
-    rm = fa.ActorGroup(controller4, RewardModelWorker, name="roles_rm", slots=controller4.slots[2:], args=(sft,))
-    rule = fa.ActorGroup(controller4, RuleRewardWorker, name="roles_rule", slots=controller4.slots[:2],
+    critic = fa.ActorGroup(controller4, CriticWorker, name=f"roles_critic{zero_stage}", slots=controller4.slots[:2],
+                           args=(sft, OptimConfig(zero_stage=zero_stage)))
+    rm = fa.ActorGroup(controller4, RewardModelWorker, name=f"roles_rm{zero_stage}", slots=controller4.slots[2:],
+                       args=(sft, None, None, zero_stage))
+    rule = fa.ActorGroup(controller4, RuleRewardWorker, name=f"roles_rule{zero_stage}", slots=controller4.slots[:2],
                          args=(_length_reward, CFG))
     try:
         values = critic.compute_values(out).result()["values"]
