@@ -51,18 +51,13 @@ def missing_packages() -> list[str]:
 
 
 class GoldScorers:
-    """reward(text) = VADER compound in [-1, 1]; cost(text) = VADER emotional intensity (1 − neu) in [0, 1]."""
+    """score(texts) → (rewards, costs): VADER compound in [-1, 1] and VADER emotional intensity (1 − neu) in
+    [0, 1], from one VADER pass per text."""
 
     def __init__(self) -> None:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
         self._vader = SentimentIntensityAnalyzer()
-
-    def reward(self, text: str) -> float:
-        return float(self._vader.polarity_scores(text)["compound"])
-
-    def cost(self, text: str) -> float:
-        return 1.0 - float(self._vader.polarity_scores(text)["neu"])
 
     def score(self, texts: list[str]) -> tuple[list[float], list[float]]:
         scores = [self._vader.polarity_scores(t) for t in texts]

@@ -53,6 +53,7 @@ averaged), over the held-out prompts; `gold_reward_rise_stderrs` is the rise in 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -184,15 +185,14 @@ def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: l
                 files[f"rm_{split}"].write(json.dumps({**base, "chosen": texts[best], "rejected": texts[worst]}) + "\n")
                 counts[f"rm_{split}"] += 1
             by_cost = sorted(range(len(texts)), key=lambda i: score[i][1])
-            for a, safer in enumerate(by_cost):
-                for costlier in by_cost[a + 1:]:
-                    c_cost, r_cost = score[safer][1], score[costlier][1]
-                    if r_cost - c_cost < tie:
-                        continue
-                    files[f"cm_{split}"].write(json.dumps({
-                        **base, "chosen": texts[safer], "rejected": texts[costlier], "chosen_safe": c_cost < threshold,
-                        "rejected_safe": r_cost < threshold, "chosen_cost": c_cost, "rejected_cost": r_cost}) + "\n")
-                    counts[f"cm_{split}"] += 1
+            for safer, costlier in itertools.combinations(by_cost, 2):  # by_cost ascends: safer first
+                c_cost, r_cost = score[safer][1], score[costlier][1]
+                if r_cost - c_cost < tie:
+                    continue
+                files[f"cm_{split}"].write(json.dumps({
+                    **base, "chosen": texts[safer], "rejected": texts[costlier], "chosen_safe": c_cost < threshold,
+                    "rejected_safe": r_cost < threshold, "chosen_cost": c_cost, "rejected_cost": r_cost}) + "\n")
+                counts[f"cm_{split}"] += 1
     finally:
         for f in files.values():
             f.close()
