@@ -26,7 +26,7 @@ from flowactors.slurm import SlurmSettings
 
 __all__ = ["RunConfig", "RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError",
            "apply_overrides",
-           "derived_sizes", "describe_settings", "field_docs", "validate"]
+           "check_zero_stage", "derived_sizes", "describe_settings", "field_docs", "validate"]
 
 
 class ConfigError(ValueError):
@@ -181,9 +181,7 @@ class RLConfig(RunConfig):
         if self.rollout_engine not in ("hf", "vllm") and ":" not in self.rollout_engine:
             raise ConfigError(f"rollout_engine must be hf or vllm (or a registered 'module:name'), got "
                               f"{self.rollout_engine!r}")
-        if self.zero_stage not in (1, 3):
-            raise ConfigError(f"zero_stage must be 1 (replicas, sharded optimizer state) or 3 (FSDP2), got "
-                              f"{self.zero_stage}")
+        check_zero_stage(self.zero_stage)
         if self.rollout_tp < 0:
             raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
         if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:
@@ -304,6 +302,14 @@ class ReMaxConfig(RLConfig):
     """KL penalty subtracted from each sample's return (k1, against the reference)."""
     clip_ratio: float = 0.2
     """PPO's clip range of the probability ratio."""
+
+
+def check_zero_stage(zero_stage: int) -> None:
+    """Refuse a bad `zero_stage` on the controller, before any worker starts, with OptimConfig's own check."""
+    try:
+        OptimConfig(zero_stage=zero_stage)
+    except ValueError as e:
+        raise ConfigError(str(e).removeprefix("OptimConfig.")) from None
 
 
 def derived_sizes(cfg: RLConfig, dp: int) -> dict[str, int]:

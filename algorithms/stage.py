@@ -23,7 +23,7 @@ from typing import Any
 
 import flowactors as fa
 from algorithms.cli import open_controller, parse_args, user_errors
-from algorithms.config import ConfigError, RunConfig
+from algorithms.config import ConfigError, RunConfig, check_zero_stage
 from algorithms.metrics import MetricsFile
 from engines import ModelConfig, OptimConfig, check_model_dir
 from flowactors import Layout
@@ -74,8 +74,7 @@ class StageConfig(RunConfig):
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0 or self.warmup_steps < 0 or self.trainable_layers < 0 or not self.lr > 0:
             raise ConfigError("eval_every, warmup_steps and trainable_layers must be >= 0 and lr > 0")
-        if self.zero_stage not in (1, 3):
-            raise ConfigError(f"zero_stage must be 1 (replicas) or 3 (FSDP2), got {self.zero_stage}")
+        check_zero_stage(self.zero_stage)
         if self.samples_per_step % self.n_slots:
             raise ConfigError(f"samples_per_step={self.samples_per_step} cannot be split over data-parallel size "
                               f"{self.n_slots} (n_slots); use a multiple of {self.n_slots}")
