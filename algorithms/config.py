@@ -26,7 +26,7 @@ from flowactors.slurm import SlurmSettings
 
 __all__ = ["RunConfig", "RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError",
            "apply_overrides",
-           "check_zero_stage", "derived_sizes", "describe_settings", "field_docs", "validate"]
+           "check_trainable_layers", "check_zero_stage", "derived_sizes", "describe_settings", "field_docs", "validate"]
 
 
 class ConfigError(ValueError):
@@ -236,6 +236,10 @@ class PPOConfig(RLConfig):
     """Entropy bonus in the policy loss (0: none)."""
     critic_lr: float = 1e-3
     """Critic learning rate (AdamW)."""
+    critic_trainable_layers: int = 0
+    """Critics (and Safe-RLHF's cost critic) train only their top K decoder layers, the final norm and the value
+    head (0: every parameter; torch engine): a critic started from a pretrained policy keeps its lower layers, and
+    its backward pass stops there, which on a small device is most of a critic update's time."""
     whiten_advantages: bool = True
     """Normalise advantages to zero mean, unit variance over the step's tokens."""
     whiten_rewards: bool = False
@@ -302,6 +306,27 @@ class ReMaxConfig(RLConfig):
     """KL penalty subtracted from each sample's return (k1, against the reference)."""
     clip_ratio: float = 0.2
     """PPO's clip range of the probability ratio."""
+
+
+def check_trainable_layers(setting: str, value: int, model: ModelConfig) -> None:
+    """Refuse on the controller, before any worker starts, a layer count the model cannot train (`setting` names
+    the option in the message)."""
+    if not value:
+        return
+    if value < 0:
+        raise ConfigError(f"{setting}={value} must be >= 0 (0 trains every parameter)")
+    if model.engine != "torch":
+        raise ConfigError(f"{setting}={value} needs model.engine=torch (the {model.engine} engine trains every "
+                          f"layer); or set {setting}=0")
+    if model.path:
+        from engines import check_model_dir
+
+        layers = check_model_dir(model.path)["num_hidden_layers"]
+    else:
+        layers = model.num_layers
+    if value > layers:
+        raise ConfigError(f"{setting}={value} but the model has {layers} decoder layers; give 1..{layers}, or 0 to "
+                          f"train every parameter")
 
 
 def check_zero_stage(zero_stage: int) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import flowactors as fa
-from algorithms.config import ConfigError, PPOConfig, RLConfig, derived_sizes
+from algorithms.config import ConfigError, PPOConfig, RLConfig, check_trainable_layers, derived_sizes
 from algorithms.core import SFTLoss
 from algorithms.data import PromptData
 from algorithms.tasks import Task
@@ -92,6 +92,8 @@ def check_before_start(cfg: RLConfig) -> None:
     for name in ("reward_model", "cost_model"):
         if getattr(cfg, name):
             _check_score_model(getattr(cfg, name), name)
+    if isinstance(cfg, PPOConfig):
+        check_trainable_layers("critic_trainable_layers", cfg.critic_trainable_layers, cfg.model)
     for name in ("metrics_file", "tensorboard_dir", "export_dir"):
         value = getattr(cfg, name)
         if value and not Path(value).resolve().parent.is_dir():
@@ -239,6 +241,11 @@ def actor_optim(cfg: RLConfig) -> OptimConfig:
                        zero_stage=cfg.zero_stage)
 
 
+def critic_optim(cfg: PPOConfig) -> OptimConfig:
+    return OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens, zero_stage=cfg.zero_stage,
+                       trainable_layers=cfg.critic_trainable_layers)
+
+
 def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
     return SamplingConfig(max_new_tokens=cfg.max_new_tokens or task.max_new_tokens, temperature=cfg.temperature,
                           ignore_eos=cfg.ignore_eos)
@@ -281,8 +288,7 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
     ref = group("ref", RefWorker, sft, cfg.temperature, cfg.zero_stage)
     built = {}
     for key in critics:  # PPOConfig: checked above
-        optim = OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens, zero_stage=cfg.zero_stage)
-        built[key] = group(key, CriticWorker, sft, optim, "values" if key == "critic" else "cost_values")
+        built[key] = group(key, CriticWorker, sft, critic_optim(cfg), "values" if key == "critic" else "cost_values")
     reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.zero_stage)
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)

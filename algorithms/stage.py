@@ -23,9 +23,9 @@ from typing import Any
 
 import flowactors as fa
 from algorithms.cli import open_controller, parse_args, user_errors
-from algorithms.config import ConfigError, RunConfig, check_zero_stage
+from algorithms.config import ConfigError, RunConfig, check_trainable_layers, check_zero_stage
 from algorithms.metrics import MetricsFile
-from engines import ModelConfig, OptimConfig, check_model_dir
+from engines import ModelConfig, OptimConfig
 from flowactors import Layout
 
 __all__ = ["StageConfig", "Stage", "run_stage"]
@@ -140,7 +140,7 @@ def run_stage(stage_cls: type[Stage], preset: Callable[[], StageConfig], argv: S
             raise ConfigError("train_files=PATH[,PATH] is required (JSONL or Parquet)")
         if cfg.metrics_file and not Path(cfg.metrics_file).resolve().parent.is_dir():
             raise ConfigError(f"metrics_file={cfg.metrics_file}: its directory does not exist")
-        _check_trainable_layers(cfg)
+        check_trainable_layers("trainable_layers", cfg.trainable_layers, cfg.model)
         stage = stage_cls(cfg)
         stage.load()
         per_epoch = len(stage.examples) // cfg.samples_per_step
@@ -150,18 +150,6 @@ def run_stage(stage_cls: type[Stage], preset: Callable[[], StageConfig], argv: S
         fa.configure_logging(cfg.log_format, cfg.log_level)
         with open_controller(cfg) as ctl:
             return _train(stage, ctl, cfg, per_epoch)
-
-
-def _check_trainable_layers(cfg: StageConfig) -> None:
-    if not cfg.trainable_layers:
-        return
-    if cfg.model.engine != "torch":
-        raise ConfigError(f"trainable_layers={cfg.trainable_layers} needs model.engine=torch (the {cfg.model.engine} "
-                          f"engine trains every layer); or set trainable_layers=0")
-    layers = check_model_dir(cfg.model.path)["num_hidden_layers"] if cfg.model.path else cfg.model.num_layers
-    if cfg.trainable_layers > layers:
-        raise ConfigError(f"trainable_layers={cfg.trainable_layers} but the model has {layers} decoder layers; give "
-                          f"1..{layers}, or 0 to train every parameter")
 
 
 def _train(stage: Stage, ctl: fa.Controller, cfg: StageConfig, per_epoch: int) -> list[dict]:

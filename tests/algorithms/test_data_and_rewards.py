@@ -124,6 +124,20 @@ def test_bad_data_and_model_settings_fail_before_any_worker(capsys, no_cluster, 
     save_pretrained(build_model(ModelConfig(), "lm", char_tokenizer()), char_tokenizer(), lm)
     line = _error(capsys, [f"reward_model={lm}"])
     assert "holds ['LlamaForCausalLM'], not a model with a score head" in line
+    line = _error(capsys, ["model.num_layers=2", "critic_trainable_layers=3"])
+    assert "critic_trainable_layers=3 but the model has 2 decoder layers; give 1..2" in line
+    line = _error(capsys, ["model.engine=megatron", "critic_trainable_layers=1"])
+    assert "critic_trainable_layers=1 needs model.engine=torch" in line
+    assert "critic_trainable_layers=-1 must be >= 0" in _error(capsys, ["critic_trainable_layers=-1"])
+
+
+def test_critics_get_critic_trainable_layers():
+    from algorithms.config import PPOConfig, SafeRLHFConfig
+    from algorithms.roles import critic_optim
+
+    assert critic_optim(PPOConfig()).trainable_layers == 0
+    optim = critic_optim(SafeRLHFConfig(critic_trainable_layers=2, critic_lr=3e-4, zero_stage=1))
+    assert (optim.trainable_layers, optim.lr, optim.zero_stage) == (2, 3e-4, 1)
 
 
 # -- learned reward models ------------------------------------------------------------------------------------------

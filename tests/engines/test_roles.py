@@ -72,3 +72,37 @@ def test_critic_and_reward_model_groups_match_direct_forward(controller4, sample
     assert torch.allclose(scores, TrainEngine(s_model, None, trainable=False).scores(out), atol=1e-6)
     texts = tok.batch_decode(out["responses"], skip_special_tokens=True)
     assert rules.tolist() == pytest.approx([len(t) + 0.01 * (i + 3) for i, t in enumerate(texts)])
+
+
+def _value_loss(outputs: dict[str, torch.Tensor], mb: Batch):
+    """0.5 (V - return)^2 over the response tokens."""
+    loss, mask = 0.5 * (outputs["values"] - mb["returns"]) ** 2, mb["response_mask"].float()
+    return loss, mask, {"vf_loss": float((loss.detach() * mask).sum() / mask.sum())}
+
+
+def test_critic_with_trainable_layers_moves_only_its_top_layer_and_head(controller4, samples, tmp_path):
+    """A critic trained with trainable_layers=1 (what RL's critic_trainable_layers gives it), 2 DP replicas: its
+    embeddings and lower layer stay the pretrained ones bit for bit, its top layer and value head move, and its
+    loss on the batch falls."""
+    from engines import UpdateSpec
+
+    tok, out, _ = samples
+    save_pretrained(build_model(CFG, "score", tok), tok, tmp_path / "sft")
+    sft = ModelConfig(path=str(tmp_path / "sft"))
+    batch = out.union(Batch({"returns": torch.ones(out["responses"].shape)}))
+    critic = fa.ActorGroup(controller4, CriticWorker, name="roles_critic_top", slots=controller4.slots[:2],
+                           args=(sft, OptimConfig(lr=1e-2, trainable_layers=1, zero_stage=1)))
+    try:
+        losses = [critic.update_critic(batch, _value_loss, UpdateSpec(len(batch))).result()["vf_loss"]
+                  for _ in range(3)]
+        critic.export_hf(str(tmp_path / "trained")).result()
+    finally:
+        critic.close()
+    assert losses[-1] < losses[0]
+    base = build_model(sft, "value").state_dict()
+    trained = build_model(ModelConfig(path=str(tmp_path / "trained")), "value").state_dict()
+    frozen = [n for n in base if n.startswith(("model.embed_tokens.", "model.layers.0."))]
+    moved = [n for n in base if n.startswith("model.layers.1.") and not n.endswith("norm.weight")]
+    assert frozen and moved
+    assert all(torch.equal(base[n], trained[n]) for n in frozen)
+    assert all(not torch.equal(base[n], trained[n]) for n in moved)
