@@ -102,7 +102,8 @@ def test_critic_with_trainable_layers_moves_only_its_top_layer_and_head(controll
     base = build_model(sft, "value").state_dict()
     trained = build_model(ModelConfig(path=str(tmp_path / "trained")), "value").state_dict()
     frozen = [n for n in base if n.startswith(("model.embed_tokens.", "model.layers.0."))]
-    moved = [n for n in base if n.startswith("model.layers.1.") and not n.endswith("norm.weight")]
-    assert frozen and moved
+    head = [n for n in base if not n.startswith("model.")]
+    moved = [n for n in base if n.startswith("model.layers.1.") and not n.endswith("norm.weight")] + head
+    assert frozen and head and moved
     assert all(torch.equal(base[n], trained[n]) for n in frozen)
     assert all(not torch.equal(base[n], trained[n]) for n in moved)
