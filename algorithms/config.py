@@ -253,11 +253,23 @@ class PPOConfig(RLConfig):
     fuse_chunk_samples: int = 8
     """Samples per chunk on each generation (actor data-parallel) rank: smaller chunks start scoring sooner, at
     the cost of more calls."""
+    fuse_migrate: bool = False
+    """Long-tail migration (RLHFuse; needs fuse and an actor of dp >= 2, tp = pp = 1, hf rollout engine): once at
+    most `fuse_migrate_below` of a generation rank's rows are still running, the rank hands them (KV caches and
+    all) to actor rank 0, which finishes every rank's tail, and scorers on the freed slots start at once. The same
+    samples and update; the moved rows' rollout log-probs may differ in the last bit (a smaller decode batch)."""
+    fuse_migrate_below: float = 0.25
+    """The fraction of a generation rank's rows still running at which its tail migrates."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.fuse_chunk_samples < 1:
             raise ConfigError(f"fuse_chunk_samples must be >= 1, got {self.fuse_chunk_samples}")
+        if not 0 < self.fuse_migrate_below < 1:
+            raise ConfigError(f"fuse_migrate_below is a fraction of each generation rank's rows and must be in "
+                              f"(0, 1), got {self.fuse_migrate_below}")
+        if self.fuse_migrate and not self.fuse:
+            raise ConfigError("fuse_migrate moves the long tail of a fused rollout; set fuse=true with it")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ConfigError(f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
         if not 0 <= self.lam <= 1 or not 0 <= self.gamma <= 1:

@@ -54,7 +54,7 @@ import flowactors as fa
 from engines.generation import ROW_INDEX
 from flowactors import Batch
 
-__all__ = ["FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated"]
+__all__ = ["FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated", "migration_threshold"]
 
 Scorer = Callable[[Any], fa.CallFuture]
 """A bound group endpoint that scores a batch, e.g. `critic.compute_values`."""
@@ -76,9 +76,10 @@ class FusedRollout:
     """Scorers that shared the actor's slots and scored the whole batch after generation."""
 
 
-def colocated(a: fa.ActorGroup, b: fa.ActorGroup) -> bool:
-    """Whether two groups share a device slot (then one waits for the other)."""
-    return bool(set(a.addresses) & set(b.addresses))
+def colocated(a: fa.ActorGroup, b: "fa.ActorGroup | Sequence[str]") -> bool:
+    """Whether a group shares a device slot with another group (or with the given slot addresses): then one
+    waits for the other."""
+    return bool(set(a.addresses) & set(b.addresses if isinstance(b, fa.ActorGroup) else b))
 
 
 def _group_of(scorer: Scorer) -> fa.ActorGroup:
@@ -98,9 +99,13 @@ def _chunk_rows(n_rows: int, dp: int, chunk_samples: int) -> list[int]:
 
 
 def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scorers: Sequence[Scorer], *,
-                  chunk_samples: int) -> FusedRollout:
+                  chunk_samples: int, migrate_below: float | None = None) -> FusedRollout:
     """Generate `prompts` on `actor` and score the samples with `scorers`, overlapping the two (see the module
-    docstring). Every call is issued before this returns; nothing waits."""
+    docstring). Every call is issued before this returns; nothing waits.
+
+    `migrate_below=f` (long-tail migration): once at most a fraction f of a generation rank's rows is still
+    running, the rank hands them to rank 0, which finishes every rank's tail; the scorers on the freed actor
+    slots then score the chunks already taken (see the module docstring)."""
     if not isinstance(prompts, Batch):
         raise TypeError(f"fused_rollout needs the prompts as a Batch on the controller (it counts the chunks to take), "
                         f"got {type(prompts).__name__}")
@@ -110,29 +115,66 @@ def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scor
     if not len(prompts) or len(prompts) % dp:
         raise ValueError(f"{len(prompts)} prompts cannot be shared by the actor's data-parallel size {dp}; use a "
                          f"positive multiple of {dp}")
-    rows = _chunk_rows(len(prompts), dp, chunk_samples)
-    streamed = [s for s in scorers if not colocated(_group_of(s), actor)]
-    deferred = [s for s in scorers if colocated(_group_of(s), actor)]
+    per_rank = len(prompts) // dp
+    if migrate_below is None:
+        rows, keep = _chunk_rows(len(prompts), dp, chunk_samples), None
+    else:
+        keep = migration_threshold(actor.layout, per_rank, migrate_below)
+        taken = (per_rank - keep) // chunk_samples
+        rows = [chunk_samples * dp] * taken + [len(prompts) - taken * chunk_samples * dp]
+    # With migration the tail decodes on the first actor slot only, so only scorers there wait for it.
+    busy = actor if migrate_below is None else actor.addresses[:1]
+    streamed = [s for s in scorers if not colocated(_group_of(s), busy)]
+    deferred = [s for s in scorers if colocated(_group_of(s), busy)]
     for s in streamed:
         sdp = _group_of(s).layout.dp
         if any(r % sdp for r in rows):
             raise ValueError(f"fused scoring splits every chunk over {_label(s)}'s data-parallel size {sdp}, but the "
                              f"chunks hold {sorted(set(rows))} rows ({chunk_samples} samples per chunk on each of "
-                             f"{dp} generation ranks, {len(prompts) // dp} per rank); choose fuse_chunk_samples so "
-                             f"that every chunk's rows are a multiple of {sdp}")
+                             f"{dp} generation ranks, {per_rank} per rank"
+                             f"{'' if keep is None else f', the rest after migration'}); choose fuse_chunk_samples "
+                             f"so that every chunk's rows are a multiple of {sdp}")
 
-    started = actor.start_generation(prompts, chunk_samples)
-    chunks = [actor.next_generated_chunk(k) for k in range(len(rows))]
     scores: list[list[fa.CallFuture]] = [[] for _ in streamed]
-    for chunk in chunks:  # chunk by chunk, so each scorer slot finishes a chunk before it starts the next
-        for out, score in zip(scores, streamed):
-            out.append(score(chunk))
+
+    def score(chunks: list[fa.CallFuture]) -> None:
+        for chunk in chunks:  # chunk by chunk, so each scorer slot finishes a chunk before it starts the next
+            for out, scorer in zip(scores, streamed):
+                out.append(scorer(chunk))
+
+    if keep is None:
+        started = actor.start_generation(prompts, chunk_samples)
+        chunks = [actor.next_generated_chunk(k) for k in range(len(rows))]
+        score(chunks)
+    else:
+        started = actor.start_generation(prompts, chunk_samples, None, keep)
+        chunks = [actor.next_generated_chunk(k) for k in range(len(rows) - 1)]
+        handed_over = actor.hand_over_tail()
+        score(chunks)  # issued before finish_tail: on a freed slot they run as soon as its rank handed over
+        chunks.append(actor.finish_tail(handed_over))
+        score(chunks[-1:])
     merged = ctl.apply(merge_chunks, started, chunks, *scores, name="fusion.merge_chunks")
     parts: tuple[fa.CallFuture, ...] = (merged,)
     if deferred:
         samples = ctl.apply(reassemble, *chunks, name="fusion.reassemble")
         parts += tuple(score(samples) for score in deferred)
     return FusedRollout(chunks, parts, tuple(_label(s) for s in streamed), tuple(_label(s) for s in deferred))
+
+
+def migration_threshold(layout: fa.Layout, rows_per_rank: int, fraction: float) -> int:
+    """Running rows per generation rank at which it hands its tail over: `fraction` of its rows, at least 1 and
+    fewer than all; refuses an actor layout migration cannot run."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"migrate_below is the fraction of a generation rank's rows still running at which they "
+                         f"migrate; it must be in (0, 1), got {fraction}")
+    if layout.dp < 2 or layout.tp != 1 or layout.pp != 1:
+        raise ValueError(f"long-tail migration moves the unfinished rows of data-parallel generation ranks onto "
+                         f"rank 0, so it needs an actor of dp >= 2 with tp = pp = 1; this actor's layout is "
+                         f"{layout}. Run without migration (fuse_migrate=False) or place the actor on more slots")
+    if rows_per_rank < 2:
+        raise ValueError(f"long-tail migration needs at least 2 rows per generation rank (one to finish, one to "
+                         f"move); this step has {rows_per_rank}")
+    return min(rows_per_rank - 1, max(1, round(fraction * rows_per_rank)))
 
 
 def _label(scorer: Scorer) -> str:

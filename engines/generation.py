@@ -31,20 +31,25 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engines.ops import compute_precision, position_ids_from_mask, response_mask_from_tokens
 from flowactors import Batch
 
-__all__ = ["assemble_samples", "SamplingConfig", "HFGenerationEngine", "GenerationStream", "ROW_INDEX", "STOP_AT"]
+__all__ = ["assemble_samples", "SamplingConfig", "HFGenerationEngine", "GenerationStream", "ROW_INDEX", "STOP_AT",
+           "TAIL_STEP", "is_tail"]
 
 ROW_INDEX = "row_index"
 """Field of a streamed chunk: each row's index in the call's prompt batch."""
 STOP_AT = "stop_at"
 """Optional prompt field: row i stops after stop_at[i] new tokens."""
+TAIL_STEP = "decode_tail_step"
+"""Meta of a paused decode's state (`stream(pause_below=...)`): the step its rows decode next."""
+_TAIL = "_tail."
 
 
 @dataclass
@@ -105,53 +110,118 @@ class HFGenerationEngine:
         return self._assemble(prompts, tokens, logp, cfg)
 
     def stream(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
-               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0) -> Iterator[Batch]:
+               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0,
+               pause_below: int | None = None) -> Iterator[Batch]:
         """The samples of `generate()` (with the same `seed_offset`), yielded as chunks of `chunk_rows` finished
         rows in the order they finish (rows finishing at the same step by index; the last chunk may be shorter).
         Each chunk has `row_index`: the row's index in `prompts` plus `row_offset` (a data-parallel rank passes its
-        share's offset)."""
+        share's offset).
+
+        `pause_below=m` (long-tail migration): decoding stops once 1..m rows are still running; the finished rows
+        not yet handed out come as a last, shorter chunk, and then the running rows' decode state (a batch with
+        `meta[TAIL_STEP]`, about as large as their KV cache) for `resume` to finish, here or on another rank."""
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        if pause_below is not None and not 0 < pause_below < len(prompts):
+            raise ValueError(f"pause_below must be between 1 and the rows to sample - 1 ({len(prompts) - 1}), got "
+                             f"{pause_below}")
         tokens, logp = self._buffers(len(prompts), cfg)
-        finished = self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset)
-        for rows in chunk_finished(finished, chunk_rows):
+        finished = self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset,
+                                pause_below=pause_below)
+        chunks = chunk_finished(finished, chunk_rows)
+        while True:
+            try:
+                rows = next(chunks)
+            except StopIteration as end:
+                paused = end.value
+                break
             yield self._chunk(prompts, tokens, logp, rows, cfg, row_offset)
+        if paused is not None:
+            yield _tail_of(paused, prompts, tokens, logp, row_offset)
 
     def _buffers(self, b: int, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
                 torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32))
 
+    def resume(self, model: torch.nn.Module, tails: Sequence[Batch], cfg: SamplingConfig, *,
+               greedy: bool = False) -> Batch:
+        """Finish the rows of paused decodes (`stream(..., pause_below=m)`'s last items, from any ranks) in one
+        running batch here: long-tail migration. The tail that stopped earliest decodes alone until the next one's
+        step, then they run together (their KV caches then have the same length), and so on. Returns the finished
+        rows as a chunk (with `row_index`), in the tails' order. A row's tokens are the ones its own rank would
+        have sampled (its uniforms travel with it); its log-probs may differ in the last bit, since its batch is
+        smaller (see `evict_finished`)."""
+        tails = [t for t in tails if t is not None and len(t)]
+        if not tails:
+            raise ValueError("resume needs at least one paused decode with rows still running; got none")
+        widths = {int(t["input_ids"].shape[1]) for t in tails}
+        if len(widths) > 1:
+            raise ValueError(f"paused decodes of prompts padded to different widths {sorted(widths)} cannot decode "
+                             f"together; pause the rows of one prompt batch (one width) only")
+        order = sorted(range(len(tails)), key=lambda i: int(tails[i].meta[TAIL_STEP]))
+        tails = [tails[i] for i in order]
+        prompts = Batch.concat([_tail_prompts(t) for t in tails])
+        tokens = torch.cat([t[_TAIL + "tokens"] for t in tails])
+        logp = torch.cat([t[_TAIL + "logp"] for t in tails])
+        row_index = torch.cat([t[ROW_INDEX] for t in tails])
+        n = len(prompts)
+        loop = _Loop(torch.cat([t[_TAIL + "uniforms"] for t in tails]), _stop_lengths(prompts),
+                     torch.zeros(n, dtype=torch.bool), torch.zeros(0, dtype=torch.long), None, None, None, None,
+                     int(tails[0].meta[TAIL_STEP]))
+        offset = 0
+        for tail in tails:
+            step = int(tail.meta[TAIL_STEP])
+            if len(loop.live):  # the rows running so far catch up with this tail's step
+                for _ in self._steps(model, cfg, loop, tokens, logp, greedy=greedy, until=step):
+                    pass
+            _admit(loop, tail, offset, step, model)
+            offset += len(tail)
+        for _ in self._steps(model, cfg, loop, tokens, logp, greedy=greedy):
+            pass
+        out = self._assemble(prompts, tokens, logp, cfg)
+        return Batch({**out.tensors, ROW_INDEX: row_index}, out.rows, out.meta)
+
     @torch.no_grad()
     def _decode(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, out_tokens: torch.Tensor,
-                out_logp: torch.Tensor, *, greedy: bool, seed: int, seed_offset: int = 0) -> Iterator[list[int]]:
+                out_logp: torch.Tensor, *, greedy: bool, seed: int, seed_offset: int = 0,
+                pause_below: int | None = None) -> Generator[list[int], None, "_Loop | None"]:
         """Fill `out_tokens` and `out_logp`; after each step, yield the rows (indices) that finished in it.
-
-        `live` holds the rows of the running batch: every row, unless `evict_finished` drops finished ones.
-        A row that finished but stays in the batch keeps decoding, and its outputs are overwritten with pad/0."""
+        Returns None, or, with `pause_below`, the loop's state once 1..pause_below rows are still running."""
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
         b, p = ids.shape
         if self.max_context is not None and p + cfg.max_new_tokens > self.max_context:
             raise ValueError(f"prompt length {p} + max_new_tokens {cfg.max_new_tokens} exceeds the model's context "
                              f"of {self.max_context} positions; shorten prompts or lower max_new_tokens")
-        stop = _stop_lengths(prompts)
         seeds = prompts["seed"].tolist() if "seed" in prompts else [seed * 1_000_003 + seed_offset + i
                                                                      for i in range(b)]
         # One uniform per row and step, drawn from the row's own generator up front: sampling is then one
         # vectorised inverse-CDF lookup per step, and a row's tokens do not depend on its batch.
         uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
                                            dtype=torch.float64) for s in seeds]) if b else torch.zeros(0, 1)
-        model.eval()
-        done = torch.zeros(b, dtype=torch.bool)
-        reported = torch.zeros(b, dtype=torch.bool)
-        live = torch.arange(b)
         attn = mask.clone()
-        pos = position_ids_from_mask(attn)
-        cur, cache = ids, None
+        loop = _Loop(uniforms, _stop_lengths(prompts), torch.zeros(b, dtype=torch.bool), torch.arange(b), ids, attn,
+                     position_ids_from_mask(attn), None, 0)
+        return (yield from self._steps(model, cfg, loop, out_tokens, out_logp, greedy=greedy,
+                                       pause_below=pause_below))
+
+    @torch.no_grad()
+    def _steps(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", out_tokens: torch.Tensor,
+               out_logp: torch.Tensor, *, greedy: bool, pause_below: int | None = None,
+               until: int | None = None) -> Generator[list[int], None, "_Loop | None"]:
+        """Decode steps from `loop.t`, as in `_decode`; stop early before step `until` (the loop then stays
+        resumable) or, with `pause_below`, once 1..pause_below rows are still running (returning the loop).
+
+        `loop.live` holds the rows of the running batch: every row, unless `evict_finished` drops finished ones.
+        A row that finished but stays in the batch keeps decoding, and its outputs are overwritten with pad/0."""
+        model.eval()
+        done, live, stop, uniforms = loop.done, loop.live, loop.stop, loop.uniforms
+        reported = done.clone()
         cache_arg = _cache_argument(model)
-        for t in range(cfg.max_new_tokens):
+        for t in range(loop.t, cfg.max_new_tokens if until is None else min(until, cfg.max_new_tokens)):
             with compute_precision(model, self.compute_dtype):
-                out = model(input_ids=cur, attention_mask=attn, position_ids=pos, use_cache=True, **{cache_arg: cache})
-            cache = getattr(out, "cache", None) or out.past_key_values
+                out = model(input_ids=loop.cur, attention_mask=loop.attn, position_ids=loop.pos, use_cache=True,
+                            **{cache_arg: loop.cache})
+            loop.cache = getattr(out, "cache", None) or out.past_key_values
             logits = out.logits[:, -1].float() / cfg.temperature
             logp = logits.log_softmax(-1)
             if greedy:
@@ -173,15 +243,20 @@ class HFGenerationEngine:
             finished = live[ended & ~reported[live]]
             reported[finished] = True
             yield finished.tolist()
-            if bool(done.all()):
-                break
-            cur = tok[:, None]
-            attn = torch.cat([attn, torch.ones((len(live), 1), dtype=attn.dtype)], dim=1)  # finished rows are ignored
-            pos = pos[:, -1:] + 1
+            if bool(done[live].all()) or t == cfg.max_new_tokens - 1:
+                return None
+            loop.cur = tok[:, None]
+            loop.attn = torch.cat([loop.attn, torch.ones((len(live), 1), dtype=loop.attn.dtype)], dim=1)
+            loop.pos = loop.pos[:, -1:] + 1
+            loop.t = t + 1
             if cfg.evict_finished and bool(now_done.any()):
                 keep = (~now_done).nonzero()[:, 0]
-                _select_rows(cache, keep)
-                live, cur, attn, pos = live[keep], cur[keep], attn[keep], pos[keep]
+                _select_rows(loop.cache, keep)
+                live = loop.live = live[keep]
+                loop.cur, loop.attn, loop.pos = loop.cur[keep], loop.attn[keep], loop.pos[keep]
+            if pause_below is not None and int((~done).sum()) <= pause_below:
+                return loop
+        return None
 
     def _assemble(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor,
                   cfg: SamplingConfig) -> Batch:
@@ -194,17 +269,24 @@ class HFGenerationEngine:
         return Batch({**out.tensors, ROW_INDEX: idx + row_offset}, out.rows, out.meta)
 
 
-def chunk_finished(finished: Iterator[list[int]], chunk_rows: int) -> Iterator[list[int]]:
+def chunk_finished(finished: Generator[list[int], None, Any], chunk_rows: int) -> Generator[list[int], None, Any]:
     """Group the rows a decode loop reports finished, step by step, into chunks of `chunk_rows` (the last may be
-    shorter), in the order they finished: what every engine's `stream` hands out."""
+    shorter), in the order they finished: what every engine's `stream` hands out. Returns the loop's own return
+    value (a paused loop's state, or None)."""
     pending: list[int] = []
-    for rows in finished:
+    while True:
+        try:
+            rows = next(finished)
+        except StopIteration as end:
+            result = end.value
+            break
         pending += rows
         while len(pending) >= chunk_rows:
             yield pending[:chunk_rows]
             pending = pending[chunk_rows:]
     if pending:
         yield pending
+    return result
 
 
 def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tensor, *, eos: int, pad: int,
@@ -229,6 +311,83 @@ def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tens
     keep = {k: v for k, v in prompts.tensors.items() if k not in tensors and k not in ("input_ids", "attention_mask")}
     return Batch({**keep, **tensors}, prompts.rows, prompts.meta)
 
+
+
+@dataclass
+class _Loop:
+    """A decode loop's state: per row of the output buffers (uniforms, stop, done) and per row of the running
+    batch (`live`: their buffer rows; cur, attn, pos, cache), before step `t`."""
+
+    uniforms: torch.Tensor
+    stop: torch.Tensor | None
+    done: torch.Tensor
+    live: torch.Tensor
+    cur: torch.Tensor | None
+    attn: torch.Tensor | None
+    pos: torch.Tensor | None
+    cache: Any
+    t: int
+
+
+def is_tail(item: Batch) -> bool:
+    """Whether a streamed item is a paused decode's state (`stream(pause_below=...)`), not a chunk of samples."""
+    return TAIL_STEP in item.meta
+
+
+def _kv_layers(cache: Any) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(not hasattr(layer, "keys") or not hasattr(layer, "values") for layer in layers):
+        raise TypeError(f"long-tail migration moves rows' KV caches between ranks and needs transformers' "
+                        f"DynamicCache (layers with keys and values); this model returned {type(cache).__name__}. "
+                        f"Run without migration (fuse_migrate=False)")
+    return layers
+
+
+def _tail_of(loop: _Loop, prompts: Batch, tokens: torch.Tensor, logp: torch.Tensor, row_offset: int) -> Batch:
+    """The running (unfinished) rows of a paused loop, with everything `resume` needs to go on decoding them."""
+    sel = (~loop.done[loop.live]).nonzero()[:, 0]
+    rows = loop.live[sel]
+    kv = {}
+    for j, layer in enumerate(_kv_layers(loop.cache)):
+        kv[f"{_TAIL}key.{j}"], kv[f"{_TAIL}value.{j}"] = layer.keys[sel].clone(), layer.values[sel].clone()
+    part = prompts.take(rows)
+    state = {_TAIL + "tokens": tokens[rows], _TAIL + "logp": logp[rows], _TAIL + "uniforms": loop.uniforms[rows],
+             _TAIL + "attn": loop.attn[sel], _TAIL + "pos": loop.pos[sel], ROW_INDEX: rows + row_offset, **kv}
+    return Batch({**part.tensors, **state}, part.rows, {**part.meta, TAIL_STEP: loop.t})
+
+
+def _tail_prompts(tail: Batch) -> Batch:
+    names = [k for k in tail.keys() if not k.startswith(_TAIL) and k != ROW_INDEX]
+    out = tail.select(*names)
+    return Batch(out.tensors, out.rows, {k: v for k, v in out.meta.items() if k != TAIL_STEP})
+
+
+def _admit(loop: _Loop, tail: Batch, offset: int, step: int, model: torch.nn.Module) -> None:
+    """Add a paused decode's rows (buffer rows offset.. of the resumed call) to the running batch at `step`,
+    dropping the rows that finished meanwhile (their KV caches are shorter or no longer needed)."""
+    from transformers import DynamicCache
+
+    keep = (~loop.done[loop.live]).nonzero()[:, 0] if len(loop.live) else torch.zeros(0, dtype=torch.long)
+    if len(keep) and loop.t != step:
+        raise RuntimeError(f"running rows are at step {loop.t}, the tail to admit at {step}")
+    layers = len([k for k in tail.keys() if k.startswith(_TAIL + "key.")])
+    old = _kv_layers(loop.cache) if len(keep) else []
+    kv = []
+    for j in range(layers):
+        k, v = tail[f"{_TAIL}key.{j}"], tail[f"{_TAIL}value.{j}"]
+        if len(keep):
+            k, v = torch.cat([old[j].keys[keep], k]), torch.cat([old[j].values[keep], v])
+        kv.append((k, v))
+    rows = torch.arange(offset, offset + len(tail))
+    last = tail[_TAIL + "tokens"][:, step - 1:step]
+    if len(keep):
+        loop.live = torch.cat([loop.live[keep], rows])
+        loop.cur, loop.attn = torch.cat([loop.cur[keep], last]), torch.cat([loop.attn[keep], tail[_TAIL + "attn"]])
+        loop.pos = torch.cat([loop.pos[keep], tail[_TAIL + "pos"]])
+    else:
+        loop.live, loop.cur, loop.attn, loop.pos = rows, last, tail[_TAIL + "attn"], tail[_TAIL + "pos"]
+    loop.cache = DynamicCache(ddp_cache_data=kv, config=getattr(model, "config", None))
+    loop.t = step
 
 def _cache_argument(model: torch.nn.Module) -> str:
     """The forward argument that takes the KV cache: `cache` in transformers >= 5.20, `past_key_values` before
@@ -329,6 +488,20 @@ class GenerationStream:
         if self._next == self.n_chunks:
             self.close()
         return item
+
+    def rest(self) -> list[Batch]:
+        """Every item not yet taken, once decoding has ended (a paused stream's last item is its tail state)."""
+        if self._error is not None:
+            raise self._error
+        self._thread.join()
+        items = []
+        while (item := self._queue.get()) is not _END:
+            if isinstance(item, _Failed):
+                self._error = item.error
+                raise item.error
+            items.append(item)
+        self._next = self.n_chunks
+        return items
 
     def close(self) -> None:
         """Stop decoding (at the next chunk) and wait for the thread to end."""

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from engines.generation import GenerationStream, SamplingConfig
+from engines.generation import GenerationStream, SamplingConfig, is_tail
 from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
 from engines.models import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
 from engines.protocols import MINIBATCH
@@ -171,6 +171,8 @@ class ActorWorker(ModelWorker):
         self._gen_model: torch.nn.Module | None = None
         self._stream: GenerationStream | None = None
         self._split_stream = False
+        self._stream_model: torch.nn.Module | None = None
+        self._stream_greedy = False
 
     @classmethod
     def process_groups(cls, layout: Layout, *args: Any, **kwargs: Any) -> list[tuple[int, ...]]:
@@ -274,16 +276,25 @@ class ActorWorker(ModelWorker):
         return self.hybrid.gather_micro(part)
 
     @endpoint(protocol=MESH)
-    def start_generation(self, prompts: Batch, chunk_samples: int, spec: GenerationSpec | None = None) -> None:
+    def start_generation(self, prompts: Batch, chunk_samples: int, spec: GenerationSpec | None = None,
+                         migrate_below: int | None = None) -> None:
         """Begin sampling `prompts` (what `generate_sequences` would sample) in a background thread; take the
         samples with `next_generated_chunk(0)`, `(1)`, ... : ceil(rows of this rank / chunk_samples) chunks on
         every rank, each of `chunk_samples` rows except the last, in the order the rows finish. Under the
         3D-HybridEngine the d_g generation replicas each stream their rows (chunk_samples/d_g per chunk) when d_g
-        divides both; otherwise every replica samples all rows of the share. `spec` as in generate_sequences."""
+        divides both; otherwise every replica samples all rows of the share. `spec` as in generate_sequences.
+
+        `migrate_below=m` (long-tail migration, RLHFuse): decoding stops once at most m of this rank's rows are
+        still running; take the (rows - m) // chunk_samples full chunks that are sure to exist, then
+        `hand_over_tail()` and `finish_tail(...)` (unsharded generation with the hf engine only)."""
         spec = _generation_spec(spec)
         if chunk_samples < 1:
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
         self._end_stream()  # one left over from a step that stopped early
+        if migrate_below is not None and (self.hybrid is not None or not hasattr(self.generator, "resume")):
+            raise ValueError("long-tail migration moves decoding rows between ranks with the hf rollout engine and "
+                             "unsharded generation weights; drop rollout_tp / rollout_engine='vllm', or run "
+                             "without migration (fuse_migrate=False)")
         rows, per_chunk = slice(0, len(prompts)), chunk_samples
         d_g = self.hybrid.micro_size if self.hybrid is not None else 1
         self._split_stream = d_g > 1 and len(prompts) % d_g == 0 and chunk_samples % d_g == 0
@@ -294,9 +305,12 @@ class ActorWorker(ModelWorker):
             model = None
         else:
             model = self._generation_model()
+        migrate = {} if migrate_below is None else {"pause_below": migrate_below}
         chunks = self.generator.stream(model, prompts.slice(rows.start, rows.stop), self.sampling, per_chunk,
                                        greedy=spec.greedy, seed=spec.seed,
-                                       row_offset=self.coords[1] * len(prompts) + rows.start, seed_offset=rows.start)
+                                       row_offset=self.coords[1] * len(prompts) + rows.start, seed_offset=rows.start,
+                                       **migrate)
+        self._stream_model, self._stream_greedy = model, spec.greedy
         self._stream = GenerationStream(chunks, n_chunks=-(-len(prompts) // chunk_samples),
                                         name=f"{self.group_name}-rank{self.rank}-generation")
 
@@ -312,6 +326,37 @@ class ActorWorker(ModelWorker):
             self._stream = None
             self._release_generation()
         return self.hybrid.gather_micro(chunk) if self._split_stream else chunk
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def hand_over_tail(self) -> list[Batch]:
+        """Once this rank's decoding paused (`start_generation(migrate_below=...)`) or ended: the finished rows
+        not yet taken as chunks, then, if it paused, the running rows' decode state (KV caches, tokens so far,
+        their sampling uniforms) for `finish_tail` on the receiving rank. This rank's device is then free."""
+        if self._stream is None:
+            raise RuntimeError(f"no generation is running on {self.group_name} rank {self.rank}; call "
+                               f"start_generation(prompts, chunk_samples, migrate_below=m) first")
+        try:
+            return self._stream.rest()
+        finally:
+            self._stream = None
+
+    @endpoint(protocol=RANK_ZERO)
+    def finish_tail(self, handed_over: list[list[Batch]]) -> Batch | None:
+        """On rank 0 (the receiver): decode every rank's paused rows to the end in one batch (its model is the
+        one `start_generation` sampled with) and return them with every rank's remaining finished rows, each
+        with `row_index`. Other ranks return None at once."""
+        items = [item for per_rank in handed_over for item in per_rank]
+        if self.rank != 0:
+            return None
+        done = [item for item in items if not is_tail(item) and len(item)]
+        tails = [item for item in items if is_tail(item)]
+        if tails:
+            done.append(self.generator.resume(self._stream_model, tails, self.sampling, greedy=self._stream_greedy))
+        self._stream_model = None
+        if not done:
+            raise ValueError("finish_tail got no rows: every chunk of the generation was already taken; take only "
+                             "the (rows - migrate_below) // chunk_samples chunks before hand_over_tail")
+        return Batch.concat(done)
 
     def _end_stream(self) -> None:
         if self._stream is not None:

@@ -7,7 +7,7 @@ import torch
 
 from algorithms.fusion import merge_chunks, reassemble
 from engines import HFGenerationEngine, ModelConfig, SamplingConfig, build_model, build_tokenizer
-from engines.generation import ROW_INDEX, GenerationStream
+from engines.generation import ROW_INDEX, TAIL_STEP, GenerationStream, is_tail
 from flowactors import Batch
 
 CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
@@ -110,3 +110,42 @@ def test_merge_chunks_joins_scores_and_checks_rows():
     assert ROW_INDEX not in out
     with pytest.raises(ValueError, match="not all the chunks"):
         reassemble(chunks[0])
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(max_new_tokens=20),
+    SamplingConfig(max_new_tokens=20, ignore_eos=True, temperature=0.7, top_k=8, evict_finished=True),
+], ids=["eos", "ignore_eos_evict"])
+def test_paused_tails_resume_on_another_rank_with_the_same_samples(tiny, sampling):
+    """Long-tail migration in one process: two 'ranks' (rows 0-4, 5-9) pause at different steps, hand over their
+    running rows' state, and one batch finishes both; every row equals generate()'s (log-probs to rounding)."""
+    tok, model, eng = tiny
+    p = prompts(tok, STOPS)
+    whole = eng.generate(model, p, sampling)
+    finished, tails = [], []
+    for rank, keep in ((0, 1), (1, 2)):  # rank 0 keeps running until 1 row is left, rank 1 until 2
+        for item in eng.stream(model, p.slice(5 * rank, 5 * rank + 5), sampling, 2, row_offset=5 * rank,
+                               pause_below=keep):
+            (tails if is_tail(item) else finished).append(item)
+    assert [len(t) for t in tails] == [1, 2]
+    steps = [t.meta[TAIL_STEP] for t in tails]
+    assert steps[0] != steps[1]  # the earlier tail catches up before the two decode together
+    resumed = eng.resume(model, tails, sampling)
+    assert sorted(resumed[ROW_INDEX].tolist()) == sorted(torch.cat([t[ROW_INDEX] for t in tails]).tolist())
+    out = reassemble(*finished, resumed)
+    assert sorted(out.keys()) == sorted(whole.keys()) and out.rows == whole.rows and out.meta == whole.meta
+    for name, t in whole.tensors.items():
+        if name == "rollout_log_probs":  # the moved rows decode in a smaller batch: last-bit rounding
+            assert torch.allclose(out[name], t, rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(out[name], t), name
+
+
+def test_pause_and_resume_refuse_bad_input(tiny):
+    tok, model, eng = tiny
+    p, sampling = prompts(tok, STOPS), SamplingConfig(max_new_tokens=20)
+    for bad in (0, 10):
+        with pytest.raises(ValueError, match="pause_below must be between 1 and"):
+            next(eng.stream(model, p, sampling, 2, pause_below=bad))
+    with pytest.raises(ValueError, match="at least one paused decode"):
+        eng.resume(model, [], sampling)

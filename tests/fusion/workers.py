@@ -25,14 +25,21 @@ class FailingReward(Worker):
 
 class SlowDecodeActor(ActorWorker):
     """An actor whose decode steps take at least `step_s`: a long tail that lasts long enough to see scoring of
-    the first chunks run beside it, whatever the load of the machine."""
+    the first chunks run beside it, whatever the load of the machine. The hook goes on the model it generates
+    with (a data-parallel actor's is a gathered copy of its sharded training model)."""
 
     def __init__(self, *args, step_s: float = 0.02) -> None:
         super().__init__(*args)
+        self.step_s = step_s
 
-        def slow_decode(module, args, kwargs):  # noqa: ARG001 - hook signature
-            ids = kwargs.get("input_ids")
-            if ids is not None and ids.shape[1] == 1:
-                time.sleep(step_s)
+    def _generation_model(self) -> torch.nn.Module:
+        model = super()._generation_model()
+        if not getattr(model, "_slow_decode", False):
+            def slow_decode(module, args, kwargs):  # noqa: ARG001 - hook signature
+                ids = kwargs.get("input_ids")
+                if ids is not None and ids.shape[1] == 1:
+                    time.sleep(self.step_s)
 
-        self.engine.model.register_forward_pre_hook(slow_decode, with_kwargs=True)
+            model.register_forward_pre_hook(slow_decode, with_kwargs=True)
+            model._slow_decode = True
+        return model
