@@ -29,17 +29,29 @@ unfused ones in the last bit (about 1e-8), and since Adam's first steps amplify 
 gradients, the two runs then drift apart like any two runs on different kernels. Computing those heads as a
 row-wise reduction (`(hidden * weight).sum(-1) + bias`, batch-invariant) in the engines would make every width exact.
 
-What this leaves out. Long-tail migration (RLHFuse moves the unfinished samples to fewer generation instances
-once a threshold of samples is done, and frees the others for scoring) needs rows that move between actor ranks
-mid-decode (ship their KV caches and sampling state; re-prefilling the partial responses would change their numerics
-and so the samples), a stop-and-hand-over call the decoding thread obeys, and scorer groups placed on the actor slots
-that migration frees (the placement would have to plan those). Not done here; with the split placement of a 2-slot
-machine the actor has a single rank and nothing to migrate to. Intra-stage
-fusion (RLHFuse's fused actor/critic training pipeline, which interleaves micro-batches of the two models' 1F1B
-schedules on the same pipeline stages) needs pipeline-parallel training engines exposing per-micro-batch forward /
-backward steps and a joint schedule; the torch-native engine here runs each update as one call. What both would
-save on a GPU cluster is estimated with the placement simulator: placement/fusion.py, `benchmarks/fusion.py
---cluster`.
+Long-tail migration (RLHFuse §4: once few samples are still generating, move them to fewer instances and give
+the freed ones to the scorers), `migrate_below=f`. Each actor rank decodes until at most a fraction f of its rows
+are still running, then stops (`stream(pause_below=...)`). The controller takes the chunks every rank is sure to
+have produced by then, `(rows - kept) // chunk_samples`; `hand_over_tail` returns each rank's unsent finished rows
+and the state of its running rows (their KV caches, tokens so far, and the per-row sampling uniforms); rank 0's
+`finish_tail` decodes every rank's running rows in one batch (a tail that paused earlier catches up alone until
+the next one's step, so their caches line up) and returns them with the unsent rows as the last chunk. A scorer
+that shares only the other actor slots streams: its chunk calls, issued after `hand_over_tail`, run on a slot as
+soon as that slot's rank has handed over; scorers on rank 0's slot wait for the whole batch. The moved rows draw
+the uniforms they would have on their own rank (the uniforms move with them) but decode in a smaller batch, so
+their logits may differ in the last bit: their rollout log-probs then differ by rounding (the training log-probs
+are recomputed and are exact), and a token could flip only if its uniform fell within rounding of a CDF boundary
+(none did in the tests, which compare every token). Rows move with their KV caches, not by re-prefilling: a prefill over prompt + partial response rounds
+differently from the step-by-step decode. Needs an actor of dp >= 2 with tp = pp = 1 and the hf engine; not done:
+migration with vLLM (its KV blocks do not leave the engine; re-prefilling there would change the numerics),
+migration to more than one receiving rank, and placements that plan scorers onto the slots migration frees (the
+benchmark places them by hand).
+
+What this leaves out. Intra-stage fusion (RLHFuse's fused actor/critic training pipeline, which interleaves
+micro-batches of the two models' 1F1B schedules on the same pipeline stages) needs pipeline-parallel training
+engines exposing per-micro-batch forward / backward steps and a joint schedule; the torch-native engine here runs
+each update as one call. What both would save on a GPU cluster is estimated with the placement simulator:
+placement/fusion.py, `benchmarks/fusion.py --cluster`.
 """
 
 from __future__ import annotations

@@ -79,6 +79,9 @@ class Workload:
     """Actor, reference and critic."""
     reward_layers: int = 8
     """The reward model's depth (same width)."""
+    migrate: bool = False
+    """Long-tail migration placement: the actor data-parallel over both slots, the scorers on slot 1."""
+    migrate_below: float = 0.25
 
     @property
     def model(self) -> ModelConfig:
@@ -98,12 +101,12 @@ class Workload:
 
 
 def build(ctl: fa.Controller, w: Workload) -> Roles:
-    actor_slot, scorer_slot = ctl.slots[:1], ctl.slots[1:2]
+    actor_slot, scorer_slot = (ctl.slots[:2] if w.migrate else ctl.slots[:1]), ctl.slots[1:2]
     optim = OptimConfig(lr=1e-5, micro_batch_tokens=4096)
     sampling = SamplingConfig(max_new_tokens=w.max_new_tokens, ignore_eos=True, evict_finished=w.evict_finished)
 
     def group(role: str, cls: type, slots: list[str], *args) -> fa.ActorGroup:
-        return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=Layout(dp=1), args=args)
+        return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=Layout(dp=len(slots)), args=args)
 
     return Roles(actor=group("actor", ActorWorker, actor_slot, w.model, optim, sampling),
                  ref=group("ref", RefWorker, scorer_slot, w.model),
@@ -114,12 +117,13 @@ def build(ctl: fa.Controller, w: Workload) -> Roles:
 class _Mode:
     """One mode's own 2-slot cluster, groups and PPO program."""
 
-    def __init__(self, fuse: bool, w: Workload) -> None:
+    def __init__(self, fuse: bool, w: Workload, migrate: bool = False) -> None:
         self.w = w
-        self.name = "fused" if fuse else "unfused"
+        self.name = "migrated" if migrate else "fused" if fuse else "unfused"
         self.ctl = fa.Controller.local(2, dashboard=None)
         cfg = PPOConfig(prompts_per_step=w.prompts, mini_batch_samples=w.prompts, micro_batch_tokens=4096,
-                        fuse=fuse, fuse_chunk_samples=w.chunk_samples, dashboard="none")
+                        fuse=fuse, fuse_chunk_samples=w.chunk_samples, fuse_migrate=migrate,
+                        fuse_migrate_below=w.migrate_below, dashboard="none")
         self.algo = PPO(cfg)
         self.data = PromptData(get_task("digits"), build_tokenizer(w.model), 256, seed=0)
         self.algo.setup(self.ctl, build(self.ctl, w), self.data)
@@ -150,8 +154,8 @@ class _Mode:
 
 
 def measure(w: Workload, steps: int, warmup: int) -> tuple[list[dict], dict[str, list[dict]], list[float]]:
-    """Both modes side by side, steps alternating between them (see the module docstring)."""
-    modes = [_Mode(False, w), _Mode(True, w)]
+    """The modes side by side, steps alternating between them (see the module docstring)."""
+    modes = [_Mode(False, w), _Mode(True, w)] + ([_Mode(True, w, migrate=True)] if w.migrate else [])
     try:
         for i in range(warmup + steps):
             for m in (modes if i % 2 == 0 else modes[::-1]):
@@ -159,12 +163,12 @@ def measure(w: Workload, steps: int, warmup: int) -> tuple[list[dict], dict[str,
     finally:
         for m in modes:
             m.ctl.close()
-    paired = [u / f for u, f in zip(modes[0].step_s, modes[1].step_s)]
+    paired = [u / f for u, f in zip(modes[0].step_s, modes[-1].step_s)]  # the last mode against unfused
     return [m.row() for m in modes], {m.name: m.timeline for m in modes}, paired
 
 
-_KIND = {"generate_sequences": "G", "start_generation": "G", "next_generated_chunk": "G", "update_actor": "U",
-         "update_critic": "U"}
+_KIND = {"generate_sequences": "G", "start_generation": "G", "next_generated_chunk": "G", "hand_over_tail": "G",
+         "finish_tail": "G", "update_actor": "U", "update_critic": "U"}
 
 
 def _kind(key: str) -> str:
@@ -241,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="actor, reference and critic")
     p.add_argument("--reward-layers", type=int, default=d.reward_layers)
     p.add_argument("--evict", action="store_true", help="drop finished rows from the decode batch")
+    p.add_argument("--migrate", action="store_true", help="actor on both slots (dp=2), scorers on slot 1; adds a "
+                   "third mode: fused with long-tail migration to actor rank 0")
+    p.add_argument("--migrate-below", type=float, default=d.migrate_below,
+                   help="fraction of a rank's rows still running at which they migrate")
     p.add_argument("--cluster", action="store_true", help="print only the cluster-scale estimate (no run)")
     args = p.parse_args(argv)
     if args.cluster:
@@ -248,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     w = Workload(prompts=args.prompts, max_new_tokens=args.max_new_tokens, pareto_alpha=args.alpha,
                  chunk_samples=args.chunk_samples, evict_finished=args.evict, hidden_size=args.hidden_size,
-                 num_layers=args.num_layers, reward_layers=args.reward_layers)
+                 num_layers=args.num_layers, reward_layers=args.reward_layers, migrate=args.migrate,
+                 migrate_below=args.migrate_below)
     rows, timelines, paired = measure(w, args.steps, args.warmup)
     if args.json:
         for r in rows:
@@ -258,14 +267,16 @@ def main(argv: list[str] | None = None) -> None:
           f"min={w.min_tokens}) capped at {w.max_new_tokens}: median {lengths.median():.0f}, mean "
           f"{lengths.mean():.1f}, {(lengths >= w.max_new_tokens).float().mean():.0%} at the cap. Llama "
           f"{w.hidden_size} wide: actor, ref, critic {w.num_layers} layers, reward model {w.reward_layers}. "
-          f"Slot 0: actor | slot 1: ref, critic, reward. Chunks of {w.chunk_samples} samples; "
+          f"{'Slots 0-1: actor (dp=2)' if w.migrate else 'Slot 0: actor'} | slot 1: ref, critic, reward. "
+          f"Chunks of {w.chunk_samples} samples"
+          f"{f', migration below {w.migrate_below:.0%} of a rank' if w.migrate else ''}; "
           f"evict_finished={w.evict_finished}; {args.steps} measured steps per mode.")
     base = next(r for r in rows if r["mode"] == "unfused")
-    print(f"\n{'mode':<8} {'tokens/s':>9} {'step s':>8} {'samples digest':>18} {'vs unfused':>11}")
+    print(f"\n{'mode':<9} {'tokens/s':>9} {'step s':>8} {'samples digest':>18} {'vs unfused':>11}")
     for r in rows:
-        print(f"{r['mode']:<8} {r['tokens_per_s']:>9.1f} {r['step_s']:>8.3f} {r['samples_digest']:>18} "
+        print(f"{r['mode']:<9} {r['tokens_per_s']:>9.1f} {r['step_s']:>8.3f} {r['samples_digest']:>18} "
               f"{r['tokens_per_s'] / base['tokens_per_s']:>10.2f}x")
-    print(f"paired per-step speed-up: median {statistics.median(paired):.2f}x, range {min(paired):.2f}-"
+    print(f"paired per-step speed-up of {rows[-1]['mode']}: median {statistics.median(paired):.2f}x, range {min(paired):.2f}-"
           f"{max(paired):.2f}x")
     print("\nstage timeline, last measured step of each mode (G generation, S scoring, U update, a merging chunks "
           "and advantages, . idle):")

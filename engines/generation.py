@@ -47,9 +47,10 @@ ROW_INDEX = "row_index"
 """Field of a streamed chunk: each row's index in the call's prompt batch."""
 STOP_AT = "stop_at"
 """Optional prompt field: row i stops after stop_at[i] new tokens."""
-TAIL_STEP = "decode_tail_step"
-"""Meta of a paused decode's state (`stream(pause_below=...)`): the step its rows decode next."""
 _TAIL = "_tail."
+TAIL_STEP = _TAIL + "step"
+"""Field of a paused decode's state (`stream(pause_below=...)`): the step its rows decode next (one per row, all
+equal)."""
 
 
 @dataclass
@@ -119,7 +120,7 @@ class HFGenerationEngine:
 
         `pause_below=m` (long-tail migration): decoding stops once 1..m rows are still running; the finished rows
         not yet handed out come as a last, shorter chunk, and then the running rows' decode state (a batch with
-        `meta[TAIL_STEP]`, about as large as their KV cache) for `resume` to finish, here or on another rank."""
+        a `TAIL_STEP` field, about as large as their KV cache) for `resume` to finish, here or on another rank."""
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         if pause_below is not None and not 0 < pause_below < len(prompts):
@@ -158,7 +159,7 @@ class HFGenerationEngine:
         if len(widths) > 1:
             raise ValueError(f"paused decodes of prompts padded to different widths {sorted(widths)} cannot decode "
                              f"together; pause the rows of one prompt batch (one width) only")
-        order = sorted(range(len(tails)), key=lambda i: int(tails[i].meta[TAIL_STEP]))
+        order = sorted(range(len(tails)), key=lambda i: _step(tails[i]))
         tails = [tails[i] for i in order]
         prompts = Batch.concat([_tail_prompts(t) for t in tails])
         tokens = torch.cat([t[_TAIL + "tokens"] for t in tails])
@@ -167,10 +168,10 @@ class HFGenerationEngine:
         n = len(prompts)
         loop = _Loop(torch.cat([t[_TAIL + "uniforms"] for t in tails]), _stop_lengths(prompts),
                      torch.zeros(n, dtype=torch.bool), torch.zeros(0, dtype=torch.long), None, None, None, None,
-                     int(tails[0].meta[TAIL_STEP]))
+                     _step(tails[0]))
         offset = 0
         for tail in tails:
-            step = int(tail.meta[TAIL_STEP])
+            step = _step(tail)
             if len(loop.live):  # the rows running so far catch up with this tail's step
                 for _ in self._steps(model, cfg, loop, tokens, logp, greedy=greedy, until=step):
                     pass
@@ -331,7 +332,7 @@ class _Loop:
 
 def is_tail(item: Batch) -> bool:
     """Whether a streamed item is a paused decode's state (`stream(pause_below=...)`), not a chunk of samples."""
-    return TAIL_STEP in item.meta
+    return TAIL_STEP in item
 
 
 def _kv_layers(cache: Any) -> list:
@@ -353,13 +354,16 @@ def _tail_of(loop: _Loop, prompts: Batch, tokens: torch.Tensor, logp: torch.Tens
     part = prompts.take(rows)
     state = {_TAIL + "tokens": tokens[rows], _TAIL + "logp": logp[rows], _TAIL + "uniforms": loop.uniforms[rows],
              _TAIL + "attn": loop.attn[sel], _TAIL + "pos": loop.pos[sel], ROW_INDEX: rows + row_offset, **kv}
-    return Batch({**part.tensors, **state}, part.rows, {**part.meta, TAIL_STEP: loop.t})
+    state[TAIL_STEP] = torch.full((len(rows),), loop.t, dtype=torch.long)
+    return Batch({**part.tensors, **state}, part.rows, part.meta)
 
 
 def _tail_prompts(tail: Batch) -> Batch:
-    names = [k for k in tail.keys() if not k.startswith(_TAIL) and k != ROW_INDEX]
-    out = tail.select(*names)
-    return Batch(out.tensors, out.rows, {k: v for k, v in out.meta.items() if k != TAIL_STEP})
+    return tail.select(*(k for k in tail.keys() if not k.startswith(_TAIL) and k != ROW_INDEX))
+
+
+def _step(tail: Batch) -> int:
+    return int(tail[TAIL_STEP][0])
 
 
 def _admit(loop: _Loop, tail: Batch, offset: int, step: int, model: torch.nn.Module) -> None:

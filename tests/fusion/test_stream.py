@@ -128,7 +128,7 @@ def test_paused_tails_resume_on_another_rank_with_the_same_samples(tiny, samplin
                                pause_below=keep):
             (tails if is_tail(item) else finished).append(item)
     assert [len(t) for t in tails] == [1, 2]
-    steps = [t.meta[TAIL_STEP] for t in tails]
+    steps = [int(t[TAIL_STEP][0]) for t in tails]
     assert steps[0] != steps[1]  # the earlier tail catches up before the two decode together
     resumed = eng.resume(model, tails, sampling)
     assert sorted(resumed[ROW_INDEX].tolist()) == sorted(torch.cat([t[ROW_INDEX] for t in tails]).tolist())
