@@ -134,18 +134,20 @@ class _Mode:
 
     def step(self, i: int, measured: bool) -> None:
         from distributed import get_task_stream
+        from distributed.metrics import time as metrics_time
 
         p = self.data.next_batch(self.w.prompts, 1)
         prompts = Batch({**p.tensors, "stop_at": self.w.lengths(i)}, p.rows, p.meta)
         with get_task_stream(client=self.ctl.client) as ts:
-            wall0, t0 = time.time(), time.perf_counter()
+            wall0, t0 = metrics_time(), time.perf_counter()
             m = self.algo.step(prompts, i)
             dt = time.perf_counter() - t0
         if measured:
             self.step_s.append(dt)
             self.tokens.append(m["prompt_tokens"] + m["response_tokens"])
             self.digest.update(self.algo.last_batch.result()["responses"].numpy().tobytes())
-            self.timeline = _timeline(ts.data, self.ctl.slots, wall0, dt)
+            ran = ts.data + self.ctl.call_records(wall0, metrics_time())  # tasks, and calls on the direct path
+            self.timeline = _timeline(ran, self.ctl.slots, wall0, dt)
 
     def row(self) -> dict:
         step_s = statistics.median(self.step_s)
