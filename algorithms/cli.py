@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Callable, Iterator, Sequence
 
 import flowactors as fa
-from algorithms.config import ConfigError, RunConfig, apply_overrides, describe_settings
+from algorithms.config import PLACEMENTS, ConfigError, RunConfig, apply_overrides, describe_settings
 from flowactors import Controller
 
 __all__ = ["parse_args", "settings_help", "user_errors", "open_controller", "USER_ERRORS", "EXIT_USAGE"]
@@ -31,7 +31,7 @@ _FLAGS: dict[str, dict] = {
     "address": {"help": "Dask scheduler address (tcp://host:8786); default: embedded cluster"},
     "metrics_file": {"help": "write one JSON object per step to this file"},
     "cluster": {"choices": ["local", "slurm"], "help": "without --address: embedded (local) or Slurm jobs"},
-    "placement": {"choices": ["colocated", "split"]},
+    "placement": {"choices": list(PLACEMENTS)},
     "plan": {"help": "placement plan file (JSON/YAML) from python -m placement.automap --json"},
     "seed": {"type": int},
     "checkpoint_dir": {"help": "where checkpoints go (atomic, checksummed)"},

@@ -25,8 +25,12 @@ from engines.training import OptimConfig
 from flowactors.slurm import SlurmSettings
 
 __all__ = ["RunConfig", "RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError",
-           "apply_overrides",
+           "PLACEMENTS", "apply_overrides",
            "check_trainable_layers", "check_zero_stage", "derived_sizes", "describe_settings", "field_docs", "validate"]
+
+
+PLACEMENTS = ("colocated", "split", "fused")
+"""The placements a run builds without a plan (RLConfig.placement)."""
 
 
 class ConfigError(ValueError):
@@ -122,7 +126,9 @@ class RLConfig(RunConfig):
     """How long a recovery waits for the lost slots to come back before using the live ones."""
     # -- cluster and placement ------------------------------------------------------------------------------------
     placement: str = "colocated"
-    """colocated (every model on every slot, time-shared) or split (actor+ref | critics+reward+cost)."""
+    """colocated (every model on every slot, time-shared), split (actor+ref | critics+reward+cost), or fused (actor
+    and reference on every slot, critics, reward and cost on every slot but the first: with fuse_migrate the first
+    slot finishes the long tail while the others score)."""
     plan: str | None = None
     """A placement plan (JSON/YAML from `python -m placement.automap --json`); overrides `placement`."""
     # -- batch sizes ----------------------------------------------------------------------------------------------
@@ -193,10 +199,11 @@ class RLConfig(RunConfig):
             raise ConfigError("save_every needs a checkpoint_dir (--checkpoint-dir D)")
         if self.sft_steps < 0:
             raise ConfigError(f"sft_steps must be >= 0, got {self.sft_steps}")
-        if self.placement not in ("colocated", "split"):
-            raise ConfigError(f"placement must be 'colocated' or 'split', got {self.placement!r}")
-        if self.placement == "split" and self.n_slots < 2:
-            raise ConfigError("placement=split needs n_slots >= 2 (one pool for the actor, one for the scorers)")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.placement in ("split", "fused") and self.n_slots < 2:
+            raise ConfigError(f"placement={self.placement} needs n_slots >= 2 (the scorers' slots differ from the "
+                              f"actor's {'' if self.placement == 'split' else 'first '}slot)")
         samples = self.prompts_per_step * self.samples_per_prompt
         if samples % self.mini_batch_samples:
             raise ConfigError(f"mini_batch_samples={self.mini_batch_samples} does not divide the "

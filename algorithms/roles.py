@@ -157,6 +157,8 @@ def _planned_dp(cfg: RLConfig) -> dict[str, int]:
     if cfg.placement == "split":
         half = cfg.n_slots // 2
         return {"actor": half, "critic": cfg.n_slots - half}
+    if cfg.placement == "fused":
+        return {"actor": cfg.n_slots, "critic": cfg.n_slots - 1}
     return {"actor": cfg.n_slots}
 
 
@@ -224,6 +226,10 @@ def place(ctl: Controller, cfg: RLConfig) -> Pools:
         if cfg.placement == "split":
             half = len(slots) // 2
             actor_side, scorer_side = list(slots[:half]), list(slots[half:])
+        elif cfg.placement == "fused":  # the first slot finishes the migrated tail, the others score meanwhile
+            if len(slots) < 2:
+                raise fa.PlacementError(f"placement=fused needs at least 2 slots; the cluster has {len(slots)}")
+            scorer_side = list(slots[1:])
         a, s = (actor_side, Layout(dp=len(actor_side))), (scorer_side, Layout(dp=len(scorer_side)))
         result = Pools({"actor": a, "ref": a, **{r: s for r in _SCORERS}})
     for role, (_, layout) in result.roles.items():

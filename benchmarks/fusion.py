@@ -80,7 +80,8 @@ class Workload:
     reward_layers: int = 8
     """The reward model's depth (same width)."""
     migrate: bool = False
-    """Long-tail migration placement: the actor data-parallel over both slots, the scorers on slot 1."""
+    """Long-tail migration placement (`placement=fused`): actor and reference data-parallel over both slots,
+    critic and reward on slot 1."""
     migrate_below: float = 0.25
 
     @property
@@ -100,6 +101,10 @@ class Workload:
         return (self.min_tokens * (1 - u) ** (-1 / self.pareto_alpha)).long().clamp(1, self.max_new_tokens)
 
 
+_PLACEMENT = {False: "Slot 0: actor | slot 1: ref, critic, reward.",
+              True: "Slots 0-1: actor, ref (dp=2) | slot 1: critic, reward."}
+
+
 def build(ctl: fa.Controller, w: Workload) -> Roles:
     actor_slot, scorer_slot = (ctl.slots[:2] if w.migrate else ctl.slots[:1]), ctl.slots[1:2]
     optim = OptimConfig(lr=1e-5, micro_batch_tokens=4096)
@@ -109,7 +114,7 @@ def build(ctl: fa.Controller, w: Workload) -> Roles:
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=Layout(dp=len(slots)), args=args)
 
     return Roles(actor=group("actor", ActorWorker, actor_slot, w.model, optim, sampling),
-                 ref=group("ref", RefWorker, scorer_slot, w.model),
+                 ref=group("ref", RefWorker, actor_slot if w.migrate else scorer_slot, w.model),
                  critic=group("critic", CriticWorker, scorer_slot, w.model, optim),
                  reward=group("reward", RewardModelWorker, scorer_slot, w.reward_model))
 
@@ -247,8 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="actor, reference and critic")
     p.add_argument("--reward-layers", type=int, default=d.reward_layers)
     p.add_argument("--evict", action="store_true", help="drop finished rows from the decode batch")
-    p.add_argument("--migrate", action="store_true", help="actor on both slots (dp=2), scorers on slot 1; adds a "
-                   "third mode: fused with long-tail migration to actor rank 0")
+    p.add_argument("--migrate", action="store_true", help="actor and ref on both slots (dp=2), critic and reward on "
+                   "slot 1; adds a third mode: fused with long-tail migration to actor rank 0")
     p.add_argument("--migrate-below", type=float, default=d.migrate_below,
                    help="fraction of a rank's rows still running at which they migrate")
     p.add_argument("--cluster", action="store_true", help="print only the cluster-scale estimate (no run)")
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
           f"min={w.min_tokens}) capped at {w.max_new_tokens}: median {lengths.median():.0f}, mean "
           f"{lengths.mean():.1f}, {(lengths >= w.max_new_tokens).float().mean():.0%} at the cap. Llama "
           f"{w.hidden_size} wide: actor, ref, critic {w.num_layers} layers, reward model {w.reward_layers}. "
-          f"{'Slots 0-1: actor (dp=2)' if w.migrate else 'Slot 0: actor'} | slot 1: ref, critic, reward. "
+          f"{_PLACEMENT[w.migrate]} "
           f"Chunks of {w.chunk_samples} samples"
           f"{f', migration below {w.migrate_below:.0%} of a rank' if w.migrate else ''}; "
           f"evict_finished={w.evict_finished}; {args.steps} measured steps per mode.")

@@ -301,3 +301,20 @@ def test_migration_refuses_a_layout_it_cannot_run(ctl, data):
         close(g)
     with pytest.raises(ConfigError, match="set fuse=true"):
         PPOConfig(fuse_migrate=True)
+
+
+def test_the_ppo_program_migrates_on_the_fused_placement_and_changes_nothing(tmp_path):
+    """`--placement fused fuse=true fuse_migrate=true`: actor and reference on both slots, critic and reward on
+    the second; the run's metrics equal the unfused run's on the same placement, step by step."""
+    from algorithms.ppo import main
+    from tests.algorithms.test_learning import run
+
+    common = ["--placement", "fused", "--steps", "3", f"max_new_tokens={ALIGNED}", "prompts_per_step=16",
+              "mini_batch_samples=8", "fuse_chunk_samples=2"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = run(main, tmp_path / "a", *common, "fuse=false")
+    migrated = run(main, tmp_path / "b", *common, "fuse=true", "fuse_migrate=true")
+    for a, b in zip(plain, migrated, strict=True):
+        for key in ("reward_mean", "kl", "entropy", "response_length_mean", "critic/vf_loss"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
