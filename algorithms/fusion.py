@@ -30,22 +30,24 @@ gradients, the two runs then drift apart like any two runs on different kernels.
 row-wise reduction (`(hidden * weight).sum(-1) + bias`, batch-invariant) in the engines would make every width exact.
 
 Long-tail migration (RLHFuse §4: once few samples are still generating, move them to fewer instances and give
-the freed ones to the scorers), `migrate_below=f`. Each actor rank decodes until at most a fraction f of its rows
-are still running, then stops (`stream(pause_below=...)`). The controller takes the chunks every rank is sure to
-have produced by then, `(rows - kept) // chunk_samples`; `hand_over_tail` returns each rank's unsent finished rows
-and the state of its running rows (their KV caches, tokens so far, and the per-row sampling uniforms); rank 0's
-`finish_tail` decodes every rank's running rows in one batch (a tail that paused earlier catches up alone until
-the next one's step, so their caches line up) and returns them with the unsent rows as the last chunk. A scorer
-that shares only the other actor slots streams: its chunk calls, issued after `hand_over_tail`, run on a slot as
-soon as that slot's rank has handed over; scorers on rank 0's slot wait for the whole batch. The moved rows draw
-the uniforms they would have on their own rank (the uniforms move with them) but decode in a smaller batch, so
-their logits may differ in the last bit: their rollout log-probs then differ by rounding (the training log-probs
-are recomputed and are exact), and a token could flip only if its uniform fell within rounding of a CDF boundary
-(none did in the tests, which compare every token). Rows move with their KV caches, not by re-prefilling: a prefill over prompt + partial response rounds
-differently from the step-by-step decode. Needs an actor of dp >= 2 with tp = pp = 1 and the hf engine; not done:
-migration with vLLM (its KV blocks do not leave the engine; re-prefilling there would change the numerics),
-migration to more than one receiving rank, and placements that plan scorers onto the slots migration frees (the
-benchmark places them by hand).
+the freed ones to the scorers), `migrate_below=f`. Every actor rank but 0 decodes until at most a fraction f of its
+rows are still running, then stops (`stream(pause_below=...)`). The controller takes the chunks every rank is sure
+to have produced by then, `(rows - kept) // chunk_samples`; `hand_over_tail` returns each pausing rank's unsent
+finished rows and the state of its running rows (their KV caches, tokens so far, and per-row sampling uniforms);
+rank 0 never stops: its `finish_tail` feeds those states into its running decode (`stream(inbox=...)`), where each
+joins the running batch at the step it paused at (a state from behind first decodes alone until it catches up, one
+from ahead waits for the batch to get there), and returns every row not yet taken as the last chunk. A scorer that
+shares only the other actor slots streams: its chunk calls, issued after `hand_over_tail`, run on a slot as soon
+as that slot's rank has handed over; scorers on rank 0's slot wait for the whole batch. The moved rows draw the
+uniforms they would have on their own rank (the uniforms move with them) but decode in another batch, so their
+logits may differ in the last bit: their rollout log-probs then differ by rounding (the training log-probs are
+recomputed and are exact), and a token could flip only if its uniform fell within rounding of a CDF boundary (none
+did in the tests, which compare every token). Rows move with their KV caches, not by re-prefilling: a prefill over
+prompt + partial response rounds differently from the step-by-step decode. Needs an actor of dp >= 2 with
+tp = pp = 1 and the hf engine; not done: migration with vLLM (its KV blocks do not leave the engine; re-prefilling
+there would change the numerics), more than one receiving rank, and a placement search that plans scorers onto
+the slots migration frees (`placement=fused` is the hand-made one: critics, reward and cost on every slot but the
+first).
 
 What this leaves out. Intra-stage fusion (RLHFuse's fused actor/critic training pipeline, which interleaves
 micro-batches of the two models' 1F1B schedules on the same pipeline stages) needs pipeline-parallel training

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,8 @@ class HFGenerationEngine:
 
     holds_weights = False
     """It samples from the module each call hands it (engines.interfaces.GenerationEngine)."""
+    migrates = True
+    """`stream` can pause (`pause_below`) and receive paused decodes (`inbox`): long-tail migration."""
 
     def __init__(self, eos_token_id: int, pad_token_id: int, max_context: int | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
@@ -105,89 +107,46 @@ class HFGenerationEngine:
                  seed: int = 0, seed_offset: int = 0) -> Batch:
         """Sample every row. A row without a `seed` column draws from seed·1000003 + seed_offset + its index, so a
         caller that samples rows a:b of a batch separately passes seed_offset=a and gets the same samples."""
-        tokens, logp = self._buffers(len(prompts), cfg)
-        for _ in self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset):
+        loop = self._start(prompts, cfg, seed=seed, seed_offset=seed_offset)
+        for _ in self._steps(model, cfg, loop, greedy=greedy):
             pass
-        return self._assemble(prompts, tokens, logp, cfg)
+        return self._assemble(prompts, loop.tokens, loop.logp, cfg)
 
     def stream(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
                greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0,
-               pause_below: int | None = None) -> Iterator[Batch]:
+               pause_below: int | None = None, inbox: "queue.Queue[Batch | None] | None" = None) -> Iterator[Batch]:
         """The samples of `generate()` (with the same `seed_offset`), yielded as chunks of `chunk_rows` finished
         rows in the order they finish (rows finishing at the same step by index; the last chunk may be shorter).
         Each chunk has `row_index`: the row's index in `prompts` plus `row_offset` (a data-parallel rank passes its
         share's offset).
 
-        `pause_below=m` (long-tail migration): decoding stops once 1..m rows are still running; the finished rows
-        not yet handed out come as a last, shorter chunk, and then the running rows' decode state (a batch with
-        a `TAIL_STEP` field, about as large as their KV cache) for `resume` to finish, here or on another rank."""
+        Long-tail migration, the two sides. `pause_below=m`: decoding stops once 1..m rows are still running; the
+        finished rows not yet handed out come as a last, shorter chunk, and then the running rows' decode state (a
+        batch with a `TAIL_STEP` field, about as large as their KV cache) for another rank to finish. `inbox`: the
+        receiving side; decoding goes on while other ranks' paused states arrive in the queue, and each joins the
+        running batch (see `_admit_arrivals`); their rows come out in the chunks, with their own `row_index`. The
+        stream ends once every row has finished and the queue has delivered None."""
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
         if pause_below is not None and not 0 < pause_below < len(prompts):
             raise ValueError(f"pause_below must be between 1 and the rows to sample - 1 ({len(prompts) - 1}), got "
                              f"{pause_below}")
-        tokens, logp = self._buffers(len(prompts), cfg)
-        finished = self._decode(model, prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset,
-                                pause_below=pause_below)
-        chunks = chunk_finished(finished, chunk_rows)
+        loop = self._start(prompts, cfg, seed=seed, seed_offset=seed_offset, row_offset=row_offset)
+        chunks = chunk_finished(self._steps(model, cfg, loop, greedy=greedy, pause_below=pause_below, inbox=inbox),
+                                chunk_rows)
         while True:
             try:
                 rows = next(chunks)
             except StopIteration as end:
                 paused = end.value
                 break
-            yield self._chunk(prompts, tokens, logp, rows, cfg, row_offset)
+            yield self._chunk(loop, rows, cfg)
         if paused is not None:
-            yield _tail_of(paused, prompts, tokens, logp, row_offset)
+            yield _tail_of(paused)
 
-    def _buffers(self, b: int, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
-                torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32))
-
-    def resume(self, model: torch.nn.Module, tails: Sequence[Batch], cfg: SamplingConfig, *,
-               greedy: bool = False) -> Batch:
-        """Finish the rows of paused decodes (`stream(..., pause_below=m)`'s last items, from any ranks) in one
-        running batch here: long-tail migration. The tail that stopped earliest decodes alone until the next one's
-        step, then they run together (their KV caches then have the same length), and so on. Returns the finished
-        rows as a chunk (with `row_index`), in the tails' order. A row's tokens are the ones its own rank would
-        have sampled (its uniforms travel with it); its log-probs may differ in the last bit, since its batch is
-        smaller (see `evict_finished`)."""
-        tails = [t for t in tails if t is not None and len(t)]
-        if not tails:
-            raise ValueError("resume needs at least one paused decode with rows still running; got none")
-        widths = {int(t["input_ids"].shape[1]) for t in tails}
-        if len(widths) > 1:
-            raise ValueError(f"paused decodes of prompts padded to different widths {sorted(widths)} cannot decode "
-                             f"together; pause the rows of one prompt batch (one width) only")
-        order = sorted(range(len(tails)), key=lambda i: _step(tails[i]))
-        tails = [tails[i] for i in order]
-        prompts = Batch.concat([_tail_prompts(t) for t in tails])
-        tokens = torch.cat([t[_TAIL + "tokens"] for t in tails])
-        logp = torch.cat([t[_TAIL + "logp"] for t in tails])
-        row_index = torch.cat([t[ROW_INDEX] for t in tails])
-        n = len(prompts)
-        loop = _Loop(torch.cat([t[_TAIL + "uniforms"] for t in tails]), _stop_lengths(prompts),
-                     torch.zeros(n, dtype=torch.bool), torch.zeros(0, dtype=torch.long), None, None, None, None,
-                     _step(tails[0]))
-        offset = 0
-        for tail in tails:
-            step = _step(tail)
-            if len(loop.live):  # the rows running so far catch up with this tail's step
-                for _ in self._steps(model, cfg, loop, tokens, logp, greedy=greedy, until=step):
-                    pass
-            _admit(loop, tail, offset, step, model)
-            offset += len(tail)
-        for _ in self._steps(model, cfg, loop, tokens, logp, greedy=greedy):
-            pass
-        out = self._assemble(prompts, tokens, logp, cfg)
-        return Batch({**out.tensors, ROW_INDEX: row_index}, out.rows, out.meta)
-
-    @torch.no_grad()
-    def _decode(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, out_tokens: torch.Tensor,
-                out_logp: torch.Tensor, *, greedy: bool, seed: int, seed_offset: int = 0,
-                pause_below: int | None = None) -> Generator[list[int], None, "_Loop | None"]:
-        """Fill `out_tokens` and `out_logp`; after each step, yield the rows (indices) that finished in it.
-        Returns None, or, with `pause_below`, the loop's state once 1..pause_below rows are still running."""
+    def _start(self, prompts: Batch, cfg: SamplingConfig, *, seed: int, seed_offset: int,
+               row_offset: int = 0) -> "_Loop":
+        """The loop's state before step 0: buffers, each row's sampling uniforms, and the running batch."""
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
         b, p = ids.shape
         if self.max_context is not None and p + cfg.max_new_tokens > self.max_context:
@@ -199,26 +158,32 @@ class HFGenerationEngine:
         # vectorised inverse-CDF lookup per step, and a row's tokens do not depend on its batch.
         uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
                                            dtype=torch.float64) for s in seeds]) if b else torch.zeros(0, 1)
-        attn = mask.clone()
-        loop = _Loop(uniforms, _stop_lengths(prompts), torch.zeros(b, dtype=torch.bool), torch.arange(b), ids, attn,
-                     position_ids_from_mask(attn), None, 0)
-        return (yield from self._steps(model, cfg, loop, out_tokens, out_logp, greedy=greedy,
-                                       pause_below=pause_below))
+        loop = _Loop.empty(prompts, cfg, uniforms=uniforms, index=torch.arange(b) + row_offset, pad=self.pad)
+        loop.live, loop.cur, loop.attn = torch.arange(b), ids, mask.clone()
+        loop.pos = position_ids_from_mask(loop.attn)
+        return loop
 
     @torch.no_grad()
-    def _steps(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", out_tokens: torch.Tensor,
-               out_logp: torch.Tensor, *, greedy: bool, pause_below: int | None = None,
-               until: int | None = None) -> Generator[list[int], None, "_Loop | None"]:
-        """Decode steps from `loop.t`, as in `_decode`; stop early before step `until` (the loop then stays
-        resumable) or, with `pause_below`, once 1..pause_below rows are still running (returning the loop).
+    def _steps(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", *, greedy: bool,
+               pause_below: int | None = None, until: int | None = None,
+               inbox: "queue.Queue[Batch | None] | None" = None) -> Generator[list[int], None, "_Loop | None"]:
+        """Decode steps from `loop.t`, filling `loop.tokens` / `loop.logp`; after each step, yield the rows
+        (buffer indices) that finished in it. Stops before step `until` (the loop stays resumable), or, with
+        `pause_below`, once 1..pause_below rows are still running (returning the loop); with `inbox`, admits the
+        paused decodes that arrive there (see `_admit_arrivals`) and ends once the queue delivered None.
 
         `loop.live` holds the rows of the running batch: every row, unless `evict_finished` drops finished ones.
         A row that finished but stays in the batch keeps decoding, and its outputs are overwritten with pad/0."""
         model.eval()
-        done, live, stop, uniforms = loop.done, loop.live, loop.stop, loop.uniforms
-        reported = done.clone()
         cache_arg = _cache_argument(model)
-        for t in range(loop.t, cfg.max_new_tokens if until is None else min(until, cfg.max_new_tokens)):
+        arrivals = _Arrivals(inbox)
+        end = cfg.max_new_tokens if until is None else min(until, cfg.max_new_tokens)
+        while True:
+            if not arrivals.done or arrivals.waiting:
+                yield from self._admit_arrivals(model, cfg, loop, arrivals, greedy=greedy)
+            if not loop.running() or loop.t >= end:
+                return None
+            t, live, done = loop.t, loop.live, loop.done
             with compute_precision(model, self.compute_dtype):
                 out = model(input_ids=loop.cur, attention_mask=loop.attn, position_ids=loop.pos, use_cache=True,
                             **{cache_arg: loop.cache})
@@ -229,45 +194,75 @@ class HFGenerationEngine:
                 tok = logits.argmax(-1)
             else:
                 cdf = _filter(logits, cfg.top_k, cfg.top_p).softmax(-1).double().cumsum(-1)
-                tok = (cdf < uniforms[live, t:t + 1] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+                tok = (cdf < loop.uniforms[live, t:t + 1] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
             was_done = done[live]
             tok = torch.where(was_done, torch.full_like(tok, self.pad), tok)
-            out_tokens[live, t] = tok
-            out_logp[live, t] = torch.where(was_done, torch.zeros(()), logp.gather(-1, tok[:, None])[:, 0])
+            loop.tokens[live, t] = tok
+            loop.logp[live, t] = torch.where(was_done, torch.zeros(()), logp.gather(-1, tok[:, None])[:, 0])
             now_done = was_done
             if not cfg.ignore_eos:
                 now_done = now_done | (tok == self.eos)
-            if stop is not None:
-                now_done = now_done | (stop[live] <= t + 1)
+            if loop.stop is not None:
+                now_done = now_done | (loop.stop[live] <= t + 1)
             done[live] = now_done
             ended = now_done if t < cfg.max_new_tokens - 1 else torch.ones_like(now_done)
-            finished = live[ended & ~reported[live]]
-            reported[finished] = True
+            finished = live[ended & ~loop.reported[live]]
+            loop.reported[finished] = True
+            loop.t = t + 1
             yield finished.tolist()
-            if bool(done[live].all()) or t == cfg.max_new_tokens - 1:
-                return None
+            if t == cfg.max_new_tokens - 1:
+                done[live] = True  # every row has all its tokens
+                continue
             loop.cur = tok[:, None]
             loop.attn = torch.cat([loop.attn, torch.ones((len(live), 1), dtype=loop.attn.dtype)], dim=1)
             loop.pos = loop.pos[:, -1:] + 1
-            loop.t = t + 1
             if cfg.evict_finished and bool(now_done.any()):
                 keep = (~now_done).nonzero()[:, 0]
                 _select_rows(loop.cache, keep)
-                live = loop.live = live[keep]
-                loop.cur, loop.attn, loop.pos = loop.cur[keep], loop.attn[keep], loop.pos[keep]
-            if pause_below is not None and int((~done).sum()) <= pause_below:
+                loop.live, loop.cur, loop.attn, loop.pos = live[keep], loop.cur[keep], loop.attn[keep], loop.pos[keep]
+            if pause_below is not None and 0 < int((~done).sum()) <= pause_below:
                 return loop
-        return None
+
+    def _admit_arrivals(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", arrivals: "_Arrivals", *,
+                        greedy: bool) -> Generator[list[int], None, None]:
+        """Join the paused decodes that have arrived to the running batch, at a step boundary.
+
+        Rows join with their KV caches, which must be as long as those of the rows running here, so a decode that
+        paused at this step joins at once, one that paused earlier first decodes alone until this step (yielding
+        the rows that finish meanwhile), and one that paused later waits until the batch gets there. When nothing
+        is running, the earliest one joins at its own step; with nothing running and nothing waiting, this blocks
+        until the next one arrives or the queue is closed."""
+        while True:
+            arrivals.collect(block=not loop.running() and not arrivals.waiting)
+            if not loop.running() and arrivals.waiting:
+                first = min(arrivals.waiting, key=_step)
+                arrivals.waiting.remove(first)
+                yield from self._join(model, cfg, loop, first, greedy=greedy, restart=True)
+            for tail in sorted((t for t in arrivals.waiting if _step(t) <= loop.t), key=_step):
+                arrivals.waiting.remove(tail)
+                yield from self._join(model, cfg, loop, tail, greedy=greedy)
+            if loop.running() or (arrivals.done and not arrivals.waiting):
+                return
+
+    def _join(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", tail: Batch, *, greedy: bool,
+              restart: bool = False) -> Generator[list[int], None, None]:
+        part = _Loop.of_tail(tail)
+        if not restart and part.t < loop.t:  # catch up alone; its rows that finish meanwhile are reported here
+            finished = [rows for rows in self._steps(model, cfg, part, greedy=greedy, until=loop.t)]
+            offset = len(loop.index)
+            loop.append(part, restart=restart)
+            yield [offset + r for rows in finished for r in rows]
+        else:
+            loop.append(part, restart=restart)
 
     def _assemble(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor,
                   cfg: SamplingConfig) -> Batch:
         return assemble_samples(prompts, out_tokens, out_logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
 
-    def _chunk(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor, rows: list[int],
-               cfg: SamplingConfig, row_offset: int) -> Batch:
+    def _chunk(self, loop: "_Loop", rows: list[int], cfg: SamplingConfig) -> Batch:
         idx = torch.tensor(rows, dtype=torch.long)
-        out = self._assemble(prompts.take(idx), out_tokens[idx], out_logp[idx], cfg)
-        return Batch({**out.tensors, ROW_INDEX: idx + row_offset}, out.rows, out.meta)
+        out = self._assemble(loop.prompts.take(idx), loop.tokens[idx], loop.logp[idx], cfg)
+        return Batch({**out.tensors, ROW_INDEX: loop.index[idx]}, out.rows, out.meta)
 
 
 def chunk_finished(finished: Generator[list[int], None, Any], chunk_rows: int) -> Generator[list[int], None, Any]:
@@ -316,18 +311,105 @@ def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tens
 
 @dataclass
 class _Loop:
-    """A decode loop's state: per row of the output buffers (uniforms, stop, done) and per row of the running
-    batch (`live`: their buffer rows; cur, attn, pos, cache), before step `t`."""
+    """A decode loop's state. Per buffer row: its prompt, tokens and log-probs so far, sampling uniforms,
+    `row_index` (`index`), stop length, done and reported flags. Per row of the running batch (`live`: their buffer
+    rows): the next input (`cur`), attention mask, positions and KV cache. `t`: the next step."""
 
+    prompts: Batch
+    tokens: torch.Tensor
+    logp: torch.Tensor
     uniforms: torch.Tensor
+    index: torch.Tensor
     stop: torch.Tensor | None
     done: torch.Tensor
+    reported: torch.Tensor
     live: torch.Tensor
-    cur: torch.Tensor | None
-    attn: torch.Tensor | None
-    pos: torch.Tensor | None
-    cache: Any
-    t: int
+    cur: torch.Tensor | None = None
+    attn: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+    cache: Any = None
+    t: int = 0
+
+    @classmethod
+    def empty(cls, prompts: Batch, cfg: SamplingConfig, *, uniforms: torch.Tensor | None = None,
+              index: torch.Tensor | None = None, pad: int = 0) -> "_Loop":
+        """Buffers for `prompts` (pad / 0), nothing running yet."""
+        b = len(prompts)
+        return cls(prompts, torch.full((b, cfg.max_new_tokens), pad, dtype=torch.long),
+                   torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32),
+                   uniforms if uniforms is not None else torch.zeros((b, cfg.max_new_tokens), dtype=torch.float64),
+                   index if index is not None else torch.zeros(b, dtype=torch.long), _stop_lengths(prompts),
+                   torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool), torch.zeros(0, dtype=torch.long))
+
+    @classmethod
+    def of_tail(cls, tail: Batch) -> "_Loop":
+        """A paused decode's state (`_tail_of`), every row running."""
+        n, step = len(tail), _step(tail)
+        layers = len([k for k in tail.keys() if k.startswith(_TAIL + "key.")])
+        from transformers import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=[(tail[f"{_TAIL}key.{j}"], tail[f"{_TAIL}value.{j}"])
+                                             for j in range(layers)])
+        prompts = _tail_prompts(tail)
+        tokens = tail[_TAIL + "tokens"].clone()
+        return cls(prompts, tokens, tail[_TAIL + "logp"].clone(), tail[_TAIL + "uniforms"], tail[ROW_INDEX],
+                   _stop_lengths(prompts), torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
+                   torch.arange(n), tokens[:, step - 1:step], tail[_TAIL + "attn"], tail[_TAIL + "pos"], cache, step)
+
+    def running(self) -> bool:
+        return bool(len(self.live)) and not bool(self.done[self.live].all())
+
+    def append(self, other: "_Loop", *, restart: bool = False) -> None:
+        """Take `other`'s rows into the buffers and its running rows into the running batch, which then runs at
+        `other.t`: the rows running here must be at that step too, unless `restart` (nothing runs here; the
+        finished rows leave the running batch)."""
+        offset = len(self.index)
+        self.prompts = Batch.concat([self.prompts, other.prompts])
+        for name in ("tokens", "logp", "uniforms", "index", "done", "reported"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.stop = _stop_lengths(self.prompts)
+        keep = torch.zeros(0, dtype=torch.long) if restart else (~self.done[self.live]).nonzero()[:, 0]
+        incoming = (~other.done[other.live]).nonzero()[:, 0]
+        if len(keep) and len(incoming) and self.t != other.t:
+            raise RuntimeError(f"rows running at step {self.t} cannot join rows at step {other.t}")
+        parts = [(self, keep, 0), (other, incoming, offset)]
+        parts = [(loop, rows, shift) for loop, rows, shift in parts if len(rows)]
+        self.live = torch.cat([torch.zeros(0, dtype=torch.long), *(loop.live[rows] + shift for loop, rows, shift in parts)])
+        if not parts:
+            self.cur = self.attn = self.pos = self.cache = None
+            self.t = max(self.t, other.t)
+            return
+        self.cur, self.attn, self.pos = (torch.cat([getattr(loop, name)[rows] for loop, rows, _ in parts])
+                                         for name in ("cur", "attn", "pos"))
+        from transformers import DynamicCache
+
+        layers = [_kv_layers(loop.cache) for loop, _, _ in parts]
+        self.cache = DynamicCache(ddp_cache_data=[
+            (torch.cat([ls[j].keys[rows] for ls, (_, rows, _) in zip(layers, parts)]),
+             torch.cat([ls[j].values[rows] for ls, (_, rows, _) in zip(layers, parts)])) for j in range(len(layers[0]))])
+        self.t = parts[-1][0].t
+
+
+class _Arrivals:
+    """The paused decodes a receiving loop has been sent (`inbox`, closed by None) and not yet admitted."""
+
+    def __init__(self, inbox: "queue.Queue[Batch | None] | None") -> None:
+        self.inbox, self.waiting = inbox, []
+        self.done = inbox is None
+
+    def collect(self, *, block: bool) -> None:
+        """Move what has arrived to `waiting`; with `block`, wait for at least one item (or the close)."""
+        while not self.done:
+            try:
+                item = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                self.done = True
+            elif len(item):
+                self.waiting.append(item)
+        return
 
 
 def is_tail(item: Batch) -> bool:
@@ -344,17 +426,17 @@ def _kv_layers(cache: Any) -> list:
     return layers
 
 
-def _tail_of(loop: _Loop, prompts: Batch, tokens: torch.Tensor, logp: torch.Tensor, row_offset: int) -> Batch:
-    """The running (unfinished) rows of a paused loop, with everything `resume` needs to go on decoding them."""
+def _tail_of(loop: _Loop) -> Batch:
+    """The running (unfinished) rows of a paused loop, with everything needed to go on decoding them."""
     sel = (~loop.done[loop.live]).nonzero()[:, 0]
     rows = loop.live[sel]
     kv = {}
     for j, layer in enumerate(_kv_layers(loop.cache)):
         kv[f"{_TAIL}key.{j}"], kv[f"{_TAIL}value.{j}"] = layer.keys[sel].clone(), layer.values[sel].clone()
-    part = prompts.take(rows)
-    state = {_TAIL + "tokens": tokens[rows], _TAIL + "logp": logp[rows], _TAIL + "uniforms": loop.uniforms[rows],
-             _TAIL + "attn": loop.attn[sel], _TAIL + "pos": loop.pos[sel], ROW_INDEX: rows + row_offset, **kv}
-    state[TAIL_STEP] = torch.full((len(rows),), loop.t, dtype=torch.long)
+    part = loop.prompts.take(rows)
+    state = {_TAIL + "tokens": loop.tokens[rows], _TAIL + "logp": loop.logp[rows],
+             _TAIL + "uniforms": loop.uniforms[rows], _TAIL + "attn": loop.attn[sel], _TAIL + "pos": loop.pos[sel],
+             TAIL_STEP: torch.full((len(rows),), loop.t, dtype=torch.long), ROW_INDEX: loop.index[rows], **kv}
     return Batch({**part.tensors, **state}, part.rows, part.meta)
 
 
@@ -365,33 +447,6 @@ def _tail_prompts(tail: Batch) -> Batch:
 def _step(tail: Batch) -> int:
     return int(tail[TAIL_STEP][0])
 
-
-def _admit(loop: _Loop, tail: Batch, offset: int, step: int, model: torch.nn.Module) -> None:
-    """Add a paused decode's rows (buffer rows offset.. of the resumed call) to the running batch at `step`,
-    dropping the rows that finished meanwhile (their KV caches are shorter or no longer needed)."""
-    from transformers import DynamicCache
-
-    keep = (~loop.done[loop.live]).nonzero()[:, 0] if len(loop.live) else torch.zeros(0, dtype=torch.long)
-    if len(keep) and loop.t != step:
-        raise RuntimeError(f"running rows are at step {loop.t}, the tail to admit at {step}")
-    layers = len([k for k in tail.keys() if k.startswith(_TAIL + "key.")])
-    old = _kv_layers(loop.cache) if len(keep) else []
-    kv = []
-    for j in range(layers):
-        k, v = tail[f"{_TAIL}key.{j}"], tail[f"{_TAIL}value.{j}"]
-        if len(keep):
-            k, v = torch.cat([old[j].keys[keep], k]), torch.cat([old[j].values[keep], v])
-        kv.append((k, v))
-    rows = torch.arange(offset, offset + len(tail))
-    last = tail[_TAIL + "tokens"][:, step - 1:step]
-    if len(keep):
-        loop.live = torch.cat([loop.live[keep], rows])
-        loop.cur, loop.attn = torch.cat([loop.cur[keep], last]), torch.cat([loop.attn[keep], tail[_TAIL + "attn"]])
-        loop.pos = torch.cat([loop.pos[keep], tail[_TAIL + "pos"]])
-    else:
-        loop.live, loop.cur, loop.attn, loop.pos = rows, last, tail[_TAIL + "attn"], tail[_TAIL + "pos"]
-    loop.cache = DynamicCache(ddp_cache_data=kv, config=getattr(model, "config", None))
-    loop.t = step
 
 def _cache_argument(model: torch.nn.Module) -> str:
     """The forward argument that takes the KV cache: `cache` in transformers >= 5.20, `past_key_values` before

@@ -24,6 +24,7 @@ run one at a time in issue order, so no later call on the actor runs beside the 
 from __future__ import annotations
 
 import copy
+import queue
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,8 +172,7 @@ class ActorWorker(ModelWorker):
         self._gen_model: torch.nn.Module | None = None
         self._stream: GenerationStream | None = None
         self._split_stream = False
-        self._stream_model: torch.nn.Module | None = None
-        self._stream_greedy = False
+        self._inbox: queue.Queue | None = None
 
     @classmethod
     def process_groups(cls, layout: Layout, *args: Any, **kwargs: Any) -> list[tuple[int, ...]]:
@@ -284,14 +284,15 @@ class ActorWorker(ModelWorker):
         3D-HybridEngine the d_g generation replicas each stream their rows (chunk_samples/d_g per chunk) when d_g
         divides both; otherwise every replica samples all rows of the share. `spec` as in generate_sequences.
 
-        `migrate_below=m` (long-tail migration, RLHFuse): decoding stops once at most m of this rank's rows are
-        still running; take the (rows - m) // chunk_samples full chunks that are sure to exist, then
-        `hand_over_tail()` and `finish_tail(...)` (unsharded generation with the hf engine only)."""
+        `migrate_below=m` (long-tail migration, RLHFuse; unsharded generation with the hf engine): every rank but
+        0 stops decoding once at most m of its rows are still running; rank 0 goes on and will admit their rows.
+        Take the (rows - m) // chunk_samples chunks that are sure to exist, then `hand_over_tail()` and
+        `finish_tail(...)`."""
         spec = _generation_spec(spec)
         if chunk_samples < 1:
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
         self._end_stream()  # one left over from a step that stopped early
-        if migrate_below is not None and (self.hybrid is not None or not hasattr(self.generator, "resume")):
+        if migrate_below is not None and (self.hybrid is not None or not getattr(self.generator, "migrates", False)):
             raise ValueError("long-tail migration moves decoding rows between ranks with the hf rollout engine and "
                              "unsharded generation weights; drop rollout_tp / rollout_engine='vllm', or run "
                              "without migration (fuse_migrate=False)")
@@ -305,12 +306,14 @@ class ActorWorker(ModelWorker):
             model = None
         else:
             model = self._generation_model()
-        migrate = {} if migrate_below is None else {"pause_below": migrate_below}
+        migrate: dict[str, Any] = {}
+        if migrate_below is not None:  # rank 0 receives the other ranks' tails, which pause
+            self._inbox = queue.Queue() if self.rank == 0 else None
+            migrate = {"inbox": self._inbox} if self.rank == 0 else {"pause_below": migrate_below}
         chunks = self.generator.stream(model, prompts.slice(rows.start, rows.stop), self.sampling, per_chunk,
                                        greedy=spec.greedy, seed=spec.seed,
                                        row_offset=self.coords[1] * len(prompts) + rows.start, seed_offset=rows.start,
                                        **migrate)
-        self._stream_model, self._stream_greedy = model, spec.greedy
         self._stream = GenerationStream(chunks, n_chunks=-(-len(prompts) // chunk_samples),
                                         name=f"{self.group_name}-rank{self.rank}-generation")
 
@@ -329,12 +332,15 @@ class ActorWorker(ModelWorker):
 
     @endpoint(protocol=ONE_TO_ALL)
     def hand_over_tail(self) -> list[Batch]:
-        """Once this rank's decoding paused (`start_generation(migrate_below=...)`) or ended: the finished rows
-        not yet taken as chunks, then, if it paused, the running rows' decode state (KV caches, tokens so far,
-        their sampling uniforms) for `finish_tail` on the receiving rank. This rank's device is then free."""
+        """Long-tail migration, after `start_generation(migrate_below=...)` and the chunks sure to exist: on a rank
+        other than 0, once its decoding paused (or ended), the finished rows not yet taken, then the running rows'
+        decode state (KV caches, tokens so far, sampling uniforms); its device is then free. Rank 0, which goes on
+        decoding to receive them, returns [] at once."""
         if self._stream is None:
             raise RuntimeError(f"no generation is running on {self.group_name} rank {self.rank}; call "
                                f"start_generation(prompts, chunk_samples, migrate_below=m) first")
+        if self._inbox is not None:
+            return []
         try:
             return self._stream.rest()
         finally:
@@ -342,23 +348,28 @@ class ActorWorker(ModelWorker):
 
     @endpoint(protocol=RANK_ZERO)
     def finish_tail(self, handed_over: list[list[Batch]]) -> Batch | None:
-        """On rank 0 (the receiver): decode every rank's paused rows to the end in one batch (its model is the
-        one `start_generation` sampled with) and return them with every rank's remaining finished rows, each
-        with `row_index`. Other ranks return None at once."""
-        items = [item for per_rank in handed_over for item in per_rank]
+        """On rank 0: admit every rank's paused rows into its running decode and return, once all have finished,
+        every row not yet taken as a chunk (its own and the other ranks'), each with `row_index`. Other ranks
+        return None at once."""
         if self.rank != 0:
             return None
-        done = [item for item in items if not is_tail(item) and len(item)]
-        tails = [item for item in items if is_tail(item)]
-        if tails:
-            done.append(self.generator.resume(self._stream_model, tails, self.sampling, greedy=self._stream_greedy))
-        self._stream_model = None
-        if not done:
-            raise ValueError("finish_tail got no rows: every chunk of the generation was already taken; take only "
-                             "the (rows - migrate_below) // chunk_samples chunks before hand_over_tail")
-        return Batch.concat(done)
+        if self._stream is None or self._inbox is None:
+            raise RuntimeError(f"finish_tail needs the generation of start_generation(..., migrate_below=m) running "
+                               f"on {self.group_name} rank 0")
+        items = [item for per_rank in handed_over for item in per_rank]
+        for tail in (item for item in items if is_tail(item)):
+            self._inbox.put(tail)
+        self._inbox.put(None)
+        try:
+            rest = [item for item in items if not is_tail(item)] + self._stream.rest()
+        finally:
+            self._stream = self._inbox = None
+        return Batch.concat([item for item in rest if len(item)])
 
     def _end_stream(self) -> None:
+        if self._inbox is not None:
+            self._inbox.put(None)  # a receiving decode waiting for tails ends
+            self._inbox = None
         if self._stream is not None:
             self._stream.close()
             self._stream = None

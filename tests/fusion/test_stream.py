@@ -1,5 +1,6 @@
 """The streaming side of stage fusion, in one process: chunks in completion order with the samples of generate()."""
 
+import queue
 import threading
 
 import pytest
@@ -116,36 +117,76 @@ def test_merge_chunks_joins_scores_and_checks_rows():
     SamplingConfig(max_new_tokens=20),
     SamplingConfig(max_new_tokens=20, ignore_eos=True, temperature=0.7, top_k=8, evict_finished=True),
 ], ids=["eos", "ignore_eos_evict"])
-def test_paused_tails_resume_on_another_rank_with_the_same_samples(tiny, sampling):
-    """Long-tail migration in one process: two 'ranks' (rows 0-4, 5-9) pause at different steps, hand over their
-    running rows' state, and one batch finishes both; every row equals generate()'s (log-probs to rounding)."""
+@pytest.mark.parametrize("polls", [0, 8])
+def test_tails_of_two_ranks_join_rank_zero_with_the_same_samples(tiny, sampling, polls):
+    """Long-tail migration in one process: 'ranks' 1 (rows 5-7) and 2 (rows 8-9) pause once one row is left,
+    at different steps, and hand over their running rows; rank 0 (rows 0-4) admits both into its running batch
+    (arriving at its step 0 or 8). Every row equals generate()'s (log-probs to rounding)."""
     tok, model, eng = tiny
     p = prompts(tok, STOPS)
     whole = eng.generate(model, p, sampling)
-    finished, tails = [], []
-    for rank, keep in ((0, 1), (1, 2)):  # rank 0 keeps running until 1 row is left, rank 1 until 2
-        for item in eng.stream(model, p.slice(5 * rank, 5 * rank + 5), sampling, 2, row_offset=5 * rank,
-                               pause_below=keep):
-            (tails if is_tail(item) else finished).append(item)
-    assert [len(t) for t in tails] == [1, 2]
-    steps = [int(t[TAIL_STEP][0]) for t in tails]
-    assert steps[0] != steps[1]  # the earlier tail catches up before the two decode together
-    resumed = eng.resume(model, tails, sampling)
-    assert sorted(resumed[ROW_INDEX].tolist()) == sorted(torch.cat([t[ROW_INDEX] for t in tails]).tolist())
-    out = reassemble(*finished, resumed)
+    sent, inbox = [], _LateQueue(polls)
+    for rows in (slice(5, 8), slice(8, 10)):
+        *chunks, tail = eng.stream(model, p.slice(rows.start, rows.stop), sampling, 2, row_offset=rows.start,
+                                   pause_below=1)
+        assert is_tail(tail) and len(tail) == 1 and not any(is_tail(c) for c in chunks)
+        sent += chunks
+        inbox.put(tail)
+    first, second = (int(t[TAIL_STEP][0]) for t in inbox.queue)
+    assert first != second  # joined one at a time: each catches up, or waits for rank 0, on its own
+    inbox.put(None)
+    received = list(eng.stream(model, p.slice(0, 5), sampling, 2, inbox=inbox))
+    assert inbox.empty() and sum(len(c) for c in received) == 5 + 2
+    out = reassemble(*sent, *received)
     assert sorted(out.keys()) == sorted(whole.keys()) and out.rows == whole.rows and out.meta == whole.meta
     for name, t in whole.tensors.items():
-        if name == "rollout_log_probs":  # the moved rows decode in a smaller batch: last-bit rounding
+        if name == "rollout_log_probs":  # the moved rows decode in another batch: last-bit rounding
             assert torch.allclose(out[name], t, rtol=0, atol=1e-5)
         else:
             assert torch.equal(out[name], t), name
 
 
-def test_pause_and_resume_refuse_bad_input(tiny):
+def test_pause_refuses_a_threshold_outside_the_rows(tiny):
     tok, model, eng = tiny
     p, sampling = prompts(tok, STOPS), SamplingConfig(max_new_tokens=20)
     for bad in (0, 10):
         with pytest.raises(ValueError, match="pause_below must be between 1 and"):
             next(eng.stream(model, p, sampling, 2, pause_below=bad))
-    with pytest.raises(ValueError, match="at least one paused decode"):
-        eng.resume(model, [], sampling)
+
+
+class _LateQueue(queue.Queue):
+    """A real queue whose items become visible only after `polls` non-blocking looks: a paused decode that
+    arrives while the receiver is at a given step (one look per decode step)."""
+
+    def __init__(self, polls: int) -> None:
+        super().__init__()
+        self.polls = polls
+
+    def get(self, block=True, timeout=None):
+        if not block and self.polls > 0:
+            self.polls -= 1
+            raise queue.Empty
+        return super().get(block, timeout)
+
+
+@pytest.mark.parametrize("polls", [0, 8, 1000], ids=["tail_ahead", "tail_behind", "receiver_done"])
+def test_a_receiving_stream_admits_a_tail_at_any_step_with_the_same_samples(tiny, polls):
+    """Rank 1 (rows 5-9) pauses at step 5; rank 0 (rows 0-4, up to 12 steps) keeps decoding and admits its tail
+    when it arrives: before rank 0 gets to step 5 (the tail waits), at step 8 (the tail catches up alone), or after
+    rank 0 has finished (the tail runs alone)."""
+    tok, model, eng = tiny
+    p, sampling = prompts(tok, STOPS), SamplingConfig(max_new_tokens=20)
+    whole = eng.generate(model, p, sampling)
+    *sent, tail = list(eng.stream(model, p.slice(5, 10), sampling, 2, row_offset=5, seed_offset=5, pause_below=2))
+    assert is_tail(tail) and int(tail[TAIL_STEP][0]) == 5
+    inbox = _LateQueue(polls)
+    inbox.put(tail)
+    inbox.put(None)
+    received = list(eng.stream(model, p.slice(0, 5), sampling, 2, inbox=inbox))
+    assert not any(is_tail(c) for c in received) and inbox.empty()
+    out = reassemble(*sent, *received)
+    for name, t in whole.tensors.items():
+        if name == "rollout_log_probs":
+            assert torch.allclose(out[name], t, rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(out[name], t), name
