@@ -68,6 +68,15 @@ def groups(ctl, tag, *, actor_slots, scorer_slots, actor_cls=ActorWorker, reward
     }
 
 
+def compute_spans(records) -> dict:
+    """{group.method: [(start, stop), ...]} of every call's compute, from task-stream and direct-path records."""
+    spans = {}
+    for t in records:
+        s = next(x for x in t["startstops"] if x["action"] == "compute")
+        spans.setdefault(t["key"].split("-")[0], []).append((s["start"], s["stop"]))
+    return spans
+
+
 def close(g):
     for x in g.values():
         x.close()
@@ -145,10 +154,7 @@ def test_chunks_arrive_in_completion_order_while_scorers_run(ctl, data):
         assert order == sorted(order)  # finished first, first out
         assert sorted(i for _, i in order) == list(range(N))
 
-        spans = {}
-        for t in ran:
-            s = next(x for x in t["startstops"] if x["action"] == "compute")
-            spans.setdefault(t["key"].split("-")[0], []).append((s["start"], s["stop"]))
+        spans = compute_spans(ran)
         generation_end = max(stop for _, stop in spans["actor_slow.next_generated_chunk"])
         first_scoring = min(start for start, _ in spans["critic_slow.compute_values"])
         assert first_scoring < generation_end - 0.2  # the tail runs >= 10 more slow steps after chunk 0
@@ -274,10 +280,7 @@ def test_freed_slot_scores_while_rank_zero_finishes_the_tail(ctl, data):
         plain = join(samples.result(), *(s(samples).result() for s in scorers))
         assert torch.equal(fused["responses"], plain["responses"])
 
-        spans = {}
-        for t in ran:
-            s = next(x for x in t["startstops"] if x["action"] == "compute")
-            spans.setdefault(t["key"].split("-")[0], []).append((s["start"], s["stop"]))
+        spans = compute_spans(ran)
         tail_end = max(stop for _, stop in spans["actor_migslow.finish_tail"])
         handed_over = max(stop for _, stop in spans["actor_migslow.hand_over_tail"])
         first_scoring = min(start for start, _ in spans["critic_migslow.compute_values"])
