@@ -21,6 +21,7 @@ import flowactors as fa
 from algorithms.config import ConfigError, PPOConfig, RLConfig, check_trainable_layers, derived_sizes
 from algorithms.core import SFTLoss
 from algorithms.data import PromptData
+from algorithms.fusion import migration_threshold
 from algorithms.tasks import Task
 from engines import ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
 from engines.registry import generation_engine, training_engine
@@ -94,6 +95,8 @@ def check_before_start(cfg: RLConfig) -> None:
             _check_score_model(getattr(cfg, name), name)
     if isinstance(cfg, PPOConfig):
         check_trainable_layers("critic_trainable_layers", cfg.critic_trainable_layers, cfg.model)
+        if cfg.fuse_migrate:
+            _check_migration(cfg)
     for name in ("metrics_file", "tensorboard_dir", "export_dir"):
         value = getattr(cfg, name)
         if value and not Path(value).resolve().parent.is_dir():
@@ -146,6 +149,21 @@ def _load_plan(cfg: RLConfig):  # noqa: ANN202 - placement.Plan, imported lazily
                               f"pipeline parallelism; give those models train [1, t, d] in the plan"
                               f" (same p·t·d), or train on model.engine=megatron")
     return plan
+
+
+def _check_migration(cfg: PPOConfig) -> None:
+    """fuse_migrate on a layout or engine it cannot run on, refused before the cluster starts (the same rules as
+    algorithms.fusion.migration_threshold, which the step applies to the actor's actual layout)."""
+    if rollout_tp(cfg) is not None or rollout_engine(cfg) != "hf":
+        raise ConfigError("fuse_migrate moves decoding rows between actor ranks with the hf rollout engine and "
+                          "whole generation weights; drop rollout_tp / rollout_engine=vllm, or fuse_migrate")
+    dp = _planned_dp(cfg).get("actor")
+    if dp is not None:
+        try:
+            migration_threshold(Layout(dp=dp), cfg.prompts_per_step * cfg.samples_per_prompt // dp,
+                                cfg.fuse_migrate_below)
+        except ValueError as e:
+            raise ConfigError(f"fuse_migrate: {e}; --placement fused puts the actor on every slot") from None
 
 
 def _planned_dp(cfg: RLConfig) -> dict[str, int]:
