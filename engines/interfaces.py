@@ -120,7 +120,8 @@ class GenerationEngine(Protocol):
     def stream(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
                greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0) -> Iterator[Batch]:
         """The samples of `generate` (bit-identical rows), yielded in chunks of `chunk_rows` finished rows in the
-        order they finish, each row with `row_index` (its index in `prompts` plus `row_offset`)."""
+        order they finish, each row with `row_index` (its index in `prompts` plus `row_offset`). An engine with
+        `migrates = True` also takes `pause_below` and `inbox` (long-tail migration; engines.generation)."""
         ...
 
 
