@@ -197,26 +197,29 @@ def test_data_parallel_actor_offsets_rows_and_colocated_scorers_wait(ctl, data):
         close(g)
 
 
-def test_safe_rlhf_fused_steps_give_the_unfused_metrics_and_updates(ctl, data):
-    """Safe-RLHF's six scorers (log-probs, reference, two critics, reward, cost) through the fused stage."""
+@pytest.mark.parametrize("migrate", [False, True], ids=["split", "migrated"])
+def test_safe_rlhf_fused_steps_give_the_unfused_metrics_and_updates(ctl, data, migrate):
+    """Safe-RLHF's six scorers (log-probs, reference, two critics, reward, cost) through the fused stage; with
+    migration, actor and reference on both slots, the other scorers on the second."""
     from algorithms.config import SafeRLHFConfig
     from algorithms.safe_rlhf import SafeRLHF
 
     prompts = [long_tail(data.next_batch(N, 1)) for _ in range(2)]
 
     def build(fuse):
-        tag = f"safe{int(fuse)}"
-        g = groups(ctl, tag, actor_slots=ctl.slots[:1], scorer_slots=ctl.slots[1:])
+        tag = f"safe{int(fuse)}{'m' * migrate}"
+        g = groups(ctl, tag, actor_slots=ctl.slots if migrate else ctl.slots[:1], scorer_slots=ctl.slots[1:])
         g["cost_critic"] = fa.ActorGroup(ctl, CriticWorker, name=f"cost_critic_{tag}", slots=ctl.slots[1:],
                                          args=(MODEL, OptimConfig(lr=1e-3, micro_batch_tokens=512), "cost_values"))
         g["cost"] = fa.ActorGroup(ctl, RuleRewardWorker, name=f"cost_{tag}", slots=ctl.slots[1:],
                                   args=(TASK.cost, MODEL))
         algo = SafeRLHF(SafeRLHFConfig(prompts_per_step=N, mini_batch_samples=8, fuse=fuse, fuse_chunk_samples=3,
-                                       dashboard="none"))
+                                       fuse_migrate=fuse and migrate, dashboard="none"))
         algo.setup(ctl, Roles(**g), data)
         return g, algo
 
-    runs = assert_fused_equals_unfused(prompts, build, ("actor", "critic", "cost_critic"))
+    runs = assert_fused_equals_unfused(prompts, build, ("actor", "critic", "cost_critic"),
+                                       approx=("rollout_log_probs",) if migrate else ())
     assert runs[True][0][0][0]["cost_mean"] > 0  # the cost scorer ran on the fused chunks
 
 
