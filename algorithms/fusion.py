@@ -39,12 +39,14 @@ joins the running batch at the step it paused at (a state from behind first deco
 from ahead waits for the batch to get there), and returns every row not yet taken as the last chunk. A scorer that
 shares only the other actor slots streams: its chunk calls, issued after `hand_over_tail`, run on a slot as soon
 as that slot's rank has handed over; scorers on rank 0's slot wait for the whole batch. The moved rows draw the
-uniforms they would have on their own rank (the uniforms move with them) but decode in another batch, so their
-logits may differ in the last bit: their rollout log-probs then differ by rounding (the training log-probs are
+uniforms they would have on their own rank (the uniforms move with them) but decode in another batch (and so do
+rank 0's own rows once others join them), so their logits may differ in the last bit: their rollout log-probs then differ by rounding (the training log-probs are
 recomputed and are exact), and a token could flip only if its uniform fell within rounding of a CDF boundary (none
 did in the tests, which compare every token). Rows move with their KV caches, not by re-prefilling: a prefill over
-prompt + partial response rounds differently from the step-by-step decode. Needs an actor of dp >= 2 with
-tp = pp = 1 and the hf engine; not done: migration with vLLM (its KV blocks do not leave the engine; re-prefilling
+prompt + partial response rounds differently from the step-by-step decode. `finish_tail` takes every rank's
+handed-over rows as one input, which travels to every actor rank (the others ignore it): with dp > 2 a freed slot
+downloads the other pausing ranks' states too. Needs an actor of dp >= 2 with tp = pp = 1 and the hf engine; not
+done: migration with vLLM (its KV blocks do not leave the engine; re-prefilling
 there would change the numerics), more than one receiving rank, and a placement search that plans scorers onto
 the slots migration frees (`placement=fused` is the hand-made one: critics, reward and cost on every slot but the
 first).

@@ -157,13 +157,18 @@ def _check_migration(cfg: PPOConfig) -> None:
     if rollout_tp(cfg) is not None or rollout_engine(cfg) != "hf":
         raise ConfigError("fuse_migrate moves decoding rows between actor ranks with the hf rollout engine and "
                           "whole generation weights; drop rollout_tp / rollout_engine=vllm, or fuse_migrate")
-    dp = _planned_dp(cfg).get("actor")
-    if dp is not None:
-        try:
-            migration_threshold(Layout(dp=dp), cfg.prompts_per_step * cfg.samples_per_prompt // dp,
-                                cfg.fuse_migrate_below)
-        except ValueError as e:
-            raise ConfigError(f"fuse_migrate: {e}; --placement fused puts the actor on every slot") from None
+    if cfg.plan:
+        p, t, d = next(m for m in _load_plan(cfg).models if m.role == "actor").train
+        layout = Layout(pp=p, dp=d, tp=t)
+    elif (dp := _planned_dp(cfg).get("actor")) is not None:
+        layout = Layout(dp=dp)
+    else:
+        return  # the cluster's slots decide; the first step checks
+    try:
+        migration_threshold(layout, cfg.prompts_per_step * cfg.samples_per_prompt // layout.dp,
+                            cfg.fuse_migrate_below)
+    except ValueError as e:
+        raise ConfigError(f"fuse_migrate: {e}; --placement fused puts the actor on every slot") from None
 
 
 def _planned_dp(cfg: RLConfig) -> dict[str, int]:

@@ -14,15 +14,21 @@ rollout_log_probs (B, R).
 Streaming (stage fusion, DESIGN §7): `stream()` runs the same loop and yields the finished rows in chunks, in the
 order they finish, each row carrying its index in the call (`row_index`); `GenerationStream` runs a stream in a
 background thread, so a worker can hand the chunks out one call at a time while decoding goes on. Both paths share
-one loop (`_decode`) and one output assembly (`_assemble`, row-wise), so a streamed row is bit-identical to the
+one loop (`_steps`) and one output assembly (`_assemble`, row-wise), so a streamed row is bit-identical to the
 same row of `generate()`.
+
+Long-tail migration (RLHFuse; algorithms/fusion.py): a stream can pause once few rows still run and hand their
+state over (`pause_below`), and a stream can admit such states into its running batch (`inbox`), each at the step
+it paused at. The admitted rows, and the receiver's own rows from then on, decode in another batch than they would
+have alone: their tokens come from their own uniforms, their log-probs may differ in the last bit.
 
 Per-row stop lengths: a `stop_at` tensor in the prompt batch ends row i after `stop_at[i]` tokens (EOS still ends
 it earlier unless `ignore_eos`); benchmarks shape long-tailed length distributions with it.
 
 `SamplingConfig.evict_finished` drops finished rows from the running batch and its KV cache, so a long tail
-decodes only the rows still running: the shrinking half of continuous batching. There is no admission half
-(every prompt of a call is known when it starts, and admitting rows mid-loop would need ragged KV caches). It is
+decodes only the rows still running: the shrinking half of continuous batching. New prompts are not admitted
+mid-loop (every prompt of a call is known when it starts, and their KV caches would be ragged); only migrated rows
+join, at their own step. It is
 off by default because smaller matmuls round differently: on this machine's CPU kernels the rollout log-probs
 then differ from the full-batch loop's in the last bit (the tokens did not, in our checks).
 """
@@ -228,32 +234,37 @@ class HFGenerationEngine:
         """Join the paused decodes that have arrived to the running batch, at a step boundary.
 
         Rows join with their KV caches, which must be as long as those of the rows running here, so a decode that
-        paused at this step joins at once, one that paused earlier first decodes alone until this step (yielding
-        the rows that finish meanwhile), and one that paused later waits until the batch gets there. When nothing
-        is running, the earliest one joins at its own step; with nothing running and nothing waiting, this blocks
-        until the next one arrives or the queue is closed."""
+        paused at this step joins at once, those that paused earlier first decode on their own (together, each
+        joining them at its step) until this step, yielding the rows that finish meanwhile, and one that paused
+        later waits until the batch gets there. When nothing is running, the earliest one joins at its own step;
+        with nothing running and nothing waiting, this blocks until more arrive or the queue is closed."""
         while True:
             arrivals.collect(block=not loop.running() and not arrivals.waiting)
             if not loop.running() and arrivals.waiting:
                 first = min(arrivals.waiting, key=_step)
                 arrivals.waiting.remove(first)
-                yield from self._join(model, cfg, loop, first, greedy=greedy, restart=True)
-            for tail in sorted((t for t in arrivals.waiting if _step(t) <= loop.t), key=_step):
-                arrivals.waiting.remove(tail)
-                yield from self._join(model, cfg, loop, tail, greedy=greedy)
+                loop.append(_Loop.of_tail(first), restart=True)
+            due = sorted((t for t in arrivals.waiting if _step(t) <= loop.t), key=_step)
+            if due:
+                arrivals.waiting = [t for t in arrivals.waiting if _step(t) > loop.t]
+                yield from self._join(model, cfg, loop, due, greedy=greedy)
             if loop.running() or (arrivals.done and not arrivals.waiting):
                 return
 
-    def _join(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", tail: Batch, *, greedy: bool,
-              restart: bool = False) -> Generator[list[int], None, None]:
-        part = _Loop.of_tail(tail)
-        if not restart and part.t < loop.t:  # catch up alone; its rows that finish meanwhile are reported here
-            finished = [rows for rows in self._steps(model, cfg, part, greedy=greedy, until=loop.t)]
-            offset = len(loop.index)
-            loop.append(part, restart=restart)
-            yield [offset + r for rows in finished for r in rows]
-        else:
-            loop.append(part, restart=restart)
+    def _join(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", tails: list[Batch], *,
+              greedy: bool) -> Generator[list[int], None, None]:
+        """Bring `tails` (by step, none later than the batch's) up to the batch's step in one batch of their own,
+        then join it; the rows that finish on the way are reported as the batch's rows."""
+        part, finished = _Loop.of_tail(tails[0]), []
+        for later in [*tails[1:], None]:
+            until = loop.t if later is None else _step(later)
+            finished += [row for rows in self._steps(model, cfg, part, greedy=greedy, until=until) for row in rows]
+            if later is not None:
+                part.append(_Loop.of_tail(later))
+        offset = len(loop.index)
+        loop.append(part)
+        if finished:
+            yield [offset + row for row in finished]
 
     def _assemble(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor,
                   cfg: SamplingConfig) -> Batch:
@@ -391,7 +402,8 @@ class _Loop:
 
 
 class _Arrivals:
-    """The paused decodes a receiving loop has been sent (`inbox`, closed by None) and not yet admitted."""
+    """The paused decodes a receiving loop has been sent (`inbox`: batches, or lists of them sent together; closed
+    by None) and not yet admitted."""
 
     def __init__(self, inbox: "queue.Queue[Batch | None] | None") -> None:
         self.inbox, self.waiting = inbox, []
@@ -407,9 +419,8 @@ class _Arrivals:
             block = False
             if item is None:
                 self.done = True
-            elif len(item):
-                self.waiting.append(item)
-        return
+            else:  # one paused decode, or several sent together
+                self.waiting += [t for t in (item if isinstance(item, list) else [item]) if len(t)]
 
 
 def is_tail(item: Batch) -> bool:

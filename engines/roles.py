@@ -255,6 +255,7 @@ class ActorWorker(ModelWorker):
     def generate_sequences(self, prompts: Batch, spec: GenerationSpec | None = None) -> Batch:
         """Sample one response per prompt row; `spec`: greedy or sampled, and the base seed for rows without a
         `seed` column (None: GenerationSpec())."""
+        self._end_receiving()
         spec = _generation_spec(spec)
         greedy, seed = spec.greedy, spec.seed
         if self.generator.holds_weights:
@@ -357,14 +358,19 @@ class ActorWorker(ModelWorker):
             raise RuntimeError(f"finish_tail needs the generation of start_generation(..., migrate_below=m) running "
                                f"on {self.group_name} rank 0")
         items = [item for per_rank in handed_over for item in per_rank]
-        for tail in (item for item in items if is_tail(item)):
-            self._inbox.put(tail)
+        self._inbox.put([item for item in items if is_tail(item)])  # together: the ones behind catch up as one
         self._inbox.put(None)
         try:
             rest = [item for item in items if not is_tail(item)] + self._stream.rest()
         finally:
             self._stream = self._inbox = None
         return Batch.concat([item for item in rest if len(item)])
+
+    def _end_receiving(self) -> None:
+        """A migrating step that failed before `finish_tail` leaves rank 0 decoding (or waiting for tails): end
+        that before anything else uses the model."""
+        if self._inbox is not None:
+            self._end_stream()
 
     def _end_stream(self) -> None:
         if self._inbox is not None:
@@ -406,12 +412,14 @@ class ActorWorker(ModelWorker):
 
     @endpoint(protocol=MESH)
     def compute_log_prob(self, batch: Batch) -> Batch:
+        self._end_receiving()
         lp = self.engine.log_probs(batch, self.sampling.temperature, with_entropy=True)
         return Batch({"old_log_probs": lp["log_probs"], "entropy": lp["entropy"]})
 
     @endpoint(protocol=MINIBATCH)
     def update_actor(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec) -> dict[str, float]:
         """Policy update: MINIBATCH hands this rank its shares of the global mini-batches that `spec` cuts."""
+        self._end_receiving()
         temp = self.sampling.temperature
         return self._update(shares, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, with_entropy=True),
                             spec)

@@ -107,6 +107,11 @@ def test_a_plan_whose_data_parallel_size_does_not_divide_fails_before_any_worker
     assert "mini_batch_samples=5 cannot be split over data-parallel size 2" in line
 
 
+def test_migration_on_a_plan_with_a_tensor_parallel_actor_fails_before_any_worker(capsys, no_cluster, tmp_path):
+    line = _error(capsys, ["--plan", _plan(tmp_path, [1, 2, 1]), "fuse=true", "fuse_migrate=true"])
+    assert "fuse_migrate: long-tail migration" in line and "tp = pp = 1" in line
+
+
 def test_debug_shows_the_traceback(no_cluster):
     with pytest.raises(ConfigError, match="did you mean prompts_per_step"):
         safe_rlhf(["prompt_per_step=8", "--debug"])
