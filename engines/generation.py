@@ -163,7 +163,7 @@ class HFGenerationEngine:
         # One uniform per row and step, drawn from the row's own generator up front: sampling is then one
         # vectorised inverse-CDF lookup per step, and a row's tokens do not depend on its batch.
         uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
-                                           dtype=torch.float64) for s in seeds]) if b else torch.zeros(0, 1)
+                                           dtype=torch.float64) for s in seeds]) if b else None
         loop = _Loop.empty(prompts, cfg, uniforms=uniforms, index=torch.arange(b) + row_offset, pad=self.pad)
         loop.live, loop.cur, loop.attn = torch.arange(b), ids, mask.clone()
         loop.pos = position_ids_from_mask(loop.attn)
