@@ -291,6 +291,13 @@ def main(argv: list[str] | None = None) -> None:
         spans = timelines[r["mode"]]
         print(f" {r['mode']} ({spans[0]['step_s'] if spans else 0:.2f} s)")
         print("\n".join(_bars(spans)))
+    unfused = timelines["unfused"]
+    if unfused:
+        busy, n = sum(s["stop"] - s["start"] for s in unfused), len({s["slot"] for s in unfused})
+        print(f"overlap bound: the unfused step's slots were busy {busy:.2f} s in all; spread perfectly over the "
+              f"{n} slots, that work takes {busy / n:.2f} s, so overlapping stages alone cannot beat "
+              f"{unfused[0]['step_s'] / (busy / n):.2f}x on this workload (removing work can: a migrated tail no "
+              f"longer decodes finished rows).")
 
 
 if __name__ == "__main__":
