@@ -12,7 +12,7 @@ import torch
 
 from engines import registry
 from engines.roles import ActorWorker, CriticWorker, RewardModelWorker
-from flowactors import ONE_TO_ALL, Batch, endpoint
+from flowactors import ONE_TO_ALL, endpoint
 
 MEGATRON_CPU = "tests.engines.megatron_probes:megatron_cpu"
 
@@ -71,8 +71,3 @@ class TorchCritic(CriticWorker):
     @endpoint(protocol=ONE_TO_ALL)
     def full_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.full_state_dict()
-
-
-def squared_value_loss(outputs: dict[str, torch.Tensor], mb: Batch):
-    """0.5 (V - return)^2 over the response tokens."""
-    return 0.5 * (outputs["values"] - mb["returns"]) ** 2, mb["response_mask"].float(), {"vf": 1.0}

@@ -22,6 +22,13 @@ def fixed_batch(n: int = 4, width: int = 10, resp: int = 4, seed: int = 0) -> Ba
                   "advantages": torch.randn(n, resp, generator=g)})
 
 
+def squared_value_loss(outputs: dict[str, torch.Tensor], mb: Batch):
+    """0.5 (V - return)^2 over the response tokens. Reports its masked mean (`vf_loss`) and a constant `vf` = 1,
+    which pipeline-parallel tests use to see that every stage gets the last stage's metrics."""
+    loss, mask = 0.5 * (outputs["values"] - mb["returns"]) ** 2, mb["response_mask"].float()
+    return loss, mask, {"vf": 1.0, "vf_loss": float((loss.detach() * mask).sum() / mask.sum())}
+
+
 def pg_loss(outputs, mb):
     return -(outputs["log_probs"] * mb["advantages"]), mb["response_mask"].float(), {}
 

@@ -22,6 +22,7 @@ import torch
 from engines.megatron_convert import hf_to_megatron, megatron_to_hf
 from engines.training import OptimConfig, TrainEngine
 from flowactors import Batch
+from tests.engines.probes import squared_value_loss
 from tests.engines.test_megatron import _free_port, needs_megatron
 
 PAD = 0
@@ -55,11 +56,6 @@ def head_batch(n: int = 4, width: int = 10, resp: int = 4) -> Batch:
                   "response_mask": mask[:, -resp:].clone(), "returns": torch.randn(n, resp, generator=g)})
 
 
-def value_loss(outputs: dict[str, torch.Tensor], mb: Batch):
-    """Squared error to the returns over the response tokens."""
-    return 0.5 * (outputs["values"] - mb["returns"]) ** 2, mb["response_mask"].float(), {"vf": 1.0}
-
-
 # ---- what the spawned processes run ---------------------------------------------------------------------------
 
 # (name, arch, head, tp, pp): on a 2-process world the rest is data parallel
@@ -89,7 +85,7 @@ def _run_layouts(rank: int, world: int, port: int, out_dir: str) -> None:
                 out["values"] = engine.values(batch)
                 dp, dp_rank = engine.dp_size, engine.dp_rank
                 share = batch.chunk(len(batch) // dp)[dp_rank]
-                out["metrics"] = engine.update([share], value_loss, engine.value_outputs)
+                out["metrics"] = engine.update([share], squared_value_loss, engine.value_outputs)
             else:
                 out["scores"] = engine.scores(batch)
             out["weights"] = engine.full_state_dict()
@@ -117,7 +113,7 @@ def reference(arch: str, head: str) -> dict:
     if head == "score":
         return {"scores": engine.scores(batch), "weights": engine.full_state_dict()}
     out = {"values": engine.values(batch)}
-    out["metrics"] = engine.update([batch], value_loss, engine.value_outputs)
+    out["metrics"] = engine.update([batch], squared_value_loss, engine.value_outputs)
     out["weights"] = engine.full_state_dict()
     return out
 

@@ -19,7 +19,8 @@ from tests.engines.probes import HybridActorProbe, pg_loss
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]' pulls it)")
 
 from tests.engines.megatron_probes import (ShimmedActor, ShimmedCritic, ShimmedRewardModel,  # noqa: E402
-                                           TorchCritic, squared_value_loss)
+                                           TorchCritic)
+from tests.engines.probes import squared_value_loss  # noqa: E402
 
 CFG = dict(num_heads=4, num_kv_heads=2, pad_vocab_to=2, seed=7)
 SAMPLING = SamplingConfig(max_new_tokens=5)

@@ -9,6 +9,7 @@ from engines import (ActorWorker, CriticWorker, ModelConfig, RewardModelWorker, 
 from engines.generation import HFGenerationEngine
 from engines.training import OptimConfig, TrainEngine
 from flowactors import Batch
+from tests.engines.probes import squared_value_loss
 
 CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=3)
 
@@ -74,12 +75,6 @@ def test_critic_and_reward_model_groups_match_direct_forward(controller4, sample
     assert rules.tolist() == pytest.approx([len(t) + 0.01 * (i + 3) for i, t in enumerate(texts)])
 
 
-def _value_loss(outputs: dict[str, torch.Tensor], mb: Batch):
-    """0.5 (V - return)^2 over the response tokens."""
-    loss, mask = 0.5 * (outputs["values"] - mb["returns"]) ** 2, mb["response_mask"].float()
-    return loss, mask, {"vf_loss": float((loss.detach() * mask).sum() / mask.sum())}
-
-
 def test_critic_with_trainable_layers_moves_only_its_top_layer_and_head(controller4, samples, tmp_path):
     """A critic trained with trainable_layers=1 (what RL's critic_trainable_layers gives it), 2 DP replicas: its
     embeddings and lower layer stay the pretrained ones bit for bit, its top layer and value head move, and its
@@ -93,7 +88,7 @@ def test_critic_with_trainable_layers_moves_only_its_top_layer_and_head(controll
     critic = fa.ActorGroup(controller4, CriticWorker, name="roles_critic_top", slots=controller4.slots[:2],
                            args=(sft, OptimConfig(lr=1e-2, trainable_layers=1, zero_stage=1)))
     try:
-        losses = [critic.update_critic(batch, _value_loss, UpdateSpec(len(batch))).result()["vf_loss"]
+        losses = [critic.update_critic(batch, squared_value_loss, UpdateSpec(len(batch))).result()["vf_loss"]
                   for _ in range(3)]
         critic.export_hf(str(tmp_path / "trained")).result()
     finally:
