@@ -163,11 +163,13 @@ class HFGenerationEngine:
         # One uniform per row and step, drawn from the row's own generator up front: sampling is then one
         # vectorised inverse-CDF lookup per step, and a row's tokens do not depend on its batch.
         uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
-                                           dtype=torch.float64) for s in seeds]) if b else None
-        loop = _Loop.empty(prompts, cfg, uniforms=uniforms, index=torch.arange(b) + row_offset, pad=self.pad)
-        loop.live, loop.cur, loop.attn = torch.arange(b), ids, mask.clone()
-        loop.pos = position_ids_from_mask(loop.attn)
-        return loop
+                                           dtype=torch.float64) for s in seeds]) if b else \
+            torch.zeros((0, cfg.max_new_tokens), dtype=torch.float64)
+        attn = mask.clone()
+        return _Loop(prompts, torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
+                     torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32), uniforms, torch.arange(b) + row_offset,
+                     _stop_lengths(prompts), torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool),
+                     torch.arange(b), ids, attn, position_ids_from_mask(attn))
 
     @torch.no_grad()
     def _steps(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", *, greedy: bool,
@@ -319,7 +321,6 @@ def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tens
     return Batch({**keep, **tensors}, prompts.rows, prompts.meta)
 
 
-
 @dataclass
 class _Loop:
     """A decode loop's state. Per buffer row: its prompt, tokens and log-probs so far, sampling uniforms,
@@ -342,25 +343,11 @@ class _Loop:
     t: int = 0
 
     @classmethod
-    def empty(cls, prompts: Batch, cfg: SamplingConfig, *, uniforms: torch.Tensor | None = None,
-              index: torch.Tensor | None = None, pad: int = 0) -> "_Loop":
-        """Buffers for `prompts` (pad / 0), nothing running yet."""
-        b = len(prompts)
-        return cls(prompts, torch.full((b, cfg.max_new_tokens), pad, dtype=torch.long),
-                   torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32),
-                   uniforms if uniforms is not None else torch.zeros((b, cfg.max_new_tokens), dtype=torch.float64),
-                   index if index is not None else torch.zeros(b, dtype=torch.long), _stop_lengths(prompts),
-                   torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool), torch.zeros(0, dtype=torch.long))
-
-    @classmethod
     def of_tail(cls, tail: Batch) -> "_Loop":
         """A paused decode's state (`_tail_of`), every row running."""
         n, step = len(tail), _step(tail)
         layers = len([k for k in tail.keys() if k.startswith(_TAIL + "key.")])
-        from transformers import DynamicCache
-
-        cache = DynamicCache(ddp_cache_data=[(tail[f"{_TAIL}key.{j}"], tail[f"{_TAIL}value.{j}"])
-                                             for j in range(layers)])
+        cache = _dynamic_cache([(tail[f"{_TAIL}key.{j}"], tail[f"{_TAIL}value.{j}"]) for j in range(layers)])
         prompts = _tail_prompts(tail)
         tokens = tail[_TAIL + "tokens"].clone()
         return cls(prompts, tokens, tail[_TAIL + "logp"].clone(), tail[_TAIL + "uniforms"], tail[ROW_INDEX],
@@ -385,19 +372,19 @@ class _Loop:
             raise RuntimeError(f"rows running at step {self.t} cannot join rows at step {other.t}")
         parts = [(self, keep, 0), (other, incoming, offset)]
         parts = [(loop, rows, shift) for loop, rows, shift in parts if len(rows)]
-        self.live = torch.cat([torch.zeros(0, dtype=torch.long), *(loop.live[rows] + shift for loop, rows, shift in parts)])
+        self.live = torch.cat([torch.zeros(0, dtype=torch.long),
+                               *(loop.live[rows] + shift for loop, rows, shift in parts)])
         if not parts:
             self.cur = self.attn = self.pos = self.cache = None
             self.t = max(self.t, other.t)
             return
         self.cur, self.attn, self.pos = (torch.cat([getattr(loop, name)[rows] for loop, rows, _ in parts])
                                          for name in ("cur", "attn", "pos"))
-        from transformers import DynamicCache
-
         layers = [_kv_layers(loop.cache) for loop, _, _ in parts]
-        self.cache = DynamicCache(ddp_cache_data=[
+        self.cache = _dynamic_cache([
             (torch.cat([ls[j].keys[rows] for ls, (_, rows, _) in zip(layers, parts)]),
-             torch.cat([ls[j].values[rows] for ls, (_, rows, _) in zip(layers, parts)])) for j in range(len(layers[0]))])
+             torch.cat([ls[j].values[rows] for ls, (_, rows, _) in zip(layers, parts)]))
+            for j in range(len(layers[0]))])
         self.t = parts[-1][0].t
 
 
@@ -435,6 +422,13 @@ def _kv_layers(cache: Any) -> list:
                         f"DynamicCache (layers with keys and values); this model returned {type(cache).__name__}. "
                         f"Run without migration (fuse_migrate=False)")
     return layers
+
+
+def _dynamic_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A transformers DynamicCache holding these (keys, values) per layer."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=pairs)
 
 
 def _tail_of(loop: _Loop) -> Batch:
