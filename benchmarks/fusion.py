@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"{r['mode']:<9} {r['tokens_per_s']:>9.1f} {r['step_s']:>8.3f} {r['samples_digest']:>18} "
               f"{r['tokens_per_s'] / base['tokens_per_s']:>10.2f}x")
-    print(f"paired per-step speed-up of {rows[-1]['mode']}: median {statistics.median(paired):.2f}x, range {min(paired):.2f}-"
-          f"{max(paired):.2f}x")
+    print(f"paired per-step speed-up of {rows[-1]['mode']}: median {statistics.median(paired):.2f}x, "
+          f"range {min(paired):.2f}-{max(paired):.2f}x")
     print("\nstage timeline, last measured step of each mode (G generation, S scoring, U update, a merging chunks "
           "and advantages, . idle):")
     for r in rows:
