@@ -42,8 +42,9 @@ as that slot's rank has handed over; scorers on rank 0's slot wait for the whole
 uniforms they would have on their own rank (the uniforms move with them) but decode in another batch (and so do
 rank 0's own rows once others join them), so their logits may differ in the last bit: their rollout log-probs then
 differ by rounding (the training log-probs are recomputed and are exact), and a token could flip only if its
-uniform fell within rounding of a CDF boundary (none did in the tests, which compare every token). Rows move with their KV caches, not by re-prefilling: a prefill over
-prompt + partial response rounds differently from the step-by-step decode. `finish_tail` takes every rank's
+uniform fell within rounding of a CDF boundary (none did in the tests, which compare every token). Rows move with
+their KV caches, not by re-prefilling: a prefill over prompt + partial response rounds differently from the
+step-by-step decode. `finish_tail` takes every rank's
 handed-over rows as one input, which travels to every actor rank (the others ignore it): with dp > 2 a freed slot
 downloads the other pausing ranks' states too. Needs an actor of dp >= 2 with tp = pp = 1 and the hf engine; not
 done: migration with vLLM (its KV blocks do not leave the engine; re-prefilling
