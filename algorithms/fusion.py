@@ -29,28 +29,27 @@ unfused ones in the last bit (about 1e-8), and since Adam's first steps amplify 
 gradients, the two runs then drift apart like any two runs on different kernels. Computing those heads as a
 row-wise reduction (`(hidden * weight).sum(-1) + bias`, batch-invariant) in the engines would make every width exact.
 
-Long-tail migration (RLHFuse §4: once few samples are still generating, move them to fewer instances and give
-the freed ones to the scorers), `migrate_below=f`. Every actor rank but 0 decodes until at most a fraction f of its
-rows are still running, then stops (`stream(pause_below=...)`). The controller takes the chunks every rank is sure
-to have produced by then, `(rows - kept) // chunk_samples`; `hand_over_tail` returns each pausing rank's unsent
+Long-tail migration (RLHFuse §4: once few samples are still generating, move them to fewer instances and give the
+freed ones to the scorers), `migrate_below=f`. Every actor rank but 0 decodes until at most a fraction f of its rows
+are still running, then stops (`stream(pause_below=...)`). The controller takes the chunks every rank is sure to
+have produced by then, `(rows - kept) // chunk_samples`; `hand_over_tail` returns each pausing rank's unsent
 finished rows and the state of its running rows (their KV caches, tokens so far, and per-row sampling uniforms);
 rank 0 never stops: its `finish_tail` feeds those states into its running decode (`stream(inbox=...)`), where each
 joins the running batch at the step it paused at (a state from behind first decodes alone until it catches up, one
 from ahead waits for the batch to get there), and returns every row not yet taken as the last chunk. A scorer that
-shares only the other actor slots streams: its chunk calls, issued after `hand_over_tail`, run on a slot as soon
-as that slot's rank has handed over; scorers on rank 0's slot wait for the whole batch. The moved rows draw the
-uniforms they would have on their own rank (the uniforms move with them) but decode in another batch (and so do
-rank 0's own rows once others join them), so their logits may differ in the last bit: their rollout log-probs then
-differ by rounding (the training log-probs are recomputed and are exact), and a token could flip only if its
-uniform fell within rounding of a CDF boundary (none did in the tests, which compare every token). Rows move with
-their KV caches, not by re-prefilling: a prefill over prompt + partial response rounds differently from the
-step-by-step decode. `finish_tail` takes every rank's
-handed-over rows as one input, which travels to every actor rank (the others ignore it): with dp > 2 a freed slot
-downloads the other pausing ranks' states too. Needs an actor of dp >= 2 with tp = pp = 1 and the hf engine; not
-done: migration with vLLM (its KV blocks do not leave the engine; re-prefilling
-there would change the numerics), more than one receiving rank, and a placement search that plans scorers onto
-the slots migration frees (`placement=fused` is the hand-made one: critics, reward and cost on every slot but the
-first).
+shares only the other actor slots streams: its chunk calls, issued after `hand_over_tail`, run on a slot as soon as
+that slot's rank has handed over; scorers on rank 0's slot wait for the whole batch. The moved rows draw the
+uniforms they would have on their own rank (the uniforms move with them) but decode in another batch (and so do rank
+0's own rows once others join them), so their logits may differ in the last bit: their rollout log-probs then differ
+by rounding (the training log-probs are recomputed and are exact), and a token could flip only if its uniform fell
+within rounding of a CDF boundary (none did in the tests, which compare every token). Rows move with their KV
+caches, not by re-prefilling: a prefill over prompt + partial response rounds differently from the step-by-step
+decode. `finish_tail` takes every rank's handed-over rows as one input, which travels to every actor rank (the
+others ignore it): with dp > 2 a freed slot downloads the other pausing ranks' states too. Needs an actor of dp >= 2
+with tp = pp = 1 and the hf engine; not done: migration with vLLM (its KV blocks do not leave the engine;
+re-prefilling there would change the numerics), more than one receiving rank, and a placement search that plans
+scorers onto the slots migration frees (`placement=fused` is the hand-made one: critics, reward and cost on every
+slot but the first).
 
 What this leaves out. Intra-stage fusion (RLHFuse's fused actor/critic training pipeline, which interleaves
 micro-batches of the two models' 1F1B schedules on the same pipeline stages) needs pipeline-parallel training
