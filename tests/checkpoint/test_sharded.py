@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from flowactors.checkpoint import CheckpointError, CheckpointStore, load_sharded, save_sharded
+from tests.ranks import leave_world
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -83,15 +84,15 @@ def _fsdp_rank(rank: int, world: int, store_file: str, mode: str, directory: str
         full = _full_state(model, optim, sched, options=_FULL)  # collective: every rank takes part
         if rank == 0:
             torch.save(full, out)
-        # Both ranks past their last collective before either tears gloo down: a rank that exits while its peer
-        # still has traffic in flight can abort the peer ("terminate called without an active exception").
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_world(store_file + ".left")
 
 
 def _run_fsdp(mode: str, directory: Path, out: Path) -> dict:
     store_file = out.with_suffix(".rendezvous")
+    Path(f"{store_file}.left").mkdir()
     mp.spawn(_fsdp_rank, args=(2, str(store_file), mode, str(directory), str(out)), nprocs=2, join=True)
     return torch.load(out, weights_only=False)
 

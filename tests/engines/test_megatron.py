@@ -14,7 +14,6 @@ weights are compared at 1e-5 where |g| > 1e-6 and only against Adam's bound (lr)
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from engines.megatron import megatron_available
 from engines.megatron_convert import check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
 from engines.ops import position_ids_from_mask, response_logits, token_log_probs, entropy_from_logits
 from flowactors import Batch
+from tests.ranks import free_port, leave_world
 
 needs_megatron = pytest.mark.skipif(not megatron_available(),
                                     reason="megatron-core is not installed (pip install '.[megatron]')")
@@ -102,20 +102,16 @@ def _run_layouts(rank: int, world: int, port: int, runs: list, out_dir: str) -> 
             torch.save({"log_probs": lp["log_probs"], "entropy": lp["entropy"], "metrics": metrics,
                         "weights": weights, "dp": dp}, Path(out_dir) / f"{name}.{rank}.pt")
             del engine
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        raise
+    leave_world(out_dir)
 
 
 def _spawn(world: int, runs: list, out_dir: Path) -> dict[str, list[dict]]:
     import torch.multiprocessing as mp
 
-    mp.spawn(_run_layouts, args=(world, _free_port(), runs, str(out_dir)), nprocs=world, join=True)
+    mp.spawn(_run_layouts, args=(world, free_port(), runs, str(out_dir)), nprocs=world, join=True)
     return {name: [torch.load(out_dir / f"{name}.{r}.pt") for r in range(world)] for name, *_ in runs}
 
 

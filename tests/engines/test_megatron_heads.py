@@ -22,8 +22,9 @@ import torch
 from engines.megatron_convert import hf_to_megatron, megatron_to_hf
 from engines.training import OptimConfig, TrainEngine
 from flowactors import Batch
+from tests.ranks import free_port, leave_world
 from tests.engines.probes import squared_value_loss
-from tests.engines.test_megatron import _free_port, needs_megatron
+from tests.engines.test_megatron import needs_megatron
 
 PAD = 0
 OPTIM = OptimConfig(lr=1e-2, eps=1e-4, micro_batch_tokens=20)  # 10-token rows: 2 rows per micro-batch
@@ -91,8 +92,10 @@ def _run_layouts(rank: int, world: int, port: int, out_dir: str) -> None:
             out["weights"] = engine.full_state_dict()
             torch.save(out, Path(out_dir) / f"{name}.{rank}.pt")
             del engine
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_world(out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +103,7 @@ def two_ranks(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out_dir = tmp_path_factory.mktemp("megatron_heads")
-    mp.spawn(_run_layouts, args=(2, _free_port(), str(out_dir)), nprocs=2, join=True)
+    mp.spawn(_run_layouts, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
     return {name: [torch.load(out_dir / f"{name}.{r}.pt") for r in range(2)] for name, *_ in RUNS}
 
 

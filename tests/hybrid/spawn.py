@@ -6,7 +6,6 @@ Ranks import torch and engines.hybrid only (not transformers), which keeps an 8-
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from datetime import timedelta
 
@@ -14,11 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.ranks import free_port, leave_world
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
@@ -28,8 +23,10 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
     try:
         result = fn(rank, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_world(out_dir)
 
 
 def run_ranks(world_size: int, fn, *args) -> list:
