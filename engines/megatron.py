@@ -427,9 +427,19 @@ class MegatronEngine:
 
     def _schedule(self, mbs: list[Batch], loss_step: Callable[[Batch, torch.Tensor], tuple], forward_only: bool
                   ) -> list[Any]:
-        """Run megatron's forward(-backward) schedule over the micro-batches; returns the last stage's records."""
+        """Run megatron's forward(-backward) schedule over the micro-batches; returns the last stage's records.
+        A pipeline whose stages run down its ranks is outside megatron's schedules: it runs as a plan of one."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        if self.groups.reversed_stages:
+            from engines.pipeline_fusion import PipelineJob, finalize_grads, plan_pipelines, run_plan
+
+            job = PipelineJob(self, mbs, loss_step, forward_only)
+            run_plan([job], plan_pipelines(self.pp, [len(mbs)], reverse=[True], forward_only=forward_only))
+            if not forward_only:
+                finalize_grads(job)
+            return job.records
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -495,12 +505,29 @@ class MegatronEngine:
         """One optimizer step per mini-batch; returns metrics averaged over the steps (token-weighted).
 
         `outputs_fn(mb)` is evaluated on the last pipeline stage inside the schedule, where `policy_outputs` /
-        `value_outputs` read the schedule's output instead of running a forward of their own."""
+        `value_outputs` read the schedule's output instead of running a forward of their own. (Two models
+        training on the same slots can share one pipeline instead: engines.pipeline_fusion.fused_update.)"""
+        run = self.begin_update()
+        loss_step = self.train_loss_step(loss_fn, outputs_fn)
+        for mini in mini_batches:
+            self.zero_grads()
+            self.optimizer_step(run, self._schedule(self.micro_batches(mini), loss_step, forward_only=False))
+        return self.end_update(run)
+
+    def begin_update(self) -> dict[str, Any]:
+        """Start an update: training mode, and the metric sums `optimizer_step` adds to."""
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (trainable=False); it cannot update")
         self.model.train()
-        sums: dict[str, float] = {}
-        tokens, norms = 0.0, []
+        return {"sums": {}, "tokens": 0.0, "norms": []}
+
+    def zero_grads(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def train_loss_step(self, loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]
+                        ) -> Callable[[Batch, torch.Tensor], tuple]:
+        """The schedule's loss step: a micro-batch's summed weighted token loss, its token count, its metrics."""
 
         def loss_step(mb: Batch, output: torch.Tensor):
             token_loss, weight, metrics = loss_fn(self._outputs_at(mb, output, outputs_fn), mb)
@@ -508,23 +535,26 @@ class MegatronEngine:
             loss = (token_loss.to(self.device) * weight.to(self.device)).sum()
             return loss, count, {"metrics": {k: float(v) for k, v in metrics.items()}, "tokens": float(count)}
 
-        for mini in mini_batches:
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            records = self._schedule(self.micro_batches(mini), loss_step, forward_only=False)
-            for r in records if self.last_stage else []:
-                for k, v in r["metrics"].items():
-                    sums[k] = sums.get(k, 0.0) + v * r["tokens"]
-                tokens += r["tokens"]
-            self._apply_lr()
-            ok, grad_norm, _ = self.optimizer.step()
-            if not ok:
-                raise FloatingPointError("megatron's optimizer skipped the step (non-finite gradients)")
-            norms.append(float(grad_norm))
-            self._steps += 1
+        return loss_step
+
+    def optimizer_step(self, run: dict[str, Any], records: list[Any]) -> None:
+        """The optimizer step on finalised gradients; the last stage's loss-step records join the metrics."""
+        for r in records if self.last_stage else []:
+            for k, v in r["metrics"].items():
+                run["sums"][k] = run["sums"].get(k, 0.0) + v * r["tokens"]
+            run["tokens"] += r["tokens"]
+        self._apply_lr()
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("megatron's optimizer skipped the step (non-finite gradients)")
+        run["norms"].append(float(grad_norm))
+        self._steps += 1
+
+    def end_update(self, run: dict[str, Any]) -> dict[str, float]:
+        """Metrics of the update, token-weighted over DP ranks and handed to every stage."""
         dp_group = self.groups.collection.dp if self.dp_size > 1 else None
-        out = self._from_last_stage(token_mean(sums, tokens, dp_group) if self.last_stage else {})
-        out["grad_norm"] = sum(norms) / max(len(norms), 1)
+        out = self._from_last_stage(token_mean(run["sums"], run["tokens"], dp_group) if self.last_stage else {})
+        out["grad_norm"] = sum(run["norms"]) / max(len(run["norms"]), 1)
         out["lr"] = self._peak_lr * self._lr_factor(self._steps)
         return out
 

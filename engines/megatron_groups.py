@@ -57,6 +57,10 @@ class MegatronGroups:
     pp_rank: int
     dp_rank: int
     tp_rank: int
+    pp_ranks: tuple[int, ...] = ()
+    """Global ranks of this rank's pipeline, in stage order. Descending for a model whose stages run the other way
+    over its slots (engines.pipeline_fusion); torch orders a process group's ranks by global rank, so megatron's
+    own schedules and P2P, which read stages off the PP group, serve only ascending pipelines."""
 
     @property
     def first_stage(self) -> bool:
@@ -66,9 +70,14 @@ class MegatronGroups:
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
+    @property
+    def reversed_stages(self) -> bool:
+        """Stages run from higher global ranks to lower (a fused pipeline's second model)."""
+        return list(self.pp_ranks) != sorted(self.pp_ranks)
+
     def last_stage_rank(self) -> int:
         """The global rank of the last pipeline stage in this rank's pipeline (a broadcast source)."""
-        return dist.get_global_rank(self.collection.pp, self.pp - 1)
+        return self.pp_ranks[-1]
 
 
 def megatron_groups(mesh: Any, subgroups: Mapping[tuple[int, ...], Any]) -> MegatronGroups:
@@ -101,12 +110,14 @@ def megatron_groups(mesh: Any, subgroups: Mapping[tuple[int, ...], Any]) -> Mega
         embd=sub(embd_ranks) if p in (0, pp - 1) else None,
         pos_embd=alone if p == 0 else None,  # rotary embeddings: no learned position table to tie
         intra_dist_opt=sub(tuple(range(len(whole)))), inter_dist_opt=None)
-    return MegatronGroups(collection, mesh["tp"], pp, dp, tp, p, d, t)
+    pp_ranks = tuple(int(r) for r in mesh.mesh[:, d, t].tolist())
+    return MegatronGroups(collection, mesh["tp"], pp, dp, tp, p, d, t, pp_ranks)
 
 
-def world_groups(tp: int, pp: int) -> MegatronGroups:
+def world_groups(tp: int, pp: int, reverse_stages: bool = False) -> MegatronGroups:
     """The groups for a model spanning the whole torch.distributed world (a program of its own, or tests): every
-    world rank calls this, with the same sizes."""
+    world rank calls this, with the same sizes. `reverse_stages` puts stage 0 on the highest ranks (the second
+    model of a fused pipeline, engines.pipeline_fusion)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -116,10 +127,13 @@ def world_groups(tp: int, pp: int) -> MegatronGroups:
                          f"product divides the number of ranks (the rest is data parallel)")
     dp = world // (tp * pp)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = DeviceMesh(device, torch.arange(world).reshape(pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    grid = torch.arange(world).reshape(pp, dp, tp)
+    mesh = DeviceMesh(device, grid.flip(0) if reverse_stages else grid, mesh_dim_names=("pp", "dp", "tp"))
+    whole = mesh.mesh.flatten().tolist()
     me, mine = dist.get_rank(), {}
-    for ranks in megatron_subgroups(pp, dp, tp):
-        group = dist.new_group(list(ranks))
-        if me in ranks:
+    for ranks in megatron_subgroups(pp, dp, tp):  # group ranks; whole[r] is group rank r's world rank
+        members = [whole[r] for r in ranks]
+        group = dist.new_group(members)
+        if me in members:
             mine[ranks] = group
     return megatron_groups(mesh, mine)

@@ -1,0 +1,300 @@
+"""Intra-stage fusion (RLHFuse): two models' pipeline-parallel training on the same slots, scheduled as one.
+
+Trained alone, a p-stage 1F1B pipeline idles (p - 1) forward + backward steps on every stage: the warm-up
+bubble before the last stage gets its first micro-batch, and the cool-down bubble after the first stage sent its
+last. RLHFuse trains the actor and the critic (same slots, same step) as one pipeline whose two models run in
+opposite directions: the actor's stage s on slot s, the critic's on slot p - 1 - s, so while the actor's first
+micro-batch has not reached the last slot, that slot runs the critic's first stage, and the other way round. Each
+model fills the other's bubbles.
+
+`plan_pipelines` is the scheduler: a greedy list scheduler over every slot's forward (F) and backward (B) steps,
+with the step costs given, which prefers a backward (as 1F1B does, to free activations) and never holds more
+micro-batches' activations on a stage than 1F1B would (p - s on stage s), so fusing costs no extra memory. Each
+slot then runs its list in order (`run_plan`); activations and their gradients travel point to point, by tag,
+between the ranks of each model's pipeline, sends never block, and a rank waits only for a receive whose send
+comes earlier in the plan, so the plan cannot deadlock. Every micro-batch's arithmetic is the one megatron's own
+1F1B runs, in the same order per model, so a fused step gives the separate steps' gradients and updates.
+
+What the plan's `bubble_fraction` reports is the scheduled idle share of the slots (step costs in units); the
+runner measures the real one (time spent waiting for a peer, over wall time).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flowactors import Batch
+
+__all__ = ["Op", "PipelinePlan", "PipelineJob", "RunTiming", "plan_pipelines", "run_plan"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step on one slot: model `job`'s forward ("F") or backward ("B") of micro-batch `mb` at `stage`."""
+
+    job: int
+    kind: str
+    mb: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Each slot's steps in the order it runs them, and the schedule's length under the costs it was planned with."""
+
+    stages: int
+    reverse: tuple[bool, ...]
+    slots: tuple[tuple[Op, ...], ...]
+    makespan: float
+    busy: float
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of slot time idle under the planned costs: 1 - busy / (makespan · slots)."""
+        return 1.0 - self.busy / (self.makespan * self.stages) if self.makespan else 0.0
+
+    def slot_of(self, job: int, stage: int) -> int:
+        return self.stages - 1 - stage if self.reverse[job] else stage
+
+
+def plan_pipelines(stages: int, micro_batches: Sequence[int], *, reverse: Sequence[bool] | None = None,
+                   forward_cost: Sequence[float] | None = None, backward_cost: Sequence[float] | None = None,
+                   forward_only: bool = False) -> PipelinePlan:
+    """Plan one step of `len(micro_batches)` pipelines over the same `stages` slots.
+
+    `micro_batches[j]`: model j's micro-batch count; `reverse[j]`: model j's stage s runs on slot stages - 1 - s
+    (default: the second model runs reversed); costs per model, one forward and one backward of one micro-batch on
+    one stage (default 1 and 2, the usual ratio). A single model gives megatron's 1F1B order."""
+    jobs = len(micro_batches)
+    if stages < 1 or jobs < 1 or any(m < 0 for m in micro_batches):
+        raise ValueError(f"need stages >= 1 and micro-batch counts >= 0, got stages={stages}, {list(micro_batches)}")
+    reverse = tuple(bool(r) for r in (reverse if reverse is not None else [j % 2 == 1 for j in range(jobs)]))
+    fwd = tuple(float(c) for c in (forward_cost or [1.0] * jobs))
+    bwd = tuple(float(c) for c in (backward_cost or [2.0] * jobs))
+    if not len(reverse) == len(fwd) == len(bwd) == jobs:
+        raise ValueError(f"reverse, forward_cost and backward_cost need one entry per model ({jobs})")
+
+    def slot(j: int, s: int) -> int:
+        return stages - 1 - s if reverse[j] else s
+
+    done: dict[tuple[int, str, int, int], float] = {}  # op key -> finish time
+    started: set[tuple[int, str, int, int]] = set()
+    in_flight = [[0] * stages for _ in range(jobs)]  # forwards whose backward has not started, per (job, stage)
+    next_f = [[0] * stages for _ in range(jobs)]  # next micro-batch to forward, per (job, stage)
+    next_b = [[0] * stages for _ in range(jobs)]
+    order: list[list[Op]] = [[] for _ in range(stages)]
+    free_at = [0.0] * stages
+    events: list[float] = [0.0]
+    busy = 0.0
+    total = sum(micro_batches) * stages * (1 if forward_only else 2)
+
+    def ready(key: tuple[int, str, int, int], now: float) -> bool:
+        return key in done and done[key] <= now
+
+    def candidates(d: int, now: float) -> list[tuple[tuple, Op, float]]:
+        out = []
+        for j in range(jobs):
+            s = stages - 1 - d if reverse[j] else d
+            m = micro_batches[j]
+            b = next_b[j][s]
+            if not forward_only and b < next_f[j][s] and b < m:  # backward: after its forward here and the next
+                after = (j, "F", b, s) if s == stages - 1 else (j, "B", b, s + 1)
+                if ready(after, now):
+                    out.append(((0, b, j), Op(j, "B", b, s), bwd[j]))
+            f = next_f[j][s]
+            cap = m if forward_only else min(m, stages - s)  # 1F1B's activation bound on stage s
+            if f < m and in_flight[j][s] < cap and (s == 0 or ready((j, "F", f, s - 1), now)):
+                out.append(((1, in_flight[j][s] / max(cap, 1), f, j), Op(j, "F", f, s), fwd[j]))
+        return sorted(out, key=lambda c: c[0])
+
+    while len(started) < total:
+        if not events:
+            raise RuntimeError("pipeline plan is stuck: no step can start (a bug in the scheduler)")
+        now = heapq.heappop(events)
+        for d in range(stages):
+            if free_at[d] > now:
+                continue
+            options = candidates(d, now)
+            if not options:
+                continue
+            _, op, cost = options[0]
+            key = (op.job, op.kind, op.mb, op.stage)
+            started.add(key)
+            done[key] = now + cost
+            free_at[d] = now + cost
+            busy += cost
+            heapq.heappush(events, now + cost)
+            order[d].append(op)
+            if op.kind == "F":
+                next_f[op.job][op.stage] += 1
+                in_flight[op.job][op.stage] += 0 if forward_only else 1
+            else:
+                next_b[op.job][op.stage] += 1
+                in_flight[op.job][op.stage] -= 1
+    makespan = max(done.values(), default=0.0)
+    return PipelinePlan(stages, reverse, tuple(tuple(o) for o in order), makespan, busy)
+
+
+@dataclass
+class PipelineJob:
+    """One model's part of a pipeline step: its engine (this rank's stage), micro-batches, and the loss step
+    megatron's schedules take (`loss_step(mb, output)` on the last stage: (loss, token count, record) when
+    training, (ignored, record) forward-only)."""
+
+    engine: Any
+    micro_batches: list[Batch]
+    loss_step: Callable[[Batch, torch.Tensor], tuple]
+    forward_only: bool = False
+    records: list[Any] = field(default_factory=list)
+    tokens: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int))
+    """Token count of the last stage's loss steps (megatron's per-token loss), for `finalize_grads`."""
+
+
+@dataclass
+class RunTiming:
+    """This rank's wall time over the plan and the part of it spent waiting for a peer's activation or gradient."""
+
+    wall_s: float = 0.0
+    wait_s: float = 0.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.wait_s / self.wall_s if self.wall_s else 0.0
+
+
+def _tag(job: int, kind: str, mb: int) -> int:
+    return (job * 2 + (kind == "B")) * 1_000_000 + mb
+
+
+def run_plan(jobs: Sequence[PipelineJob], plan: PipelinePlan) -> RunTiming:
+    """Run this rank's list of `plan` with megatron's own forward and backward steps; records of the last stage's
+    loss steps land in each job's `records`. Gradients accumulate as in megatron's schedules; finalising them
+    (data-parallel reduction, token scaling) and the optimizer step are the caller's."""
+    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+
+    if len(jobs) != len(plan.reverse):
+        raise ValueError(f"the plan is for {len(plan.reverse)} models, got {len(jobs)} jobs")
+    slot = None
+    for j, job in enumerate(jobs):
+        g = job.engine.groups
+        if g.pp != plan.stages:
+            raise ValueError(f"model {j} has {g.pp} pipeline stages; the plan has {plan.stages}")
+        if g.reversed_stages != plan.reverse[j]:
+            raise ValueError(f"model {j}'s stages run {'down' if g.reversed_stages else 'up'} its ranks; the plan "
+                             f"runs them {'down' if plan.reverse[j] else 'up'}: build its groups with "
+                             f"reverse_stages={plan.reverse[j]}")
+        mine = plan.slot_of(j, g.pp_rank)
+        if slot is not None and mine != slot:
+            raise ValueError(f"model {j}'s stage {g.pp_rank} is not on the slot of model 0's stage {slot}: the "
+                             f"models must share one rank per slot")
+        slot = mine
+        if len(job.micro_batches) != sum(op.job == j and op.kind == "F" for op in plan.slots[slot]):
+            raise ValueError(f"model {j} has {len(job.micro_batches)} micro-batches; the plan was made for a "
+                             f"different count")
+    saved: dict[tuple[int, int], tuple[Any, Any]] = {}
+    sends: list[Any] = []
+    timing = RunTiming()
+    start = time.perf_counter()
+
+    def shape(job: PipelineJob, mb: Batch) -> tuple[int, int, int]:
+        ids = mb["input_ids"]  # megatron's activations between stages: [sequence, batch, hidden]
+        return int(ids.shape[1]), int(ids.shape[0]), int(job.engine.geometry.hidden_size)
+
+    def receive(job: PipelineJob, j: int, kind: str, i: int, src: int) -> torch.Tensor:
+        e = job.engine
+        buf = torch.empty(shape(job, job.micro_batches[i]), dtype=e.config.pipeline_dtype, device=e.device)
+        t = time.perf_counter()
+        dist.recv(buf, src=src, tag=_tag(j, kind, i))
+        timing.wait_s += time.perf_counter() - t
+        return buf
+
+    for op in plan.slots[slot]:
+        job = jobs[op.job]
+        e, g = job.engine, job.engine.groups
+        config = e.config
+        if op.kind == "F":
+            x = None
+            if not e.first_stage:
+                x = receive(job, op.job, "F", op.mb, g.pp_ranks[g.pp_rank - 1])
+                x.requires_grad_(not job.forward_only)
+            mb = job.micro_batches[op.mb]
+
+            def forward_step_func(_data, model, mb=mb, job=job):
+                return job.engine._run_model(model, mb), (lambda out, mb=mb: job.loss_step(mb, out))
+
+            with torch.no_grad() if job.forward_only else torch.enable_grad():
+                y, count = forward_step(forward_step_func, iter(()), e.model, len(job.micro_batches), x,
+                                        job.records, config, cp_group_size=1, is_last_stage=e.last_stage)
+            job.tokens = job.tokens + count.cpu()
+            if not e.last_stage:
+                out = y.detach().contiguous()
+                sends.append((dist.isend(out, dst=g.pp_ranks[g.pp_rank + 1], tag=_tag(op.job, "F", op.mb)), out))
+            if not job.forward_only:
+                saved[(op.job, op.mb)] = (x, y)
+        else:
+            x, y = saved.pop((op.job, op.mb))
+            grad = None if e.last_stage else receive(job, op.job, "B", op.mb, g.pp_ranks[g.pp_rank + 1])
+            dx = backward_step(x, y, grad, None, config)
+            if not e.first_stage:
+                out = dx.contiguous()
+                sends.append((dist.isend(out, dst=g.pp_ranks[g.pp_rank - 1], tag=_tag(op.job, "B", op.mb)), out))
+    for work, _ in sends:
+        t = time.perf_counter()
+        work.wait()
+        timing.wait_s += time.perf_counter() - t
+    timing.wall_s = time.perf_counter() - start
+    return timing
+
+
+def finalize_grads(job: PipelineJob) -> None:
+    """What megatron's schedules do after the last backward, for a job `run_plan` ran: reduce gradients over data
+    parallel (megatron's `finalize_model_grads`), then divide them by the step's token count, taken from the last
+    stage (megatron reads the last stage off the PP group's rank order, which a reversed pipeline does not follow)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    e, g = job.engine, job.engine.groups
+    finalize_model_grads([e.model], None, pg_collection=g.collection)
+    tokens = job.tokens.to(e.device).clone()
+    if g.pp > 1:
+        dist.broadcast(tokens, src=g.last_stage_rank(), group=g.collection.pp)
+    if g.dp > 1:
+        dist.all_reduce(tokens, group=g.collection.dp_cp)
+    if tokens > 0:
+        e.model.scale_gradients(1.0 / tokens)
+
+
+def fused_update(models: Sequence[tuple[Any, list[Batch], Callable, Callable]], *,
+                 forward_cost: Sequence[float] | None = None, backward_cost: Sequence[float] | None = None
+                 ) -> tuple[list[dict[str, float]], list[RunTiming]]:
+    """Train two pipeline-parallel models in one fused pipeline per mini-batch (RLHFuse's intra-stage fusion).
+
+    `models`: (engine, mini-batches, loss_fn, outputs_fn) per model, as `MegatronEngine.update` takes them; every
+    model has as many mini-batches, the first model's stages run up its ranks, the second's down (its groups built
+    with `reverse_stages`). Returns each model's metrics, as its own `update` would, and this rank's timing per
+    mini-batch."""
+    engines = [m[0] for m in models]
+    counts = {len(m[1]) for m in models}
+    if len(counts) != 1:
+        raise ValueError(f"fused models need as many mini-batches each, got {[len(m[1]) for m in models]}")
+    reverse = [e.groups.reversed_stages for e in engines]
+    runs = [e.begin_update() for e in engines]
+    timings = []
+    for k in range(counts.pop()):
+        jobs = []
+        for e, (_, minis, loss_fn, outputs_fn) in zip(engines, models):
+            e.zero_grads()
+            jobs.append(PipelineJob(e, e.micro_batches(minis[k]), e.train_loss_step(loss_fn, outputs_fn)))
+        plan = plan_pipelines(engines[0].pp, [len(j.micro_batches) for j in jobs], reverse=reverse,
+                              forward_cost=forward_cost, backward_cost=backward_cost)
+        timings.append(run_plan(jobs, plan))
+        for e, job, run in zip(engines, jobs, runs):
+            finalize_grads(job)
+            e.optimizer_step(run, job.records)
+    return [e.end_update(run) for e, run in zip(engines, runs)], timings

@@ -1,0 +1,203 @@
+"""Intra-stage fusion (engines.pipeline_fusion): the planner, and a fused actor + critic step on megatron.
+
+The planner is checked against 1F1B's known shape (one model: megatron's order, bubble (p-1)/(m+p-1) of the
+slots) and against what fusion must give (each model's steps in dependency order, no more activations held than
+1F1B, a shorter schedule than two 1F1B pipelines one after the other). The megatron part runs in one spawn of two
+CPU processes (the CUDA shim, as tests/engines/test_megatron.py): an actor (lm head) whose stages run up the ranks
+and a critic (value head) whose stages run down them, trained as one fused pipeline, against the same two models
+trained one after the other by megatron's own 1F1B schedules.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.pipeline_fusion import plan_pipelines
+from engines.training import OptimConfig
+from flowactors import Batch
+from tests.engines.probes import squared_value_loss
+from tests.engines.test_megatron import needs_megatron, pg_loss
+from tests.engines.test_megatron_heads import hf_model as head_model
+from tests.ranks import free_port, leave_world
+
+
+# ---- the planner ---------------------------------------------------------------------------------------------
+
+def _check_valid(plan, micro_batches, forward_only=False) -> None:
+    """Every step once, each after what it needs (in the slots' orders, simulated at unit speed), and never more
+    activations on a stage than 1F1B holds."""
+    p = plan.stages
+    finish: dict[tuple, float] = {}
+    clocks = [0.0] * p
+    pos = [0] * p
+    total = sum(len(s) for s in plan.slots)
+    assert total == sum(micro_batches) * p * (1 if forward_only else 2)
+    held = {}
+    while len(finish) < total:
+        progressed = False
+        for d in range(p):
+            if pos[d] == len(plan.slots[d]):
+                continue
+            op = plan.slots[d][pos[d]]
+            assert plan.slot_of(op.job, op.stage) == d
+            needs = []
+            if op.kind == "F" and op.stage > 0:
+                needs.append((op.job, "F", op.mb, op.stage - 1))
+            if op.kind == "B":
+                needs.append((op.job, "F", op.mb, op.stage))
+                if op.stage < p - 1:
+                    needs.append((op.job, "B", op.mb, op.stage + 1))
+            if all(n in finish for n in needs):
+                start = max([clocks[d], *(finish[n] for n in needs)])
+                finish[(op.job, op.kind, op.mb, op.stage)] = clocks[d] = start + 1
+                key = (op.job, op.stage)
+                held[key] = held.get(key, 0) + (1 if op.kind == "F" else -1)
+                if not forward_only:
+                    assert held[key] <= p - op.stage, f"{key} holds {held[key]} activations"
+                pos[d] += 1
+                progressed = True
+        assert progressed, "the slots' orders wait on each other (deadlock)"
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 2)])
+def test_one_model_is_1f1b(p: int, m: int) -> None:
+    plan = plan_pipelines(p, [m], reverse=[False])
+    _check_valid(plan, [m])
+    for s, ops in enumerate(plan.slots):
+        warm = min(p - s - 1, m)  # megatron's warm-up forwards, then one forward / one backward, then cool-down
+        kinds = "".join(op.kind for op in ops)
+        assert kinds == "F" * warm + "FB" * (m - warm) + "B" * warm, (s, kinds)
+        assert [op.mb for op in ops if op.kind == "B"] == list(range(m))
+    # 1F1B's known length with backward = 2 forwards: (m + p - 1) · 3, so its bubble is (p - 1) / (m + p - 1)
+    assert plan.makespan == pytest.approx(3 * (m + p - 1))
+    assert plan.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
+def test_fused_opposite_pipelines_fill_each_others_bubbles(p: int, m: int) -> None:
+    fused = plan_pipelines(p, [m, m], reverse=[False, True])
+    _check_valid(fused, [m, m])
+    alone = plan_pipelines(p, [m], reverse=[False])
+    assert fused.busy == pytest.approx(2 * alone.busy)
+    assert fused.makespan < 2 * alone.makespan  # two separate 1F1B steps, one after the other
+    assert fused.bubble_fraction < alone.bubble_fraction
+    # the last slot starts at once (with the critic's first stage) instead of waiting p - 1 actor forwards
+    first = fused.slots[p - 1][0]
+    assert (first.job, first.kind, first.stage) == (1, "F", 0)
+
+
+def test_plan_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match="one entry per model"):
+        plan_pipelines(2, [2, 2], forward_cost=[1.0])
+    with pytest.raises(ValueError, match="stages >= 1"):
+        plan_pipelines(0, [2])
+
+
+# ---- megatron: fused actor + critic against separate updates -------------------------------------------------
+
+LR = 1e-2
+OPTIM = OptimConfig(lr=LR, eps=1e-4, micro_batch_tokens=20)  # 10-token rows: 2 rows per micro-batch
+
+
+def _batch(n: int = 8, width: int = 10, resp: int = 4, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 60, (n, width), generator=g)
+    mask = torch.ones(n, width, dtype=torch.long)
+    mask[0, :3] = 0
+    rmask = torch.ones(n, resp, dtype=torch.long)
+    rmask[1, -2:] = 0
+    return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, -resp:], "response_mask": rmask,
+                  "advantages": torch.randn(n, resp, generator=g), "returns": torch.randn(n, resp, generator=g)})
+
+
+def _models():
+    actor = head_model("llama", "value")  # the same backbone config; the actor takes an lm head below
+    import transformers
+
+    torch.manual_seed(1)
+    lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+        k: getattr(actor.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                              "num_key_value_heads", "intermediate_size", "vocab_size",
+                                              "max_position_embeddings")}, tie_word_embeddings=False)).eval()
+    return lm, head_model("qwen2", "value")
+
+
+def _run(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from tests.engines import megatron_shim
+
+    megatron_shim.apply()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from engines.megatron import MegatronEngine
+    from engines.megatron_groups import world_groups
+    from engines.pipeline_fusion import fused_update
+
+    try:
+        lm, value = _models()
+        minis = _batch().chunk(4)  # 2 mini-batches of 4 rows: 2 micro-batches each
+        out = {}
+        for mode in ("separate", "fused"):
+            actor = MegatronEngine.from_hf_model(lm, OPTIM, pp=2)
+            critic = MegatronEngine.from_hf_model(value, OPTIM, pp=2,
+                                                  groups=world_groups(1, 2, reverse_stages=mode == "fused"))
+            values = critic.values(minis[0])
+            log_probs = actor.log_probs(minis[0])["log_probs"]
+            if mode == "separate":
+                metrics = [actor.update(minis, pg_loss, lambda mb: actor.policy_outputs(mb, 1.0, False)),
+                           critic.update(minis, squared_value_loss, critic.value_outputs)]
+            else:
+                metrics, timings = fused_update([
+                    (actor, minis, pg_loss, lambda mb: actor.policy_outputs(mb, 1.0, False)),
+                    (critic, minis, squared_value_loss, critic.value_outputs)])
+                out["fused_stage"] = critic.pp_rank
+                out["timings"] = [(t.wall_s, t.wait_s) for t in timings]
+            out[mode] = {"actor": actor.full_state_dict(), "critic": critic.full_state_dict(), "metrics": metrics,
+                         "values": values, "log_probs": log_probs}
+            del actor, critic
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_world(out_dir)
+
+
+@pytest.fixture(scope="module")
+def fused_run(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out_dir = tmp_path_factory.mktemp("pipeline_fusion")
+    mp.spawn(_run, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+
+
+@needs_megatron
+def test_critic_stages_run_down_the_ranks(fused_run) -> None:
+    assert [r["fused_stage"] for r in fused_run] == [1, 0]
+
+
+@needs_megatron
+def test_reversed_critic_forward_equals_megatron_schedule(fused_run) -> None:
+    for r in fused_run:
+        torch.testing.assert_close(r["fused"]["values"], r["separate"]["values"], rtol=0, atol=0)
+        torch.testing.assert_close(r["fused"]["log_probs"], r["separate"]["log_probs"], rtol=0, atol=0)
+
+
+@needs_megatron
+def test_fused_step_equals_separate_updates(fused_run) -> None:
+    for r in fused_run:
+        sep, fused = r["separate"], r["fused"]
+        for model in ("actor", "critic"):
+            assert sep[model].keys() == fused[model].keys()
+            for k in sep[model]:
+                torch.testing.assert_close(fused[model][k], sep[model][k], rtol=0, atol=0, msg=f"{model} {k}")
+        assert fused["metrics"] == sep["metrics"]
+        # and the step did train: the weights moved
+    assert not torch.equal(fused_run[0]["fused"]["critic"]["score.weight"],
+                           head_model("qwen2", "value").state_dict()["score.weight"])
