@@ -71,7 +71,11 @@ def plan_pipelines(stages: int, micro_batches: Sequence[int], *, reverse: Sequen
 
     `micro_batches[j]`: model j's micro-batch count; `reverse[j]`: model j's stage s runs on slot stages - 1 - s
     (default: the second model runs reversed); costs per model, one forward and one backward of one micro-batch on
-    one stage (default 1 and 2, the usual ratio). A single model gives megatron's 1F1B order."""
+    one stage (default 1 and 2, the usual ratio). A single model gives megatron's 1F1B order.
+
+    The plan is the shortest of: the list scheduler preferring forwards (within the activation bound), preferring
+    backwards, and the models one after the other (each 1F1B; the second starts on a slot when the first is done
+    there), so fusing is never planned slower than not fusing."""
     jobs = len(micro_batches)
     if stages < 1 or jobs < 1 or any(m < 0 for m in micro_batches):
         raise ValueError(f"need stages >= 1 and micro-batch counts >= 0, got stages={stages}, {list(micro_batches)}")
@@ -80,25 +84,37 @@ def plan_pipelines(stages: int, micro_batches: Sequence[int], *, reverse: Sequen
     bwd = tuple(float(c) for c in (backward_cost or [2.0] * jobs))
     if not len(reverse) == len(fwd) == len(bwd) == jobs:
         raise ValueError(f"reverse, forward_cost and backward_cost need one entry per model ({jobs})")
+    options = [_list_schedule(stages, micro_batches, reverse, fwd, bwd, forward_only, forward_first)
+               for forward_first in (True, False)]
+    if jobs > 1:
+        alone = [_list_schedule(stages, [micro_batches[j]], [reverse[j]], [fwd[j]], [bwd[j]], forward_only, True)
+                 for j in range(jobs)]
+        options.append([[Op(j, o.kind, o.mb, o.stage) for j, slots in enumerate(alone) for o in slots[d]]
+                        for d in range(stages)])
+    timed = [(*_timeline(stages, reverse, slots, fwd, bwd), slots) for slots in options]
+    makespan, busy, slots = min(timed, key=lambda t: t[0])
+    return PipelinePlan(stages, reverse, tuple(tuple(o) for o in slots), makespan, busy)
 
-    def slot(j: int, s: int) -> int:
-        return stages - 1 - s if reverse[j] else s
 
-    done: dict[tuple[int, str, int, int], float] = {}  # op key -> finish time
-    started: set[tuple[int, str, int, int]] = set()
+def _list_schedule(stages: int, micro_batches: Sequence[int], reverse: Sequence[bool], fwd: Sequence[float],
+                   bwd: Sequence[float], forward_only: bool, forward_first: bool) -> list[list[Op]]:
+    """Greedy list scheduling: whenever a slot is free, it starts the best step whose inputs are there. A
+    forward waits while its stage holds 1F1B's bound of activations (p - s); `forward_first` decides between a
+    ready forward and a ready backward."""
+    jobs = len(micro_batches)
+    done: dict[tuple[int, str, int, int], float] = {}  # step -> finish time
     in_flight = [[0] * stages for _ in range(jobs)]  # forwards whose backward has not started, per (job, stage)
     next_f = [[0] * stages for _ in range(jobs)]  # next micro-batch to forward, per (job, stage)
     next_b = [[0] * stages for _ in range(jobs)]
     order: list[list[Op]] = [[] for _ in range(stages)]
     free_at = [0.0] * stages
     events: list[float] = [0.0]
-    busy = 0.0
-    total = sum(micro_batches) * stages * (1 if forward_only else 2)
+    left = sum(micro_batches) * stages * (1 if forward_only else 2)
 
     def ready(key: tuple[int, str, int, int], now: float) -> bool:
         return key in done and done[key] <= now
 
-    def candidates(d: int, now: float) -> list[tuple[tuple, Op, float]]:
+    def best(d: int, now: float) -> tuple[Op, float] | None:
         out = []
         for j in range(jobs):
             s = stages - 1 - d if reverse[j] else d
@@ -107,39 +123,63 @@ def plan_pipelines(stages: int, micro_batches: Sequence[int], *, reverse: Sequen
             if not forward_only and b < next_f[j][s] and b < m:  # backward: after its forward here and the next
                 after = (j, "F", b, s) if s == stages - 1 else (j, "B", b, s + 1)
                 if ready(after, now):
-                    out.append(((0, b, j), Op(j, "B", b, s), bwd[j]))
+                    out.append(((not forward_first, b, j), Op(j, "B", b, s), bwd[j]))
             f = next_f[j][s]
             cap = m if forward_only else min(m, stages - s)  # 1F1B's activation bound on stage s
             if f < m and in_flight[j][s] < cap and (s == 0 or ready((j, "F", f, s - 1), now)):
-                out.append(((1, in_flight[j][s] / max(cap, 1), f, j), Op(j, "F", f, s), fwd[j]))
-        return sorted(out, key=lambda c: c[0])
+                out.append(((forward_first, in_flight[j][s] / max(cap, 1), f, j), Op(j, "F", f, s), fwd[j]))
+        return min(out, key=lambda c: c[0])[1:] if out else None
 
-    while len(started) < total:
+    while left:
         if not events:
             raise RuntimeError("pipeline plan is stuck: no step can start (a bug in the scheduler)")
         now = heapq.heappop(events)
         for d in range(stages):
-            if free_at[d] > now:
+            choice = best(d, now) if free_at[d] <= now else None
+            if choice is None:
                 continue
-            options = candidates(d, now)
-            if not options:
-                continue
-            _, op, cost = options[0]
-            key = (op.job, op.kind, op.mb, op.stage)
-            started.add(key)
-            done[key] = now + cost
-            free_at[d] = now + cost
-            busy += cost
+            op, cost = choice
+            done[(op.job, op.kind, op.mb, op.stage)] = free_at[d] = now + cost
             heapq.heappush(events, now + cost)
             order[d].append(op)
+            left -= 1
             if op.kind == "F":
                 next_f[op.job][op.stage] += 1
                 in_flight[op.job][op.stage] += 0 if forward_only else 1
             else:
                 next_b[op.job][op.stage] += 1
                 in_flight[op.job][op.stage] -= 1
-    makespan = max(done.values(), default=0.0)
-    return PipelinePlan(stages, reverse, tuple(tuple(o) for o in order), makespan, busy)
+    return order
+
+
+def _timeline(stages: int, reverse: Sequence[bool], slots: Sequence[Sequence[Op]], fwd: Sequence[float],
+              bwd: Sequence[float]) -> tuple[float, float]:
+    """(makespan, busy) of fixed per-slot orders: each step starts when its slot is free and its inputs are
+    there. Raises if the orders wait on each other (a plan that would deadlock)."""
+    finish: dict[tuple[int, str, int, int], float] = {}
+    clock, pos = [0.0] * stages, [0] * stages
+    busy, total = 0.0, sum(len(s) for s in slots)
+    while len(finish) < total:
+        moved = False
+        for d in range(stages):
+            while pos[d] < len(slots[d]):
+                op = slots[d][pos[d]]
+                needs = [(op.job, "F", op.mb, op.stage - 1)] if op.kind == "F" and op.stage > 0 else []
+                if op.kind == "B":
+                    needs.append((op.job, "F", op.mb, op.stage))
+                    if op.stage < stages - 1:
+                        needs.append((op.job, "B", op.mb, op.stage + 1))
+                if not all(n in finish for n in needs):
+                    break
+                cost = fwd[op.job] if op.kind == "F" else bwd[op.job]
+                clock[d] = max([clock[d], *(finish[n] for n in needs)]) + cost
+                finish[(op.job, op.kind, op.mb, op.stage)] = clock[d]
+                busy += cost
+                pos[d] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("the slots' step orders wait on each other (a plan that would deadlock)")
+    return max(finish.values(), default=0.0), busy
 
 
 @dataclass

@@ -84,10 +84,24 @@ def test_fused_opposite_pipelines_fill_each_others_bubbles(p: int, m: int) -> No
     alone = plan_pipelines(p, [m], reverse=[False])
     assert fused.busy == pytest.approx(2 * alone.busy)
     assert fused.makespan < 2 * alone.makespan  # two separate 1F1B steps, one after the other
+    # and shorter than both models' micro-batches through one pipeline in the same direction (bubble paid once)
+    assert fused.makespan < plan_pipelines(p, [2 * m], reverse=[False]).makespan
     assert fused.bubble_fraction < alone.bubble_fraction
     # the last slot starts at once (with the critic's first stage) instead of waiting p - 1 actor forwards
     first = fused.slots[p - 1][0]
     assert (first.job, first.kind, first.stage) == (1, "F", 0)
+
+
+@pytest.mark.parametrize("p,m,costs", [(4, 4, ((2.0, 4.0), (1.0, 2.0))), (4, 8, ((1.0, 2.0), (3.0, 6.0))),
+                                         (2, 3, ((1.0, 3.0), (1.0, 1.0)))])
+def test_unequal_models_are_never_planned_slower_than_in_turn(p: int, m: int, costs) -> None:
+    (fa, ba), (fc, bc) = costs
+    fused = plan_pipelines(p, [m, m], forward_cost=[fa, fc], backward_cost=[ba, bc])
+    _check_valid(fused, [m, m])
+    actor = plan_pipelines(p, [m], reverse=[False], forward_cost=[fa], backward_cost=[ba])
+    critic = plan_pipelines(p, [m], reverse=[True], forward_cost=[fc], backward_cost=[bc])
+    assert fused.busy == pytest.approx(actor.busy + critic.busy)
+    assert fused.makespan <= actor.makespan + critic.makespan
 
 
 def test_plan_refuses_bad_input() -> None:
