@@ -268,6 +268,11 @@ class PPOConfig(RLConfig):
     own after they join) may differ in the last bit."""
     fuse_migrate_below: float = 0.25
     """The fraction of a generation rank's rows still running at which its tail migrates."""
+    fuse_train: bool = False
+    """Train the actor and the critic as one fused pipeline (RLHFuse's intra-stage fusion; engines.pipeline_fusion):
+    needs a plan that puts both in one pool with the same train sizes, p >= 2, on a pipeline-parallel engine
+    (megatron). The critic's stages then run the other way over the slots, so each model fills the other's
+    pipeline bubbles. The same updates as without it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

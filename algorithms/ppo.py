@@ -62,18 +62,25 @@ class PPO(Algorithm):
         batch = ctl.apply(ppo_advantages, *parts, gamma=cfg.gamma, lam=cfg.lam,
                           kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
                           whiten_rewards=cfg.whiten_rewards)
-        critic_update = self.critic.update_critic(batch, ValueLoss(cfg.value_clip), self.update_spec(i))
-        actor_update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
+        if cfg.fuse_train:  # one fused pipeline for both updates (engines.pipeline_fusion)
+            updates = [actor.update_actor_and_critic(batch, self.policy_loss, self.update_spec(i),
+                                                     critic=self.critic.name, critic_loss_fn=ValueLoss(cfg.value_clip))]
+        else:
+            updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip), self.update_spec(i)),
+                       actor.update_actor(batch, self.policy_loss, self.update_spec(i))]
         metrics = ctl.apply(summarize, batch)
         self.last_batch = batch  # the step's scored batch, for tests and benchmarks
         self.stage("generate", *generated)
         self.stage("score", batch)
-        self.stage("update", critic_update, actor_update)
+        self.stage("update", *updates)
         m = metrics.result()
         m["kl_coef"] = self.kl_ctl.value
         self.kl_ctl.update(m["kl"], cfg.prompts_per_step * cfg.samples_per_prompt)
-        m.update({f"actor/{k}": v for k, v in actor_update.result().items()})
-        m.update({f"critic/{k}": v for k, v in critic_update.result().items()})
+        if cfg.fuse_train:
+            m.update(updates[0].result())
+        else:
+            m.update({f"critic/{k}": v for k, v in updates[0].result().items()})
+            m.update({f"actor/{k}": v for k, v in updates[1].result().items()})
         return m
 
     def state_dict(self) -> dict:

@@ -97,6 +97,8 @@ def check_before_start(cfg: RLConfig) -> None:
         check_trainable_layers("critic_trainable_layers", cfg.critic_trainable_layers, cfg.model)
         if cfg.fuse_migrate:
             _check_migration(cfg)
+        if cfg.fuse_train:
+            _check_fused_training(cfg)
     for name in ("metrics_file", "tensorboard_dir", "export_dir"):
         value = getattr(cfg, name)
         if value and not Path(value).resolve().parent.is_dir():
@@ -171,6 +173,32 @@ def _check_migration(cfg: PPOConfig) -> None:
         raise ConfigError(f"fuse_migrate: {e}; --placement fused puts the actor on every slot") from None
 
 
+def _check_fused_training(cfg: PPOConfig) -> None:
+    """fuse_train where the actor and critic cannot share one pipeline, refused before the cluster starts."""
+    if not cfg.plan:
+        raise ConfigError("fuse_train fuses the actor's and the critic's pipeline-parallel training; give a --plan "
+                          "with both in one pool and the same train sizes [p, t, d], p >= 2 (on model.engine="
+                          "megatron), or drop fuse_train")
+    plan = _load_plan(cfg)
+    if "critic" not in {m.role for m in plan.models}:
+        raise ConfigError("fuse_train fuses the actor with the critic; the plan has no critic")
+    actor, critic = plan.model("actor"), plan.model("critic")
+    if plan.pool_of("actor") != plan.pool_of("critic") or actor.train != critic.train or actor.train[0] < 2:
+        raise ConfigError(f"fuse_train needs the actor and the critic in one pool with the same train sizes and "
+                          f"p >= 2; the plan has actor {actor.train} in {plan.pool_of('actor')}, critic "
+                          f"{critic.train} in {plan.pool_of('critic')}")
+    if not training_engine(cfg.model.engine).pipeline_parallel:
+        raise ConfigError(f"fuse_train runs pipeline stages; model.engine={cfg.model.engine} has none "
+                          f"(use model.engine=megatron)")
+
+
+def reverse_stages(addresses: list[str], layout: Layout) -> list[str]:
+    """The same slots with the pipeline stages in the opposite order (group rank (p, d, t) on the slot of
+    (pp - 1 - p, d, t)): a fused pipeline's second model (engines.pipeline_fusion)."""
+    per_stage = layout.dp * layout.tp
+    return [addresses[(layout.pp - 1 - r // per_stage) * per_stage + r % per_stage] for r in range(len(addresses))]
+
+
 def _planned_dp(cfg: RLConfig) -> dict[str, int]:
     """Each role's data-parallel size where it is known before connecting: a plan's, or the embedded cluster's."""
     if cfg.plan:
@@ -240,6 +268,9 @@ def place(ctl: Controller, cfg: RLConfig) -> Pools:
         for m in plan.models:
             p, t, d = m.train
             out[m.role] = (list(pools[plan.pool_of(m.role)].addresses)[:m.gpus], Layout(pp=p, dp=d, tp=t))
+        if isinstance(cfg, PPOConfig) and cfg.fuse_train:
+            addresses, layout = out["critic"]
+            out["critic"] = (reverse_stages(addresses, layout), layout)
         scorer = next((out[r] for r in _SCORERS if r in out), out["actor"])
         for role in ("ref", *_SCORERS):
             out.setdefault(role, scorer if role != "ref" else out["actor"])

@@ -85,9 +85,15 @@ class SafeRLHF(Algorithm):
                           lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                           whiten_rewards=cfg.whiten_rewards)
         spec = self.update_spec(i)
-        updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip), spec),
-                   self.cost_critic.update_critic(batch, ValueLoss(cfg.value_clip, prefix="cost_"), spec),
-                   actor.update_actor(batch, self.policy_loss, spec)]
+        cost_loss = ValueLoss(cfg.value_clip, prefix="cost_")
+        if cfg.fuse_train:  # the actor and the reward critic in one fused pipeline (engines.pipeline_fusion)
+            updates = [actor.update_actor_and_critic(batch, self.policy_loss, spec, critic=self.critic.name,
+                                                     critic_loss_fn=ValueLoss(cfg.value_clip)),
+                       self.cost_critic.update_critic(batch, cost_loss, spec)]
+        else:
+            updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip), spec),
+                       self.cost_critic.update_critic(batch, cost_loss, spec),
+                       actor.update_actor(batch, self.policy_loss, spec)]
         if cfg.ptx_coef:
             ptx = self.data.sft_batch(cfg.mini_batch_samples, self.data.task.max_new_tokens, cfg.seed + 100 + i)
             updates.append(actor.update_actor(ptx, SFTLoss(cfg.ptx_coef), UpdateSpec(len(ptx))))
@@ -96,9 +102,12 @@ class SafeRLHF(Algorithm):
         m = metrics.result()
         m["lagrange_lambda"] = self.lagrange.value  # the λ this step's advantages used
         self.lagrange.update(m["cost_mean"])
-        m.update({f"actor/{k}": v for k, v in updates[2].result().items()})
-        for name, update in (("critic", updates[0]), ("cost_critic", updates[1])):
-            m.update({f"{name}/{k}": v for k, v in update.result().items()})
+        if cfg.fuse_train:
+            m.update(updates[0].result())
+        else:
+            m.update({f"actor/{k}": v for k, v in updates[2].result().items()})
+            m.update({f"critic/{k}": v for k, v in updates[0].result().items()})
+        m.update({f"cost_critic/{k}": v for k, v in updates[1].result().items()})
         return m
 
     def state_dict(self) -> dict:

@@ -23,9 +23,10 @@ run one at a time in issue order, so no later call on the actor runs beside the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +86,23 @@ class ModelWorker(Worker):
     def _update(self, shares: list[Batch], loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]],
                 spec: UpdateSpec) -> dict[str, float]:
         self.weights_version += 1
+        with self._lr_of(spec):
+            return self.engine.update(self._mini_batches(shares, spec), loss_fn, outputs_fn)
+
+    def _mini_batches(self, shares: list[Batch], spec: UpdateSpec) -> list[Batch]:
         mb = spec.mini_batch_samples // self.layout.dp
-        mini_batches = [m for local in shares for m in local.chunk(mb)]
+        return [m for local in shares for m in local.chunk(mb)]
+
+    @contextlib.contextmanager
+    def _lr_of(self, spec: UpdateSpec) -> Iterator[None]:
+        """spec.lr applies to this call only (e.g. the warm start)."""
         if spec.lr is None:
-            return self.engine.update(mini_batches, loss_fn, outputs_fn)
-        peak = self.engine.cfg.lr  # spec.lr applies to this call only (e.g. the warm start)
+            yield
+            return
+        peak = self.engine.cfg.lr
         self.engine.set_lr(float(spec.lr))
         try:
-            return self.engine.update(mini_batches, loss_fn, outputs_fn)
+            yield
         finally:
             self.engine.set_lr(peak)
 
@@ -423,6 +433,35 @@ class ActorWorker(ModelWorker):
         temp = self.sampling.temperature
         return self._update(shares, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, with_entropy=True),
                             spec)
+
+
+    @endpoint(protocol=MINIBATCH)
+    def update_actor_and_critic(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec, critic: str,
+                                critic_loss_fn: LossFn) -> dict[str, float]:
+        """The actor's and the critic's updates as one fused pipeline (RLHFuse's intra-stage fusion,
+        engines.pipeline_fusion): the same updates as update_actor and update_critic, with each model's pipeline
+        filling the other's bubbles. `critic` names a critic group on this group's slots with the same layout
+        and its stages running the other way; metrics come back as "actor/..." and "critic/..."."""
+        from engines.pipeline_fusion import fused_update
+
+        self._end_receiving()
+        other = self.colocated(critic)
+        if not isinstance(other, CriticWorker):
+            raise TypeError(f"update_actor_and_critic fuses with a critic; group {critic!r} is a "
+                            f"{type(other).__name__}")
+        if other.layout != self.layout or self.layout.pp < 2 or not hasattr(self.engine, "train_loss_step"):
+            raise ValueError(f"a fused pipeline needs the actor and the critic on a pipeline-parallel engine "
+                             f"(megatron) with the same layout, pp >= 2; got actor {self.layout} on "
+                             f"{type(self.engine).__name__}, critic {other.layout}")
+        self.weights_version += 1
+        other.weights_version += 1
+        mini_batches = self._mini_batches(shares, spec)
+        temp = self.sampling.temperature
+        with self._lr_of(spec), other._lr_of(spec):
+            (actor, value), _ = fused_update([
+                (self.engine, mini_batches, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, True)),
+                (other.engine, mini_batches, critic_loss_fn, other.engine.value_outputs)])
+        return {**{f"actor/{k}": v for k, v in actor.items()}, **{f"critic/{k}": v for k, v in value.items()}}
 
 
 class RefWorker(ModelWorker):

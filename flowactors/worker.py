@@ -80,3 +80,15 @@ class Worker:
     def coords(self) -> tuple[int, int, int]:
         """(pp, dp, tp) coordinates of this rank."""
         return self.layout.coords(self.rank)
+
+    def colocated(self, group_name: str) -> "Worker":
+        """This process's instance of another group (DESIGN: colocated models live in one process). Calls to one
+        process run one at a time in the order issued, so a method may drive a colocated model too, e.g. two
+        models trained in one fused pipeline schedule. Raises LookupError when that group has no rank here."""
+        from flowactors import _runtime
+
+        ctx = _runtime._GROUPS.get(group_name)
+        if ctx is None or ctx.instance is None:
+            raise LookupError(f"group {group_name!r} has no rank in this worker process (the one of {self.group_name!r}"
+                              f" rank {self.rank}); place both groups on the same slots")
+        return ctx.instance

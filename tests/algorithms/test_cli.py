@@ -22,6 +22,7 @@ from algorithms.config import (ConfigError, GRPOConfig, PPOConfig, ReMaxConfig, 
 from algorithms.metrics import MetricsFile, print_summary
 from algorithms.safe_rlhf import SafeRLHF
 from algorithms.safe_rlhf import main as safe_rlhf
+from flowactors import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,6 +75,7 @@ def _plan(tmp_path, actor_train) -> str:
     (["--placement", "split", "fuse=true", "fuse_migrate=true"],
      r"fuse_migrate: long-tail migration .* needs an actor of dp >= 2 .* --placement fused puts the actor on every"),
     (["fuse=true", "fuse_migrate=true", "rollout_tp=1"], r"fuse_migrate moves decoding rows between actor ranks"),
+    (["fuse_train=true"], r"fuse_train fuses the actor's and the critic's pipeline-parallel training; give a --plan"),
     (["n_slots=3"], r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3; use a multiple of 3"),
     (["--placement", "split", "n_slots=6"],
      r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3"),
@@ -110,6 +112,28 @@ def test_a_plan_whose_data_parallel_size_does_not_divide_fails_before_any_worker
 def test_migration_on_a_plan_with_a_tensor_parallel_actor_fails_before_any_worker(capsys, no_cluster, tmp_path):
     line = _error(capsys, ["--plan", _plan(tmp_path, [1, 2, 1]), "fuse=true", "fuse_migrate=true"])
     assert "fuse_migrate: long-tail migration" in line and "tp = pp = 1" in line
+
+
+@pytest.mark.parametrize("actor_train, message", [
+    ([2, 1, 1], r"same train sizes and p >= 2; the plan has actor \(2, 1, 1\) in actor\+ref\+critic\+reward, critic "
+                r"\(1, 1, 2\)"),
+    ([1, 1, 2], r"same train sizes and p >= 2; the plan has actor \(1, 1, 2\)"),
+])
+def test_fused_training_on_a_plan_that_cannot_fuse_fails_before_any_worker(capsys, no_cluster, tmp_path,
+                                                                            actor_train, message):
+    import re
+
+    line = _error(capsys, ["--plan", _plan(tmp_path, actor_train), "model.engine=megatron", "fuse_train=true"])
+    assert re.search(message, line), line
+
+
+def test_reverse_stages_puts_stage_0_on_the_last_stage_s_slots():
+    from algorithms.roles import reverse_stages
+
+    slots = [f"w{i}" for i in range(8)]  # (pp, dp, tp) = (2, 2, 2): group rank (p·2 + d)·2 + t
+    assert reverse_stages(slots, Layout(pp=2, dp=2, tp=2)) == ["w4", "w5", "w6", "w7", "w0", "w1", "w2", "w3"]
+    assert reverse_stages(slots, Layout(pp=4, dp=2, tp=1)) == ["w6", "w7", "w4", "w5", "w2", "w3", "w0", "w1"]
+    assert reverse_stages(slots, Layout(pp=1, dp=8, tp=1)) == slots
 
 
 def test_debug_shows_the_traceback(no_cluster):

@@ -101,6 +101,36 @@ RESUME_KEYS = ("reward_mean", "kl", "entropy", "response_length_mean", "actor/pg
                "actor/grad_norm", "critic/grad_norm")
 
 
+def test_ppo_with_fused_actor_critic_training_gives_the_unfused_run(tmp_path):
+    """fuse_train=true (RLHFuse's intra-stage fusion) on the colocated p = 2 plan: the critic's stages run down the
+    slots and both models train in one fused pipeline; every step's metrics equal the unfused run's exactly."""
+    from algorithms.ppo import main
+
+    common = _resume_args(tmp_path)
+    plain = main(["--steps", "2", *common])
+    fused = main(["--steps", "2", *common, "fuse_train=true"])
+    assert [r["step"] for r in fused] == [0, 1]
+    for x, y in zip(plain, fused):
+        for k in (*RESUME_KEYS, "critic/vf_loss", "actor/lr", "critic/lr"):
+            assert x[k] == y[k], (x["step"], k, x[k], y[k])
+
+
+@pytest.mark.slow  # 30 s; the PPO test above runs the fused update by default
+def test_safe_rlhf_with_fused_actor_critic_training_gives_the_unfused_run(tmp_path):
+    """Safe-RLHF fuses the actor with the reward critic; the cost critic trains on its own, as before."""
+    from algorithms.safe_rlhf import main
+
+    plan, _ = _plans([["actor", "ref", "critic", "cost_critic", "reward", "cost"]], ("actor", "ref", "critic"), 2)
+    plan.save(tmp_path / "plan.json")
+    common = ["dashboard=none", "--plan", str(tmp_path / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
+              "sft_steps=10", "--steps", "2"]
+    plain, fused = main(common), main([*common, "fuse_train=true"])
+    for x, y in zip(plain, fused, strict=True):
+        for k in ("reward_mean", "cost_mean", "kl", "lagrange_lambda", "actor/pg_loss", "actor/grad_norm",
+                  "critic/vf_loss", "critic/grad_norm", "cost_critic/vf_loss"):
+            assert x[k] == y[k], (x["step"], k, x[k], y[k])
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """Four PPO steps on the megatron p = 2 plan, uninterrupted."""
