@@ -209,6 +209,15 @@ def _bars(spans: list[dict], width: int = 72) -> list[str]:
     return lines
 
 
+def _planned_pipeline(stages: int, micro_batches, step_s) -> float:
+    """The fused update's length as engines.pipeline_fusion plans it (a step's time split 1 : 2 forward : backward)."""
+    from engines.pipeline_fusion import plan_pipelines
+
+    plan = plan_pipelines(stages, list(micro_batches), forward_cost=[s / 3 for s in step_s],
+                          backward_cost=[2 * s / 3 for s in step_s])
+    return plan.makespan
+
+
 def cluster_estimate() -> None:
     """What inter-stage fusion with long-tail migration and a fused actor/critic pipeline would save on 64 A100s
     (placement/fusion.py, the placement simulator's costs), next to RLHFuse's reported gain."""
@@ -231,7 +240,8 @@ def cluster_estimate() -> None:
             cfgs = {r: Parallel(p, t, d, *((1, t_g) if r == "actor" else ())) for r in ("actor", "critic", "ref",
                                                                                           "reward")}
             for below in (0.1, 0.25):
-                e = estimate_fusion(sim, dict.fromkeys(cfgs, spec), cfgs, lengths, migrate_below=below)
+                e = estimate_fusion(sim, dict.fromkeys(cfgs, spec), cfgs, lengths, migrate_below=below,
+                                    fused_pipeline=_planned_pipeline)
                 print(f"{name:<6} {resp:>8} {below:>8.2f} {e.generate_s:>7.1f} {e.inference_s:>8.1f} "
                       f"{e.fused_generate_inference_s:>10.1f} {e.train_s:>8.1f} {e.fused_train_s:>12.1f} "
                       f"{e.unfused_s:>10.1f} {e.fused_s:>8.1f} {e.speedup:>8.2f}x")

@@ -14,14 +14,15 @@ pass), which ignores that the freed devices hold a smaller layout of each scorer
 
 Intra-stage fusion (RLHFuse §5). Actor and critic training are each a 1F1B pipeline whose fill and drain leave
 (p - 1)/m of the pass idle (m micro-batches). Fused, the two models' micro-batches share one schedule (flowing in
-opposite directions, each filling the other's bubbles), estimated here as one pipeline over m_actor + m_critic
-micro-batches: the bubble is paid once, on the combined work. RLHFuse's own schedule (and its reported gains) can do
-better when the two models' stage times differ; that is not modelled.
+opposite directions, each filling the other's bubbles). Without a planner this module estimates that as one
+pipeline over m_actor + m_critic micro-batches (the bubble paid once, on the combined work); given
+`fused_pipeline`, the length of the schedule that planner makes (the benchmark passes
+engines.pipeline_fusion.plan_pipelines', which the fused training runs, and which plans shorter than that).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from placement.models import LlamaSpec
@@ -75,10 +76,17 @@ def decode_timeline(sim: Simulator, spec: LlamaSpec, cfg: Parallel, lengths: Seq
     return out
 
 
+FusedPipeline = Callable[[int, Sequence[int], Sequence[float]], float]
+"""(stages, micro-batches per model, one micro-batch's forward + backward seconds on one stage per model) ->
+seconds of the fused schedule."""
+
+
 def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mapping[str, Parallel],
-                    lengths: Sequence[int], *, migrate_below: float = 0.1) -> FusionEstimate:
+                    lengths: Sequence[int], *, migrate_below: float = 0.1,
+                    fused_pipeline: FusedPipeline | None = None) -> FusionEstimate:
     """Estimate one PPO iteration (actor, critic, ref, reward colocated on the same devices; `cfgs["actor"]` with
-    its generation sizes) unfused and fused (see the module docstring)."""
+    its generation sizes) unfused and fused (see the module docstring; `fused_pipeline` plans the fused update
+    when the actor and critic have the same number of stages)."""
     actor, a_cfg = specs["actor"], cfgs["actor"]
     if not a_cfg.t_g:
         raise ValueError("the actor's Parallel needs its generation sizes (p_g, t_g)")
@@ -128,6 +136,10 @@ def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mappin
                                                                                    cfgs["critic"])
     p = max(a_cfg.p, cfgs["critic"].p)
     train = passes * (a_work * (1 + (a_cfg.p - 1) / a_micro) + c_work * (1 + (cfgs["critic"].p - 1) / c_micro) + sync)
-    fused_train = passes * ((a_work + c_work) * (1 + (p - 1) / (a_micro + c_micro)) + sync)
+    if fused_pipeline is not None and a_cfg.p == cfgs["critic"].p > 1:
+        fused_pass = fused_pipeline(p, [a_micro, c_micro], [a_work / a_micro, c_work / c_micro])
+    else:
+        fused_pass = (a_work + c_work) * (1 + (p - 1) / (a_micro + c_micro))
+    fused_train = passes * (fused_pass + sync)
     return FusionEstimate(generate_s=generate, inference_s=inference, fused_generate_inference_s=fused_gi,
                           migrated=migrated, tail_replicas=tail_replicas, train_s=train, fused_train_s=fused_train)
