@@ -15,6 +15,13 @@ m micro-batches per model, rounds interleaved, in three modes:
 A round's time is the slowest rank's; the figure is the median. `bubble` is the measured wait over wall time,
 averaged over the ranks, and `plan bubble` the planner's at F = 1, B = 2. Every mode gives the same weights
 (tests/engines/test_pipeline_fusion.py).
+
+    python benchmarks/pipeline_fusion.py --ppo
+
+runs PPO end to end instead (`algorithms/ppo.py` on the embedded cluster, 2 slots, every model colocated; actor,
+reference and critic with p = 2 on the megatron engine under the same shim), with `fuse_train` off and on in turn,
+and prints the median update and step seconds of each run (the first step left out) and the last step's gradient
+norms, which agree between the modes.
 """
 
 from __future__ import annotations
@@ -126,6 +133,37 @@ def _run(rank: int, world: int, port: int, counts: list[int], rounds: int, out: 
     dist.destroy_process_group()
 
 
+def ppo_end_to_end(runs: int, steps: int) -> None:
+    """PPO with fuse_train off and on, `runs` times each in turn; update and step seconds per run."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from algorithms.ppo import main as ppo
+    from placement import ModelPlan, Plan
+    from tests.engines.megatron_probes import MEGATRON_CPU
+
+    work = Path(tempfile.mkdtemp(prefix="pipeline_fusion_ppo_"))
+    plan = Plan(placement=[["actor", "ref", "critic", "reward"]], models=[
+        ModelPlan("actor", 2, (2, 1, 1), (1, 1)), ModelPlan("ref", 2, (2, 1, 1)), ModelPlan("critic", 2, (2, 1, 1)),
+        ModelPlan("reward", 2, (1, 1, 2))])
+    plan.save(work / "plan.json")
+    common = ["dashboard=none", "--plan", str(work / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
+              "sft_steps=5", "--steps", str(steps), "model.hidden_size=512", "model.num_layers=8",
+              "micro_batch_tokens=256"]
+    print(f"PPO, {steps} steps per run (median of steps 1..), actor / ref / critic p = 2 on megatron, hidden 512, "
+          f"8 layers, 2 micro-batches per mini-batch")
+    print(f"{'run':>3} {'fuse_train':>10} {'update s':>9} {'step s':>7} {'actor grad norm':>16} {'critic grad norm':>17}")
+    for run in range(runs):
+        for fuse in ("false", "true"):
+            metrics = work / f"m_{run}_{fuse}.jsonl"
+            ppo([*common, f"fuse_train={fuse}", "--metrics-file", str(metrics)])
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()][1:]
+            print(f"{run:>3} {fuse:>10} {statistics.median(r['update_s'] for r in rows):>9.3f} "
+                  f"{statistics.median(r['step_s'] for r in rows):>7.3f} {rows[-1]['actor/grad_norm']:>16.6f} "
+                  f"{rows[-1]['critic/grad_norm']:>17.6f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     from engines.pipeline_fusion import plan_pipelines
     from tests.ranks import free_port
@@ -133,7 +171,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ppo", action="store_true", help="PPO end to end with fuse_train off and on")
+    parser.add_argument("--runs", type=int, default=2, help="--ppo: runs per mode")
+    parser.add_argument("--steps", type=int, default=5, help="--ppo: steps per run")
     args = parser.parse_args(argv)
+    if args.ppo:
+        ppo_end_to_end(args.runs, args.steps)
+        return
     out = mp.Manager().dict()
     mp.spawn(_run, args=(2, free_port(), args.micro_batches, args.rounds, out), nprocs=2, join=True)
     print(f"pp = 2, actor + critic {LAYERS} layers × {HIDDEN} hidden, {ROWS_PER_MB} rows × {WIDTH} tokens per "
