@@ -272,7 +272,8 @@ class PPOConfig(RLConfig):
     """Train the actor and the critic as one fused pipeline (RLHFuse's intra-stage fusion; engines.pipeline_fusion):
     needs a plan that puts both in one pool with the same train sizes, p >= 2, on a pipeline-parallel engine
     (megatron). The critic's stages then run the other way over the slots, so each model fills the other's
-    pipeline bubbles. The same updates as without it."""
+    pipeline bubbles; Safe-RLHF's cost critic joins the same pipeline where the plan gives it the actor's pool and
+    sizes too. The same updates as without it."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

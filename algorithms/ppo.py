@@ -63,8 +63,8 @@ class PPO(Algorithm):
                           kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
                           whiten_rewards=cfg.whiten_rewards)
         if cfg.fuse_train:  # one fused pipeline for both updates (engines.pipeline_fusion)
-            updates = [actor.update_actor_and_critic(batch, self.policy_loss, self.update_spec(i),
-                                                     critic=self.critic.name, critic_loss_fn=ValueLoss(cfg.value_clip))]
+            updates = [actor.update_actor_and_critics(batch, self.policy_loss, self.update_spec(i),
+                                                      critics={self.critic.name: ValueLoss(cfg.value_clip)})]
         else:
             updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip), self.update_spec(i)),
                        actor.update_actor(batch, self.policy_loss, self.update_spec(i))]

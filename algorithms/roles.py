@@ -192,6 +192,18 @@ def _check_fused_training(cfg: PPOConfig) -> None:
                           f"(use model.engine=megatron)")
 
 
+def fused_critics(cfg: RLConfig, critics: Sequence[str]) -> tuple[str, ...]:
+    """Which of the algorithm's `critics` fuse_train trains in the actor's pipeline: those the plan puts in the
+    actor's pool with the actor's train sizes (the critic always, check_before_start makes sure; Safe-RLHF's
+    cost critic where the plan puts it there too, else it trains on its own)."""
+    if not isinstance(cfg, PPOConfig) or not cfg.fuse_train:
+        return ()
+    plan = _load_plan(cfg)
+    planned = {m.role for m in plan.models}
+    return tuple(r for r in critics if r in planned and plan.pool_of(r) == plan.pool_of("actor")
+                 and plan.model(r).train == plan.model("actor").train)
+
+
 def reverse_stages(addresses: list[str], layout: Layout) -> list[str]:
     """The same slots with the pipeline stages in the opposite order (group rank (p, d, t) on the slot of
     (pp - 1 - p, d, t)): a fused pipeline's second model (engines.pipeline_fusion)."""
@@ -268,7 +280,7 @@ def place(ctl: Controller, cfg: RLConfig) -> Pools:
         for m in plan.models:
             p, t, d = m.train
             out[m.role] = (list(pools[plan.pool_of(m.role)].addresses)[:m.gpus], Layout(pp=p, dp=d, tp=t))
-        if isinstance(cfg, PPOConfig) and cfg.fuse_train:
+        if isinstance(cfg, PPOConfig) and cfg.fuse_train:  # the critic's stages run the other way
             addresses, layout = out["critic"]
             out["critic"] = (reverse_stages(addresses, layout), layout)
         scorer = next((out[r] for r in _SCORERS if r in out), out["actor"])

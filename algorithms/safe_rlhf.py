@@ -24,7 +24,7 @@ from algorithms.fusion import fused_rollout
 from algorithms.loop import Algorithm, run_program
 from algorithms.metrics import summarize
 from algorithms.data import PromptData
-from algorithms.roles import Roles
+from algorithms.roles import Roles, fused_critics
 from engines import UpdateSpec
 from flowactors import Batch, Controller
 
@@ -69,6 +69,7 @@ class SafeRLHF(Algorithm):
         self.ctl, self.data = ctl, data
         self.actor, self.ref, self.reward, self.cost = roles.actor, roles.ref, roles.reward, roles.cost
         self.critic, self.cost_critic = roles.critic, roles.cost_critic
+        self.fused = fused_critics(self.cfg, ("critic", "cost_critic"))  # in the actor's pipeline (fuse_train)
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
@@ -85,14 +86,15 @@ class SafeRLHF(Algorithm):
                           lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                           whiten_rewards=cfg.whiten_rewards)
         spec = self.update_spec(i)
-        cost_loss = ValueLoss(cfg.value_clip, prefix="cost_")
-        if cfg.fuse_train:  # the actor and the reward critic in one fused pipeline (engines.pipeline_fusion)
-            updates = [actor.update_actor_and_critic(batch, self.policy_loss, spec, critic=self.critic.name,
-                                                     critic_loss_fn=ValueLoss(cfg.value_clip)),
-                       self.cost_critic.update_critic(batch, cost_loss, spec)]
+        losses = {"critic": ValueLoss(cfg.value_clip), "cost_critic": ValueLoss(cfg.value_clip, prefix="cost_")}
+        if self.fused:  # the actor and its critics in one fused pipeline (engines.pipeline_fusion)
+            updates = [actor.update_actor_and_critics(batch, self.policy_loss, spec,
+                                                      critics={name: losses[name] for name in self.fused})]
+            if "cost_critic" not in self.fused:
+                updates.append(self.cost_critic.update_critic(batch, losses["cost_critic"], spec))
         else:
-            updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip), spec),
-                       self.cost_critic.update_critic(batch, cost_loss, spec),
+            updates = [self.critic.update_critic(batch, losses["critic"], spec),
+                       self.cost_critic.update_critic(batch, losses["cost_critic"], spec),
                        actor.update_actor(batch, self.policy_loss, spec)]
         if cfg.ptx_coef:
             ptx = self.data.sft_batch(cfg.mini_batch_samples, self.data.task.max_new_tokens, cfg.seed + 100 + i)
@@ -102,12 +104,14 @@ class SafeRLHF(Algorithm):
         m = metrics.result()
         m["lagrange_lambda"] = self.lagrange.value  # the λ this step's advantages used
         self.lagrange.update(m["cost_mean"])
-        if cfg.fuse_train:
+        if self.fused:
             m.update(updates[0].result())
+            if "cost_critic" not in self.fused:
+                m.update({f"cost_critic/{k}": v for k, v in updates[1].result().items()})
         else:
             m.update({f"actor/{k}": v for k, v in updates[2].result().items()})
-            m.update({f"critic/{k}": v for k, v in updates[0].result().items()})
-        m.update({f"cost_critic/{k}": v for k, v in updates[1].result().items()})
+            for name, update in (("critic", updates[0]), ("cost_critic", updates[1])):
+                m.update({f"{name}/{k}": v for k, v in update.result().items()})
         return m
 
     def state_dict(self) -> dict:

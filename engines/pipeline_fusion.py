@@ -313,12 +313,13 @@ def finalize_grads(job: PipelineJob) -> None:
 def fused_update(models: Sequence[tuple[Any, list[Batch], Callable, Callable]], *,
                  forward_cost: Sequence[float] | None = None, backward_cost: Sequence[float] | None = None
                  ) -> tuple[list[dict[str, float]], list[RunTiming]]:
-    """Train two pipeline-parallel models in one fused pipeline per mini-batch (RLHFuse's intra-stage fusion).
+    """Train pipeline-parallel models on the same slots in one fused pipeline per mini-batch (RLHFuse's
+    intra-stage fusion; two models, an actor and a critic, in the paper).
 
     `models`: (engine, mini-batches, loss_fn, outputs_fn) per model, as `MegatronEngine.update` takes them; every
-    model has as many mini-batches, the first model's stages run up its ranks, the second's down (its groups built
-    with `reverse_stages`). Returns each model's metrics, as its own `update` would, and this rank's timing per
-    mini-batch."""
+    model has as many mini-batches and the same stage count; each model's stages run up its ranks or down them
+    (groups built with `reverse_stages`: the fused schedule gains most when the directions differ). Returns each
+    model's metrics, as its own `update` would, and this rank's timing per mini-batch."""
     engines = [m[0] for m in models]
     counts = {len(m[1]) for m in models}
     if len(counts) != 1:

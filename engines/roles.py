@@ -436,32 +436,40 @@ class ActorWorker(ModelWorker):
 
 
     @endpoint(protocol=MINIBATCH)
-    def update_actor_and_critic(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec, critic: str,
-                                critic_loss_fn: LossFn) -> dict[str, float]:
-        """The actor's and the critic's updates as one fused pipeline (RLHFuse's intra-stage fusion,
-        engines.pipeline_fusion): the same updates as update_actor and update_critic, with each model's pipeline
-        filling the other's bubbles. `critic` names a critic group on this group's slots with the same layout
-        and its stages running the other way; metrics come back as "actor/..." and "critic/..."."""
+    def update_actor_and_critics(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec,
+                                 critics: dict[str, LossFn]) -> dict[str, float]:
+        """The actor's and critics' updates as one fused pipeline (RLHFuse's intra-stage fusion,
+        engines.pipeline_fusion): the same updates as update_actor and each update_critic, with the models'
+        pipelines filling each other's bubbles. `critics`: critic group name -> its loss; each group is on this
+        group's slots with the same layout (stages running either way). Metrics come back as "actor/..." and
+        "<critic group>/..."."""
         from engines.pipeline_fusion import fused_update
 
         self._end_receiving()
-        other = self.colocated(critic)
-        if not isinstance(other, CriticWorker):
-            raise TypeError(f"update_actor_and_critic fuses with a critic; group {critic!r} is a "
-                            f"{type(other).__name__}")
-        if other.layout != self.layout or self.layout.pp < 2 or not hasattr(self.engine, "train_loss_step"):
-            raise ValueError(f"a fused pipeline needs the actor and the critic on a pipeline-parallel engine "
-                             f"(megatron) with the same layout, pp >= 2; got actor {self.layout} on "
-                             f"{type(self.engine).__name__}, critic {other.layout}")
-        self.weights_version += 1
-        other.weights_version += 1
+        others = {name: self.colocated(name) for name in critics}
+        for name, other in others.items():
+            if not isinstance(other, CriticWorker):
+                raise TypeError(f"update_actor_and_critics fuses with critics; group {name!r} is a "
+                                f"{type(other).__name__}")
+            if other.layout != self.layout or self.layout.pp < 2 or not hasattr(other.engine, "train_loss_step"):
+                raise ValueError(f"a fused pipeline needs the actor and its critics on a pipeline-parallel engine "
+                                 f"(megatron) with the same layout, pp >= 2; got actor {self.layout} on "
+                                 f"{type(self.engine).__name__}, {name} {other.layout} on "
+                                 f"{type(other.engine).__name__}")
+        if not hasattr(self.engine, "train_loss_step"):
+            raise ValueError(f"a fused pipeline needs a pipeline-parallel engine (megatron); the actor runs on "
+                             f"{type(self.engine).__name__}")
         mini_batches = self._mini_batches(shares, spec)
         temp = self.sampling.temperature
-        with self._lr_of(spec), other._lr_of(spec):
-            (actor, value), _ = fused_update([
-                (self.engine, mini_batches, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, True)),
-                (other.engine, mini_batches, critic_loss_fn, other.engine.value_outputs)])
-        return {**{f"actor/{k}": v for k, v in actor.items()}, **{f"critic/{k}": v for k, v in value.items()}}
+        models = [(self.engine, mini_batches, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, True))]
+        models += [(o.engine, mini_batches, critics[name], o.engine.value_outputs) for name, o in others.items()]
+        for worker in (self, *others.values()):
+            worker.weights_version += 1
+        with contextlib.ExitStack() as stack:
+            for worker in (self, *others.values()):
+                stack.enter_context(worker._lr_of(spec))
+            metrics, _ = fused_update(models)
+        return {f"{prefix}/{k}": v for prefix, m in zip(["actor", *others], metrics) for k, v in m.items()}
 
 
 class RefWorker(ModelWorker):

@@ -115,20 +115,40 @@ def test_ppo_with_fused_actor_critic_training_gives_the_unfused_run(tmp_path):
             assert x[k] == y[k], (x["step"], k, x[k], y[k])
 
 
-@pytest.mark.slow  # 30 s; the PPO test above runs the fused update by default
-def test_safe_rlhf_with_fused_actor_critic_training_gives_the_unfused_run(tmp_path):
-    """Safe-RLHF fuses the actor with the reward critic; the cost critic trains on its own, as before."""
+@pytest.mark.slow  # 30 s each; the PPO test above runs the fused update by default
+@pytest.mark.parametrize("staged", [("actor", "ref", "critic"), ("actor", "ref", "critic", "cost_critic")])
+def test_safe_rlhf_with_fused_actor_critic_training_gives_the_unfused_run(tmp_path, staged):
+    """Safe-RLHF fuses the actor with the reward critic, and with the cost critic too where the plan gives it the
+    actor's train sizes (three models in one pipeline); otherwise the cost critic trains on its own."""
     from algorithms.safe_rlhf import main
 
-    plan, _ = _plans([["actor", "ref", "critic", "cost_critic", "reward", "cost"]], ("actor", "ref", "critic"), 2)
+    plan, _ = _plans([["actor", "ref", "critic", "cost_critic", "reward", "cost"]], staged, 2)
     plan.save(tmp_path / "plan.json")
     common = ["dashboard=none", "--plan", str(tmp_path / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
               "sft_steps=10", "--steps", "2"]
     plain, fused = main(common), main([*common, "fuse_train=true"])
     for x, y in zip(plain, fused, strict=True):
         for k in ("reward_mean", "cost_mean", "kl", "lagrange_lambda", "actor/pg_loss", "actor/grad_norm",
-                  "critic/vf_loss", "critic/grad_norm", "cost_critic/vf_loss"):
+                  "critic/vf_loss", "critic/grad_norm", "cost_critic/vf_loss", "cost_critic/grad_norm"):
             assert x[k] == y[k], (x["step"], k, x[k], y[k])
+
+
+def test_fused_critics_are_those_with_the_actor_s_pool_and_sizes(tmp_path):
+    from algorithms.config import PPOConfig, SafeRLHFConfig
+    from algorithms.roles import fused_critics
+    from engines import ModelConfig
+
+    roles = [["actor", "ref", "critic", "cost_critic", "reward", "cost"]]
+    for staged, want in ((("actor", "critic"), ("critic",)), (("actor", "critic", "cost_critic"),
+                                                              ("critic", "cost_critic"))):
+        plan, _ = _plans(roles, staged, 2)
+        path = tmp_path / f"plan{len(want)}.json"
+        plan.save(path)
+        mega = ModelConfig(engine="megatron")
+        assert fused_critics(SafeRLHFConfig(plan=str(path), model=mega, fuse_train=True),
+                             ("critic", "cost_critic")) == want
+        assert fused_critics(SafeRLHFConfig(plan=str(path), model=mega), ("critic", "cost_critic")) == ()
+        assert fused_critics(PPOConfig(plan=str(path), model=mega, fuse_train=True), ("critic",)) == ("critic",)
 
 
 @pytest.fixture(scope="module")
