@@ -70,7 +70,8 @@ import flowactors as fa
 from engines.generation import ROW_INDEX
 from flowactors import Batch
 
-__all__ = ["FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated", "migration_threshold"]
+__all__ = ["FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated", "migration_threshold",
+           "overlap_note"]
 
 Scorer = Callable[[Any], fa.CallFuture]
 """A bound group endpoint that scores a batch, e.g. `critic.compute_values`."""
@@ -96,6 +97,18 @@ def colocated(a: fa.ActorGroup, b: "fa.ActorGroup | Sequence[str]") -> bool:
     """Whether a group shares a device slot with another group (or with the given slot addresses): then one
     waits for the other."""
     return bool(set(a.addresses) & set(b.addresses if isinstance(b, fa.ActorGroup) else b))
+
+
+def overlap_note(actor: fa.ActorGroup, scorers: Sequence[fa.ActorGroup], migrate: bool) -> str | None:
+    """What to tell a user whose placement leaves fusion nothing to overlap: every scorer shares a slot that is
+    still generating (all of the actor's, or with migration its first), so scoring waits for the whole batch."""
+    busy = actor.addresses[:1] if migrate else actor
+    if not scorers or not all(colocated(g, busy) for g in scorers):
+        return None
+    what = "fuse_migrate: every scorer shares actor rank 0's slot, which decodes the tail" if migrate else \
+        "fuse: every scorer shares the actor's slots"
+    return (f"{what}, so scoring waits for the whole batch as unfused (same results, no overlap); "
+            f"--placement {'fused' if migrate else 'split'} gives scorers slots of their own")
 
 
 def _group_of(scorer: Scorer) -> fa.ActorGroup:

@@ -36,6 +36,7 @@ import flowactors as fa
 from algorithms.cli import open_controller, parse_args, user_errors
 from algorithms.config import RLConfig, derived_sizes
 from algorithms.data import PromptData, prompt_data
+from algorithms.fusion import overlap_note
 from algorithms.metrics import MetricsFile, print_summary
 from algorithms.resume import Change, check_resumable
 from algorithms.roles import Roles, build_roles, check_before_start
@@ -125,6 +126,12 @@ class _Run:
             print(f"[{self.algo.name}] {len(self.roles.groups())} roles ({', '.join(self.roles.groups())}) ready: "
                   f"{warm}{time.perf_counter() - t0:.1f} s; actor data-parallel size {dp}: {sizes}",
                   file=sys.stderr)
+        if getattr(self.cfg, "fuse", False):
+            groups = self.roles.groups()
+            note = overlap_note(groups["actor"], [g for k, g in groups.items() if k != "actor"],
+                                getattr(self.cfg, "fuse_migrate", False))
+            if note and not resuming:
+                print(f"[{self.algo.name}] {note}", file=sys.stderr)
         self.algo.stage = self.stage
         self.algo.setup(self.ctl, self.roles, self.data)
 

@@ -13,7 +13,7 @@ from distributed.metrics import time as metrics_time
 
 import flowactors as fa
 from algorithms.config import ConfigError, PPOConfig
-from algorithms.fusion import fused_rollout
+from algorithms.fusion import fused_rollout, overlap_note
 from algorithms.ppo import PPO
 from algorithms.advantages import join
 from algorithms.data import PromptData
@@ -188,6 +188,10 @@ def test_data_parallel_actor_offsets_rows_and_colocated_scorers_wait(ctl, data):
         scorers = [g["actor"].compute_log_prob, g["critic"].compute_values, g["reward"].compute_reward]
         rollout = fused_rollout(ctl, g["actor"], prompts, scorers, chunk_samples=3)
         assert rollout.streamed == () and len(rollout.deferred) == 3
+        # the run tells the user, since fusion overlaps nothing here (with or without migration)
+        others = [g["critic"], g["reward"]]
+        assert "fuse: every scorer shares the actor's slots" in overlap_note(g["actor"], others, migrate=False)
+        assert "--placement fused" in overlap_note(g["actor"], others, migrate=True)
         chunk0 = rollout.chunks[0].result()  # 3 rows from each rank: rows 0-7 and 8-15
         assert sorted(int(i) >= N // 2 for i in chunk0[ROW_INDEX]) == [False] * 3 + [True] * 3
         fused = rollout.parts[0].result().union(*(p.result() for p in rollout.parts[1:]))
@@ -273,6 +277,8 @@ def test_freed_slot_scores_while_rank_zero_finishes_the_tail(ctl, data):
             fused = rollout.parts[0].result().union(*(p.result() for p in rollout.parts[1:]))
         ran = ts.data + ctl.call_records(t0, metrics_time())
         assert rollout.streamed == ("critic_migslow.compute_values", "reward_migslow.compute_reward")
+        assert overlap_note(g["actor"], [g["critic"], g["reward"]], migrate=True) is None
+        assert "--placement split" in overlap_note(g["actor"], [g["critic"], g["reward"]], migrate=False)
         assert rollout.deferred == ("actor_migslow.compute_log_prob",)
         # 2 of each rank's 8 rows migrate (16 and 12 steps long on rank 0, 16 and 8 on rank 1): two chunks of
         # 3 rows per rank, then the rest (every row not yet taken) from rank 0
