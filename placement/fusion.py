@@ -7,9 +7,11 @@ same `gpus` devices (RLHFuse's setting: every stage uses every device in turn).
 Inter-stage fusion with long-tail migration (RLHFuse §4). Responses have long-tailed lengths (`lengths`, one per
 generated sequence). Each generation replica decodes its share with continuous batching, so a decode step costs
 `decode_step_s` of the rows still running; unfused, scoring (`inference_s` of every scorer) starts when the slowest
-replica ends. Fused: once the running rows fall to `migrate_below` of the batch, they are re-prefilled (prompt plus
-the tokens so far) on as few replicas as hold them, and the devices freed start scoring the finished samples; when
-the tail ends, every device scores what is left. Scoring is costed as divisible work (device-seconds of the unfused
+replica ends. Fused: once the running rows fall to `migrate_below` of the batch, they move to as few replicas as
+hold them, and the devices freed start scoring the finished samples; when the tail ends, every device scores what
+is left. A row moves with its KV cache (`migrate_by="kv"`, what flowactors' hf engine does: its prompt plus the
+tokens so far, every layer's keys and values, into the receiving replica over one node's network link), or is
+re-prefilled from its tokens there (`migrate_by="prefill"`, the way an engine that keeps its KV blocks would). Scoring is costed as divisible work (device-seconds of the unfused
 pass), which ignores that the freed devices hold a smaller layout of each scorer than the whole cluster does.
 
 Intra-stage fusion (RLHFuse §5). Actor and critic training are each a 1F1B pipeline whose fill and drain leave
@@ -82,7 +84,7 @@ seconds of the fused schedule."""
 
 
 def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mapping[str, Parallel],
-                    lengths: Sequence[int], *, migrate_below: float = 0.1,
+                    lengths: Sequence[int], *, migrate_below: float = 0.1, migrate_by: str = "kv",
                     fused_pipeline: FusedPipeline | None = None) -> FusionEstimate:
     """Estimate one PPO iteration (actor, critic, ref, reward colocated on the same devices; `cfgs["actor"]` with
     its generation sizes) unfused and fused (see the module docstring; `fused_pipeline` plans the fused update
@@ -95,6 +97,8 @@ def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mappin
         raise ValueError(f"every model must be colocated on the same devices, got sizes {sorted(devices)}")
     if not 0 < migrate_below < 1:
         raise ValueError(f"migrate_below must be a fraction in (0, 1), got {migrate_below}")
+    if migrate_by not in ("kv", "prefill"):
+        raise ValueError(f"migrate_by must be 'kv' (move the KV caches) or 'prefill' (re-prefill), got {migrate_by!r}")
     if len(lengths) != sim.wl.generated_sequences or min(lengths) < 1 or max(lengths) > sim.wl.response_tokens:
         raise ValueError(f"lengths must be {sim.wl.generated_sequences} response lengths in 1..."
                          f"{sim.wl.response_tokens} (the workload's)")
@@ -120,8 +124,11 @@ def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mappin
         tail_cfg = a_cfg  # same layout per replica; fewer replicas decode the tail
         tail_rows = -(-migrated // tail_replicas)
         context = sim.wl.prompt_tokens + at
-        reprefill = sim.prefill_s(actor, tail_cfg, tail_rows) * context / sim.wl.prompt_tokens
-        tail = reprefill + sum(sim.decode_step_s(actor, tail_cfg, -(-r // tail_replicas)) for r in running[at:] if r)
+        if migrate_by == "prefill":
+            move = sim.prefill_s(actor, tail_cfg, tail_rows) * context / sim.wl.prompt_tokens
+        else:  # each receiving replica takes its rows' caches in over one node's link
+            move = tail_rows * context * actor.kv_bytes_per_token / sim.hw.network_busbw
+        tail = move + sum(sim.decode_step_s(actor, tail_cfg, -(-r // tail_replicas)) for r in running[at:] if r)
         freed = gpus - tail_replicas * a_cfg.t_g * a_cfg.p_g
         work = inference * gpus  # device-seconds of scoring
         done_work = work * (total - migrated) / total  # the finished samples' share, available at migration

@@ -27,18 +27,21 @@ def test_without_a_tail_nothing_migrates_and_fusion_changes_nothing_there():
     assert e.fused_generate_inference_s == pytest.approx(e.generate_s + e.inference_s)
 
 
-def test_a_long_tail_migrates_to_one_replica_and_the_freed_devices_score_meanwhile():
+@pytest.mark.parametrize("migrate_by", ["prefill", "kv"])
+def test_a_long_tail_migrates_to_one_replica_and_the_freed_devices_score_meanwhile(migrate_by):
     sim, spec, specs, cfgs = _setup()
     lengths = [256] * 4 + [8] * 60  # 4 long rows, one per replica of 4 (16 devices at t_g = 4)
-    e = estimate_fusion(sim, specs, cfgs, lengths, migrate_below=0.1)
+    e = estimate_fusion(sim, specs, cfgs, lengths, migrate_below=0.1, migrate_by=migrate_by)
     assert e.migrated == 4 and e.tail_replicas == 1  # 4 rows <= 6.4 once the short ones end; one replica holds them
     steps = decode_timeline(sim, spec, cfgs["actor"], lengths)
     assert len(steps) == 256 and steps[7] > steps[8]  # the batch empties to one row per replica after step 8
     assert e.generate_s == pytest.approx(sim.prefill_s(spec, cfgs["actor"], 16) + sum(steps))
-    # fused: generation up to step 8, the tail re-prefilled (prompt + 8 tokens) and decoded on one replica of 4
-    # devices while the other 12 score the 60 finished samples; what is left is scored on all 16
-    tail = (sim.prefill_s(spec, cfgs["actor"], 4) * (256 + 8) / 256
-            + 248 * sim.decode_step_s(spec, cfgs["actor"], 4))
+    # fused: generation up to step 8, the tail re-prefilled (prompt + 8 tokens), or its KV caches (2 · 40 layers ·
+    # 40 heads · 128 · 2 bytes a token) moved over one node's link, and decoded on one replica of 4 devices while
+    # the other 12 score the 60 finished samples; what is left is scored on all 16
+    move = sim.prefill_s(spec, cfgs["actor"], 4) * (256 + 8) / 256 if migrate_by == "prefill" else \
+        4 * (256 + 8) * (2 * 40 * 40 * 128 * 2) / sim.hw.network_busbw
+    tail = move + 248 * sim.decode_step_s(spec, cfgs["actor"], 4)
     work = e.inference_s * 16
     left = work - min(work * 60 / 64, 12 * tail)
     want = sim.prefill_s(spec, cfgs["actor"], 16) + sum(steps[:8]) + tail + left / 16
@@ -93,3 +96,5 @@ def test_bad_input_is_named():
         estimate_fusion(sim, specs, {**cfgs, "ref": Parallel(1, 1, 8)}, [256] * 64)
     with pytest.raises(ValueError, match="generation sizes"):
         estimate_fusion(sim, specs, {**cfgs, "actor": Parallel(2, 4, 2)}, [256] * 64)
+    with pytest.raises(ValueError, match="migrate_by must be 'kv' .* or 'prefill'"):
+        estimate_fusion(sim, specs, cfgs, [256] * 64, migrate_by="rdma")
