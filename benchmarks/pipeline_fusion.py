@@ -153,7 +153,8 @@ def ppo_end_to_end(runs: int, steps: int) -> None:
               "micro_batch_tokens=256"]
     print(f"PPO, {steps} steps per run (median of steps 1..), actor / ref / critic p = 2 on megatron, hidden 512, "
           f"8 layers, 2 micro-batches per mini-batch")
-    print(f"{'run':>3} {'fuse_train':>10} {'update s':>9} {'step s':>7} {'actor grad norm':>16} {'critic grad norm':>17}")
+    print(f"{'run':>3} {'fuse_train':>10} {'update s':>9} {'step s':>7} {'actor grad norm':>16} "
+          f"{'critic grad norm':>17}")
     for run in range(runs):
         for fuse in ("false", "true"):
             metrics = work / f"m_{run}_{fuse}.jsonl"
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         bubble = {mode: statistics.mean([statistics.median(out[r][m]["waits"][mode]) for r in (0, 1)])
                   for mode in ("1f1b", "fused")}
         alone, fused = plan_pipelines(2, [m], reverse=[False]), plan_pipelines(2, [m, m])
-        print(f"{m:>3} {t['megatron']:>11.3f} {t['1f1b']:>8.3f} {t['fused']:>8.3f} {t['megatron'] / t['fused']:>17.2f}x "
+        print(f"{m:>3} {t['megatron']:>11.3f} {t['1f1b']:>8.3f} {t['fused']:>8.3f} "
+              f"{t['megatron'] / t['fused']:>17.2f}x "
               f"{bubble['1f1b']:>12.1%} {bubble['fused']:>13.1%} {alone.bubble_fraction:>10.1%} "
               f"{fused.bubble_fraction:>11.1%}")
 
