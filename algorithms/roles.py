@@ -187,9 +187,9 @@ def _check_fused_training(cfg: PPOConfig) -> None:
         raise ConfigError(f"fuse_train needs the actor and the critic in one pool with the same train sizes and "
                           f"p >= 2; the plan has actor {actor.train} in {plan.pool_of('actor')}, critic "
                           f"{critic.train} in {plan.pool_of('critic')}")
-    if not training_engine(cfg.model.engine).pipeline_parallel:
-        raise ConfigError(f"fuse_train runs pipeline stages; model.engine={cfg.model.engine} has none "
-                          f"(use model.engine=megatron)")
+    if not training_engine(cfg.model.engine).fused_pipelines:
+        raise ConfigError(f"fuse_train needs an engine whose pipelines can share a schedule; "
+                          f"model.engine={cfg.model.engine} has none (use model.engine=megatron)")
 
 
 def fused_critics(cfg: RLConfig, critics: Sequence[str]) -> tuple[str, ...]:
@@ -280,12 +280,12 @@ def place(ctl: Controller, cfg: RLConfig) -> Pools:
         for m in plan.models:
             p, t, d = m.train
             out[m.role] = (list(pools[plan.pool_of(m.role)].addresses)[:m.gpus], Layout(pp=p, dp=d, tp=t))
-        if isinstance(cfg, PPOConfig) and cfg.fuse_train:  # the critic's stages run the other way
-            addresses, layout = out["critic"]
-            out["critic"] = (reverse_stages(addresses, layout), layout)
         scorer = next((out[r] for r in _SCORERS if r in out), out["actor"])
         for role in ("ref", *_SCORERS):
             out.setdefault(role, scorer if role != "ref" else out["actor"])
+        if isinstance(cfg, PPOConfig) and cfg.fuse_train:  # the critic's stages run the other way (only its)
+            addresses, layout = out["critic"]
+            out["critic"] = (reverse_stages(addresses, layout), layout)
         result = Pools(out)
     else:
         actor_side = scorer_side = list(slots)

@@ -281,6 +281,10 @@ class MegatronEngine:
             raise ValueError(f"the process groups are laid out for (tp, pp) = {(self.groups.tp, self.groups.pp)}, "
                              f"not {(tp, pp)}")
         self.tp, self.pp, self.dp_size = tp, pp, self.groups.dp
+        if self.groups.reversed_stages and self.geometry.tied_embeddings and head == "lm":
+            raise ValueError("a model whose stages run down its ranks cannot tie its word embeddings: megatron ties "
+                             "the first and last stages through the PP group's rank order; reverse the critic (the "
+                             "fused pipeline's second model), or untie the embeddings")
         self.tp_rank, self.pp_rank, self.dp_rank = self.groups.tp_rank, self.groups.pp_rank, self.groups.dp_rank
         self.first_stage, self.last_stage = self.groups.first_stage, self.groups.last_stage
         _process_state(self.tp_rank)

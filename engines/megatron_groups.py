@@ -57,10 +57,16 @@ class MegatronGroups:
     pp_rank: int
     dp_rank: int
     tp_rank: int
-    pp_ranks: tuple[int, ...] = ()
-    """Global ranks of this rank's pipeline, in stage order. Descending for a model whose stages run the other way
-    over its slots (engines.pipeline_fusion); torch orders a process group's ranks by global rank, so megatron's
-    own schedules and P2P, which read stages off the PP group, serve only ascending pipelines."""
+    pp_ranks: tuple[int, ...]
+    """Global ranks of this rank's pipeline, in stage order: ascending, or descending for a model whose stages run
+    the other way over its slots (engines.pipeline_fusion). torch orders a process group's ranks by global rank,
+    so megatron's own schedules and P2P, which read stages off the PP group, serve only ascending pipelines."""
+
+    def __post_init__(self) -> None:
+        if len(self.pp_ranks) != self.pp or (self.pp_ranks != tuple(sorted(self.pp_ranks))
+                                             and self.pp_ranks != tuple(sorted(self.pp_ranks, reverse=True))):
+            raise ValueError(f"a pipeline's ranks run in stage order up or down the global ranks; got "
+                             f"{self.pp_ranks} for pp={self.pp}")
 
     @property
     def first_stage(self) -> bool:
@@ -73,7 +79,7 @@ class MegatronGroups:
     @property
     def reversed_stages(self) -> bool:
         """Stages run from higher global ranks to lower (a fused pipeline's second model)."""
-        return list(self.pp_ranks) != sorted(self.pp_ranks)
+        return self.pp > 1 and self.pp_ranks[0] > self.pp_ranks[-1]
 
     def last_stage_rank(self) -> int:
         """The global rank of the last pipeline stage in this rank's pipeline (a broadcast source)."""

@@ -8,15 +8,21 @@ micro-batch has not reached the last slot, that slot runs the critic's first sta
 model fills the other's bubbles.
 
 `plan_pipelines` is the scheduler: a greedy list scheduler over every slot's forward (F) and backward (B) steps,
-with the step costs given, which prefers a backward (as 1F1B does, to free activations) and never holds more
-micro-batches' activations on a stage than 1F1B would (p - s on stage s), so fusing costs no extra memory. Each
-slot then runs its list in order (`run_plan`); activations and their gradients travel point to point, by tag,
-between the ranks of each model's pipeline, sends never block, and a rank waits only for a receive whose send
-comes earlier in the plan, so the plan cannot deadlock. Every micro-batch's arithmetic is the one megatron's own
-1F1B runs, in the same order per model, so a fused step gives the separate steps' gradients and updates.
+with the step costs given, which never holds more of a model's micro-batches' activations on a stage than 1F1B
+would (p - s on stage s). A slot holds both models' activations at once, so its peak is the sum of the two
+bounds (p + 1 micro-batches on every slot for opposite pipelines, against at most p for one model alone).
+
+Each slot then runs its list in order (`run_plan`). Activations travel on each model's PP process group and
+gradients on its model-parallel group, so every channel between two ranks carries one model's messages in one
+direction, in micro-batch order: matched by tag on gloo, and by order as NCCL matches them, with no send of one
+rank queued behind a receive the peer has not reached. Sends never block the rank, and a rank waits only for a
+receive whose send comes earlier in the plan, so the plan cannot deadlock (run on gloo here; the NCCL path has
+not run yet). Every micro-batch's arithmetic is the one megatron's own 1F1B runs, in the same order per model, so
+a fused step gives the separate steps' gradients and updates.
 
 What the plan's `bubble_fraction` reports is the scheduled idle share of the slots (step costs in units); the
-runner measures the real one (time spent waiting for a peer, over wall time).
+runner's `RunTiming` measures the host's time waiting for a peer, which is the bubble on CPU (on CUDA, where
+receives do not block the host, it is not).
 """
 
 from __future__ import annotations
@@ -209,8 +215,11 @@ class RunTiming:
         return self.wait_s / self.wall_s if self.wall_s else 0.0
 
 
+_TAG_SPAN = 1_000_000
+
+
 def _tag(job: int, kind: str, mb: int) -> int:
-    return (job * 2 + (kind == "B")) * 1_000_000 + mb
+    return (job * 2 + (kind == "B")) * _TAG_SPAN + mb
 
 
 def run_plan(jobs: Sequence[PipelineJob], plan: PipelinePlan) -> RunTiming:
@@ -238,6 +247,9 @@ def run_plan(jobs: Sequence[PipelineJob], plan: PipelinePlan) -> RunTiming:
         if len(job.micro_batches) != sum(op.job == j and op.kind == "F" for op in plan.slots[slot]):
             raise ValueError(f"model {j} has {len(job.micro_batches)} micro-batches; the plan was made for a "
                              f"different count")
+        if len(job.micro_batches) >= _TAG_SPAN:
+            raise ValueError(f"model {j} has {len(job.micro_batches)} micro-batches in one step; at most "
+                             f"{_TAG_SPAN - 1} (raise micro_batch_tokens)")
     saved: dict[tuple[int, int], tuple[Any, Any]] = {}
     sends: list[Any] = []
     timing = RunTiming()
@@ -247,13 +259,24 @@ def run_plan(jobs: Sequence[PipelineJob], plan: PipelinePlan) -> RunTiming:
         ids = mb["input_ids"]  # megatron's activations between stages: [sequence, batch, hidden]
         return int(ids.shape[1]), int(ids.shape[0]), int(job.engine.geometry.hidden_size)
 
+    def channel(job: PipelineJob, kind: str) -> Any:
+        """Activations on the model's PP group, gradients on its model-parallel group (the same pipeline ranks and
+        its TP peers): one direction of one model per channel."""
+        groups = job.engine.groups.collection
+        return groups.pp if kind == "F" else groups.mp
+
     def receive(job: PipelineJob, j: int, kind: str, i: int, src: int) -> torch.Tensor:
         e = job.engine
         buf = torch.empty(shape(job, job.micro_batches[i]), dtype=e.config.pipeline_dtype, device=e.device)
         t = time.perf_counter()
-        dist.recv(buf, src=src, tag=_tag(j, kind, i))
+        dist.recv(buf, src=src, group=channel(job, kind), tag=_tag(j, kind, i))
         timing.wait_s += time.perf_counter() - t
         return buf
+
+    def send(job: PipelineJob, j: int, kind: str, i: int, tensor: torch.Tensor, dst: int) -> None:
+        out = tensor.contiguous()
+        sends.append((dist.isend(out, dst=dst, group=channel(job, kind), tag=_tag(j, kind, i)), out))
+        sends[:] = [(w, t) for w, t in sends if not w.is_completed()]  # a sent tensor is freed once delivered
 
     for op in plan.slots[slot]:
         job = jobs[op.job]
@@ -272,10 +295,9 @@ def run_plan(jobs: Sequence[PipelineJob], plan: PipelinePlan) -> RunTiming:
             with torch.no_grad() if job.forward_only else torch.enable_grad():
                 y, count = forward_step(forward_step_func, iter(()), e.model, len(job.micro_batches), x,
                                         job.records, config, cp_group_size=1, is_last_stage=e.last_stage)
-            job.tokens = job.tokens + count.cpu()
+            job.tokens = job.tokens + count  # on the device: no host sync per micro-batch
             if not e.last_stage:
-                out = y.detach().contiguous()
-                sends.append((dist.isend(out, dst=g.pp_ranks[g.pp_rank + 1], tag=_tag(op.job, "F", op.mb)), out))
+                send(job, op.job, "F", op.mb, y.detach(), g.pp_ranks[g.pp_rank + 1])
             if not job.forward_only:
                 saved[(op.job, op.mb)] = (x, y)
         else:
@@ -283,8 +305,7 @@ def run_plan(jobs: Sequence[PipelineJob], plan: PipelinePlan) -> RunTiming:
             grad = None if e.last_stage else receive(job, op.job, "B", op.mb, g.pp_ranks[g.pp_rank + 1])
             dx = backward_step(x, y, grad, None, config)
             if not e.first_stage:
-                out = dx.contiguous()
-                sends.append((dist.isend(out, dst=g.pp_ranks[g.pp_rank - 1], tag=_tag(op.job, "B", op.mb)), out))
+                send(job, op.job, "B", op.mb, dx, g.pp_ranks[g.pp_rank - 1])
     for work, _ in sends:
         t = time.perf_counter()
         work.wait()

@@ -49,6 +49,8 @@ class TrainingEngineEntry:
     subgroups: Callable[[int, int, int], list[tuple[int, ...]]] | None = None
     """(pp, dp, tp) → the extra process groups (tuples of group ranks) its ranks need, created with the group
     (the roles' `process_groups`); None: the mesh's dimensions are enough."""
+    fused_pipelines: bool = False
+    """Its pipelines can share a fused schedule with another model's (engines.pipeline_fusion; `fuse_train`)."""
 
 
 def _build_torch(setup: TrainingSetup) -> TrainingBuild:
@@ -153,7 +155,7 @@ def _vllm_installed() -> None:
 _TRAINING: dict[str, TrainingEngineEntry] = {
     "torch": TrainingEngineEntry(_build_torch, resharding=True),
     "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True, resharding=True,
-                                    subgroups=megatron_subgroups),
+                                    subgroups=megatron_subgroups, fused_pipelines=True),
 }
 _GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf, "vllm": _build_vllm}
 _GENERATION_CHECKS: dict[str, Callable[[], None]] = {"vllm": _vllm_installed}
@@ -162,13 +164,14 @@ _GENERATION_CHECKS: dict[str, Callable[[], None]] = {"vllm": _vllm_installed}
 
 def register_training_engine(name: str, build: TrainingFactory, *, pipeline_parallel: bool = False,
                              resharding: bool = False,
-                             subgroups: Callable[[int, int, int], list[tuple[int, ...]]] | None = None) -> None:
+                             subgroups: Callable[[int, int, int], list[tuple[int, ...]]] | None = None,
+                             fused_pipelines: bool = False) -> None:
     """Make a training engine selectable as `ModelConfig(engine=name)`. Register it in a module that both the
     controller (which validates the config) and the worker processes (which build the engine) import."""
     if name in _TRAINING and _TRAINING[name].build is not build:
         raise ValueError(f"a training engine named {name!r} is already registered; choose another name")
     _TRAINING[name] = TrainingEngineEntry(build, pipeline_parallel=pipeline_parallel, resharding=resharding,
-                                          subgroups=subgroups)
+                                          subgroups=subgroups, fused_pipelines=fused_pipelines)
 
 
 def register_generation_engine(name: str, build: GenerationFactory) -> None:

@@ -430,10 +430,10 @@ class ActorWorker(ModelWorker):
     def update_actor(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec) -> dict[str, float]:
         """Policy update: MINIBATCH hands this rank its shares of the global mini-batches that `spec` cuts."""
         self._end_receiving()
-        temp = self.sampling.temperature
-        return self._update(shares, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, with_entropy=True),
-                            spec)
+        return self._update(shares, loss_fn, self._policy_outputs, spec)
 
+    def _policy_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
+        return self.engine.policy_outputs(mb, self.sampling.temperature, with_entropy=True)
 
     @endpoint(protocol=MINIBATCH)
     def update_actor_and_critics(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec,
@@ -442,7 +442,7 @@ class ActorWorker(ModelWorker):
         engines.pipeline_fusion): the same updates as update_actor and each update_critic, with the models'
         pipelines filling each other's bubbles. `critics`: critic group name -> its loss; each group is on this
         group's slots with the same layout (stages running either way). Metrics come back as "actor/..." and
-        "<critic group>/..."."""
+        "<critic group>/...". A critic's failure here is reported as this call's (on the actor's group)."""
         from engines.pipeline_fusion import fused_update
 
         self._end_receiving()
@@ -460,8 +460,7 @@ class ActorWorker(ModelWorker):
             raise ValueError(f"a fused pipeline needs a pipeline-parallel engine (megatron); the actor runs on "
                              f"{type(self.engine).__name__}")
         mini_batches = self._mini_batches(shares, spec)
-        temp = self.sampling.temperature
-        models = [(self.engine, mini_batches, loss_fn, lambda mb: self.engine.policy_outputs(mb, temp, True))]
+        models = [(self.engine, mini_batches, loss_fn, self._policy_outputs)]
         models += [(o.engine, mini_batches, critics[name], o.engine.value_outputs) for name, o in others.items()]
         for worker in (self, *others.values()):
             worker.weights_version += 1

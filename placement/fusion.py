@@ -89,7 +89,7 @@ def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mappin
                     fused_pipeline: FusedPipeline | None = None) -> FusionEstimate:
     """Estimate one PPO iteration (actor, critic, ref, reward colocated on the same devices; `cfgs["actor"]` with
     its generation sizes) unfused and fused (see the module docstring; `fused_pipeline` plans the fused update
-    when the actor and critic have the same number of stages)."""
+    when the actor and critic have the same (p, t, d), p > 1, as fuse_train requires)."""
     actor, a_cfg = specs["actor"], cfgs["actor"]
     if not a_cfg.t_g:
         raise ValueError("the actor's Parallel needs its generation sizes (p_g, t_g)")
@@ -144,7 +144,8 @@ def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mappin
                                                                                    cfgs["critic"])
     p = max(a_cfg.p, cfgs["critic"].p)
     train = passes * (a_work * (1 + (a_cfg.p - 1) / a_micro) + c_work * (1 + (cfgs["critic"].p - 1) / c_micro) + sync)
-    if fused_pipeline is not None and a_cfg.p == cfgs["critic"].p > 1:
+    c_cfg = cfgs["critic"]
+    if fused_pipeline is not None and (a_cfg.p, a_cfg.t, a_cfg.d) == (c_cfg.p, c_cfg.t, c_cfg.d) and a_cfg.p > 1:
         fused_pass = fused_pipeline(p, [a_micro, c_micro], [a_work / a_micro, c_work / c_micro])
     else:
         fused_pass = (a_work + c_work) * (1 + (p - 1) / (a_micro + c_micro))

@@ -133,6 +133,30 @@ def test_safe_rlhf_with_fused_actor_critic_training_gives_the_unfused_run(tmp_pa
             assert x[k] == y[k], (x["step"], k, x[k], y[k])
 
 
+def test_fused_placement_reverses_the_critic_alone(tmp_path):
+    """With fuse_train the critic's group runs its stages down the slots; the scorers the plan leaves out take the
+    critic's pool the usual way round (they are not fused), the actor's side is untouched."""
+    import flowactors as fa
+    from algorithms.config import PPOConfig
+    from algorithms.roles import place
+    from engines import ModelConfig
+
+    plan = Plan(placement=[["actor", "ref", "critic"]], models=[
+        ModelPlan("actor", 2, (2, 1, 1)), ModelPlan("ref", 2, (2, 1, 1)), ModelPlan("critic", 2, (2, 1, 1))])
+    plan.save(tmp_path / "plan.json")
+    ctl = fa.Controller.local(2, dashboard=None)
+    try:
+        cfg = PPOConfig(plan=str(tmp_path / "plan.json"), model=ModelConfig(engine="megatron"), n_slots=2)
+        plain = place(ctl, cfg).roles
+        fused = place(ctl, PPOConfig(**{**cfg.__dict__, "fuse_train": True})).roles
+    finally:
+        ctl.close()
+    slots = list(ctl.slots[:2])
+    assert plain["critic"][0] == fused["actor"][0] == fused["ref"][0] == slots
+    assert fused["critic"][0] == slots[::-1]
+    assert fused["reward"][0] == plain["reward"][0] == slots  # defaulted to the critic's pool, not its order
+
+
 def test_fused_critics_are_those_with_the_actor_s_pool_and_sizes(tmp_path):
     from algorithms.config import PPOConfig, SafeRLHFConfig
     from algorithms.roles import fused_critics

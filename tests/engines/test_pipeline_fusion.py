@@ -175,6 +175,12 @@ def _run(rank: int, world: int, port: int, out_dir: str) -> None:
             out[mode] = {"actor": actor.full_state_dict(), "critic": critic.full_state_dict(), "metrics": metrics,
                          "values": values, "log_probs": log_probs}
             del actor, critic
+        from tests.engines.test_megatron import hf_model as lm_model
+
+        try:  # qwen2 ties its word embeddings, which a reversed pipeline cannot
+            MegatronEngine.from_hf_model(lm_model("qwen2"), OPTIM, pp=2, groups=world_groups(1, 2, True))
+        except ValueError as e:
+            out["tied_refusal"] = str(e)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
         dist.destroy_process_group()
@@ -215,3 +221,22 @@ def test_fused_step_equals_separate_updates(fused_run) -> None:
         # and the step did train: the weights moved
     assert not torch.equal(fused_run[0]["fused"]["critic"]["score.weight"],
                            head_model("qwen2", "value").state_dict()["score.weight"])
+
+
+@needs_megatron
+def test_a_reversed_model_with_tied_embeddings_is_refused(fused_run) -> None:
+    for r in fused_run:
+        assert "cannot tie its word embeddings" in r["tied_refusal"]
+
+
+def test_pipeline_ranks_must_run_up_or_down() -> None:
+    from engines.megatron_groups import MegatronGroups
+
+    def groups(ranks):
+        return MegatronGroups(None, None, len(ranks), 1, 1, 0, 0, 0, tuple(ranks))
+
+    assert not groups([0, 1, 2]).reversed_stages and groups([2, 1, 0]).reversed_stages
+    with pytest.raises(ValueError, match=r"run in stage order up or down the global ranks; got \(0, 2, 1\)"):
+        groups([0, 2, 1])
+    with pytest.raises(ValueError, match="for pp=3"):
+        MegatronGroups(None, None, 3, 1, 1, 0, 0, 0, (0, 1))
