@@ -133,6 +133,7 @@ def test_safe_rlhf_with_fused_actor_critic_training_gives_the_unfused_run(tmp_pa
             assert x[k] == y[k], (x["step"], k, x[k], y[k])
 
 
+@pytest.mark.slow  # 15 s, most of it the cluster's start; the fused PPO run above places the critic this way
 def test_fused_placement_reverses_the_critic_alone(tmp_path):
     """With fuse_train the critic's group runs its stages down the slots; the scorers the plan leaves out take the
     critic's pool the usual way round (they are not fused), the actor's side is untouched."""

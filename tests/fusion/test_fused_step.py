@@ -321,7 +321,7 @@ def test_the_ppo_program_migrates_on_the_fused_placement_and_changes_nothing(tmp
     from algorithms.ppo import main
     from tests.algorithms.test_learning import run
 
-    common = ["--placement", "fused", "--steps", "3", f"max_new_tokens={ALIGNED}", "prompts_per_step=16",
+    common = ["--placement", "fused", "--steps", "2", f"max_new_tokens={ALIGNED}", "prompts_per_step=16",
               "mini_batch_samples=8", "fuse_chunk_samples=2"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
