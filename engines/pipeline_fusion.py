@@ -18,7 +18,8 @@ direction, in micro-batch order: matched by tag on gloo, and by order as NCCL ma
 rank queued behind a receive the peer has not reached. Sends never block the rank, and a rank waits only for a
 receive whose send comes earlier in the plan, so the plan cannot deadlock (run on gloo here; the NCCL path has
 not run yet). Every micro-batch's arithmetic is the one megatron's own 1F1B runs, in the same order per model, so
-a fused step gives the separate steps' gradients and updates.
+a fused step gives the separate steps' gradients and updates (bit for bit, but for collectives over more than two
+ranks, such as the gradient norm with tp > 1, which a reversed model's ranks enter in another order).
 
 What the plan's `bubble_fraction` reports is the scheduled idle share of the slots (step costs in units); the
 runner's `RunTiming` measures the host's time waiting for a peer, which is the bubble on CPU (on CUDA, where

@@ -140,7 +140,7 @@ def _models():
     return lm, head_model("qwen2", "value")
 
 
-def _run(rank: int, world: int, port: int, out_dir: str) -> None:
+def _run(rank: int, world: int, port: int, out_dir: str, tp: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from tests.engines import megatron_shim
@@ -155,12 +155,14 @@ def _run(rank: int, world: int, port: int, out_dir: str) -> None:
 
     try:
         lm, value = _models()
-        minis = _batch().chunk(4)  # 2 mini-batches of 4 rows: 2 micro-batches each
+        dp = world // (2 * tp)
+        # 2 mini-batches of 4 rows per data-parallel rank (2 micro-batches each); this rank's share of each
+        minis = [m.chunk(4)[dist.get_rank() // tp % dp] for m in _batch(8 * dp).chunk(4 * dp)]
         out = {}
         for mode in ("separate", "fused"):
-            actor = MegatronEngine.from_hf_model(lm, OPTIM, pp=2)
-            critic = MegatronEngine.from_hf_model(value, OPTIM, pp=2,
-                                                  groups=world_groups(1, 2, reverse_stages=mode == "fused"))
+            actor = MegatronEngine.from_hf_model(lm, OPTIM, tp=tp, pp=2)
+            critic = MegatronEngine.from_hf_model(value, OPTIM, tp=tp, pp=2,
+                                                  groups=world_groups(tp, 2, reverse_stages=mode == "fused"))
             values = critic.values(minis[0])
             log_probs = actor.log_probs(minis[0])["log_probs"]
             if mode == "separate":
@@ -178,9 +180,10 @@ def _run(rank: int, world: int, port: int, out_dir: str) -> None:
         from tests.engines.test_megatron import hf_model as lm_model
 
         try:  # qwen2 ties its word embeddings, which a reversed pipeline cannot
-            MegatronEngine.from_hf_model(lm_model("qwen2"), OPTIM, pp=2, groups=world_groups(1, 2, True))
+            MegatronEngine.from_hf_model(lm_model("qwen2"), OPTIM, tp=tp, pp=2, groups=world_groups(tp, 2, True))
         except ValueError as e:
             out["tied_refusal"] = str(e)
+        out["dp"] = dp
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
         dist.destroy_process_group()
@@ -188,13 +191,16 @@ def _run(rank: int, world: int, port: int, out_dir: str) -> None:
     leave_world(out_dir)
 
 
-@pytest.fixture(scope="module")
-def fused_run(tmp_path_factory):
+def _spawn(world: int, out_dir: Path, tp: int = 1) -> list[dict]:
     import torch.multiprocessing as mp
 
-    out_dir = tmp_path_factory.mktemp("pipeline_fusion")
-    mp.spawn(_run, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(2)]
+    mp.spawn(_run, args=(world, free_port(), str(out_dir), tp), nprocs=world, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def fused_run(tmp_path_factory):
+    return _spawn(2, tmp_path_factory.mktemp("pipeline_fusion"))
 
 
 @needs_megatron
@@ -221,6 +227,30 @@ def test_fused_step_equals_separate_updates(fused_run) -> None:
         # and the step did train: the weights moved
     assert not torch.equal(fused_run[0]["fused"]["critic"]["score.weight"],
                            head_model("qwen2", "value").state_dict()["score.weight"])
+
+
+@needs_megatron
+@pytest.mark.slow  # 4 processes on 2 cores, 20-30 s each
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp2_dp2", "pp2_tp2"])
+def test_fused_step_with_data_or_tensor_parallel_pipelines_equals_separate_updates(tmp_path, tp: int) -> None:
+    """pp = 2 with dp = 2 or tp = 2 on 4 ranks. dp: each data-parallel pipeline fuses its own actor and critic
+    stages; gradients are reduced over data parallel and scaled by the tokens of both pipelines, as megatron's
+    schedules do. tp: each tensor-parallel rank exchanges the (replicated) activations with its peer stage."""
+    ranks = _spawn(4, tmp_path, tp)
+    assert [r["fused_stage"] for r in ranks] == [1, 1, 0, 0] and ranks[0]["dp"] == 4 // (2 * tp)
+    # With tp = 2 the reversed critic's 4 ranks sit in another order in the gradient-norm all-reduce (its stages
+    # swapped), which sums their 4 shares in another order: the clipped step agrees to float rounding, not bit
+    # for bit. The actor, whose ranks keep their order, and every forward stay exact.
+    tol = {} if tp == 1 else {"rtol": 1e-5, "atol": 1e-6}
+    for r in ranks:
+        sep, fused = r["separate"], r["fused"]
+        for model in ("actor", "critic"):
+            for k in sep[model]:
+                torch.testing.assert_close(fused[model][k], sep[model][k], msg=f"{model} {k}",
+                                           **({"rtol": 0, "atol": 0} if model == "actor" or tp == 1 else tol))
+        assert fused["metrics"][0] == sep["metrics"][0]
+        assert fused["metrics"][1] == (sep["metrics"][1] if tp == 1 else pytest.approx(sep["metrics"][1], rel=1e-6))
+        torch.testing.assert_close(fused["values"], sep["values"], rtol=0, atol=0)
 
 
 @needs_megatron
