@@ -104,11 +104,37 @@ def test_unequal_models_are_never_planned_slower_than_in_turn(p: int, m: int, co
     assert fused.makespan <= actor.makespan + critic.makespan
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (8, 8)])
+def test_a_slot_budget_bounds_what_a_slot_holds_of_all_models(p: int, m: int) -> None:
+    free = plan_pipelines(p, [m, m])
+    budget = plan_pipelines(p, [m, m], slot_budget=p)  # the unfused step's busiest slot (the actor's first stage)
+    _check_valid(budget, [m, m])
+    # two opposite models: up to p - s of one and s + 1 of the other (p = 2 happens to hold 2)
+    assert _peak_per_slot(free) == [p + 1 if p > 2 else p] * p
+    assert _peak_per_slot(budget) == [p] * p
+    in_turn = plan_pipelines(p, [m], reverse=[False]).makespan + plan_pipelines(p, [m], reverse=[True]).makespan
+    assert free.makespan <= budget.makespan <= in_turn
+
+
+def _peak_per_slot(plan) -> list[int]:
+    """Most micro-batches whose activations a slot holds at once (a forward done, its backward not yet)."""
+    peaks = []
+    for ops in plan.slots:
+        held = peak = 0
+        for op in ops:
+            held += 1 if op.kind == "F" else -1
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
 def test_plan_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="one entry per model"):
         plan_pipelines(2, [2, 2], forward_cost=[1.0])
     with pytest.raises(ValueError, match="stages >= 1"):
         plan_pipelines(0, [2])
+    with pytest.raises(ValueError, match="slot_budget=0: a slot must hold at least one"):
+        plan_pipelines(2, [2, 2], slot_budget=0)
 
 
 # ---- megatron: fused actor + critic against separate updates -------------------------------------------------
