@@ -7,7 +7,9 @@ machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built f
 explicit process groups for the TP × DP × PP rank grid (engines.megatron_groups: the group's own mesh, in
 megatron's order, tp fastest, then dp, then pp; megatron's process-global `parallel_state` is never initialised, so
 models on different slots or with different layouts live side by side), its `DistributedDataParallel` with the distributed optimizer, and the pipeline schedules of
-`get_forward_backward_func` (1F1B when pp > 1). Weights come in and go out in Hugging Face format through
+`get_forward_backward_func` (1F1B when pp > 1). A model whose stages run down its ranks (the critic of a fused
+actor/critic pipeline, engines.pipeline_fusion) runs its forwards and updates through that module's runner, on
+the same forward / backward steps. Weights come in and go out in Hugging Face format through
 `engines.megatron_convert`.
 
 Version. megatron-core is pinned to 0.16.1, the last release that installs on Python 3.11 (0.17 and later need

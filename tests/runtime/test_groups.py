@@ -36,6 +36,14 @@ def test_colocated_groups_interleaved_collectives_sum_correctly(groups):
         assert f.result() == [want] * len(f.result())
 
 
+def test_a_worker_reaches_the_colocated_instance_of_another_group(groups):
+    a, b, c = groups
+    assert a.scale_of("rt_b").result() == [(10.0, r) for r in range(4)]  # same slots, same processes, same ranks
+    assert c.scale_of("rt_a").result() == [(1.0, 0), (1.0, 1)]
+    with pytest.raises(fa.RemoteError, match=r"group 'rt_nowhere' has no rank in this worker process .* place both"):
+        a.scale_of("rt_nowhere").result()
+
+
 def test_chain_moves_no_batch_bytes_through_the_controller(controller4, groups):
     a, b, c = groups
     batch = Batch({"x": torch.arange(1024 * 64).reshape(1024, 64)}, {"id": list(range(1024))})

@@ -36,6 +36,12 @@ class Reducer(Worker):
         return os.getpid()
 
     @endpoint(protocol=ONE_TO_ALL)
+    def scale_of(self, group_name: str) -> tuple[float, int]:
+        """The scale and rank of the colocated instance of `group_name` in this process (Worker.colocated)."""
+        other = self.colocated(group_name)
+        return other.scale, other.rank
+
+    @endpoint(protocol=ONE_TO_ALL)
     def sleep(self, seconds: float) -> float:
         time.sleep(seconds)
         return seconds
