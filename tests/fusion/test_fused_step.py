@@ -330,3 +330,25 @@ def test_the_ppo_program_migrates_on_the_fused_placement_and_changes_nothing(tmp
     for a, b in zip(plain, migrated, strict=True):
         for key in ("reward_mean", "kl", "entropy", "response_length_mean", "critic/vf_loss"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.slow  # 20 s; the in-process tests above cover the split placement by default
+def test_the_ppo_program_fuses_on_a_planned_placement_and_changes_nothing(tmp_path):
+    """`--plan` with the actor and reference on one slot, critic and reward on the other: fuse=true streams the
+    chunks to the critic and reward there, and the run's metrics equal the unfused run's, step by step."""
+    from algorithms.ppo import main
+    from placement import ModelPlan, Plan
+    from tests.algorithms.test_learning import run
+
+    plan = Plan(placement=[["actor", "ref"], ["critic", "reward"]],
+                models=[ModelPlan(r, 1, (1, 1, 1)) for r in ("actor", "ref", "critic", "reward")])
+    plan.save(tmp_path / "plan.json")
+    common = ["--plan", str(tmp_path / "plan.json"), "--steps", "2", f"max_new_tokens={ALIGNED}",
+              "prompts_per_step=16", "mini_batch_samples=8", "fuse_chunk_samples=4"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = run(main, tmp_path / "a", *common, "fuse=false")
+    fused = run(main, tmp_path / "b", *common, "fuse=true")
+    for a, b in zip(plain, fused, strict=True):
+        for key in ("reward_mean", "kl", "entropy", "response_length_mean", "critic/vf_loss", "actor/grad_norm"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
