@@ -73,12 +73,9 @@ def _value_loss(outputs, mb):
 
 
 def _run(rank: int, world: int, port: int, counts: list[int], rounds: int, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from tests.engines import megatron_shim
+    from tests.ranks import join_world
 
-    megatron_shim.apply()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_world(rank, world, port, megatron=True)
     from engines.megatron import MegatronEngine
     from engines.megatron_groups import world_groups
     from engines.pipeline_fusion import PipelineJob, finalize_grads, fused_update, plan_pipelines, run_plan

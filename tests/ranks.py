@@ -18,6 +18,20 @@ from pathlib import Path
 import torch.distributed as dist
 
 
+def join_world(rank: int, world: int, port: int, megatron: bool = False) -> None:
+    """Start a spawned rank: one torch thread, a gloo world over 127.0.0.1:port, and for megatron-core the test-only
+    CUDA shim first (tests/engines/megatron_shim.py)."""
+    import torch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if megatron:
+        from tests.engines import megatron_shim
+
+        megatron_shim.apply()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

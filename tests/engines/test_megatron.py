@@ -13,7 +13,6 @@ weights are compared at 1e-5 where |g| > 1e-6 and only against Adam's bound (lr)
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from engines.megatron import megatron_available
 from engines.megatron_convert import check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
 from engines.ops import position_ids_from_mask, response_logits, token_log_probs, entropy_from_logits
 from flowactors import Batch
-from tests.ranks import free_port, leave_world
+from tests.ranks import free_port, join_world, leave_world
 
 needs_megatron = pytest.mark.skipif(not megatron_available(),
                                     reason="megatron-core is not installed (pip install '.[megatron]')")
@@ -77,14 +76,9 @@ ONE_RANK = [("llama_1", "llama", 1, 1), ("qwen2_1", "qwen2", 1, 1)]
 
 
 def _run_layouts(rank: int, world: int, port: int, runs: list, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from tests.engines import megatron_shim
-
-    megatron_shim.apply()
+    join_world(rank, world, port, megatron=True)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from engines.megatron import MegatronEngine
     from engines.training import OptimConfig
 

@@ -13,7 +13,6 @@ reference: the megatron value head has none (as verl's critics).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 from engines.megatron_convert import hf_to_megatron, megatron_to_hf
 from engines.training import OptimConfig, TrainEngine
 from flowactors import Batch
-from tests.ranks import free_port, leave_world
+from tests.ranks import free_port, join_world, leave_world
 from tests.engines.probes import squared_value_loss
 from tests.engines.test_megatron import needs_megatron
 
@@ -66,14 +65,9 @@ RUNS = [("value_llama_tp2", "llama", "value", 2, 1), ("value_qwen2_pp2", "qwen2"
 
 
 def _run_layouts(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from tests.engines import megatron_shim
-
-    megatron_shim.apply()
+    join_world(rank, world, port, megatron=True)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from engines.megatron import MegatronEngine
 
     try:

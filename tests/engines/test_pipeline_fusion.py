@@ -10,7 +10,6 @@ trained one after the other by megatron's own 1F1B schedules.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from flowactors import Batch
 from tests.engines.probes import squared_value_loss
 from tests.engines.test_megatron import needs_megatron, pg_loss
 from tests.engines.test_megatron_heads import hf_model as head_model
-from tests.ranks import free_port, leave_world
+from tests.ranks import free_port, join_world, leave_world
 
 
 # ---- the planner ---------------------------------------------------------------------------------------------
@@ -167,14 +166,9 @@ def _models():
 
 
 def _run(rank: int, world: int, port: int, out_dir: str, tp: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from tests.engines import megatron_shim
-
-    megatron_shim.apply()
+    join_world(rank, world, port, megatron=True)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from engines.megatron import MegatronEngine
     from engines.megatron_groups import world_groups
     from engines.pipeline_fusion import fused_update
