@@ -19,7 +19,7 @@ from engines.pipeline_fusion import plan_pipelines
 from engines.training import OptimConfig
 from flowactors import Batch
 from tests.engines.probes import squared_value_loss
-from tests.engines.test_megatron import needs_megatron, pg_loss
+from tests.engines.test_megatron import fixed_batch, needs_megatron, pg_loss
 from tests.engines.test_megatron_heads import hf_model as head_model
 from tests.ranks import free_port, join_world, leave_world
 
@@ -142,15 +142,11 @@ LR = 1e-2
 OPTIM = OptimConfig(lr=LR, eps=1e-4, micro_batch_tokens=20)  # 10-token rows: 2 rows per micro-batch
 
 
-def _batch(n: int = 8, width: int = 10, resp: int = 4, seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 60, (n, width), generator=g)
-    mask = torch.ones(n, width, dtype=torch.long)
-    mask[0, :3] = 0
-    rmask = torch.ones(n, resp, dtype=torch.long)
-    rmask[1, -2:] = 0
-    return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, -resp:], "response_mask": rmask,
-                  "advantages": torch.randn(n, resp, generator=g), "returns": torch.randn(n, resp, generator=g)})
+def _batch(n: int = 8) -> Batch:
+    """tests/engines/test_megatron.py's batch, with returns for the critic."""
+    batch = fixed_batch(n)
+    returns = torch.randn(batch["advantages"].shape, generator=torch.Generator().manual_seed(1))
+    return Batch({**batch.tensors, "returns": returns})
 
 
 def _models():
