@@ -183,7 +183,7 @@ def _check_fused_training(cfg: PPOConfig) -> None:
     if "critic" not in {m.role for m in plan.models}:
         raise ConfigError("fuse_train fuses the actor with the critic; the plan has no critic")
     actor, critic = plan.model("actor"), plan.model("critic")
-    if plan.pool_of("actor") != plan.pool_of("critic") or actor.train != critic.train or actor.train[0] < 2:
+    if not _in_actor_pipeline(plan, "critic") or actor.train[0] < 2:
         raise ConfigError(f"fuse_train needs the actor and the critic in one pool with the same train sizes and "
                           f"p >= 2; the plan has actor {actor.train} in {plan.pool_of('actor')}, critic "
                           f"{critic.train} in {plan.pool_of('critic')}")
@@ -200,8 +200,12 @@ def fused_critics(cfg: RLConfig, critics: Sequence[str]) -> tuple[str, ...]:
         return ()
     plan = _load_plan(cfg)
     planned = {m.role for m in plan.models}
-    return tuple(r for r in critics if r in planned and plan.pool_of(r) == plan.pool_of("actor")
-                 and plan.model(r).train == plan.model("actor").train)
+    return tuple(r for r in critics if r in planned and _in_actor_pipeline(plan, r))
+
+
+def _in_actor_pipeline(plan, role: str) -> bool:  # noqa: ANN001 - placement.Plan, imported lazily
+    """`role` can share the actor's fused pipeline: the actor's pool and train sizes."""
+    return plan.pool_of(role) == plan.pool_of("actor") and plan.model(role).train == plan.model("actor").train
 
 
 def reverse_stages(addresses: list[str], layout: Layout) -> list[str]:

@@ -112,7 +112,7 @@ def plan_pipelines(stages: int, micro_batches: Sequence[int], *, reverse: Sequen
                         for d in range(stages)])
     if not options:
         raise RuntimeError(f"no plan fits slot_budget={slot_budget}; raise it")
-    timed = [(*_timeline(stages, reverse, slots, fwd, bwd), slots) for slots in options]
+    timed = [(*_timeline(stages, slots, fwd, bwd), slots) for slots in options]
     makespan, busy, slots = min(timed, key=lambda t: t[0])
     return PipelinePlan(stages, reverse, tuple(tuple(o) for o in slots), makespan, busy)
 
@@ -141,10 +141,10 @@ def _list_schedule(stages: int, micro_batches: Sequence[int], reverse: Sequence[
 
     def best(d: int, now: float) -> tuple[Op, float] | None:
         out = []
-        held = sum(in_flight[j][stages - 1 - d if reverse[j] else d] for j in range(jobs))
+        on = [stages - 1 - d if reverse[j] else d for j in range(jobs)]  # each model's stage on slot d
+        held = sum(in_flight[j][on[j]] for j in range(jobs))
         for j in range(jobs):
-            s = stages - 1 - d if reverse[j] else d
-            m = micro_batches[j]
+            s, m = on[j], micro_batches[j]
             b = next_b[j][s]
             if not forward_only and b < next_f[j][s] and b < m:  # backward: after its forward here and the next
                 after = (j, "F", b, s) if s == stages - 1 else (j, "B", b, s + 1)
@@ -179,8 +179,8 @@ def _list_schedule(stages: int, micro_batches: Sequence[int], reverse: Sequence[
     return order
 
 
-def _timeline(stages: int, reverse: Sequence[bool], slots: Sequence[Sequence[Op]], fwd: Sequence[float],
-              bwd: Sequence[float]) -> tuple[float, float]:
+def _timeline(stages: int, slots: Sequence[Sequence[Op]], fwd: Sequence[float], bwd: Sequence[float]
+              ) -> tuple[float, float]:
     """(makespan, busy) of fixed per-slot orders: each step starts when its slot is free and its inputs are
     there. Raises if the orders wait on each other (a plan that would deadlock)."""
     finish: dict[tuple[int, str, int, int], float] = {}

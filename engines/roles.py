@@ -447,18 +447,14 @@ class ActorWorker(ModelWorker):
 
         self._end_receiving()
         others = {name: self.colocated(name) for name in critics}
-        for name, other in others.items():
-            if not isinstance(other, CriticWorker):
+        for name, other in {"actor": self, **others}.items():
+            if name != "actor" and not isinstance(other, CriticWorker):
                 raise TypeError(f"update_actor_and_critics fuses with critics; group {name!r} is a "
                                 f"{type(other).__name__}")
             if other.layout != self.layout or self.layout.pp < 2 or not hasattr(other.engine, "train_loss_step"):
                 raise ValueError(f"a fused pipeline needs the actor and its critics on a pipeline-parallel engine "
-                                 f"(megatron) with the same layout, pp >= 2; got actor {self.layout} on "
-                                 f"{type(self.engine).__name__}, {name} {other.layout} on "
-                                 f"{type(other.engine).__name__}")
-        if not hasattr(self.engine, "train_loss_step"):
-            raise ValueError(f"a fused pipeline needs a pipeline-parallel engine (megatron); the actor runs on "
-                             f"{type(self.engine).__name__}")
+                                 f"(megatron) with the same layout, pp >= 2; got actor {self.layout}, {name} "
+                                 f"{other.layout} on {type(other.engine).__name__}")
         mini_batches = self._mini_batches(shares, spec)
         models = [(self.engine, mini_batches, loss_fn, self._policy_outputs)]
         models += [(o.engine, mini_batches, critics[name], o.engine.value_outputs) for name, o in others.items()]
