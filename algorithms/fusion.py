@@ -44,18 +44,19 @@ uniforms they would have on their own rank (the uniforms move with them) but dec
 by rounding (the training log-probs are recomputed and are exact), and a token could flip only if its uniform fell
 within rounding of a CDF boundary (none did in the tests, which compare every token). Rows move with their KV
 caches, not by re-prefilling: a prefill over prompt + partial response rounds differently from the step-by-step
-decode. `finish_tail` takes every rank's handed-over rows as one input, which travels to every actor rank (the
-others ignore it): with dp > 2 a freed slot downloads the other pausing ranks' states too. Needs an actor of dp >= 2
-with tp = pp = 1 and the hf engine; not done: migration with vLLM (its KV blocks do not leave the engine;
-re-prefilling there would change the numerics), more than one receiving rank, and a placement search that plans
-scorers onto the slots migration frees (`placement=fused` is the hand-made one: critics, reward and cost on every
-slot but the first).
+decode. With vLLM (`engines.vllm_engine`), whose KV blocks do not leave the engine, a moved row is re-prefilled
+instead: rank 0 adds it as a request over prompt + tokens so far, and restores the request's sampling generator to
+the state it paused with, so it draws the same tokens (its log-probs differ by rounding, a prefill against
+step-by-step decoding). `finish_tail` takes every rank's handed-over rows as one input, which travels to every
+actor rank (the others ignore it): with dp > 2 a freed slot downloads the other pausing ranks' states too. Needs
+an actor of dp >= 2 with tp = pp = 1 and no 3D-HybridEngine (`rollout_tp`); not done: more than one receiving
+rank, and a placement search that plans scorers onto the slots migration frees (`placement=fused` is the
+hand-made one: critics, reward and cost on every slot but the first).
 
-What this leaves out. Intra-stage fusion (RLHFuse's fused actor/critic training pipeline, which interleaves
-micro-batches of the two models' 1F1B schedules on the same pipeline stages) needs pipeline-parallel training
-engines exposing per-micro-batch forward / backward steps and a joint schedule; the torch-native engine here runs
-each update as one call. What both would save on a GPU cluster is estimated with the placement simulator:
-placement/fusion.py, `benchmarks/fusion.py --cluster`.
+Intra-stage fusion (RLHFuse's fused actor/critic training pipeline, the two models' micro-batches flowing over
+the same pipeline stages in opposite directions) is the training side: engines/pipeline_fusion.py, `fuse_train`.
+What both would save on a GPU cluster is estimated with the placement simulator: placement/fusion.py,
+`benchmarks/fusion.py --cluster`.
 """
 
 from __future__ import annotations

@@ -156,9 +156,9 @@ def _load_plan(cfg: RLConfig):  # noqa: ANN202 - placement.Plan, imported lazily
 def _check_migration(cfg: PPOConfig) -> None:
     """fuse_migrate on a layout or engine it cannot run on, refused before the cluster starts (the same rules as
     algorithms.fusion.migration_threshold, which the step applies to the actor's actual layout)."""
-    if rollout_tp(cfg) is not None or rollout_engine(cfg) != "hf":
-        raise ConfigError("fuse_migrate moves decoding rows between actor ranks with the hf rollout engine and "
-                          "whole generation weights; drop rollout_tp / rollout_engine=vllm, or fuse_migrate")
+    if rollout_tp(cfg) is not None:
+        raise ConfigError("fuse_migrate moves decoding rows between actor ranks that each generate with whole "
+                          "weights; drop rollout_tp (or the plan's generation sizes), or fuse_migrate")
     if cfg.plan:
         p, t, d = next(m for m in _load_plan(cfg).models if m.role == "actor").train
         layout = Layout(pp=p, dp=d, tp=t)

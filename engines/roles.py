@@ -295,7 +295,7 @@ class ActorWorker(ModelWorker):
         3D-HybridEngine the d_g generation replicas each stream their rows (chunk_samples/d_g per chunk) when d_g
         divides both; otherwise every replica samples all rows of the share. `spec` as in generate_sequences.
 
-        `migrate_below=m` (long-tail migration, RLHFuse; unsharded generation with the hf engine): every rank but
+        `migrate_below=m` (long-tail migration, RLHFuse; unsharded generation, hf or vllm engine): every rank but
         0 stops decoding once at most m of its rows are still running; rank 0 goes on and will admit their rows.
         Take the (rows - m) // chunk_samples chunks that are sure to exist, then `hand_over_tail()` and
         `finish_tail(...)`."""
@@ -304,9 +304,9 @@ class ActorWorker(ModelWorker):
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
         self._end_stream()  # one left over from a step that stopped early
         if migrate_below is not None and (self.hybrid is not None or not getattr(self.generator, "migrates", False)):
-            raise ValueError("long-tail migration moves decoding rows between ranks with the hf rollout engine and "
-                             "unsharded generation weights; drop rollout_tp / rollout_engine='vllm', or run "
-                             "without migration (fuse_migrate=False)")
+            raise ValueError("long-tail migration moves decoding rows between ranks that each generate with "
+                             "whole weights, on an engine that can pause and admit them (hf, vllm); drop "
+                             "rollout_tp, or run without migration (fuse_migrate=False)")
         rows, per_chunk = slice(0, len(prompts)), chunk_samples
         d_g = self.hybrid.micro_size if self.hybrid is not None else 1
         self._split_stream = d_g > 1 and len(prompts) % d_g == 0 and chunk_samples % d_g == 0

