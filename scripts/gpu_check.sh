@@ -99,7 +99,8 @@ new_tokens, _ = reference(model)
 sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True)
 t0 = time.time()
 engine = VLLMGenerationEngine(d, tp=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="float32",
-                              kv_cache_bytes=1 << 28, enforce_eager=True)  # sleeps between rollouts on CUDA
+                              kv_cache_bytes=1 << 28, enforce_eager=True,  # sleeps between rollouts on CUDA
+                              engine_args={"async_scheduling": False})  # as engines.registry builds it on CUDA
 start = time.time() - t0
 out = engine.generate(None, prompts, sampling, greedy=True)  # then sleeps (level 2)
 err = float((out["rollout_log_probs"] - ref_logp).abs().max())
@@ -107,7 +108,20 @@ t0 = time.time()
 engine.load_weights(new.items())  # wakes, reloads in place, resets the prefix cache
 reload_s = time.time() - t0
 out_new = engine.generate(None, prompts, sampling, greedy=True)
-print(json.dumps({"start_s": start, "reload_s": reload_s, "logp_err": err,
+# long-tail migration on CUDA: rows 2-3 pause after 2 tokens (their CUDA generators' states travel), rows 0-1
+# admit them; every row must draw generate's tokens
+import queue
+from engines.generation import STOP_AT
+stopped = Batch({**prompts.tensors, STOP_AT: torch.tensor([8, 3, 2, 8])})
+sampled = SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=1.0)
+whole = engine.generate(None, stopped, sampled, seed=7)
+sent = list(engine.stream(None, stopped.slice(1, 4), sampled, 1, seed=7, seed_offset=1, row_offset=1,
+                          pause_below=2))
+inbox = queue.Queue(); inbox.put([sent[-1]]); inbox.put(None)
+rows = Batch.concat(sent[:-1] + list(engine.stream(None, stopped.slice(0, 1), sampled, 4, seed=7, inbox=inbox)))
+order = torch.argsort(rows["row_index"])
+migrated_equal = bool(torch.equal(rows["responses"][order], whole["responses"]))
+print(json.dumps({"start_s": start, "reload_s": reload_s, "logp_err": err, "migration_tokens_equal": migrated_equal,
                   "tokens_equal": bool(torch.equal(out["responses"], ref_tokens)),
                   "reload_tokens_equal": bool(torch.equal(out_new["responses"], new_tokens)),
                   "reload_changed": not bool(torch.equal(new_tokens, ref_tokens))}))
@@ -126,9 +140,10 @@ def vllm_engine():
         raise RuntimeError(f"vLLM smoke exited {p.returncode}")
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["tokens_equal"] and r["reload_tokens_equal"] and r["reload_changed"], r
+    assert r["migration_tokens_equal"], r  # long-tail migration: generators carried on CUDA
     assert r["logp_err"] < 1e-3, r
     return (f"start {r['start_s']:.0f}s, greedy tokens = transformers, log-prob err {r['logp_err']:.1e}, "
-            f"reload {r['reload_s']:.2f}s = transformers")
+            f"reload {r['reload_s']:.2f}s = transformers, migrated rows = generate's")
 
 def megatron_import():
     import megatron.core  # noqa: F401
