@@ -127,8 +127,8 @@ class RLConfig(RunConfig):
     # -- cluster and placement ------------------------------------------------------------------------------------
     placement: str = "colocated"
     """colocated (every model on every slot, time-shared), split (actor+ref | critics+reward+cost), or fused (actor
-    and reference on every slot, critics, reward and cost on every slot but the first: with fuse_migrate the first
-    slot finishes the long tail while the others score)."""
+    and reference on every slot, critics, reward and cost on every slot but the first `fuse_migrate_to` (1 where
+    the algorithm has none): with fuse_migrate those first slots finish the long tail while the others score)."""
     plan: str | None = None
     """A placement plan (JSON/YAML from `python -m placement.automap --json`); overrides `placement`."""
     # -- batch sizes ----------------------------------------------------------------------------------------------
@@ -269,6 +269,10 @@ class PPOConfig(RLConfig):
     last bit."""
     fuse_migrate_below: float = 0.25
     """The fraction of a generation rank's rows still running at which its tail migrates."""
+    fuse_migrate_to: int = 1
+    """Actor ranks that finish the migrated tails (the first ones; fewer than the actor's data-parallel size):
+    each other rank's tail goes, whole, to the one with the fewest rows so far. `--placement fused` keeps the
+    scorers off their slots."""
     fuse_train: bool = False
     """Train the actor and the critic as one fused pipeline (RLHFuse's intra-stage fusion; engines.pipeline_fusion):
     needs a plan that puts both in one pool with the same train sizes, p >= 2, on a pipeline-parallel engine
@@ -283,8 +287,14 @@ class PPOConfig(RLConfig):
         if not 0 < self.fuse_migrate_below < 1:
             raise ConfigError(f"fuse_migrate_below is a fraction of each generation rank's rows and must be in "
                               f"(0, 1), got {self.fuse_migrate_below}")
+        if self.fuse_migrate_to < 1:
+            raise ConfigError(f"fuse_migrate_to is how many actor ranks finish the migrated tails, at least 1; got "
+                              f"{self.fuse_migrate_to}")
         if self.fuse_migrate and not self.fuse:
             raise ConfigError("fuse_migrate moves the long tail of a fused rollout; set fuse=true with it")
+        if self.placement == "fused" and self.address is None and self.n_slots <= self.fuse_migrate_to:
+            raise ConfigError(f"placement=fused keeps the scorers off the first fuse_migrate_to="
+                              f"{self.fuse_migrate_to} slots, so it needs n_slots > {self.fuse_migrate_to}")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ConfigError(f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
         if not 0 <= self.lam <= 1 or not 0 <= self.gamma <= 1:

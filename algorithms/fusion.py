@@ -30,28 +30,30 @@ gradients, the two runs then drift apart like any two runs on different kernels.
 row-wise reduction (`(hidden * weight).sum(-1) + bias`, batch-invariant) in the engines would make every width exact.
 
 Long-tail migration (RLHFuse §4: once few samples are still generating, move them to fewer instances and give the
-freed ones to the scorers), `migrate_below=f`. Every actor rank but 0 decodes until at most a fraction f of its rows
-are still running, then stops (`stream(pause_below=...)`). The controller takes the chunks every rank is sure to
-have produced by then, `(rows - kept) // chunk_samples`; `hand_over_tail` returns each pausing rank's unsent
-finished rows and the state of its running rows (their KV caches, tokens so far, and per-row sampling uniforms);
-rank 0 never stops: its `finish_tail` feeds those states into its running decode (`stream(inbox=...)`), where each
-joins the running batch at the step it paused at (a state from behind first decodes alone until it catches up, one
-from ahead waits for the batch to get there), and returns every row not yet taken as the last chunk. A scorer that
-shares only the other actor slots streams: its chunk calls, issued after `hand_over_tail`, run on a slot as soon as
-that slot's rank has handed over; scorers on rank 0's slot wait for the whole batch. The moved rows draw the
-uniforms they would have on their own rank (the uniforms move with them) but decode in another batch (and so do rank
-0's own rows once others join them), so their logits may differ in the last bit: their rollout log-probs then differ
-by rounding (the training log-probs are recomputed and are exact), and a token could flip only if its uniform fell
-within rounding of a CDF boundary (none did in the tests, which compare every token). Rows move with their KV
-caches, not by re-prefilling: a prefill over prompt + partial response rounds differently from the step-by-step
-decode. With vLLM (`engines.vllm_engine`), whose KV blocks do not leave the engine, a moved row is re-prefilled
-instead: rank 0 adds it as a request over prompt + tokens so far, and restores the request's sampling generator to
-the state it paused with, so it draws the same tokens (its log-probs differ by rounding, a prefill against
-step-by-step decoding). `finish_tail` takes every rank's handed-over rows as one input, which travels to every
-actor rank (the others ignore it): with dp > 2 a freed slot downloads the other pausing ranks' states too. Needs
-an actor of dp >= 2 with tp = pp = 1 and no 3D-HybridEngine (`rollout_tp`); not done: more than one receiving
-rank, and a placement search that plans scorers onto the slots migration frees (`placement=fused` is the
-hand-made one: critics, reward and cost on every slot but the first).
+freed ones to the scorers), `migrate_below=f`, `migrate_to=k` (default 1). Every actor rank from k on decodes until
+at most a fraction f of its rows are still running, then stops (`stream(pause_below=...)`). The controller takes
+the chunks every rank is sure to have produced by then, `(rows - kept) // chunk_samples`; `hand_over_tail` returns
+each pausing rank's unsent finished rows and the state of its running rows (their KV caches, tokens so far, and
+per-row sampling uniforms); ranks 0..k-1 never stop: their `finish_tail` splits the states among them
+(`engines.generation.share_tails`: each rank's tail whole, to the receiver with the fewest rows so far), feeds each
+receiver's share into its running decode (`stream(inbox=...)`), where each joins the running batch at the step it
+paused at (a state from behind first decodes alone until it catches up, one from ahead waits for the batch to get
+there), and returns every row not yet taken; the receivers' rows together are the last chunk. A scorer that shares
+only the other actor slots streams: its chunk calls, issued after `hand_over_tail`, run on a slot as soon as that
+slot's rank has handed over; scorers on a receiving rank's slot wait for the whole batch. The moved rows draw the
+uniforms they would have on their own rank (the uniforms move with them) but decode in another batch (and so do
+the receivers' own rows once others join them), so their logits may differ in the last bit: their rollout
+log-probs then differ by rounding (the training log-probs are recomputed and are exact), and a token could flip
+only if its uniform fell within rounding of a CDF boundary (none did in the tests, which compare every token). Rows
+move with their KV caches, not by re-prefilling: a prefill over prompt + partial response rounds differently from
+the step-by-step decode. With vLLM (`engines.vllm_engine`), whose KV blocks do not leave the engine, a moved row is
+re-prefilled instead: the receiver adds it as a request over prompt + tokens so far, and restores the request's
+sampling generator to the state it paused with, so it draws the same tokens (its log-probs differ by rounding, a
+prefill against step-by-step decoding). `finish_tail` takes every rank's handed-over rows as one input, which
+travels to every actor rank (the handing-over ones ignore it): with dp > 2 a freed slot downloads the other pausing
+ranks' states too. Needs an actor of dp > k with tp = pp = 1 and no 3D-HybridEngine (`rollout_tp`); not done: a
+placement search that plans scorers onto the slots migration frees (`placement=fused` is the hand-made one:
+critics, reward and cost on every slot but the first `fuse_migrate_to`).
 
 Intra-stage fusion (RLHFuse's fused actor/critic training pipeline, the two models' micro-batches flowing over
 the same pipeline stages in opposite directions) is the training side: engines/pipeline_fusion.py, `fuse_train`.
@@ -100,14 +102,16 @@ def colocated(a: fa.ActorGroup, b: "fa.ActorGroup | Sequence[str]") -> bool:
     return bool(set(a.addresses) & set(b.addresses if isinstance(b, fa.ActorGroup) else b))
 
 
-def overlap_note(actor: fa.ActorGroup, scorers: Sequence[fa.ActorGroup], migrate: bool) -> str | None:
+def overlap_note(actor: fa.ActorGroup, scorers: Sequence[fa.ActorGroup], migrate: bool,
+                 receivers: int = 1) -> str | None:
     """What to tell a user whose placement leaves fusion nothing to overlap: every scorer shares a slot that is
-    still generating (all of the actor's, or with migration its first), so scoring waits for the whole batch."""
-    busy = actor.addresses[:1] if migrate else actor
+    still generating (all of the actor's, or with migration those of the `receivers` ranks that finish the
+    tail), so scoring waits for the whole batch."""
+    busy = actor.addresses[:receivers] if migrate else actor
     if not scorers or not all(colocated(g, busy) for g in scorers):
         return None
-    what = "fuse_migrate: every scorer shares actor rank 0's slot, which decodes the tail" if migrate else \
-        "fuse: every scorer shares the actor's slots"
+    what = (f"fuse_migrate: every scorer shares the slot of an actor rank that decodes the tail (ranks "
+            f"0..{receivers - 1})" if migrate else "fuse: every scorer shares the actor's slots")
     return (f"{what}, so scoring waits for the whole batch as unfused (same results, no overlap); "
             f"--placement {'fused' if migrate else 'split'} gives scorers slots of their own")
 
@@ -129,13 +133,13 @@ def _chunk_rows(n_rows: int, dp: int, chunk_samples: int) -> list[int]:
 
 
 def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scorers: Sequence[Scorer], *,
-                  chunk_samples: int, migrate_below: float | None = None) -> FusedRollout:
+                  chunk_samples: int, migrate_below: float | None = None, migrate_to: int = 1) -> FusedRollout:
     """Generate `prompts` on `actor` and score the samples with `scorers`, overlapping the two (see the module
     docstring). Every call is issued before this returns; nothing waits.
 
     `migrate_below=f` (long-tail migration): once at most a fraction f of a generation rank's rows is still
-    running, the rank hands them to rank 0, which finishes every rank's tail; the scorers on the freed actor
-    slots then score the chunks already taken (see the module docstring)."""
+    running, the rank hands them to one of the first `migrate_to` ranks, which finish every rank's tail; the
+    scorers on the freed actor slots then score the chunks already taken (see the module docstring)."""
     if not isinstance(prompts, Batch):
         raise TypeError(f"fused_rollout needs the prompts as a Batch on the controller (it counts the chunks to take), "
                         f"got {type(prompts).__name__}")
@@ -149,11 +153,11 @@ def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scor
     if migrate_below is None:
         rows, keep = _chunk_rows(len(prompts), dp, chunk_samples), None
     else:
-        keep = migration_threshold(actor.layout, per_rank, migrate_below)
+        keep = migration_threshold(actor.layout, per_rank, migrate_below, migrate_to)
         taken = (per_rank - keep) // chunk_samples
         rows = [chunk_samples * dp] * taken + [len(prompts) - taken * chunk_samples * dp]
-    # With migration the tail decodes on the first actor slot only, so only scorers there wait for it.
-    busy = actor if migrate_below is None else actor.addresses[:1]
+    # With migration the tail decodes on the receiving ranks' slots only, so only scorers there wait for it.
+    busy = actor if migrate_below is None else actor.addresses[:migrate_to]
     streamed = [s for s in scorers if not colocated(_group_of(s), busy)]
     deferred = [s for s in scorers if colocated(_group_of(s), busy)]
     for s in streamed:
@@ -177,11 +181,11 @@ def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scor
         chunks = [actor.next_generated_chunk(k) for k in range(len(rows))]
         score(chunks)
     else:
-        started = actor.start_generation(prompts, chunk_samples, None, keep)
+        started = actor.start_generation(prompts, chunk_samples, None, keep, migrate_to)
         chunks = [actor.next_generated_chunk(k) for k in range(len(rows) - 1)]
         handed_over = actor.hand_over_tail()
         score(chunks)  # issued before finish_tail: on a freed slot they run as soon as its rank handed over
-        chunks.append(actor.finish_tail(handed_over))
+        chunks.append(ctl.apply(_receivers_rows, actor.finish_tail(handed_over), name="fusion.tail"))
         score(chunks[-1:])
     merged = ctl.apply(merge_chunks, started, chunks, *scores, name="fusion.merge_chunks")
     parts: tuple[fa.CallFuture, ...] = (merged,)
@@ -191,20 +195,29 @@ def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scor
     return FusedRollout(chunks, parts, tuple(_label(s) for s in streamed), tuple(_label(s) for s in deferred))
 
 
-def migration_threshold(layout: fa.Layout, rows_per_rank: int, fraction: float) -> int:
+def migration_threshold(layout: fa.Layout, rows_per_rank: int, fraction: float, receivers: int = 1) -> int:
     """Running rows per generation rank at which it hands its tail over: `fraction` of its rows, at least 1 and
-    fewer than all; refuses an actor layout migration cannot run."""
+    fewer than all; refuses an actor layout migration cannot run (or `receivers` it cannot have)."""
     if not 0 < fraction < 1:
         raise ValueError(f"migrate_below is the fraction of a generation rank's rows still running at which they "
                          f"migrate; it must be in (0, 1), got {fraction}")
     if layout.dp < 2 or layout.tp != 1 or layout.pp != 1:
         raise ValueError(f"long-tail migration moves the unfinished rows of data-parallel generation ranks onto "
-                         f"rank 0, so it needs an actor of dp >= 2 with tp = pp = 1; this actor's layout is "
+                         f"the first ones, so it needs an actor of dp >= 2 with tp = pp = 1; this actor's layout is "
                          f"{layout}. Run without migration (fuse_migrate=False) or place the actor on more slots")
+    if not 1 <= receivers < layout.dp:
+        raise ValueError(f"long-tail migration moves the tails of the actor's generation ranks onto its first "
+                         f"`migrate_to` ranks, which must be at least 1 and fewer than its {layout.dp} data-parallel "
+                         f"ranks (some rank must hand over); got migrate_to={receivers}")
     if rows_per_rank < 2:
         raise ValueError(f"long-tail migration needs at least 2 rows per generation rank (one to finish, one to "
                          f"move); this step has {rows_per_rank}")
     return min(rows_per_rank - 1, max(1, round(fraction * rows_per_rank)))
+
+
+def _receivers_rows(per_rank: list[Batch | None]) -> Batch:
+    """`finish_tail`'s results, one per actor rank (None from ranks that handed over), as one chunk."""
+    return Batch.concat([rows for rows in per_rank if rows is not None and len(rows)])
 
 
 def _label(scorer: Scorer) -> str:

@@ -129,7 +129,7 @@ class _Run:
         if getattr(self.cfg, "fuse", False):
             groups = self.roles.groups()
             note = overlap_note(groups["actor"], [g for k, g in groups.items() if k != "actor"],
-                                getattr(self.cfg, "fuse_migrate", False))
+                                getattr(self.cfg, "fuse_migrate", False), getattr(self.cfg, "fuse_migrate_to", 1))
             if note and not resuming:
                 print(f"[{self.algo.name}] {note}", file=sys.stderr)
         self.algo.stage = self.stage

@@ -52,7 +52,8 @@ class PPO(Algorithm):
             rollout = fused_rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
                                                           self.critic.compute_values, self.reward.compute_reward],
                                     chunk_samples=cfg.fuse_chunk_samples,
-                                    migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None)
+                                    migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None,
+                                    migrate_to=cfg.fuse_migrate_to)
             generated, parts = rollout.chunks, rollout.parts
         else:
             samples = actor.generate_sequences(prompts)

@@ -168,7 +168,7 @@ def _check_migration(cfg: PPOConfig) -> None:
         return  # the cluster's slots decide; the first step checks
     try:
         migration_threshold(layout, cfg.prompts_per_step * cfg.samples_per_prompt // layout.dp,
-                            cfg.fuse_migrate_below)
+                            cfg.fuse_migrate_below, cfg.fuse_migrate_to)
     except ValueError as e:
         raise ConfigError(f"fuse_migrate: {e}; --placement fused puts the actor on every slot") from None
 
@@ -296,10 +296,13 @@ def place(ctl: Controller, cfg: RLConfig) -> Pools:
         if cfg.placement == "split":
             half = len(slots) // 2
             actor_side, scorer_side = list(slots[:half]), list(slots[half:])
-        elif cfg.placement == "fused":  # the first slot finishes the migrated tail, the others score meanwhile
-            if len(slots) < 2:
-                raise fa.PlacementError(f"placement=fused needs at least 2 slots; the cluster has {len(slots)}")
-            scorer_side = list(slots[1:])
+        elif cfg.placement == "fused":  # the first slots finish the migrated tails, the others score meanwhile
+            receivers = getattr(cfg, "fuse_migrate_to", 1)
+            if len(slots) <= receivers:
+                raise fa.PlacementError(f"placement=fused puts the scorers on the slots after the first "
+                                        f"{receivers} (fuse_migrate_to), so it needs more than {receivers} slots; the "
+                                        f"cluster has {len(slots)}")
+            scorer_side = list(slots[receivers:])
         a, s = (actor_side, Layout(dp=len(actor_side))), (scorer_side, Layout(dp=len(scorer_side)))
         result = Pools({"actor": a, "ref": a, **{r: s for r in _SCORERS}})
     for role, (_, layout) in result.roles.items():

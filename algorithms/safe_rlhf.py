@@ -77,7 +77,8 @@ class SafeRLHF(Algorithm):
                    self.cost_critic.compute_values, self.reward.compute_reward, self.cost.compute_cost]
         if cfg.fuse:  # score finished samples while the long tail still generates (algorithms.fusion)
             rollout = fused_rollout(ctl, actor, prompts, scorers, chunk_samples=cfg.fuse_chunk_samples,
-                                    migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None)
+                                    migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None,
+                                    migrate_to=cfg.fuse_migrate_to)
             generated, parts = rollout.chunks, rollout.parts
         else:
             samples = actor.generate_sequences(prompts)

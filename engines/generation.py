@@ -47,7 +47,7 @@ from engines.ops import compute_precision, position_ids_from_mask, response_mask
 from flowactors import Batch
 
 __all__ = ["assemble_samples", "SamplingConfig", "HFGenerationEngine", "GenerationStream", "ROW_INDEX", "STOP_AT",
-           "TAIL_STEP", "is_tail"]
+           "TAIL_STEP", "is_tail", "share_tails"]
 
 ROW_INDEX = "row_index"
 """Field of a streamed chunk: each row's index in the call's prompt batch."""
@@ -408,6 +408,18 @@ class _Arrivals:
                 self.done = True
             else:  # one paused decode, or several sent together
                 self.waiting += [t for t in (item if isinstance(item, list) else [item]) if len(t)]
+
+
+def share_tails(tails: list[Batch], receivers: int) -> list[list[Batch]]:
+    """Paused decodes split over `receivers` receiving ranks: each, in order, to the one with the fewest rows so
+    far (the first such on a tie). Deterministic, so every receiving rank works out the same split."""
+    shares: list[list[Batch]] = [[] for _ in range(receivers)]
+    rows = [0] * receivers
+    for tail in tails:
+        r = rows.index(min(rows))
+        shares[r].append(tail)
+        rows[r] += len(tail)
+    return shares
 
 
 def is_tail(item: Batch) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engines.generation import GenerationStream, SamplingConfig, is_tail
+from engines.generation import GenerationStream, SamplingConfig, is_tail, share_tails
 from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
 from engines.models import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
 from engines.protocols import MINIBATCH
@@ -183,6 +183,7 @@ class ActorWorker(ModelWorker):
         self._stream: GenerationStream | None = None
         self._split_stream = False
         self._inbox: queue.Queue | None = None
+        self._receivers = 1
 
     @classmethod
     def process_groups(cls, layout: Layout, *args: Any, **kwargs: Any) -> list[tuple[int, ...]]:
@@ -288,17 +289,17 @@ class ActorWorker(ModelWorker):
 
     @endpoint(protocol=MESH)
     def start_generation(self, prompts: Batch, chunk_samples: int, spec: GenerationSpec | None = None,
-                         migrate_below: int | None = None) -> None:
+                         migrate_below: int | None = None, receivers: int = 1) -> None:
         """Begin sampling `prompts` (what `generate_sequences` would sample) in a background thread; take the
         samples with `next_generated_chunk(0)`, `(1)`, ... : ceil(rows of this rank / chunk_samples) chunks on
         every rank, each of `chunk_samples` rows except the last, in the order the rows finish. Under the
         3D-HybridEngine the d_g generation replicas each stream their rows (chunk_samples/d_g per chunk) when d_g
         divides both; otherwise every replica samples all rows of the share. `spec` as in generate_sequences.
 
-        `migrate_below=m` (long-tail migration, RLHFuse; unsharded generation, hf or vllm engine): every rank but
-        0 stops decoding once at most m of its rows are still running; rank 0 goes on and will admit their rows.
-        Take the (rows - m) // chunk_samples chunks that are sure to exist, then `hand_over_tail()` and
-        `finish_tail(...)`."""
+        `migrate_below=m` (long-tail migration, RLHFuse; unsharded generation, hf or vllm engine): every rank
+        from `receivers` on stops decoding once at most m of its rows are still running; ranks 0..receivers-1 go
+        on and will admit their rows. Take the (rows - m) // chunk_samples chunks that are sure to exist, then
+        `hand_over_tail()` and `finish_tail(...)`."""
         spec = _generation_spec(spec)
         if chunk_samples < 1:
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
@@ -318,9 +319,13 @@ class ActorWorker(ModelWorker):
         else:
             model = self._generation_model()
         migrate: dict[str, Any] = {}
-        if migrate_below is not None:  # rank 0 receives the other ranks' tails, which pause
-            self._inbox = queue.Queue() if self.rank == 0 else None
-            migrate = {"inbox": self._inbox} if self.rank == 0 else {"pause_below": migrate_below}
+        if migrate_below is not None:  # the first `receivers` ranks receive the other ranks' tails, which pause
+            if not 1 <= receivers < self.layout.world_size:
+                raise ValueError(f"long-tail migration needs 1 <= receivers < the actor's {self.layout.world_size} "
+                                 f"ranks (some rank must hand its tail over), got receivers={receivers}")
+            self._receivers = receivers
+            self._inbox = queue.Queue() if self.rank < receivers else None
+            migrate = {"inbox": self._inbox} if self.rank < receivers else {"pause_below": migrate_below}
         chunks = self.generator.stream(model, prompts.slice(rows.start, rows.stop), self.sampling, per_chunk,
                                        greedy=spec.greedy, seed=spec.seed,
                                        row_offset=self.coords[1] * len(prompts) + rows.start, seed_offset=rows.start,
@@ -343,10 +348,10 @@ class ActorWorker(ModelWorker):
 
     @endpoint(protocol=ONE_TO_ALL)
     def hand_over_tail(self) -> list[Batch]:
-        """Long-tail migration, after `start_generation(migrate_below=...)` and the chunks sure to exist: on a rank
-        other than 0, once its decoding paused (or ended), the finished rows not yet taken, then the running rows'
-        decode state (KV caches, tokens so far, sampling uniforms); its device is then free. Rank 0, which goes on
-        decoding to receive them, returns [] at once."""
+        """Long-tail migration, after `start_generation(migrate_below=...)` and the chunks sure to exist: on a
+        handing-over rank, once its decoding paused (or ended), the finished rows not yet taken, then the running
+        rows' decode state (KV caches or tokens so far, sampling state); its device is then free. A receiving
+        rank, which goes on decoding, returns [] at once."""
         if self._stream is None:
             raise RuntimeError(f"no generation is running on {self.group_name} rank {self.rank}; call "
                                f"start_generation(prompts, chunk_samples, migrate_below=m) first")
@@ -357,21 +362,23 @@ class ActorWorker(ModelWorker):
         finally:
             self._stream = None
 
-    @endpoint(protocol=RANK_ZERO)
+    @endpoint(protocol=ONE_TO_ALL)
     def finish_tail(self, handed_over: list[list[Batch]]) -> Batch | None:
-        """On rank 0: admit every rank's paused rows into its running decode and return, once all have finished,
-        every row not yet taken as a chunk (its own and the other ranks'), each with `row_index`. Other ranks
-        return None at once."""
-        if self.rank != 0:
+        """On a receiving rank: admit its share of the handed-over paused rows (`share_tails`) into its running
+        decode and return, once all have finished, every row of its own not yet taken and of its share, each with
+        `row_index`; rank 0 also returns the finished rows the other ranks handed over. Every other rank returns
+        None at once."""
+        if self._inbox is None:
+            if self._stream is not None or self.rank == 0:
+                raise RuntimeError(f"finish_tail needs the generation of start_generation(..., migrate_below=m) "
+                                   f"running on {self.group_name} rank {self.rank}")
             return None
-        if self._stream is None or self._inbox is None:
-            raise RuntimeError(f"finish_tail needs the generation of start_generation(..., migrate_below=m) running "
-                               f"on {self.group_name} rank 0")
         items = [item for per_rank in handed_over for item in per_rank]
-        self._inbox.put([item for item in items if is_tail(item)])  # together: the ones behind catch up as one
+        tails = share_tails([item for item in items if is_tail(item)], self._receivers)[self.rank]
+        self._inbox.put(tails)  # together: the ones behind catch up as one
         self._inbox.put(None)
         try:
-            rest = [item for item in items if not is_tail(item)] + self._stream.rest()
+            rest = ([item for item in items if not is_tail(item)] if self.rank == 0 else []) + self._stream.rest()
         finally:
             self._stream = self._inbox = None
         return Batch.concat([item for item in rest if len(item)])

@@ -21,7 +21,7 @@ from algorithms.roles import Roles
 from algorithms.tasks import get_task
 from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RuleRewardWorker, SamplingConfig,
                      build_tokenizer)
-from engines.generation import ROW_INDEX
+from engines.generation import ROW_INDEX, share_tails
 from flowactors import Batch, Layout
 from tests.fusion.workers import FailingReward, SlowDecodeActor
 
@@ -300,6 +300,41 @@ def test_freed_slot_scores_while_rank_zero_finishes_the_tail(ctl, data):
         close(g)
 
 
+def test_share_tails_gives_each_tail_to_the_receiver_with_the_fewest_rows():
+    tails = [Batch({"x": torch.zeros(n, 1)}) for n in (3, 1, 2, 2)]
+    assert [[len(t) for t in share] for share in share_tails(tails, 2)] == [[3, 2], [1, 2]]
+    assert [[len(t) for t in share] for share in share_tails(tails, 1)] == [[3, 1, 2, 2]]
+    assert share_tails([], 3) == [[], [], []]
+
+
+def test_two_receiving_ranks_finish_the_tails_of_the_other_two(data):
+    """dp = 4, migrate_to = 2: ranks 2 and 3 pause (at steps 2 and 3) and their tails go one to rank 0, one to
+    rank 1, which finish them beside their own rows; the rollout is generate_sequences' (tokens exactly, the
+    moved rows' log-probs to rounding), by the endpoints and through fused_rollout."""
+    from algorithms.fusion import migration_threshold, reassemble
+
+    stop = torch.tensor([16, 1, 12, 2, 1, 16, 2, 8, 2, 1, 16, 16, 1, 3, 16, 4])  # 4 rows per rank
+    prompts = Batch({**data.next_batch(N, 1).tensors, "stop_at": stop})
+    with fa.Controller.local(4, dashboard=None, collective_timeout_s=60) as c4:
+        actor = fa.ActorGroup(c4, ActorWorker, name="actor_mig4", slots=c4.slots, layout=Layout(dp=4),
+                              args=(MODEL, OptimConfig(), SamplingConfig(max_new_tokens=16, ignore_eos=True)))
+        ref = actor.generate_sequences(prompts).result()
+        keep = migration_threshold(actor.layout, 4, 0.5, 2)
+        actor.start_generation(prompts, 1, None, keep, 2).result()
+        chunks = [actor.next_generated_chunk(k) for k in range(2)]
+        per_rank = actor.finish_tail(actor.hand_over_tail()).result()
+        assert per_rank[2] is None and per_rank[3] is None
+        assert sorted(per_rank[0][ROW_INDEX].tolist()) == [0, 2, 10, 11]  # its own long rows + rank 2's tail
+        assert sorted(per_rank[1][ROW_INDEX].tolist()) == [5, 7, 14, 15]  # its own + rank 3's
+        by_endpoints = reassemble(*(c.result() for c in chunks), per_rank[0], per_rank[1])
+        fused = fused_rollout(c4, actor, prompts, [], chunk_samples=1, migrate_below=0.5, migrate_to=2)
+        through_rollout = fused.parts[0].result()
+    for rows in (by_endpoints, through_rollout):
+        for key in ("responses", "response_mask", "input_ids"):
+            assert torch.equal(rows[key], ref[key]), key
+        torch.testing.assert_close(rows["rollout_log_probs"], ref["rollout_log_probs"], rtol=0, atol=1e-5)
+
+
 def test_migration_refuses_a_layout_it_cannot_run(ctl, data):
     g = groups(ctl, "mig1", actor_slots=ctl.slots[:1], scorer_slots=ctl.slots[1:])
     try:
@@ -313,6 +348,11 @@ def test_migration_refuses_a_layout_it_cannot_run(ctl, data):
         close(g)
     with pytest.raises(ConfigError, match="set fuse=true"):
         PPOConfig(fuse_migrate=True)
+    with pytest.raises(ConfigError, match="fuse_migrate_to is how many actor ranks"):
+        PPOConfig(fuse=True, fuse_migrate=True, fuse_migrate_to=0)
+    from algorithms.fusion import migration_threshold
+    with pytest.raises(ValueError, match="some rank must hand over"):
+        migration_threshold(Layout(dp=2), 8, 0.25, 2)
 
 
 def test_the_ppo_program_migrates_on_the_fused_placement_and_changes_nothing(tmp_path):
