@@ -262,11 +262,11 @@ class PPOConfig(RLConfig):
     the cost of more calls."""
     fuse_migrate: bool = False
     """Long-tail migration (RLHFuse; needs fuse and an actor of dp >= 2, tp = pp = 1, no rollout_tp): once at
-    most `fuse_migrate_below` of a generation rank's rows are still running, the rank hands them to actor rank 0,
-    which admits them into its running decode (hf: with their KV caches; vllm: re-prefilled, with their sampling
-    generators), and scorers on the freed slots start at once. The same samples and update; rollout log-probs of
-    rows that change decode batch (the moved rows, and with hf rank 0's own after they join) may differ in the
-    last bit."""
+    most `fuse_migrate_below` of a generation rank's rows are still running, the rank hands them to one of the
+    first `fuse_migrate_to` actor ranks, which admits them into its running decode (hf: with their KV caches;
+    vllm: re-prefilled, with their seeds and sampling generators), and scorers on the freed slots start at once.
+    The same samples and update; rollout log-probs of rows that change decode batch (the moved rows, and with hf
+    the receiver's own after they join) may differ in the last bit."""
     fuse_migrate_below: float = 0.25
     """The fraction of a generation rank's rows still running at which its tail migrates."""
     fuse_migrate_to: int = 1

@@ -7,7 +7,8 @@ loss; optional entropy bonus; several epochs over shuffled mini-batches per step
 
 `fuse=true` runs generation and scoring as one fused stage (RLHFuse, `algorithms.fusion`): the scorers that do not
 share the actor's slots score finished samples in chunks while the long tail is still generating; with
-`fuse_migrate=true` (and `--placement fused`) the long tail moves to actor rank 0 and the freed slots score too.
+`fuse_migrate=true` (and `--placement fused`) the long tail moves to the first actor rank(s) and the freed slots
+score too.
 Same samples, scores and update as the unfused step.
 """
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +55,8 @@ STOP_AT = "stop_at"
 """Optional prompt field: row i stops after stop_at[i] new tokens."""
 _TAIL = "_tail."
 TAIL_STEP = _TAIL + "step"
-"""Field of a paused decode's state (`stream(pause_below=...)`): the step its rows decode next (one per row, all
-equal)."""
+"""Field of a paused decode's state (`stream(pause_below=...)`): the tokens each row has so far, the step it
+decodes next (the hf engine's rows of one tail are all at one step; a vLLM tail's may differ)."""
 
 
 @dataclass
@@ -132,23 +132,10 @@ class HFGenerationEngine:
         receiving side; decoding goes on while other ranks' paused states arrive in the queue, and each joins the
         running batch (see `_admit_arrivals`); their rows come out in the chunks, with their own `row_index`. The
         stream ends once every row has finished and the queue has delivered None."""
-        if chunk_rows < 1:
-            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-        if pause_below is not None and not 0 < pause_below < len(prompts):
-            raise ValueError(f"pause_below must be between 1 and the rows to sample - 1 ({len(prompts) - 1}), got "
-                             f"{pause_below}")
+        check_stream(chunk_rows, pause_below, len(prompts))
         loop = self._start(prompts, cfg, seed=seed, seed_offset=seed_offset, row_offset=row_offset)
-        chunks = chunk_finished(self._steps(model, cfg, loop, greedy=greedy, pause_below=pause_below, inbox=inbox),
-                                chunk_rows)
-        while True:
-            try:
-                rows = next(chunks)
-            except StopIteration as end:
-                paused = end.value
-                break
-            yield self._chunk(loop, rows, cfg)
-        if paused is not None:
-            yield _tail_of(paused)
+        steps = self._steps(model, cfg, loop, greedy=greedy, pause_below=pause_below, inbox=inbox)
+        return stream_chunks(steps, chunk_rows, lambda rows: self._chunk(loop, rows, cfg), _tail_of)
 
     def _start(self, prompts: Batch, cfg: SamplingConfig, *, seed: int, seed_offset: int,
                row_offset: int = 0) -> "_Loop":
@@ -158,8 +145,7 @@ class HFGenerationEngine:
         if self.max_context is not None and p + cfg.max_new_tokens > self.max_context:
             raise ValueError(f"prompt length {p} + max_new_tokens {cfg.max_new_tokens} exceeds the model's context "
                              f"of {self.max_context} positions; shorten prompts or lower max_new_tokens")
-        seeds = prompts["seed"].tolist() if "seed" in prompts else [seed * 1_000_003 + seed_offset + i
-                                                                     for i in range(b)]
+        seeds = row_seeds(prompts, seed, seed_offset)
         # One uniform per row and step, drawn from the row's own generator up front: sampling is then one
         # vectorised inverse-CDF lookup per step, and a row's tokens do not depend on its batch.
         uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
@@ -273,9 +259,48 @@ class HFGenerationEngine:
         return assemble_samples(prompts, out_tokens, out_logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
 
     def _chunk(self, loop: "_Loop", rows: list[int], cfg: SamplingConfig) -> Batch:
-        idx = torch.tensor(rows, dtype=torch.long)
-        out = self._assemble(loop.prompts.take(idx), loop.tokens[idx], loop.logp[idx], cfg)
-        return Batch({**out.tensors, ROW_INDEX: loop.index[idx]}, out.rows, out.meta)
+        return chunk_of(loop.prompts, loop.tokens, loop.logp, loop.index, rows, cfg, eos=self.eos, pad=self.pad)
+
+
+def row_seeds(prompts: Batch, seed: int, seed_offset: int) -> list[int]:
+    """Each row's sampling seed: its `seed` field, else seed·1000003 + seed_offset + its index (so rows a:b
+    sampled apart with seed_offset=a draw what they draw together)."""
+    if "seed" in prompts:
+        return [int(s) for s in prompts["seed"].tolist()]
+    return [seed * 1_000_003 + seed_offset + i for i in range(len(prompts))]
+
+
+def check_stream(chunk_rows: int, pause_below: int | None, n_rows: int) -> None:
+    """Refuse a `stream` call's chunk size or pause threshold, naming the allowed range."""
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if pause_below is not None and not 0 < pause_below < n_rows:
+        raise ValueError(f"pause_below must be between 1 and the rows to sample - 1 ({n_rows - 1}), got "
+                         f"{pause_below}")
+
+
+def stream_chunks(finished: Generator[list[int], None, Any], chunk_rows: int, chunk: Callable[[list[int]], Batch],
+                  tail: Callable[[Any], Batch]) -> Iterator[Batch]:
+    """What every engine's `stream` yields: the finished rows a decode loop reports, as chunks of `chunk_rows`
+    (`chunk(rows)`), then, if the loop paused, its state for another rank (`tail(paused)`)."""
+    chunks = chunk_finished(finished, chunk_rows)
+    while True:
+        try:
+            rows = next(chunks)
+        except StopIteration as end:
+            paused = end.value
+            break
+        yield chunk(rows)
+    if paused is not None:
+        yield tail(paused)
+
+
+def chunk_of(prompts: Batch, tokens: torch.Tensor, logp: torch.Tensor, index: torch.Tensor, rows: list[int],
+             cfg: SamplingConfig, *, eos: int, pad: int) -> Batch:
+    """Buffer rows `rows` of a decode loop as a streamed chunk: samples in the output layout plus `row_index`."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    out = assemble_samples(prompts.take(idx), tokens[idx], logp[idx], eos=eos, pad=pad, ignore_eos=cfg.ignore_eos)
+    return Batch({**out.tensors, ROW_INDEX: index[idx]}, out.rows, out.meta)
 
 
 def chunk_finished(finished: Generator[list[int], None, Any], chunk_rows: int) -> Generator[list[int], None, Any]:

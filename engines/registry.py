@@ -136,13 +136,10 @@ def _build_vllm(setup: GenerationSetup) -> GenerationEngine:
     dtype = setup.compute_dtype or setup.config.torch_dtype
     on_gpu = torch.cuda.is_available()
     kv = None if on_gpu else int(os.environ.get("FLOWACTORS_VLLM_KV_CACHE_MB", "1024")) << 20
-    # synchronous scheduling: long-tail migration reads each request's sampling generator after a step
-    # (engines.vllm_engine, Migration); vLLM's CPU backend schedules synchronously anyway
-    engine_args = {"async_scheduling": False} if on_gpu else {"block_size": 32}
     return VLLMGenerationEngine(folder, tp=tp, group=setup.group, eos_token_id=setup.eos_token_id,
                                 pad_token_id=setup.pad_token_id, max_model_len=setup.max_context,
                                 kv_cache_bytes=kv, dtype=str(dtype).removeprefix("torch."), seed=setup.config.seed,
-                                load_format="dummy", engine_args=engine_args)
+                                load_format="dummy", engine_args=None if on_gpu else {"block_size": 32})
 
 
 def _vllm_installed() -> None:

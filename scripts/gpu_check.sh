@@ -100,7 +100,7 @@ sampling = SamplingConfig(max_new_tokens=n, ignore_eos=True)
 t0 = time.time()
 engine = VLLMGenerationEngine(d, tp=1, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="float32",
                               kv_cache_bytes=1 << 28, enforce_eager=True,  # sleeps between rollouts on CUDA
-                              engine_args={"async_scheduling": False})  # as engines.registry builds it on CUDA
+                              engine_args={"async_scheduling": False})  # migration under the V1 runner needs it
 start = time.time() - t0
 out = engine.generate(None, prompts, sampling, greedy=True)  # then sleeps (level 2)
 err = float((out["rollout_log_probs"] - ref_logp).abs().max())
@@ -108,8 +108,11 @@ t0 = time.time()
 engine.load_weights(new.items())  # wakes, reloads in place, resets the prefix cache
 reload_s = time.time() - t0
 out_new = engine.generate(None, prompts, sampling, greedy=True)
-# long-tail migration on CUDA: rows 2-3 pause after 2 tokens (their CUDA generators' states travel), rows 0-1
-# admit them; every row must draw generate's tokens
+# long-tail migration on CUDA: of rows 1-3, row 2 ends after 2 tokens and rows 1 and 3 pause there (V1 runner:
+# their generators' states travel; V2: their seeds suffice); row 0's stream admits them; every row must draw
+# generate's tokens. Sleeping drops the weights, so they are reloaded and the engine kept awake for this part.
+engine.load_weights(new.items())
+engine.sleep_between_rollouts = False
 import queue
 from engines.generation import STOP_AT
 stopped = Batch({**prompts.tensors, STOP_AT: torch.tensor([8, 3, 2, 8])})

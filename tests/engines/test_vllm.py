@@ -175,49 +175,73 @@ def test_reload_weights_in_memory_equals_transformers_with_those_weights(setup):
     assert torch.equal(back["responses"], setup["ref"]["responses"])
 
 
-def test_long_tail_migration_resumes_each_request_where_it_paused(setup):
-    """Long-tail migration with vLLM: a stream that pauses hands its running requests over (tokens so far and
-    sampling generators); a stream that receives them re-prefills each over prompt + tokens so far and resumes
-    its generator. Every row, moved or not, draws generate's tokens; the moved rows' log-probs agree to
-    rounding (a prefill rounds unlike step-by-step decoding)."""
+def _migrate(engine, prompts, cfg, *, greedy=False, carry=True, when="queued"):
+    """Rows 2-4 stream with pause_below=2 (rows 3 and 4 running when row 2 ends, after 3 tokens) and hand those
+    over to a stream of rows 0-1, which admits them `when`: queued before it starts, after its first chunk (into
+    a running batch), or once its own rows have all finished (from another thread). Returns the tail and every
+    row, in row order."""
     import queue
+    import threading
 
     from engines.generation import is_tail
 
+    sent = list(engine.stream(None, prompts.slice(2, 5), cfg, 1, greedy=greedy, seed=5, seed_offset=2,
+                              row_offset=2, pause_below=2))
+    tail = sent[-1]
+    assert is_tail(tail) and not any(is_tail(c) for c in sent[:-1])
+    if not carry:  # the generators a fresh seeding would give, not the ones the requests advanced
+        fresh = torch.stack([torch.Generator().manual_seed(int(x)).get_state() for x in tail["_tail.seed"]])
+        tail = Batch({**tail.tensors, "_tail.generator": fresh}, tail.rows, tail.meta)
+    inbox = queue.Queue()
+
+    def hand_over():
+        inbox.put([tail])
+        inbox.put(None)
+
+    if when == "queued":
+        hand_over()
+    received = engine.stream(None, prompts.slice(0, 2), cfg, 1, greedy=greedy, seed=5, inbox=inbox)
+    got = [next(received)]
+    if when == "running":
+        hand_over()
+    elif when == "idle":
+        got.append(next(received))  # both own rows done: the stream now waits for the inbox
+        threading.Timer(0.5, hand_over).start()
+    got += list(received)
+    rows = Batch.concat(sent[:-1] + got)
+    return tail, rows.take(torch.argsort(rows["row_index"]))
+
+
+def test_long_tail_migration_resumes_each_request_where_it_paused(setup):
+    """Long-tail migration with vLLM: a stream that pauses hands its running requests over (tokens so far and
+    sampling generators); a stream that receives them re-prefills each over prompt + tokens so far and resumes
+    its generator, whether they arrive before it starts, while it decodes or once its own rows are done. Every
+    row, moved or not, draws generate's tokens; the moved rows' log-probs agree to rounding (a prefill rounds
+    unlike step-by-step decoding). Greedy rows (with EOS) move with no generator."""
     engine = setup["engine"]
     cfg = SamplingConfig(max_new_tokens=8, temperature=0.9, ignore_eos=True)
     prompts = Batch({**setup["prompts"].tensors, STOP_AT: torch.tensor([2, 8, 3, 8, 6])})
     ref = engine.generate(None, prompts, cfg, seed=5)
-    # "rank 1" (rows 2-4) pauses once at most 2 of its rows run: after 3 tokens, with rows 3 and 4 running
-    sent = list(engine.stream(None, prompts.slice(2, 5), cfg, 1, seed=5, seed_offset=2, row_offset=2,
-                              pause_below=2))
-    tail = sent[-1]
-    assert is_tail(tail) and not any(is_tail(c) for c in sent[:-1])
-    assert tail["row_index"].tolist() == [3, 4] and tail["_tail.step"].tolist() == [3, 3]
-    assert [c["row_index"].tolist() for c in sent[:-1]] == [[2]]
-    # "rank 0" (rows 0-1) admits them
-    inbox = queue.Queue()
-    inbox.put([tail])
-    inbox.put(None)
-    got = list(engine.stream(None, prompts.slice(0, 2), cfg, 2, seed=5, inbox=inbox))
-    rows = Batch.concat(sent[:-1] + got)
-    order = torch.argsort(rows["row_index"])
-    assert rows["row_index"][order].tolist() == list(range(5))
-    for key in ("responses", "response_mask", "input_ids"):
-        assert torch.equal(rows[key][order], ref[key]), key
-    err = float((rows["rollout_log_probs"][order] - ref["rollout_log_probs"]).abs().max())
-    print(f"\nmigration: 2 requests paused after 3 tokens and resumed on the receiving stream; tokens equal "
-          f"generate's, log-prob max error {err:.2e}")
-    assert err < LOGP_TOL
-    # without the generators the moved rows would draw other tokens: the carried state is what makes them equal
-    fresh = tail.select(*(k for k in tail.keys() if k != "_tail.generator"))
-    fresh = Batch({**fresh.tensors, "_tail.generator": torch.stack(
-        [torch.Generator().manual_seed(int(s)).get_state() for s in tail["_tail.seed"]])}, fresh.rows, fresh.meta)
-    inbox = queue.Queue()
-    inbox.put([fresh])
-    inbox.put(None)
-    moved = Batch.concat(list(engine.stream(None, prompts.slice(0, 2), cfg, 4, seed=5, inbox=inbox)))
-    assert not torch.equal(moved["responses"][moved["row_index"] >= 3], ref["responses"][3:])
+    for when in ("queued", "running", "idle"):
+        tail, rows = _migrate(engine, prompts, cfg, when=when)
+        assert tail["row_index"].tolist() == [3, 4] and tail["_tail.step"].tolist() == [3, 3]
+        assert rows["row_index"].tolist() == list(range(5))
+        for key in ("responses", "response_mask", "input_ids"):
+            assert torch.equal(rows[key], ref[key]), (when, key)
+        err = float((rows["rollout_log_probs"] - ref["rollout_log_probs"]).abs().max())
+        print(f"\nmigration ({when}): 2 requests paused after 3 tokens and resumed on the receiving stream; "
+              f"tokens equal generate's, log-prob max error {err:.2e}")
+        assert err < LOGP_TOL
+    # without the carried generators the moved rows draw other tokens: the state is what makes them equal
+    _, rows = _migrate(engine, prompts, cfg, carry=False)
+    assert torch.equal(rows["responses"][:3], ref["responses"][:3])
+    assert not torch.equal(rows["responses"][3:], ref["responses"][3:])
+    # greedy, EOS allowed
+    greedy_ref = engine.generate(None, prompts, GREEDY, greedy=True)
+    tail, rows = _migrate(engine, prompts, GREEDY, greedy=True, when="running")
+    assert tail["_tail.generator"].numel() == 0
+    assert torch.equal(rows["responses"], greedy_ref["responses"])
+    assert torch.equal(rows["response_mask"], greedy_ref["response_mask"])
 
 
 def test_tensor_parallel_2_under_external_launcher_equals_tp1(setup, tmp_path):
