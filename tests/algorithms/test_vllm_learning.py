@@ -52,17 +52,8 @@ def test_stage_fusion_takes_vllm_requests_as_they_finish_and_changes_nothing(tmp
 
 def test_long_tail_migration_between_vllm_engines_changes_nothing(tmp_path):
     """`--placement fused fuse=true fuse_migrate=true` with vLLM: rank 1's engine hands its running requests to
-    rank 0's, which re-prefills them with their sampling generators restored; the run's metrics equal the unfused
-    run's on the same placement, step by step."""
-    from algorithms.ppo import main
-    from tests.fusion.test_fused_step import ALIGNED
+    rank 0's, which re-prefills them (their sampling generators restored under vLLM's V1 runner); the run's
+    metrics equal the unfused run's on the same placement, step by step."""
+    from tests.fusion.test_fused_step import assert_the_ppo_program_migrates_and_changes_nothing
 
-    common = [*VLLM, "--placement", "fused", "--steps", "2", f"max_new_tokens={ALIGNED}", "prompts_per_step=16",
-              "mini_batch_samples=8", "fuse_chunk_samples=2"]
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    plain = run(main, tmp_path / "a", *common, "fuse=false")
-    migrated = run(main, tmp_path / "b", *common, "fuse=true", "fuse_migrate=true")
-    for a, b in zip(plain, migrated, strict=True):
-        for key in ("reward_mean", "kl", "entropy", "response_length_mean", "critic/vf_loss"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    assert_the_ppo_program_migrates_and_changes_nothing(tmp_path, *VLLM)

@@ -358,10 +358,15 @@ def test_migration_refuses_a_layout_it_cannot_run(ctl, data):
 def test_the_ppo_program_migrates_on_the_fused_placement_and_changes_nothing(tmp_path):
     """`--placement fused fuse=true fuse_migrate=true`: actor and reference on both slots, critic and reward on
     the second; the run's metrics equal the unfused run's on the same placement, step by step."""
+    assert_the_ppo_program_migrates_and_changes_nothing(tmp_path)
+
+
+def assert_the_ppo_program_migrates_and_changes_nothing(tmp_path, *overrides: str) -> None:
+    """PPO on `--placement fused` for 2 steps, unfused and with fuse_migrate: equal metrics, step by step."""
     from algorithms.ppo import main
     from tests.algorithms.test_learning import run
 
-    common = ["--placement", "fused", "--steps", "2", f"max_new_tokens={ALIGNED}", "prompts_per_step=16",
+    common = [*overrides, "--placement", "fused", "--steps", "2", f"max_new_tokens={ALIGNED}", "prompts_per_step=16",
               "mini_batch_samples=8", "fuse_chunk_samples=2"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
