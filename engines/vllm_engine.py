@@ -442,8 +442,10 @@ class VLLMGenerationEngine:
         generators = {_request_key(req_id): state.generator for req_id, state in runner.requests.items()
                       if getattr(state, "generator", None) is not None}
         states = []
-        for i in running:  # one vLLM has not scheduled yet has the generator it would get: seeded, unused
-            gen = generators.get(f"{call}-{i}") or torch.Generator(device=runner.device).manual_seed(rows.seeds[i])
+        for i in running:
+            gen = generators.get(f"{call}-{i}")
+            if gen is None:  # vLLM has not scheduled the request yet: the generator it would get, seeded, unused
+                gen = torch.Generator(device=runner.device).manual_seed(rows.seeds[i])
             states.append(gen.get_state())
         return rows.tail(running, torch.stack(states))
 
@@ -462,8 +464,6 @@ class VLLMGenerationEngine:
             raise ValueError(f"a paused request's generator state has {state.numel()} bytes, this engine's "
                              f"generators {size}: it comes from another device type; migrate between engines on "
                              f"the same kind of device")
-
-
 
 
 def _request_key(req_id: str) -> str:

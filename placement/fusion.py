@@ -11,7 +11,8 @@ replica ends. Fused: once the running rows fall to `migrate_below` of the batch,
 hold them, and the devices freed start scoring the finished samples; when the tail ends, every device scores what
 is left. A row moves with its KV cache (`migrate_by="kv"`, what flowactors' hf engine does: its prompt plus the
 tokens so far, every layer's keys and values, into the receiving replica over one node's network link), or is
-re-prefilled from its tokens there (`migrate_by="prefill"`, the way an engine that keeps its KV blocks would).
+re-prefilled from its tokens there (`migrate_by="prefill"`, what flowactors' vLLM engine does: vLLM keeps its KV
+blocks).
 Scoring is costed as divisible work (device-seconds of the unfused pass), which ignores that the freed devices
 hold a smaller layout of each scorer than the whole cluster does.
 
