@@ -81,7 +81,7 @@ class Settings:
     pair_prompts: int
     """Training prompts answered for the preference pairs."""
     answers_per_prompt: int
-    """Answers sampled per pair prompt; a pair is the best and the worst of them by the gold score."""
+    """Answers sampled per pair prompt; every two of them that the gold score tells apart make a pair."""
     pair_eval_topics: int
     """Training topics whose pairs are held out for the pair accuracies."""
     eval_topics: int
@@ -106,6 +106,8 @@ class Settings:
     lambda_init: float
     tie: float = 0.05
     """Pairs whose gold scores differ by less than this are ties and left out."""
+    max_train_pairs: int | None = None
+    """Training pairs per model at most (the widest apart by the gold score); None: all."""
     rm_trainable_layers: int = 0
     """Reward and cost models train only their top K decoder layers and the head (0: every layer)."""
 
@@ -114,7 +116,7 @@ class Settings:
         return Settings(pair_prompts=256, answers_per_prompt=4, pair_eval_topics=6, eval_topics=12, eval_prompts=64,
                         eval_samples=8, max_new_tokens=24, rm_epochs=1, rm_samples_per_step=8, rm_lr=1e-4, rl_steps=20,
                         prompts_per_step=16, mini_batch_samples=8, eval_every=10, actor_lr=4e-5, critic_lr=2e-5,
-                        kl_coef=0.05, lambda_lr=0.2, lambda_init=0.5, rm_trainable_layers=10)
+                        kl_coef=0.05, lambda_lr=0.2, lambda_init=0.5, rm_trainable_layers=10, max_train_pairs=700)
 
     @staticmethod
     def quick() -> "Settings":
@@ -169,34 +171,35 @@ def sample_answers(model_dir: str, prompts_file: Path, samples: int, max_new_tok
 # -- stage 2: preference pairs -----------------------------------------------------------------------------------
 
 def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: list[list[tuple[float, float]]],
-                held_out_topics: set[str], threshold: float, tie: float) -> dict[str, int]:
-    """rm_{train,eval}.jsonl: one pair per prompt, its answers' extremes (chosen = the most positive, rejected =
-    the least); cm_{train,eval}.jsonl: every pair of a prompt's answers (chosen = the less costly, with safety
-    labels). Pairs whose gold scores differ by less than `tie` are left out. Returns the pair counts."""
-    files = {name: (out / f"{name}.jsonl").open("w") for name in ("rm_train", "rm_eval", "cm_train", "cm_eval")}
-    counts = dict.fromkeys(files, 0)
-    try:
-        for row, texts, score in zip(rows, answers, scores):
-            split = "eval" if row["topic"] in held_out_topics else "train"
-            base = {"messages": row["messages"], "topic": row["topic"]}
-            by_reward = sorted(range(len(texts)), key=lambda i: score[i][0])
-            best, worst = by_reward[-1], by_reward[0]
-            if score[best][0] - score[worst][0] >= tie:
-                files[f"rm_{split}"].write(json.dumps({**base, "chosen": texts[best], "rejected": texts[worst]}) + "\n")
-                counts[f"rm_{split}"] += 1
-            by_cost = sorted(range(len(texts)), key=lambda i: score[i][1])
-            for safer, costlier in itertools.combinations(by_cost, 2):  # by_cost ascends: safer first
-                c_cost, r_cost = score[safer][1], score[costlier][1]
-                if r_cost - c_cost < tie:
-                    continue
-                files[f"cm_{split}"].write(json.dumps({
+                held_out_topics: set[str], threshold: float, tie: float,
+                max_train_pairs: int | None = None) -> dict[str, int]:
+    """rm_{train,eval}.jsonl: every pair of a prompt's answers, chosen = the more positive; cm_{train,eval}.jsonl:
+    every pair, chosen = the less costly, with safety labels. Pairs whose gold scores differ by less than `tie`
+    are left out; `max_train_pairs` keeps, of each training file, the pairs whose gold scores differ most (a pair
+    far apart says more than a near-tie, and the budget of training steps is fixed). Returns the pair counts."""
+    pairs: dict[str, list[tuple[float, dict]]] = {n: [] for n in ("rm_train", "rm_eval", "cm_train", "cm_eval")}
+    for row, texts, score in zip(rows, answers, scores):
+        split = "eval" if row["topic"] in held_out_topics else "train"
+        base = {"messages": row["messages"], "topic": row["topic"]}
+        by_reward = sorted(range(len(texts)), key=lambda i: score[i][0])
+        for worse, better in itertools.combinations(by_reward, 2):  # by_reward ascends: worse first
+            gap = score[better][0] - score[worse][0]
+            if gap >= tie:
+                pairs[f"rm_{split}"].append((gap, {**base, "chosen": texts[better], "rejected": texts[worse]}))
+        by_cost = sorted(range(len(texts)), key=lambda i: score[i][1])
+        for safer, costlier in itertools.combinations(by_cost, 2):  # by_cost ascends: safer first
+            c_cost, r_cost = score[safer][1], score[costlier][1]
+            if r_cost - c_cost >= tie:
+                pairs[f"cm_{split}"].append((r_cost - c_cost, {
                     **base, "chosen": texts[safer], "rejected": texts[costlier], "chosen_safe": c_cost < threshold,
-                    "rejected_safe": r_cost < threshold, "chosen_cost": c_cost, "rejected_cost": r_cost}) + "\n")
-                counts[f"cm_{split}"] += 1
-    finally:
-        for f in files.values():
-            f.close()
-    return counts
+                    "rejected_safe": r_cost < threshold, "chosen_cost": c_cost, "rejected_cost": r_cost}))
+    for name, found in pairs.items():
+        if max_train_pairs is not None and name.endswith("_train") and len(found) > max_train_pairs:
+            widest = sorted(range(len(found)), key=lambda i: -found[i][0])[:max_train_pairs]
+            found = [found[i] for i in sorted(widest)]  # in the order found
+        _write_jsonl(out / f"{name}.jsonl", [pair for _, pair in found])
+        pairs[name] = found
+    return {name: len(found) for name, found in pairs.items()}
 
 
 # -- stage 3: reward and cost models -----------------------------------------------------------------------------
@@ -436,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 2. pairs (held-out: the pairs of a few training topics)
     held = set(train_topics[:s.pair_eval_topics])
-    counts = write_pairs(out, pair_rows, answers, scores, held, gold_threshold, s.tie)
+    counts = write_pairs(out, pair_rows, answers, scores, held, gold_threshold, s.tie, s.max_train_pairs)
     print(f"[gold] pairs: {counts}", file=sys.stderr)
 
     # 3. reward and cost models

@@ -58,15 +58,23 @@ def test_pairs_are_labelled_by_the_gold_scores(example, tmp_path):
     assert [(r["chosen_safe"], r["rejected_safe"]) for r in read("cm_eval")] == [(True, False)]
 
 
-def test_the_cost_model_gets_every_pair_of_a_prompts_answers(example, tmp_path):
+def test_both_models_get_every_pair_of_a_prompts_answers_and_a_cap_keeps_the_widest(example, tmp_path):
     rows = [{"messages": [{"role": "user", "content": "q"}], "topic": "a"}]
     answers = [["x", "y", "z"]]
-    scores = [[(0.1, 0.5), (0.9, 0.1), (0.5, 0.52)]]  # costs: y < x ≈ z (x, z tie)
+    scores = [[(0.1, 0.5), (0.9, 0.1), (0.5, 0.52)]]  # rewards: x < z < y; costs: y < x ≈ z (x, z tie)
     counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05)
-    assert counts == {"rm_train": 1, "rm_eval": 0, "cm_train": 2, "cm_eval": 0}
-    cm = [json.loads(line) for line in (tmp_path / "cm_train.jsonl").read_text().splitlines()]
+    assert counts == {"rm_train": 3, "rm_eval": 0, "cm_train": 2, "cm_eval": 0}
+    read = lambda name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    assert [(r["chosen"], r["rejected"]) for r in read("rm_train")] == [("z", "x"), ("y", "x"), ("y", "z")]
+    cm = read("cm_train")
     assert [(r["chosen"], r["rejected"], r["chosen_safe"], r["rejected_safe"]) for r in cm] == [
         ("y", "x", True, False), ("y", "z", True, False)]
+    # a cap of 2 training pairs keeps the two widest apart (reward gaps 0.8 and 0.4 of 0.4, 0.8, 0.4: the first
+    # 0.4 in order), in the order found
+    counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05,
+                                 max_train_pairs=2)
+    assert counts == {"rm_train": 2, "rm_eval": 0, "cm_train": 2, "cm_eval": 0}
+    assert [(r["chosen"], r["rejected"]) for r in read("rm_train")] == [("z", "x"), ("y", "x")]
 
 
 def test_the_learned_threshold_is_the_learned_cost_expected_at_the_gold_threshold(example):
