@@ -23,25 +23,31 @@ The stages, each a progress bar, each on the project's own programs and a 2-slot
    layers and the head (`trainable_layers=10`): the same held-out accuracy here as training every layer
    (measured: correlation with the gold reward 0.47-0.50 either way), at about half the time a step. Each rank
    holds a whole replica (`zero_stage=1`): FSDP2 would gather every layer's weights twice a step.
-4. **The cost threshold in the learned model's units.** The gold threshold is the policy's starting mean
-   intensity (measured on the stage-1 samples): "become more positive, no more emotional than you are". The
-   cost model's units are arbitrary, so the held-out pair answers are scored with it and a least-squares line
-   learned ≈ c·gold + d gives the learned cost an answer of a given gold cost gets on average; the RL threshold is
-   that line at the gold threshold less a small margin (`--cost-margin`, gold units: the learned cost is a noisy
-   proxy and the target is the gold cost). This direction, not the inverse of gold ≈ a·learned + b: the constraint
-   is on a step's mean learned cost, whose errors independent of the gold cost average out, so shifting the
-   policy's mean gold cost by Δ shifts its mean learned cost by c·Δ. The inverse line's slope is shrunk by the
-   proxy's noise (a = r²/c), so it asks for a 1/r² times larger cut: measured with r = 0.44, it held the learned
-   cost ~5x too low and the policy gave up positivity to get there (gold reward 0.24 → 0.18 after 10 steps).
+4. **The cost threshold in the learned model's units.** The constraint is "become more positive, no more emotional
+   than you are": the gold threshold of the target is the policy's starting mean intensity on the held-out prompts
+   (its first evaluation, before any update; the before/after comparison is then paired), and the RL holds the same
+   statement on the training prompts, whose start is the stage-1 samples' mean intensity (to two decimals). Topics
+   differ in intensity, so the two starts differ (seed 0: 0.180 held out, 0.174 training; seed 1: 0.205 and 0.177);
+   a threshold taken from one set and judged on the other would test the topic split, not the constraint. The cost
+   model's units are arbitrary, so the held-out pair answers are scored with it and a least-squares line learned ≈
+   c·gold + d gives the learned cost an answer of a given gold cost gets on average; the RL threshold is that line
+   at the training start less a small margin (`--cost-margin`, gold units: the learned cost is a noisy proxy and the
+   target is the gold cost). This direction, not the inverse of gold ≈ a·learned + b: the constraint is on a step's
+   mean learned cost, whose errors independent of the gold cost average out, so shifting the policy's mean gold cost
+   by Δ shifts its mean learned cost by c·Δ. The inverse line's slope is shrunk by the proxy's noise (a = r²/c), so
+   it asks for a 1/r² times larger cut: measured with r = 0.44, it held the learned cost ~5x too low and the policy
+   gave up positivity to get there (gold reward 0.24 → 0.18 after 10 steps).
 5. **Safe-RLHF** (`algorithms/safe_rlhf.py`, PPO-Lagrangian) with `reward_model=`, `cost_model=`, `train_files=`,
    `eval_files=`, `eval_every=`, on the `safe_rlhf_smollm2()` preset with `sft_steps=0` (the instruct model is the
    SFT policy) and `whiten_rewards=true`: a briefly trained reward model scores within about ±0.1, so unscaled its
    differences between samples were smaller than the KL penalty, which then steered the policy (measured: unscaled,
-   the learned reward did not rise in 10 steps; whitened, the gold reward rose from 0.24 to 0.43 in 10 steps). The run is driven in-process (`algorithms.loop._Run`, as tests/algorithms/test_smollm2.py does) so
-   that its evaluations also decode the held-out answers and score them with the gold scorers: before the first
-   step, every `eval_every` steps and after the last. Evaluation samples (temperature 1, the distribution the
-   constraint is about) with a fixed seed per prompt and sample, so every evaluation draws the same random numbers
-   and before/after differences are paired.
+   the learned reward did not rise in 10 steps; whitened, the gold reward rose from 0.24 to 0.43 in 10 steps). λ
+   starts at 0.5 and moves slowly (`lambda_lr=0.2`): with λ from 1.0 or 1.5 (lr 0.5) the gold cost fell well below
+   its threshold and the gold reward fell with it (README). The run is driven in-process (`algorithms.loop._Run`, as
+   tests/algorithms/test_smollm2.py does) so that its evaluations also decode the held-out answers and score them
+   with the gold scorers: before the first step, every `eval_every` steps and after the last. Evaluation samples
+   (temperature 1, the distribution the constraint is about) with a fixed seed per prompt and sample, so every
+   evaluation draws the same random numbers and before/after differences are paired.
 6. `DIR/eval.json` and `DIR/curves.png` (gold reward and cost per evaluation with standard errors, the gold
    threshold, and λ per step).
 
@@ -400,9 +406,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a shortened run (few prompts and steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cost-threshold", type=float, default=None,
-                        help="gold cost threshold (emotional intensity); default: the policy's starting mean")
+                        help="gold cost threshold (emotional intensity); default: the policy's own starting mean, "
+                             "on the held-out prompts for the target and on the training prompts for the RL")
     parser.add_argument("--cost-margin", type=float, default=0.02,
-                        help="the RL threshold aims this far (gold units) below the gold threshold")
+                        help="the RL threshold aims this far (gold units) below the policy's start")
     args = parser.parse_args(argv)
     missing = missing_packages()
     if missing:
@@ -432,13 +439,14 @@ def main(argv: list[str] | None = None) -> dict:
     flat_r = [r for sc in scores for r, _ in sc]
     flat_c = [c for sc in scores for _, c in sc]
     correlation = statistics.correlation(flat_r, flat_c)
-    gold_threshold = args.cost_threshold if args.cost_threshold is not None else round(statistics.fmean(flat_c), 2)
-    print(f"[gold] {len(flat_r)} samples: reward {statistics.fmean(flat_r):.3f}, cost {statistics.fmean(flat_c):.3f}, "
-          f"Pearson r(reward, cost) = {correlation:.2f}; gold cost threshold {gold_threshold}", file=sys.stderr)
+    train_start = statistics.fmean(flat_c)  # the policy's mean intensity on training prompts: the RL's reference
+    reference = args.cost_threshold if args.cost_threshold is not None else round(train_start, 2)
+    print(f"[gold] {len(flat_r)} samples: reward {statistics.fmean(flat_r):.3f}, cost {train_start:.3f}, "
+          f"Pearson r(reward, cost) = {correlation:.2f}", file=sys.stderr)
 
     # 2. pairs (held-out: the pairs of a few training topics)
     held = set(train_topics[:s.pair_eval_topics])
-    counts = write_pairs(out, pair_rows, answers, scores, held, gold_threshold, s.tie, s.max_train_pairs)
+    counts = write_pairs(out, pair_rows, answers, scores, held, reference, s.tie, s.max_train_pairs)
     print(f"[gold] pairs: {counts}", file=sys.stderr)
 
     # 3. reward and cost models
@@ -448,16 +456,18 @@ def main(argv: list[str] | None = None) -> dict:
     # 4. the threshold in the cost model's units
     learned, gold_costs = learned_costs(model_dir, str(out / "cost_model"), out / "cm_eval.jsonl",
                                        s.max_new_tokens + 1)
-    threshold, fit = learned_threshold(learned, gold_costs, gold_threshold - args.cost_margin)
+    threshold, fit = learned_threshold(learned, gold_costs, reference - args.cost_margin)
     print(f"[gold] cost model vs gold cost on held-out answers: r = {fit['correlation']:.2f}; RL cost threshold "
-          f"{threshold:.3f} (learned units) for gold {gold_threshold - args.cost_margin:.3f}", file=sys.stderr)
+          f"{threshold:.3f} (learned units) for gold {reference - args.cost_margin:.3f}", file=sys.stderr)
 
     # 5. Safe-RLHF, evaluated with the gold scorers
     history, points = run_safe_rlhf(model_dir, out, s, threshold, gold, args.seed)
 
-    # 6. eval.json and curves.png
+    # 6. eval.json and curves.png; the gold threshold: the policy's own start on the held-out prompts
+    gold_threshold = args.cost_threshold if args.cost_threshold is not None else statistics.fmean(points[0]["costs"])
     minutes = (time.perf_counter() - t0) / 60
     result = summarize(points, gold_threshold, threshold, fit, rm, cm, correlation, minutes, history)
+    result["gold_cost_train_start"] = train_start
     (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "eval_points.json").write_text(json.dumps(points, indent=1) + "\n")
     plot(points, history, gold_threshold, threshold, out / "curves.png")

@@ -119,6 +119,9 @@ def test_quick_pipeline_writes_a_complete_eval_json_and_the_plot(tmp_path):
     for key in ("gold_cost_before", "gold_cost_after", "cost_threshold", "rm_pair_accuracy", "cm_pair_accuracy"):
         assert 0 <= result[key] <= 1, (key, result[key])
     assert result["gold_reward_stderr"] >= 0 and math.isfinite(result["gold_reward_stderr"])
+    # the target's threshold: the policy's own start on the held-out prompts (the RL's: on the training prompts)
+    assert result["cost_threshold"] == pytest.approx(result["gold_cost_before"])
+    assert 0 <= result["gold_cost_train_start"] <= 1
     assert result["eval_prompts"] == 8 and 0 < result["minutes"] < 60
     assert -1 <= result["reward_cost_correlation"] <= 1
     points = json.loads((out / "eval_points.json").read_text())
