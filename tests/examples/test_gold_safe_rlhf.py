@@ -99,6 +99,48 @@ def test_missing_packages_stop_with_the_install_command(example, monkeypatch, tm
     assert not list(tmp_path.iterdir())  # stopped before doing anything
 
 
+def test_set_overrides_the_run_sizes_by_their_types_and_refuses_unknown_keys(example, tmp_path):
+    base = example.Settings.full()
+    s = example.with_overrides(base, ["lambda_init=0.5", "rl_steps=24", "max_train_pairs=300"])
+    assert (s.lambda_init, s.rl_steps, s.max_train_pairs) == (0.5, 24, 300)
+    assert type(s.rl_steps) is int and base.lambda_init == 1.0  # typed; the defaults untouched
+    with pytest.raises(SystemExit, match="KEY one of .*lambda_init"):
+        example.main(["--out", str(tmp_path), "--set", "lamda_init=0.5"])
+    with pytest.raises(SystemExit, match="not a valid int for rl_steps"):
+        example.main(["--out", str(tmp_path), "--set", "rl_steps=2.5"])
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_from_run_needs_a_finished_runs_folder_and_keeps_an_outs_own_models(example, tmp_path):
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir()
+    (run / "reward_model").mkdir()
+    with pytest.raises(SystemExit, match="lacks cost_model, rl_train.jsonl, rl_eval.jsonl, eval.json"):
+        example.main(["--out", str(out), "--from-run", str(run)])
+    for name in ("cost_model", "rl_train.jsonl", "rl_eval.jsonl", "eval.json"):
+        (run / name).touch()
+    with pytest.raises(SystemExit, match="its eval.json lacks a JSON object"):
+        example.main(["--out", str(out), "--from-run", str(run)])
+    (run / "eval.json").write_text(json.dumps({"cost_calibration": {"slope": 2.0, "intercept": -0.1}}))
+    with pytest.raises(SystemExit, match="lacks gold_cost_train_start, rm_pair_accuracy"):
+        example.main(["--out", str(out), "--from-run", str(run)])
+    (run / "eval.json").write_text(json.dumps({
+        "cost_calibration": {"slope": 2.0, "intercept": -0.1}, "gold_cost_train_start": 0.174, "rm_pair_accuracy": 0.6,
+        "cm_pair_accuracy": 0.7, "cm_sign_accuracy": 0.6, "reward_cost_correlation": 0.5}))
+    (out / "reward_model").mkdir()
+    with pytest.raises(SystemExit, match="holds its own reward_model"):
+        example.main(["--out", str(out), "--from-run", str(run)])
+    assert [p.name for p in out.iterdir()] == ["reward_model"]  # nothing replaced
+    # an empty folder: the run's files linked in; its calibration line at this run's threshold (the training start
+    # to two decimals, 0.17, less the margin): 2 * 0.15 - 0.1
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    models = example.reuse_models(run, fresh, None, 0.02)
+    assert models.threshold == pytest.approx(0.2) and models.source == str(run.resolve())
+    assert all((fresh / name).resolve() == (run / name).resolve() for name in example.REUSED)
+    assert example.reuse_models(run, fresh, 0.25, 0.02).threshold == pytest.approx(0.36)  # --cost-threshold
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_quick_pipeline_writes_a_complete_eval_json_and_the_plot(tmp_path):
@@ -132,3 +174,14 @@ def test_quick_pipeline_writes_a_complete_eval_json_and_the_plot(tmp_path):
         assert any(a.endswith("ForSequenceClassification") for a in config["architectures"])
     for stage in ("samples", "train_reward", "safe_rlhf"):  # a progress bar per stage
         assert stage in done.stderr
+    assert result["from_run"] is None and isinstance(result["target_met"], bool)
+    # the RL stage alone on this run's models (--from-run), with an override: the same learned threshold
+    again = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(tmp_path / "again"), "--quick", "--from-run",
+                            str(out), "--set", "rl_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert again.returncode == 0, again.stderr[-4000:]
+    second = json.loads((tmp_path / "again" / "eval.json").read_text())
+    assert second["from_run"] == str(out.resolve()) and second["target_met"] is None
+    assert second["cost_threshold_learned"] == pytest.approx(result["cost_threshold_learned"])
+    assert second["gold_reward_before"] == pytest.approx(result["gold_reward_before"])  # the same prompts and seed
+    assert second["rl_steps"] == 1  # stages 1-4 skipped: no progress bar of theirs
+    assert not any(bar in again.stderr for bar in ("samples:", "train_reward", "calibrate:")), again.stderr[-2000:]
