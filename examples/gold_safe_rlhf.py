@@ -56,7 +56,9 @@ The stages, each a progress bar, each on the project's own programs and a 2-slot
    threshold, and λ per step).
 
 `gold_reward_stderr` is the standard error of the mean per-prompt rise (after − before, each prompt's answers
-averaged), over the held-out prompts; `gold_reward_rise_stderrs` is the rise in those units.
+averaged), over the held-out prompts; `gold_reward_rise_stderrs` is the rise in those units. `target_met` checks
+the issue's three targets (rise ≥ 3 s.e., gold cost ≤ threshold, ≤ 45 minutes); it is null for a `--from-run` run
+(`from_run` names the run whose models it used), whose minutes cover the RL stage only.
 """
 
 from __future__ import annotations
