@@ -286,11 +286,22 @@ def learned_threshold(learned: list[float], gold: list[float], gold_threshold: f
     docstring, stage 4, for why this direction)."""
     slope, intercept = statistics.linear_regression(gold, learned)
     fit = {"slope": slope, "intercept": intercept, "correlation": statistics.correlation(learned, gold)}
-    if slope <= 0:
+    return threshold_on_line(fit, gold_threshold), fit
+
+
+def threshold_on_line(fit: dict, gold_threshold: float) -> float:
+    """`learned_threshold`'s rule for a fitted line (also `--from-run`'s, on the run's own line)."""
+    if fit["slope"] <= 0:
         print("[gold] the cost model's scores do not rise with the gold cost on held-out answers; using its sign "
               "boundary (threshold 0)", file=sys.stderr)
-        return 0.0, fit
-    return slope * gold_threshold + intercept, fit
+        return 0.0
+    return fit["slope"] * gold_threshold + fit["intercept"]
+
+
+def rl_reference(train_start: float, cost_threshold: float | None) -> float:
+    """The RL's reference gold cost: the training prompts' start to two decimals, or `--cost-threshold`. The RL aims
+    `--cost-margin` below it; the cost pairs' safety labels use it as it is."""
+    return cost_threshold if cost_threshold is not None else round(train_start, 2)
 
 
 # -- stage 5: Safe-RLHF with gold evaluations --------------------------------------------------------------------
@@ -358,8 +369,9 @@ class Learned:
 
     threshold: float
     fit: dict
-    rm: dict
-    cm: dict
+    rm_pair_accuracy: float
+    cm_pair_accuracy: float
+    cm_sign_accuracy: float | None
     correlation: float
     train_start: float
     source: str | None = None
@@ -420,13 +432,13 @@ def summarize(points: list[dict], gold_threshold: float, models: Learned, minute
         "cost_threshold": gold_threshold,
         "gold_reward_stderr": se,
         "eval_prompts": len(before["rewards"]),
-        "rm_pair_accuracy": models.rm["eval/pair_accuracy"],
-        "cm_pair_accuracy": models.cm["eval/pair_accuracy"],
+        "rm_pair_accuracy": models.rm_pair_accuracy,
+        "cm_pair_accuracy": models.cm_pair_accuracy,
         "minutes": minutes,
         # what the figures above rest on
         "gold_reward_rise_stderrs": statistics.fmean(rise) / se if se > 0 else float("nan"),
         "gold_cost_after_stderr": _stderr(after["costs"]),
-        "cm_sign_accuracy": models.cm.get("eval/sign_accuracy"),
+        "cm_sign_accuracy": models.cm_sign_accuracy,
         "reward_cost_correlation": models.correlation,
         "cost_threshold_learned": models.threshold,
         "cost_calibration": models.fit,
@@ -461,7 +473,7 @@ def learn_models(model_dir: str, out: Path, s: Settings, gold: GoldScorers, seed
     flat_c = [c for sc in scores for _, c in sc]
     correlation = statistics.correlation(flat_r, flat_c)
     train_start = statistics.fmean(flat_c)  # the policy's mean intensity on training prompts: the RL's reference
-    reference = cost_threshold if cost_threshold is not None else round(train_start, 2)
+    reference = rl_reference(train_start, cost_threshold)
     print(f"[gold] {len(flat_r)} samples: reward {statistics.fmean(flat_r):.3f}, cost {train_start:.3f}, "
           f"Pearson r(reward, cost) = {correlation:.2f}", file=sys.stderr)
 
@@ -480,7 +492,8 @@ def learn_models(model_dir: str, out: Path, s: Settings, gold: GoldScorers, seed
     threshold, fit = learned_threshold(learned, gold_costs, reference - margin)
     print(f"[gold] cost model vs gold cost on held-out answers: r = {fit['correlation']:.2f}; RL cost threshold "
           f"{threshold:.3f} (learned units) for gold {reference - margin:.3f}", file=sys.stderr)
-    return Learned(threshold, fit, rm, cm, correlation, train_start)
+    return Learned(threshold, fit, rm["eval/pair_accuracy"], cm["eval/pair_accuracy"], cm.get("eval/sign_accuracy"),
+                   correlation, train_start)
 
 
 REUSED = ("reward_model", "cost_model", "rl_train.jsonl", "rl_eval.jsonl")
@@ -514,10 +527,8 @@ def reuse_models(run: Path, out: Path, cost_threshold: float | None, margin: flo
             (out / name).unlink(missing_ok=True)
             (out / name).symlink_to((run / name).resolve())
     fit, train_start = prev["cost_calibration"], prev["gold_cost_train_start"]
-    reference = cost_threshold if cost_threshold is not None else round(train_start, 2)
-    threshold = fit["slope"] * (reference - margin) + fit["intercept"] if fit["slope"] > 0 else 0.0
-    cm = {"eval/pair_accuracy": prev["cm_pair_accuracy"], "eval/sign_accuracy": prev["cm_sign_accuracy"]}
-    return Learned(threshold, fit, {"eval/pair_accuracy": prev["rm_pair_accuracy"]}, cm,
+    threshold = threshold_on_line(fit, rl_reference(train_start, cost_threshold) - margin)
+    return Learned(threshold, fit, prev["rm_pair_accuracy"], prev["cm_pair_accuracy"], prev["cm_sign_accuracy"],
                    prev["reward_cost_correlation"], train_start, source=str(run.resolve()))
 
 
