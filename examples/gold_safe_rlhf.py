@@ -124,11 +124,14 @@ class Settings:
     """Reward and cost models train only their top K decoder layers and the head (0: every layer)."""
     critic_trainable_layers: int = 0
     """The RL's critics train only their top K decoder layers and the value head (0: every layer)."""
+    balance_pairs: bool = True
+    """Each model trains on as many pairs where the other gold score agrees with its label as where it disagrees
+    (`write_pairs`)."""
 
     @staticmethod
     def full() -> "Settings":
         return Settings(pair_prompts=256, answers_per_prompt=4, pair_eval_topics=6, eval_topics=12, eval_prompts=64,
-                        eval_samples=8, max_new_tokens=24, rm_epochs=1, rm_samples_per_step=8, rm_lr=1e-4, rl_steps=20,
+                        eval_samples=8, max_new_tokens=24, rm_epochs=1, rm_samples_per_step=8, rm_lr=3e-4, rl_steps=20,
                         prompts_per_step=16, mini_batch_samples=8, eval_every=10, actor_lr=4e-5, critic_lr=2e-5,
                         kl_coef=0.05, lambda_lr=0.5, lambda_init=1.0, rm_trainable_layers=10, max_train_pairs=700)
 
@@ -152,7 +155,12 @@ def with_overrides(s: Settings, pairs: list[str]) -> Settings:
         current = getattr(s, key)
         kind = int if current is None else type(current)  # max_train_pairs: None or a count
         try:
-            changes[key] = None if value == "None" and current is None else kind(value)
+            if kind is bool:
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                changes[key] = value.lower() == "true"
+            else:
+                changes[key] = None if value == "None" and current is None else kind(value)
         except ValueError:
             raise SystemExit(f"--set {key}={value}: not a valid {kind.__name__} for {key} (now {current})") from None
     return dataclasses.replace(s, **changes)
@@ -204,12 +212,18 @@ def sample_answers(model_dir: str, prompts_file: Path, samples: int, max_new_tok
 
 def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: list[list[tuple[float, float]]],
                 held_out_topics: set[str], threshold: float, tie: float,
-                max_train_pairs: int | None = None) -> dict[str, int]:
+                max_train_pairs: int | None = None, balance: bool = False) -> dict[str, int]:
     """rm_{train,eval}.jsonl: every pair of a prompt's answers, chosen = the more positive; cm_{train,eval}.jsonl:
     every pair, chosen = the less costly, with safety labels. Pairs whose gold scores differ by less than `tie`
-    are left out; `max_train_pairs` keeps, of each training file, the pairs whose gold scores differ most (a pair
-    far apart says more than a near-tie, and the budget of training steps is fixed). Returns the pair counts."""
-    pairs: dict[str, list[tuple[float, dict]]] = {n: [] for n in ("rm_train", "rm_eval", "cm_train", "cm_eval")}
+    are left out. `balance` keeps, of each training file, as many pairs whose other gold score orders the two
+    answers the same way as the label as pairs where it orders them the other way (a reward pair whose chosen
+    answer is also the more intense, a cost pair whose chosen answer is also the less positive), so that the
+    other score says nothing about the label and a model cannot learn it in place of its own (see stage 2).
+    `max_train_pairs` keeps, of each training file, the pairs whose gold scores differ most (a pair far apart says
+    more than a near-tie, and the budget of training steps is fixed), half from each side when balanced. Both
+    keep the pairs in the order found. Returns the pair counts."""
+    pairs: dict[str, list[tuple[float, bool, dict]]] = {n: [] for n in ("rm_train", "rm_eval", "cm_train",
+                                                                         "cm_eval")}
     for row, texts, score in zip(rows, answers, scores):
         split = "eval" if row["topic"] in held_out_topics else "train"
         base = {"messages": row["messages"], "topic": row["topic"]}
@@ -217,21 +231,32 @@ def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: l
         for worse, better in itertools.combinations(by_reward, 2):  # by_reward ascends: worse first
             gap = score[better][0] - score[worse][0]
             if gap >= tie:
-                pairs[f"rm_{split}"].append((gap, {**base, "chosen": texts[better], "rejected": texts[worse]}))
+                pairs[f"rm_{split}"].append((gap, score[better][1] > score[worse][1],
+                                             {**base, "chosen": texts[better], "rejected": texts[worse]}))
         by_cost = sorted(range(len(texts)), key=lambda i: score[i][1])
         for safer, costlier in itertools.combinations(by_cost, 2):  # by_cost ascends: safer first
             c_cost, r_cost = score[safer][1], score[costlier][1]
             if r_cost - c_cost >= tie:
-                pairs[f"cm_{split}"].append((r_cost - c_cost, {
+                pairs[f"cm_{split}"].append((r_cost - c_cost, score[safer][0] < score[costlier][0], {
                     **base, "chosen": texts[safer], "rejected": texts[costlier], "chosen_safe": c_cost < threshold,
                     "rejected_safe": r_cost < threshold, "chosen_cost": c_cost, "rejected_cost": r_cost}))
     for name, found in pairs.items():
-        if max_train_pairs is not None and name.endswith("_train") and len(found) > max_train_pairs:
-            widest = sorted(range(len(found)), key=lambda i: -found[i][0])[:max_train_pairs]
-            found = [found[i] for i in sorted(widest)]  # in the order found
-        _write_jsonl(out / f"{name}.jsonl", [pair for _, pair in found])
+        if name.endswith("_train"):
+            found = _widest(found, max_train_pairs, balance)
+        _write_jsonl(out / f"{name}.jsonl", [pair for _, _, pair in found])
         pairs[name] = found
     return {name: len(found) for name, found in pairs.items()}
+
+
+def _widest(found: list[tuple[float, bool, dict]], cap: int | None, balance: bool) -> list[tuple[float, bool, dict]]:
+    """`write_pairs`' choice of training pairs: (gap, the other score agrees, pair) → the widest gaps, in order."""
+    groups = [[i for i, f in enumerate(found) if f[1] == side] for side in (True, False)] if balance else [
+        list(range(len(found)))]
+    keep = min(map(len, groups))
+    if cap is not None:
+        keep = min(keep, cap // len(groups))
+    chosen = [i for group in groups for i in sorted(group, key=lambda i: -found[i][0])[:keep]]
+    return [found[i] for i in sorted(chosen)]
 
 
 # -- stage 3: reward and cost models -----------------------------------------------------------------------------
@@ -469,6 +494,8 @@ def learn_models(model_dir: str, out: Path, s: Settings, gold: GoldScorers, seed
     # 1. the policy's own samples, gold-scored
     answers = sample_answers(model_dir, out / "pair_prompts.jsonl", s.answers_per_prompt, s.max_new_tokens, seed)
     scores = [list(zip(*gold.score(a))) for a in answers]
+    _write_jsonl(out / "samples.jsonl", [{**row, "answers": a, "gold": sc} for row, a, sc in zip(pair_rows, answers,
+                                                                                              scores)])
     flat_r = [r for sc in scores for r, _ in sc]
     flat_c = [c for sc in scores for _, c in sc]
     correlation = statistics.correlation(flat_r, flat_c)
@@ -479,7 +506,8 @@ def learn_models(model_dir: str, out: Path, s: Settings, gold: GoldScorers, seed
 
     # 2. pairs (held-out: the pairs of a few training topics)
     held = set(train_topics[:s.pair_eval_topics])
-    counts = write_pairs(out, pair_rows, answers, scores, held, reference, s.tie, s.max_train_pairs)
+    counts = write_pairs(out, pair_rows, answers, scores, held, reference, s.tie, s.max_train_pairs,
+                         s.balance_pairs)
     print(f"[gold] pairs: {counts}", file=sys.stderr)
 
     # 3. reward and cost models
