@@ -77,6 +77,33 @@ def test_both_models_get_every_pair_of_a_prompts_answers_and_a_cap_keeps_the_wid
     assert [(r["chosen"], r["rejected"]) for r in read("rm_train")] == [("z", "x"), ("y", "x")]
 
 
+def test_balanced_pairs_leave_the_other_score_no_say_in_the_label(example, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "topic": "a"} for i in range(2)]
+    answers = [["a", "b", "c", "d"], ["e", "f", "g", "h"]]
+    # (reward, cost): the more positive answer is the more intense in most pairs, as on the policy's own answers
+    scores = [[(0.0, 0.0), (0.3, 0.2), (0.6, 0.4), (0.9, 0.1)], [(0.0, 0.3), (0.2, 0.5), (0.5, 0.6), (0.8, 0.95)]]
+    gold = {t: sc for texts, score in zip(answers, scores) for t, sc in zip(texts, score)}
+    read = lambda name: [(r["chosen"], r["rejected"]) for r in map(
+        json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())]
+
+    def agree(name: str) -> list[bool]:  # reward pairs: chosen also the more intense; cost: chosen also less positive
+        return [gold[c][1] > gold[r][1] if name == "rm_train" else gold[c][0] < gold[r][0] for c, r in read(name)]
+
+    example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05)
+    assert (agree("rm_train").count(True), agree("cm_train").count(True)) == (10, 10)  # of 12 pairs each
+    counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05,
+                                 balance=True)
+    assert counts == {"rm_train": 4, "rm_eval": 0, "cm_train": 4, "cm_eval": 0}
+    assert agree("rm_train") == [True, False, False, True] and sorted(agree("cm_train")) == [False] * 2 + [True] * 2
+    # both disagreeing pairs, and the two agreeing pairs widest apart by the model's own score, in the order found
+    assert read("rm_train") == [("d", "a"), ("d", "b"), ("d", "c"), ("h", "e")]  # reward gaps .9 and .8 agree
+    assert read("cm_train") == [("d", "b"), ("d", "c"), ("e", "h"), ("f", "h")]  # cost gaps .65 and .45 agree
+    # a cap of 2 keeps the widest pair of each side
+    counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05,
+                                 max_train_pairs=2, balance=True)
+    assert read("rm_train") == [("d", "a"), ("d", "b")] and read("cm_train") == [("d", "c"), ("e", "h")]
+
+
 def test_the_learned_threshold_is_the_learned_cost_expected_at_the_gold_threshold(example):
     gold = [0.1, 0.2, 0.3, 0.4, 0.5]
     learned = [-2.0, -1.0, 0.0, 1.0, 2.0]  # learned = 10 * gold - 3, exactly
@@ -101,13 +128,16 @@ def test_missing_packages_stop_with_the_install_command(example, monkeypatch, tm
 
 def test_set_overrides_the_run_sizes_by_their_types_and_refuses_unknown_keys(example, tmp_path):
     base = example.Settings.full()
-    s = example.with_overrides(base, ["lambda_init=0.5", "rl_steps=24", "max_train_pairs=300"])
-    assert (s.lambda_init, s.rl_steps, s.max_train_pairs) == (0.5, 24, 300)
+    s = example.with_overrides(base, ["lambda_init=0.5", "rl_steps=24", "max_train_pairs=300", "balance_pairs=False"])
+    assert (s.lambda_init, s.rl_steps, s.max_train_pairs, s.balance_pairs) == (0.5, 24, 300, False)
+    assert example.with_overrides(s, ["balance_pairs=true"]).balance_pairs is True
     assert type(s.rl_steps) is int and base.lambda_init == 1.0  # typed; the defaults untouched
     with pytest.raises(SystemExit, match="KEY one of .*lambda_init"):
         example.main(["--out", str(tmp_path), "--set", "lamda_init=0.5"])
     with pytest.raises(SystemExit, match="not a valid int for rl_steps"):
         example.main(["--out", str(tmp_path), "--set", "rl_steps=2.5"])
+    with pytest.raises(SystemExit, match="not a valid bool for balance_pairs"):
+        example.main(["--out", str(tmp_path), "--set", "balance_pairs=yes please"])
     assert not list(tmp_path.iterdir())  # refused before anything ran
 
 
