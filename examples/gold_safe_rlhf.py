@@ -220,7 +220,7 @@ def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: l
     are left out. `balance` keeps, of each training file, as many pairs whose other gold score orders the two
     answers the same way as the label as pairs where it orders them the other way (a reward pair whose chosen
     answer is also the more intense, a cost pair whose chosen answer is also the less positive), so that the
-    other score says nothing about the label and a model cannot learn it in place of its own (see stage 2).
+    other score says nothing about the label and a model cannot learn it in place of its own (`Settings.balance_pairs`).
     `max_train_pairs` keeps, of each training file, the pairs whose gold scores differ most (a pair far apart says
     more than a near-tie, and the budget of training steps is fixed), half from each side when balanced. Both
     keep the pairs in the order found. Returns the pair counts."""
