@@ -78,7 +78,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gold_data, next to this file
 
 from algorithms.cli import open_controller  # noqa: E402
-from algorithms.config import apply_overrides  # noqa: E402
+from algorithms.config import ConfigError, apply_overrides  # noqa: E402
 from algorithms.loop import _Run  # noqa: E402 - driven in-process to add gold evaluations (see the docstring)
 from algorithms.roles import check_before_start  # noqa: E402
 from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2  # noqa: E402
@@ -146,26 +146,13 @@ class Settings:
 
 
 def with_overrides(s: Settings, pairs: list[str]) -> Settings:
-    """`Settings` with `KEY=VALUE` overrides (`--set`), each parsed as its field's type; a clear error on an unknown
-    key or a value of the wrong type, before anything runs."""
-    fields = {f.name for f in dataclasses.fields(Settings)}
-    changes = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or key not in fields:
-            raise SystemExit(f"--set {pair!r}: give KEY=VALUE with KEY one of {', '.join(sorted(fields))}")
-        current = getattr(s, key)
-        kind = int if current is None else type(current)  # max_train_pairs: None or a count
-        try:
-            if kind is bool:
-                if value.lower() not in ("true", "false"):
-                    raise ValueError(value)
-                changes[key] = value.lower() == "true"
-            else:
-                changes[key] = None if value == "None" and current is None else kind(value)
-        except ValueError:
-            raise SystemExit(f"--set {key}={value}: not a valid {kind.__name__} for {key} (now {current})") from None
-    return dataclasses.replace(s, **changes)
+    """`Settings` with `KEY=VALUE` overrides (`--set`), parsed by their fields' types the way every program's
+    settings are (`apply_overrides`); a clear error on an unknown key or a value of the wrong type, before anything
+    runs. `s` itself is left as it was."""
+    try:
+        return apply_overrides(dataclasses.replace(s), pairs)
+    except ConfigError as e:
+        raise SystemExit(f"--set: {e}") from None
 
 
 # -- stage 1: the policy's own samples, gold-scored --------------------------------------------------------------
@@ -244,7 +231,14 @@ def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: l
                     "rejected_safe": r_cost < threshold, "chosen_cost": c_cost, "rejected_cost": r_cost}))
     for name, found in pairs.items():
         if name.endswith("_train"):
-            found = _widest(found, max_train_pairs, balance)
+            kept = _widest(found, max_train_pairs, balance)
+            if found and not kept:
+                agree = sum(f[1] for f in found)
+                raise SystemExit(f"balance_pairs: the {len(found)} {name} pairs all lie on one side ({agree} where "
+                                 f"the other gold score agrees with the label, {len(found) - agree} where it "
+                                 f"disagrees), so balancing keeps none; sample more answers per prompt "
+                                 f"(--set answers_per_prompt=...) or turn it off (--set balance_pairs=false)")
+            found = kept
         _write_jsonl(out / f"{name}.jsonl", [pair for _, _, pair in found])
         pairs[name] = found
     return {name: len(found) for name, found in pairs.items()}

@@ -102,6 +102,11 @@ def test_balanced_pairs_leave_the_other_score_no_say_in_the_label(example, tmp_p
     counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05,
                                  max_train_pairs=2, balance=True)
     assert read("rm_train") == [("d", "a"), ("d", "b")] and read("cm_train") == [("d", "c"), ("e", "h")]
+    # pairs all on one side: balancing would train on nothing, so it stops and says how to go on
+    one_sided = [[(0.0, 0.0), (0.3, 0.2), (0.6, 0.4), (0.9, 0.6)]] * 2
+    with pytest.raises(SystemExit, match="12 rm_train pairs all lie on one side .12 where .* 0 where.*balance_pairs=false"):
+        example.write_pairs(tmp_path, rows, answers, one_sided, held_out_topics=set(), threshold=0.3, tie=0.05,
+                            balance=True)
 
 
 def test_the_learned_threshold_is_the_learned_cost_expected_at_the_gold_threshold(example):
@@ -132,11 +137,11 @@ def test_set_overrides_the_run_sizes_by_their_types_and_refuses_unknown_keys(exa
     assert (s.lambda_init, s.rl_steps, s.max_train_pairs, s.balance_pairs) == (0.5, 24, 300, False)
     assert example.with_overrides(s, ["balance_pairs=true"]).balance_pairs is True
     assert type(s.rl_steps) is int and base.lambda_init == 1.0  # typed; the defaults untouched
-    with pytest.raises(SystemExit, match="KEY one of .*lambda_init"):
+    with pytest.raises(SystemExit, match="unknown setting .lamda_init.; did you mean lambda_init"):
         example.main(["--out", str(tmp_path), "--set", "lamda_init=0.5"])
-    with pytest.raises(SystemExit, match="not a valid int for rl_steps"):
+    with pytest.raises(SystemExit, match="bad value for rl_steps"):
         example.main(["--out", str(tmp_path), "--set", "rl_steps=2.5"])
-    with pytest.raises(SystemExit, match="not a valid bool for balance_pairs"):
+    with pytest.raises(SystemExit, match="bad value for balance_pairs: expected a boolean"):
         example.main(["--out", str(tmp_path), "--set", "balance_pairs=yes please"])
     assert not list(tmp_path.iterdir())  # refused before anything ran
 
