@@ -48,10 +48,11 @@ The stages, each a progress bar, each on the project's own programs and a 2-slot
    while the reward rose +6.85 s.e.; from 1.5 the cost fell far below and the reward fell; from 1.0 the cost ended
    below and the reward rose +2.72 s.e.; every run measured lies on one line of gold reward change against gold
    cost change, and λ sets where on it a run ends; the gold scorers themselves as rewards end near it too: README).
-   The run is driven in-process (`algorithms.loop._Run`, as tests/algorithms/test_smollm2.py does) so that its evaluations also decode the held-out answers and score
-   them with the gold scorers: before the first step, every `eval_every` steps and after the last. Evaluation samples
-   (temperature 1, the distribution the constraint is about) with a fixed seed per prompt and sample, so every
-   evaluation draws the same random numbers and before/after differences are paired.
+   The run is driven in-process (`algorithms.loop._Run`, as tests/algorithms/test_smollm2.py does) so that its
+   evaluations also decode the held-out answers and score them with the gold scorers: before the first step, every
+   `eval_every` steps and after the last. Evaluation samples (temperature 1, the distribution the constraint is
+   about) with a fixed seed per prompt and sample, so every evaluation draws the same random numbers and before/after
+   differences are paired.
 6. `DIR/eval.json` and `DIR/curves.png` (gold reward and cost per evaluation with standard errors, the gold
    threshold, and λ per step).
 
