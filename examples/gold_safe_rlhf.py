@@ -331,6 +331,11 @@ def rl_reference(train_start: float, cost_threshold: float | None) -> float:
 
 # -- stage 5: Safe-RLHF with gold evaluations --------------------------------------------------------------------
 
+EVAL_COPIES_PER_CALL = 8
+"""Answers per prompt sampled in one `generate_sequences` call: 16 in one call (1024 sequences' KV cache) took a
+worker to Dask's memory-pause threshold; per-row seeds make the answers independent of the split."""
+
+
 class GoldRun(_Run):
     """A Safe-RLHF run whose evaluations score the decoded held-out answers with the gold scorers: before the first
     update, every eval_every steps and after the last. Each evaluation samples `eval_samples` answers per prompt,
@@ -354,11 +359,14 @@ class GoldRun(_Run):
         t0 = time.perf_counter()
         one = self.eval_data.eval_batch(self.cfg.eval_prompts)
         n = len(one)
-        copies = [Batch({**one.tensors, "seed": one["seed"] + 7919 * k}, one.rows) for k in range(self.eval_samples)]
-        prompts, _ = Batch.concat(copies).pad_to_multiple(self.roles.actor.layout.dp)
-        samples = self.roles.actor.generate_sequences(prompts).result()
-        texts = [t.strip() for t in self.data.tokenizer.batch_decode(samples["responses"][:n * self.eval_samples],
-                                                                     skip_special_tokens=True)]
+        texts: list[str] = []
+        for first in range(0, self.eval_samples, EVAL_COPIES_PER_CALL):
+            ks = range(first, min(first + EVAL_COPIES_PER_CALL, self.eval_samples))
+            copies = [Batch({**one.tensors, "seed": one["seed"] + 7919 * k}, one.rows) for k in ks]
+            prompts, _ = Batch.concat(copies).pad_to_multiple(self.roles.actor.layout.dp)
+            samples = self.roles.actor.generate_sequences(prompts).result()
+            texts += [t.strip() for t in self.data.tokenizer.batch_decode(samples["responses"][:n * len(ks)],
+                                                                          skip_special_tokens=True)]
         rewards, costs = self.gold.score(texts)
         point = {"step": steps_done, "rewards": [statistics.fmean(rewards[i::n]) for i in range(n)],
                  "costs": [statistics.fmean(costs[i::n]) for i in range(n)], "answers": texts[:6]}
