@@ -4,7 +4,7 @@ An algorithm is a small class: `setup` binds its groups (and is called again aft
 `step` is the dataflow of one RL step, `state_dict` is its controller-side state (KL coefficient, Lagrange
 multiplier). `run_program` does the rest:
 
-- **Checkpoints** (DESIGN §6): every `save_every` steps each model role saves its shards in parallel
+- **Checkpoints** (docs/design.md §6): every `save_every` steps each model role saves its shards in parallel
   (torch.distributed.checkpoint, so they load under other parallel sizes) into a pending checkpoint, and the
   controller commits it with its own state: step, data position, algorithm state, its RNG, the resolved config.
 - **Resume**: `--resume auto` (the newest complete checkpoint), `never`, or a path. Everything that decides a

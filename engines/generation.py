@@ -11,7 +11,7 @@ Output layout (verl's): prompts (B, P) left-padded; responses (B, R) right-padde
 input_ids = prompts | responses; attention_mask; position_ids; response_mask (1 up to and including EOS);
 rollout_log_probs (B, R).
 
-Streaming (stage fusion, DESIGN §7): `stream()` runs the same loop and yields the finished rows in chunks, in the
+Streaming (stage fusion, docs/design.md §7): `stream()` runs the same loop and yields the finished rows in chunks, in the
 order they finish, each row carrying its index in the call (`row_index`); `GenerationStream` runs a stream in a
 background thread, so a worker can hand the chunks out one call at a time while decoding goes on. Both paths share
 one loop (`_steps`) and one output assembly (`_assemble`, row-wise), so a streamed row is bit-identical to the

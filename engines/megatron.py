@@ -1,4 +1,4 @@
-"""The megatron-core training engine: the GPU production path for TP / PP / DP (DESIGN §4).
+"""The megatron-core training engine: the GPU production path for TP / PP / DP (docs/design.md §4).
 
 `MegatronEngine` implements engines.interfaces.TrainingEngine, as the torch-native `engines.training.TrainEngine`
 does, so a role holds either; `ModelConfig(engine="megatron")` chooses it (engines.registry). Its checkpoints hold the weights and

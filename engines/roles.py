@@ -14,7 +14,7 @@ of the d_g generation replicas sampling its part of the rows. Without it, a shar
 weights into an unsharded generation copy before sampling and drops them afterwards (the "all-gather" baseline
 of HybridFlow Table 2); an unsharded actor samples from its training model directly.
 
-Stage fusion (DESIGN §7): `start_generation` + `next_generated_chunk(k)` sample the same rows as
+Stage fusion (docs/design.md §7): `start_generation` + `next_generated_chunk(k)` sample the same rows as
 `generate_sequences`, handed out in chunks in the order they finish, while decoding goes on in a background
 thread (`engines.generation.GenerationStream`). Weights are gathered in `start_generation`, in the task thread, so
 the thread runs no collective; the call that takes the last chunk joins the thread, and calls to one worker process

@@ -1,6 +1,6 @@
 """The torch-native training engine: forward passes for scoring and loss-driven updates.
 
-One interface for every role (DESIGN §4): `log_probs`, `values` and `scores` run forward passes in micro-batches
+One interface for every role (docs/design.md §4): `log_probs`, `values` and `scores` run forward passes in micro-batches
 without gradients; `update` runs mini-batch steps where the algorithm supplies the loss. The engine owns
 micro-batching (by a token budget), gradient accumulation, clipping, AdamW and the LR schedule.
 

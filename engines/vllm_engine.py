@@ -1,6 +1,6 @@
 """The vLLM generation engine: one SPMD engine per actor rank, weights handed over in memory (GPU production path).
 
-DESIGN §4: each rank of the actor's generation layout runs its own `vllm.LLM` with
+docs/design.md §4: each rank of the actor's generation layout runs its own `vllm.LLM` with
 `distributed_executor_backend="external_launcher"`: vLLM runs in the rank's own process (no server, no Ray, no
 engine-core subprocess) and its tensor parallel spans the t_g ranks of one generation replica, every rank of which
 submits the same requests (vLLM schedules each rank's copy of the engine independently and relies on them agreeing).

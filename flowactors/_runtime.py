@@ -1,7 +1,7 @@
 """The worker-process side: the registry of live instances and the functions that pinned tasks run.
 
 Every function here runs inside a Dask worker process, in its single task thread, as a normal task pinned to
-that worker (DESIGN §3: not a Dask Actor call, so futures in the arguments are resolved by the scheduler, the
+that worker (docs/design.md §3: not a Dask Actor call, so futures in the arguments are resolved by the scheduler, the
 task stream shows the call, and per-process ordering can be enforced by the controller). The `_after` argument
 is the previous call issued to this process; taking it as an input is what orders the calls.
 

@@ -1,4 +1,4 @@
-"""Pin each Dask worker process of a Slurm job to its own GPU (a Dask preload module; DESIGN §3, Cluster).
+"""Pin each Dask worker process of a Slurm job to its own GPU (a Dask preload module; docs/design.md §3, Cluster).
 
 dask-jobqueue runs one `dask worker --nworkers N` per job. Its N processes inherit the job's environment, so each
 of them sees every GPU Slurm gave the job (CUDA_VISIBLE_DEVICES=0,1,...): without pinning, all of them would put

@@ -1,6 +1,6 @@
 """The single controller: a Dask client plus the rules that make pinned tasks behave like actor calls.
 
-DESIGN §3. What this module owns, and why each piece exists:
+docs/design.md §3. What this module owns, and why each piece exists:
 
 - **Cluster.** `Controller.local()` starts an embedded `LocalCluster` of worker *processes* with one thread and
   one device slot each (resource `slot=1`, plus `GPU=1` where CUDA exists); `Controller.connect(address)` joins
@@ -445,7 +445,7 @@ class Controller:
 
     # -- pinned, ordered submission -------------------------------------------------------------------------
     def submit_pinned(self, address: str, fn: Any, *args: Any, key: str, **kwargs: Any) -> Future:
-        """Run `fn` on `address` after every task pinned there before it (DESIGN §3, Ordering)."""
+        """Run `fn` on `address` after every task pinned there before it (docs/design.md §3, Ordering)."""
         return self.submit_pinned_all([(address, fn, args, kwargs, key)])[0]
 
     def submit_pinned_all(self, tasks: Sequence[tuple[str, Any, tuple, dict, str]]) -> list[Future]:

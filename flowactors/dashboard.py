@@ -1,6 +1,6 @@
 """A flowactors page on the Dask dashboard: the step's dataflow graph, a timeline per device slot, the metrics.
 
-DESIGN §3 promises that every call shows in the Dask dashboard under a readable name. Dask's own pages show
+docs/design.md §3 promises that every call shows in the Dask dashboard under a readable name. Dask's own pages show
 tasks; this page shows what the author of an actor program asks about: which group calls the current step is
 made of and where each stands, which group (role) occupied which device slot when (and how long each slot sat
 idle), and how the step metrics move. It is a `SchedulerPlugin` (`FlowactorsDashboard`) that adds two routes to
@@ -24,10 +24,10 @@ Design decisions, and why:
   (`role.method.collect-<hex>`, where the runtime uses one) is folded into its call, so edges read call → call.
   Helper tasks (`join`, `summarize`) are nodes of role `task`. Dependencies are aggregated by prefix and split in
   two kinds: *data* (a future passed as an argument) and *order* (the `_after` argument with which the
-  controller chains calls pinned to one process, DESIGN §3 Ordering). Only data edges decide the columns, so
+  controller chains calls pinned to one process, docs/design.md §3 Ordering). Only data edges decide the columns, so
   calls that read the same inputs stack in one column even when one process runs them in turn; order edges
   are drawn dashed.
-- **The caller names what matters.** flowactors knows nothing of the program it serves (DESIGN §2), so which
+- **The caller names what matters.** flowactors knows nothing of the program it serves (docs/design.md §2), so which
   metrics are charted and which roles get fixed colours are settings of the plugin (`metrics`, `role_colors`,
   also taken by `install_dashboard`). By default every metric published is charted (the first
   `DEFAULT_METRIC_LIMIT`, in the order they first appear). Only the runtime's own pseudo-roles have colours of

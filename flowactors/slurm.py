@@ -1,4 +1,4 @@
-"""Open a controller on a Slurm allocation through dask-jobqueue (DESIGN §3 Cluster, §8 Where it runs).
+"""Open a controller on a Slurm allocation through dask-jobqueue (docs/design.md §3 Cluster, §8 Where it runs).
 
 `open_slurm(SlurmSettings(nodes=2, gpus_per_node=8, partition="gpu"))` starts the Dask scheduler in this process
 (the controller's), submits `nodes` batch jobs, each asking for `gpus_per_node` GPUs (`--gres=gpu:N`) and running
@@ -9,7 +9,7 @@ jobs.
 Design decisions, and why:
 
 - **One single-threaded process per GPU.** The controller needs one thread per worker process (calls to a process
-  run one at a time, DESIGN §3 Ordering). dask-jobqueue gives each process cores / processes threads, so `cores`
+  run one at a time, docs/design.md §3 Ordering). dask-jobqueue gives each process cores / processes threads, so `cores`
   is set to the number of processes; what Slurm books (`--cpus-per-task`) is `cores_per_job`, separately.
 - **Pinning in a preload.** Every process of a job sees all of the job's GPUs; `flowactors._slurm_preload` narrows
   CUDA_VISIBLE_DEVICES to one device and sets LOCAL_RANK from the process's index in its job before any task (and

@@ -1,4 +1,4 @@
-"""DESIGN §2's layers, enforced on the source: `algorithms → placement, engines → flowactors`.
+"""docs/design.md §2's layers, enforced on the source: `algorithms → placement, engines → flowactors`.
 
 flowactors imports none of engines, placement, algorithms; engines and placement import nothing from algorithms
 and nothing from each other (they are side by side above flowactors). Every `.py` file of the four packages is
@@ -73,7 +73,7 @@ def imports_of(source: str, path: Path) -> list[tuple[int, str]]:
 
 
 def violations(layer: str, path: Path, source: str) -> list[str]:
-    """The imports in `source` (the text of `path`, a file of package `layer`) that DESIGN §2 forbids."""
+    """The imports in `source` (the text of `path`, a file of package `layer`) that docs/design.md §2 forbids."""
     forbidden = set(PACKAGES) - ALLOWED[layer] - {layer}
     return [f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in imports_of(source, path)
             if name.split(".")[0] in forbidden]
@@ -85,7 +85,7 @@ def test_imports_point_down_the_layers(layer: str) -> None:
     assert files, f"no sources under {layer}/"
     bad = [v for path in files for v in violations(layer, path, path.read_text())]
     assert not bad, (f"{layer} may import only {sorted(ALLOWED[layer]) or 'none'} of {PACKAGES} "
-                     f"(DESIGN §2):\n" + "\n".join(bad))
+                     f"(docs/design.md §2):\n" + "\n".join(bad))
 
 
 def test_the_checker_sees_every_kind_of_import() -> None:

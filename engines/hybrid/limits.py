@@ -53,5 +53,5 @@ def transformers_engine_limits() -> GenerationEngineLimits:
 
 
 def vllm_engine_limits() -> GenerationEngineLimits:
-    """vLLM with external_launcher; head_dim >= 32 was required by the CPU wheel measured (DESIGN §4)."""
+    """vLLM with external_launcher; head_dim >= 32 was required by the CPU wheel measured (docs/design.md §4)."""
     return GenerationEngineLimits(name="vllm", supports_pipeline=True, min_head_dim=32)

@@ -1,4 +1,4 @@
-"""Running on Slurm through dask-jobqueue (DESIGN §8).
+"""Running on Slurm through dask-jobqueue (docs/design.md §8).
 
 The first half needs no Slurm: the preload's choice of device and LOCAL_RANK from a worker's name and its job's
 environment, the settings' validation, and the job script the settings produce. The second half brings up a real,
