@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engines.models import ModelConfig
-from engines.training import OptimConfig
+from engines.models.config import ModelConfig
+from engines.training.common import OptimConfig
 from flowactors.slurm import SlurmSettings
 
 __all__ = ["RunConfig", "RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError",
@@ -274,7 +274,7 @@ class PPOConfig(RLConfig):
     each other rank's tail goes, whole, to the one with the fewest rows so far. `--placement fused` keeps the
     scorers off their slots."""
     fuse_train: bool = False
-    """Train the actor and the critic as one fused pipeline (RLHFuse's intra-stage fusion; engines.pipeline_fusion):
+    """Train the actor and the critic as one fused pipeline (RLHFuse's intra-stage fusion; engines.training.megatron.pipeline_fusion):
     needs a plan that puts both in one pool with the same train sizes, p >= 2, on a pipeline-parallel engine
     (megatron). The critic's stages then run the other way over the slots, so each model fills the other's
     pipeline bubbles; Safe-RLHF's cost critic joins the same pipeline where the plan gives it the actor's pool and

@@ -15,7 +15,7 @@ import torch
 from algorithms.config import RLConfig
 from algorithms.datasets import Example
 from algorithms.tasks import Task
-from engines.generation import assemble_samples
+from engines.rollout.stream import assemble_samples
 from flowactors import Batch
 
 __all__ = ["PromptData", "prompt_data"]

@@ -35,7 +35,7 @@ at most a fraction f of its rows are still running, then stops (`stream(pause_be
 the chunks every rank is sure to have produced by then, `(rows - kept) // chunk_samples`; `hand_over_tail` returns
 each pausing rank's unsent finished rows and the state of its running rows (their KV caches, tokens so far, and
 per-row sampling uniforms); ranks 0..k-1 never stop: their `finish_tail` splits the states among them
-(`engines.generation.share_tails`: each rank's tail whole, to the receiver with the fewest rows so far), feeds each
+(`engines.rollout.stream.share_tails`: each rank's tail whole, to the receiver with the fewest rows so far), feeds each
 receiver's share into its running decode (`stream(inbox=...)`), where each joins the running batch at the step it
 paused at (a state from behind first decodes alone until it catches up, one from ahead waits for the batch to get
 there), and returns every row not yet taken; the receivers' rows together are the last chunk. A scorer that shares
@@ -46,7 +46,7 @@ the receivers' own rows once others join them), so their logits may differ in th
 log-probs then differ by rounding (the training log-probs are recomputed and are exact), and a token could flip
 only if its uniform fell within rounding of a CDF boundary (none did in the tests, which compare every token). Rows
 move with their KV caches, not by re-prefilling: a prefill over prompt + partial response rounds differently from
-the step-by-step decode. With vLLM (`engines.vllm_engine`), whose KV blocks do not leave the engine, a moved row is
+the step-by-step decode. With vLLM (`engines.rollout.vllm_engine`), whose KV blocks do not leave the engine, a moved row is
 re-prefilled instead: the receiver adds it as a request over prompt + tokens so far, and restores the request's
 sampling generator to the state it paused with, so it draws the same tokens (its log-probs differ by rounding, a
 prefill against step-by-step decoding). `finish_tail` takes every rank's handed-over rows as one input, which
@@ -56,7 +56,7 @@ placement search that plans scorers onto the slots migration frees (`placement=f
 critics, reward and cost on every slot but the first `fuse_migrate_to`).
 
 Intra-stage fusion (RLHFuse's fused actor/critic training pipeline, the two models' micro-batches flowing over
-the same pipeline stages in opposite directions) is the training side: engines/pipeline_fusion.py, `fuse_train`.
+the same pipeline stages in opposite directions) is the training side: engines/training/megatron/pipeline_fusion.py, `fuse_train`.
 What both would save on a GPU cluster is estimated with the placement simulator: placement/fusion.py,
 `benchmarks/fusion.py --cluster`.
 """
@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 import flowactors as fa
-from engines.generation import ROW_INDEX
+from engines.rollout.stream import ROW_INDEX
 from flowactors import Batch
 
 __all__ = ["FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated", "migration_threshold",

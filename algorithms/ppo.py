@@ -64,7 +64,7 @@ class PPO(Algorithm):
         batch = ctl.apply(ppo_advantages, *parts, gamma=cfg.gamma, lam=cfg.lam,
                           kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
                           whiten_rewards=cfg.whiten_rewards)
-        if cfg.fuse_train:  # one fused pipeline for both updates (engines.pipeline_fusion)
+        if cfg.fuse_train:  # one fused pipeline for both updates (engines.training.megatron.pipeline_fusion)
             updates = [actor.update_actor_and_critics(batch, self.policy_loss, self.update_spec(i),
                                                       critics={self.critic.name: ValueLoss(cfg.value_clip)})]
         else:

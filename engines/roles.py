@@ -8,7 +8,7 @@ algorithm: losses arrive as functions with the update call, and the call's setti
 `ActorWorker(rollout_engine=...)`) through engines.registry.
 
 The actor is hybrid: it trains and generates on the same weights. With `rollout_tp=t_g` the 3D-HybridEngine
-(engines.hybrid_engine) does the transition: training is TP over the mesh's tp dim with whole DP replicas
+(engines.hybrid.actor) does the transition: training is TP over the mesh's tp dim with whole DP replicas
 (Megatron's layout, vocab-parallel embeddings), and generation reshards inside micro-DP groups to TP = t_g, each
 of the d_g generation replicas sampling its part of the rows. Without it, a sharded actor (FSDP2) gathers its full
 weights into an unsharded generation copy before sampling and drops them afterwards (the "all-gather" baseline
@@ -16,7 +16,7 @@ of HybridFlow Table 2); an unsharded actor samples from its training model direc
 
 Stage fusion (docs/design.md §7): `start_generation` + `next_generated_chunk(k)` sample the same rows as
 `generate_sequences`, handed out in chunks in the order they finish, while decoding goes on in a background
-thread (`engines.generation.GenerationStream`). Weights are gathered in `start_generation`, in the task thread, so
+thread (`engines.rollout.stream.GenerationStream`). Weights are gathered in `start_generation`, in the task thread, so
 the thread runs no collective; the call that takes the last chunk joins the thread, and calls to one worker process
 run one at a time in issue order, so no later call on the actor runs beside the decoding.
 """
@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from engines.generation import GenerationStream, SamplingConfig, is_tail, share_tails
+from engines.rollout.stream import GenerationStream, is_tail, SamplingConfig, share_tails
 from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
-from engines.models import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
+from engines.models.config import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
 from engines.protocols import MINIBATCH
 from engines.registry import check_training_layout, generation_engine, training_engine
 from engines.specs import GenerationSpec, UpdateSpec
-from engines.training import LossFn, OptimConfig
+from engines.training.common import LossFn, OptimConfig
 from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Layout, Worker, endpoint
 
 __all__ = ["ActorWorker", "RefWorker", "CriticWorker", "RewardModelWorker", "RuleRewardWorker", "ModelWorker"]
@@ -214,7 +214,7 @@ class ActorWorker(ModelWorker):
             raise ValueError(f"rollout_tp={rollout_tp}: the 3D-HybridEngine does not run on the {model.engine!r} "
                              f"training engine yet (it gathers whole weights to generate); drop rollout_tp or use "
                              f"engine='torch'")
-        from engines.hybrid_engine import HybridEngine, layout_of
+        from engines.hybrid.actor import HybridEngine, layout_of
 
         hybrid = HybridEngine.process_groups(layout_of((layout.pp, layout.dp, layout.tp), rollout_tp, rollout_pp))
         return [*engine_groups, *(g for g in hybrid if g not in engine_groups)]
@@ -447,11 +447,11 @@ class ActorWorker(ModelWorker):
     def update_actor_and_critics(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec,
                                  critics: dict[str, LossFn]) -> dict[str, float]:
         """The actor's and critics' updates as one fused pipeline (RLHFuse's intra-stage fusion,
-        engines.pipeline_fusion): the same updates as update_actor and each update_critic, with the models'
+        engines.training.megatron.pipeline_fusion): the same updates as update_actor and each update_critic, with the models'
         pipelines filling each other's bubbles. `critics`: critic group name -> its loss; each group is on this
         group's slots with the same layout (stages running either way). Metrics come back as "actor/..." and
         "<critic group>/...". A critic's failure here is reported as this call's (on the actor's group)."""
-        from engines.pipeline_fusion import fused_update
+        from engines.training.megatron.pipeline_fusion import fused_update
 
         self._end_receiving()
         others = {name: self.colocated(name) for name in critics}

@@ -9,7 +9,7 @@ without making it more emotional.
 
 The stages, each a progress bar, each on the project's own programs and a 2-slot embedded Dask cluster:
 
-1. **Samples**: the policy (SmolLM2-135M-Instruct, `engines.pretrained.smollm2_dir()`) answers each pair prompt
+1. **Samples**: the policy (SmolLM2-135M-Instruct, `engines.models.pretrained.smollm2_dir()`) answers each pair prompt
    four times (an `ActorGroup` of `ActorWorker`s, `generate_sequences`); the gold scorers (`examples/gold_data.py`:
    VADER positivity as the reward, VADER emotional intensity as the cost) score each answer.
 2. **Preference pairs** from those samples: every pair of a prompt's answers, for the reward model chosen = the
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    from engines.pretrained import smollm2_dir
+    from engines.models.pretrained import smollm2_dir
 
     model_dir = str(smollm2_dir())
     gold = GoldScorers()

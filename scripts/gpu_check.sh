@@ -67,8 +67,8 @@ import json, sys, tempfile, time
 import torch
 from engines import ModelConfig, build_model, build_tokenizer, save_pretrained
 from engines.ops import position_ids_from_mask
-from engines.generation import SamplingConfig
-from engines.vllm_engine import VLLMGenerationEngine
+from engines.rollout.stream import SamplingConfig
+from engines.rollout.vllm_engine import VLLMGenerationEngine
 from flowactors import Batch
 
 cfg = ModelConfig(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512,
@@ -114,7 +114,7 @@ out_new = engine.generate(None, prompts, sampling, greedy=True)
 engine.load_weights(new.items())
 engine.sleep_between_rollouts = False
 import queue
-from engines.generation import STOP_AT
+from engines.rollout.hf import STOP_AT
 stopped = Batch({**prompts.tensors, STOP_AT: torch.tensor([8, 3, 2, 8])})
 sampled = SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=1.0)
 whole = engine.generate(None, stopped, sampled, seed=7)
@@ -131,7 +131,7 @@ print(json.dumps({"start_s": start, "reload_s": reload_s, "logp_err": err, "migr
 """
 
 def vllm_engine():
-    """engines.vllm_engine on CUDA in a fresh process (external_launcher, world of one): greedy tokens and
+    """engines.rollout.vllm_engine on CUDA in a fresh process (external_launcher, world of one): greedy tokens and
     log-probs vs transformers, a sleep/wake cycle, in-memory reload_weights vs transformers with those weights."""
     import json, os, subprocess
     import vllm  # noqa: F401  (ImportError: skipped)
@@ -153,13 +153,13 @@ def megatron_import():
     return "megatron.core importable"
 
 def megatron_tp1():
-    """engines.megatron on real CUDA, no shim: TP=1 log-probs vs transformers, one update, weights back to HF."""
+    """engines.training.megatron.engine on real CUDA, no shim: TP=1 log-probs vs transformers, one update, weights back to HF."""
     import os
     import torch.distributed as dist
     import transformers
-    from engines.megatron import MegatronEngine
+    from engines.training.megatron.engine import MegatronEngine
     from engines.ops import position_ids_from_mask, response_logits, token_log_probs
-    from engines.training import OptimConfig
+    from engines.training.torch_native import OptimConfig
     from flowactors import Batch
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

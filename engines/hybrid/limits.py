@@ -48,7 +48,7 @@ class GenerationEngineLimits:
 
 def transformers_engine_limits() -> GenerationEngineLimits:
     """The transformers decode loop over the hybrid engine's pieces (q/k/v/gate/up colwise, o/down rowwise),
-    pipeline stages included (engines.hybrid_engine._PipelineStage)."""
+    pipeline stages included (engines.hybrid.actor._PipelineStage)."""
     return GenerationEngineLimits(name="transformers", supports_pipeline=True)
 
 

@@ -230,7 +230,7 @@ class GenerationShard:
 
     def named_pieces(self) -> Iterator[tuple[str, list[torch.Tensor], int | None]]:
         """(HF name, its r sub-shards, split dim) in model order, nothing copied: for an engine that computes on
-        the sub-shards where they lie (engines.hybrid_engine), so the generation shard costs no memory beyond the
+        the sub-shards where they lie (engines.hybrid.actor), so the generation shard costs no memory beyond the
         gathered pieces."""
         if self._sharded is None:
             raise RuntimeError("this generation shard was released by to_training(); call to_generation() again")

@@ -15,7 +15,7 @@ import torch
 from algorithms.config import ConfigError
 from algorithms.datasets import load_examples
 from engines import ModelConfig, build_model, save_pretrained
-from engines.tokenizer import CHARS, SPECIALS, char_tokenizer
+from engines.models.tokenizer import CHARS, SPECIALS, char_tokenizer
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<a>{% endif %}")

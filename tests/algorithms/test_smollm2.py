@@ -33,7 +33,7 @@ def test_safe_rlhf_smollm2_preset_runs_two_steps_and_moves_the_actor(tmp_path):
     from algorithms.cli import open_controller
     from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2
     from engines import ModelConfig, build_model
-    from engines.pretrained import smollm2_dir
+    from engines.models.pretrained import smollm2_dir
 
     path = smollm2_dir()
     # no warm start: the reference is then the pretrained model itself, and every actor change is an RL update

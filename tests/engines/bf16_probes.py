@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from engines.models import ModelConfig, build_model
-from engines.parallel import parallelize
+from engines.models.config import ModelConfig, build_model
+from engines.training.parallel import parallelize
 from flowactors import ONE_TO_ALL, Batch, Worker, endpoint
 
 SIZES = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)

@@ -18,7 +18,7 @@ MEGATRON_CPU = "tests.engines.megatron_probes:megatron_cpu"
 
 
 def _shim() -> None:
-    import engines.megatron  # noqa: F401 - its warning filters, before the shim imports megatron-core
+    import engines.training.megatron.engine  # noqa: F401 - its warning filters, before the shim imports megatron-core
     from tests.engines import megatron_shim
 
     megatron_shim.apply()
@@ -67,7 +67,7 @@ class ShimmedRewardModel(_Shimmed, RewardModelWorker):
 
 
 class TorchCritic(CriticWorker):
-    """The torch-engine critic (no dropout before its head, like the megatron value head: engines.models)."""
+    """The torch-engine critic (no dropout before its head, like the megatron value head: engines.models.config)."""
 
     @endpoint(protocol=ONE_TO_ALL)
     def full_weights(self) -> dict[str, torch.Tensor]:

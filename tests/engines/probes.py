@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engines.models import ModelConfig, build_model, build_tokenizer
-from engines.parallel import parallelize
-from engines.training import OptimConfig, TrainEngine
+from engines.models.config import ModelConfig, build_model, build_tokenizer
+from engines.training.parallel import parallelize
+from engines.training.torch_native import TrainEngine
+from engines.training.common import OptimConfig
 from engines.roles import ActorWorker
 from flowactors import ALL_TO_ALL, ONE_TO_ALL, Batch, Worker, endpoint
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.megatron import megatron_available
-from engines.megatron_convert import check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
+from engines.training.megatron.engine import megatron_available
+from engines.training.megatron.convert import check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
 from engines.ops import position_ids_from_mask, response_logits, token_log_probs, entropy_from_logits
 from flowactors import Batch
 from tests.ranks import free_port, join_world, leave_world
@@ -79,8 +79,8 @@ def _run_layouts(rank: int, world: int, port: int, runs: list, out_dir: str) -> 
     join_world(rank, world, port, megatron=True)
     import torch.distributed as dist
 
-    from engines.megatron import MegatronEngine
-    from engines.training import OptimConfig
+    from engines.training.megatron.engine import MegatronEngine
+    from engines.training.common import OptimConfig
 
     try:
         for name, arch, tp, pp in runs:
@@ -200,21 +200,21 @@ def test_bad_layout_is_a_clear_error_before_any_collective(tp, pp, field, fix):
     assert fix in str(info.value)
     if megatron_available():
         # torch.distributed is not initialised here: an error raised after a collective would be a RuntimeError
-        from engines.megatron import MegatronEngine
+        from engines.training.megatron.engine import MegatronEngine
 
         with pytest.raises(ValueError, match=field):
             MegatronEngine(cfg, hf_model("llama").state_dict(), None, tp=tp, pp=pp)
 
 
 def test_import_without_megatron_core():
-    """`import engines` and `import engines.megatron` must not need megatron-core; building the engine does."""
+    """`import engines` and `import engines.training.megatron.engine` must not need megatron-core; building the engine does."""
     code = ("import sys; sys.modules['megatron'] = None\n"
-            "import engines, engines.megatron\n"
-            "assert not engines.megatron.megatron_available()\n"
+            "import engines, engines.training.megatron.engine\n"
+            "assert not engines.training.megatron.engine.megatron_available()\n"
             "from tests.engines.test_megatron import hf_model\n"
             "m = hf_model('llama')\n"
             "try:\n"
-            "    engines.megatron.MegatronEngine.from_hf_model(m, None)\n"
+            "    engines.training.megatron.engine.MegatronEngine.from_hf_model(m, None)\n"
             "except ImportError as e:\n"
             "    assert 'megatron-core==0.16.1' in str(e), e\n"
             "else:\n"

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.megatron_convert import hf_to_megatron, megatron_to_hf
-from engines.training import OptimConfig, TrainEngine
+from engines.training.megatron.convert import hf_to_megatron, megatron_to_hf
+from engines.training.torch_native import TrainEngine
+from engines.training.common import OptimConfig
 from flowactors import Batch
 from tests.ranks import free_port, join_world, leave_world
 from tests.engines.probes import squared_value_loss
@@ -68,7 +69,7 @@ def _run_layouts(rank: int, world: int, port: int, out_dir: str) -> None:
     join_world(rank, world, port, megatron=True)
     import torch.distributed as dist
 
-    from engines.megatron import MegatronEngine
+    from engines.training.megatron.engine import MegatronEngine
 
     try:
         for name, arch, head, tp, pp in RUNS:

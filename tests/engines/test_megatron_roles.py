@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import flowactors as fa
-from engines.generation import SamplingConfig
-from engines.models import ModelConfig, build_tokenizer
+from engines.rollout.stream import SamplingConfig
+from engines.models.config import ModelConfig, build_tokenizer
 from engines.roles import RewardModelWorker
 from engines.specs import GenerationSpec, UpdateSpec
-from engines.training import OptimConfig
+from engines.training.common import OptimConfig
 from tests.engines.probes import HybridActorProbe, pg_loss
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]' pulls it)")
@@ -132,7 +132,7 @@ def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_
                                 args=(mega_cfg, OPTIM)),
         "rm": fa.ActorGroup(ctl, ShimmedRewardModel, name="rm", slots=ctl.slots[1:], args=(mega_cfg,)),
         # trainable on one slot: megatron's optimizer set-up must not wait for the idle rank 0 (see
-        # engines.megatron._default_group_is)
+        # engines.training.megatron.engine._default_group_is)
         "critic1": fa.ActorGroup(ctl, ShimmedCritic, name="critic1", slots=ctl.slots[1:], args=(mega_cfg, OPTIM)),
         "t_actor": fa.ActorGroup(ctl, HybridActorProbe, name="t_actor", slots=ctl.slots[:1],
                                  args=(ModelConfig(**CFG), OPTIM, SAMPLING)),
@@ -180,7 +180,7 @@ def test_megatron_actor_generates_through_the_3d_hybrid_engine(fresh_controller,
     from engines.hybrid.accounting import expected_received_bytes
     from engines.hybrid.layout import HybridLayout
     from engines.hybrid.shards import ModelGeometry
-    from engines.models import build_model
+    from engines.models.config import build_model
 
     ctl = fresh_controller
     tok = build_tokenizer(ModelConfig(**CFG))

@@ -8,7 +8,7 @@ import torch
 from engines import (HFGenerationEngine, ModelConfig, SamplingConfig, TrainEngine, build_model, build_tokenizer,
                      check_model_dir, save_pretrained)
 from engines.ops import response_mask_from_tokens
-from engines.parallel import check_divisible
+from engines.training.parallel import check_divisible
 from flowactors import Batch
 
 
@@ -106,7 +106,7 @@ def test_bad_model_inputs_say_the_fix(tmp_path):
 
 
 def test_tokenizer_without_pad_is_rejected(tmp_path):
-    from engines.tokenizer import char_tokenizer, load_tokenizer
+    from engines.models.tokenizer import char_tokenizer, load_tokenizer
 
     tok = char_tokenizer()
     tok.save_pretrained(tmp_path)

@@ -1,4 +1,4 @@
-"""Intra-stage fusion (engines.pipeline_fusion): the planner, and a fused actor + critic step on megatron.
+"""Intra-stage fusion (engines.training.megatron.pipeline_fusion): the planner, and a fused actor + critic step on megatron.
 
 The planner is checked against 1F1B's known shape (one model: megatron's order, bubble (p-1)/(m+p-1) of the
 slots) and against what fusion must give (each model's steps in dependency order, no more activations held than
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.pipeline_fusion import plan_pipelines
-from engines.training import OptimConfig
+from engines.training.megatron.pipeline_fusion import plan_pipelines
+from engines.training.common import OptimConfig
 from flowactors import Batch
 from tests.engines.probes import squared_value_loss
 from tests.engines.test_megatron import fixed_batch, needs_megatron, pg_loss
@@ -165,9 +165,9 @@ def _run(rank: int, world: int, port: int, out_dir: str, tp: int) -> None:
     join_world(rank, world, port, megatron=True)
     import torch.distributed as dist
 
-    from engines.megatron import MegatronEngine
-    from engines.megatron_groups import world_groups
-    from engines.pipeline_fusion import fused_update
+    from engines.training.megatron.engine import MegatronEngine
+    from engines.training.megatron.groups import world_groups
+    from engines.training.megatron.pipeline_fusion import fused_update
 
     try:
         lm, value = _models()
@@ -276,7 +276,7 @@ def test_a_reversed_model_with_tied_embeddings_is_refused(fused_run) -> None:
 
 
 def test_pipeline_ranks_must_run_up_or_down() -> None:
-    from engines.megatron_groups import MegatronGroups
+    from engines.training.megatron.groups import MegatronGroups
 
     def groups(ranks):
         return MegatronGroups(None, None, len(ranks), 1, 1, 0, 0, 0, tuple(ranks))

@@ -47,8 +47,8 @@ def test_missing_packages_name_the_install_command(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """A fresh conversion into a private cache (so the test measures it), then the model through engines.models."""
-    from engines.pretrained import smollm2_dir
+    """A fresh conversion into a private cache (so the test measures it), then the model through engines.models.config."""
+    from engines.models.pretrained import smollm2_dir
 
     cache = tmp_path_factory.mktemp("cache")
     t0 = time.perf_counter()
@@ -59,7 +59,7 @@ def converted(tmp_path_factory):
     tok = build_tokenizer(cfg)
     model = build_model(cfg, "lm", tok)
     load_s = time.perf_counter() - t0
-    print(f"\nSmolLM2 conversion {convert_s:.1f} s, reload through engines.models {load_s:.1f} s")
+    print(f"\nSmolLM2 conversion {convert_s:.1f} s, reload through engines.models.config {load_s:.1f} s")
     return cache, path, tok, model
 
 
@@ -73,7 +73,7 @@ def chat_prompts(tok, questions: list[str]) -> Batch:
 @pytest.mark.slow
 @needs_smollm2
 def test_converted_folder_is_a_plain_hf_checkpoint_with_pad_and_eos(converted):
-    from engines.models import check_model_dir
+    from engines.models.config import check_model_dir
 
     _, path, tok, model = converted
     cfg = check_model_dir(path)
@@ -117,7 +117,7 @@ def test_rollout_log_probs_equal_a_forward_pass(converted):
 @pytest.mark.slow
 @needs_smollm2
 def test_second_call_reuses_the_cache(converted):
-    from engines.pretrained import smollm2_dir
+    from engines.models.pretrained import smollm2_dir
 
     cache, path, _, _ = converted
     weights = path / "model.safetensors"

@@ -6,8 +6,9 @@ import torch
 import flowactors as fa
 from engines import (ActorWorker, CriticWorker, ModelConfig, RewardModelWorker, RuleRewardWorker, SamplingConfig,
                      build_model, build_tokenizer, save_pretrained)
-from engines.generation import HFGenerationEngine
-from engines.training import OptimConfig, TrainEngine
+from engines.rollout.hf import HFGenerationEngine
+from engines.training.torch_native import TrainEngine
+from engines.training.common import OptimConfig
 from flowactors import Batch
 from tests.engines.probes import squared_value_loss
 

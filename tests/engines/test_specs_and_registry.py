@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from engines import GenerationEngine, GenerationSpec, ModelConfig, TrainingEngine, UpdateSpec
-from engines.generation import HFGenerationEngine
-from engines.megatron_groups import megatron_subgroups
+from engines.rollout.hf import HFGenerationEngine
+from engines.training.megatron.groups import megatron_subgroups
 from engines.protocols import MINIBATCH, plan_minibatches
 from engines.registry import (check_training_layout, generation_engine, register_training_engine, training_engine,
                               training_engine_names)
 from engines.roles import ActorWorker, CriticWorker
-from engines.training import TrainEngine
+from engines.training.torch_native import TrainEngine
 from flowactors import MESH, Batch, Layout
 
 
@@ -90,7 +90,7 @@ def test_engines_implement_the_interfaces():
     model = torch.nn.Linear(2, 2)
     assert isinstance(TrainEngine(model, None, trainable=False), TrainingEngine)
     assert isinstance(HFGenerationEngine(eos_token_id=1, pad_token_id=0), GenerationEngine)
-    from engines.megatron import MegatronEngine
+    from engines.training.megatron.engine import MegatronEngine
 
     methods = [name for name in dir(TrainingEngine) if not name.startswith("_") and callable(getattr(TrainingEngine,
                                                                                                       name))]

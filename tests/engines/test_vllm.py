@@ -32,7 +32,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from engines import (HFGenerationEngine, ModelConfig, SamplingConfig, build_model, build_tokenizer,  # noqa: E402
                      save_pretrained)
-from engines.generation import STOP_AT  # noqa: E402
+from engines.rollout.stream import STOP_AT  # noqa: E402
 from engines.ops import position_ids_from_mask, response_logits, token_log_probs  # noqa: E402
 from flowactors import Batch  # noqa: E402
 
@@ -73,7 +73,7 @@ def launcher_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def build_engine(model_dir: str, tok, tp: int):
-    from engines.vllm_engine import VLLMGenerationEngine
+    from engines.rollout.vllm_engine import VLLMGenerationEngine
 
     return VLLMGenerationEngine(model_dir, tp=tp, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                 dtype="float32", kv_cache_bytes=32 << 20, engine_args={"block_size": BLOCK})
@@ -183,7 +183,7 @@ def _migrate(engine, prompts, cfg, *, greedy=False, carry=True, when="queued"):
     import queue
     import threading
 
-    from engines.generation import is_tail
+    from engines.rollout.stream import is_tail
 
     sent = list(engine.stream(None, prompts.slice(2, 5), cfg, 1, greedy=greedy, seed=5, seed_offset=2,
                               row_offset=2, pause_below=2))

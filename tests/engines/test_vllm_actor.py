@@ -23,11 +23,12 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 import flowactors as fa  # noqa: E402
-from engines.generation import HFGenerationEngine, SamplingConfig  # noqa: E402
+from engines.rollout.hf import HFGenerationEngine  # noqa: E402
+from engines.rollout.stream import SamplingConfig  # noqa: E402
 from engines.hybrid import ModelGeometry  # noqa: E402
-from engines.models import ModelConfig, build_model, build_tokenizer  # noqa: E402
+from engines.models.config import ModelConfig, build_model, build_tokenizer  # noqa: E402
 from engines.specs import GenerationSpec, UpdateSpec  # noqa: E402
-from engines.training import OptimConfig  # noqa: E402
+from engines.training.common import OptimConfig  # noqa: E402
 from tests.engines.probes import HybridActorProbe, pg_loss  # noqa: E402
 
 # head_dim 32 (vLLM's CPU attention needs >= 32); 2 KV heads so t_g = 2 splits them; the vocabulary padded to 64,

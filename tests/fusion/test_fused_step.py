@@ -21,7 +21,7 @@ from algorithms.roles import Roles
 from algorithms.tasks import get_task
 from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RuleRewardWorker, SamplingConfig,
                      build_tokenizer)
-from engines.generation import ROW_INDEX, share_tails
+from engines.rollout.stream import ROW_INDEX, share_tails
 from flowactors import Batch, Layout
 from tests.fusion.workers import FailingReward, SlowDecodeActor
 

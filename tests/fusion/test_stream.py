@@ -8,7 +8,7 @@ import torch
 
 from algorithms.fusion import merge_chunks, reassemble
 from engines import HFGenerationEngine, ModelConfig, SamplingConfig, build_model, build_tokenizer
-from engines.generation import ROW_INDEX, TAIL_STEP, GenerationStream, is_tail
+from engines.rollout.stream import ROW_INDEX, TAIL_STEP, GenerationStream, is_tail
 from flowactors import Batch
 
 CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)

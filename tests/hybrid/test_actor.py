@@ -6,12 +6,13 @@ import pytest
 import torch
 
 import flowactors as fa
-from engines.generation import HFGenerationEngine, SamplingConfig
+from engines.rollout.hf import HFGenerationEngine
+from engines.rollout.stream import SamplingConfig
 from engines.hybrid import ModelGeometry
-from engines.models import ModelConfig, build_model, build_tokenizer
+from engines.models.config import ModelConfig, build_model, build_tokenizer
 from engines.roles import ActorWorker
 from engines.specs import GenerationSpec, UpdateSpec
-from engines.training import OptimConfig
+from engines.training.common import OptimConfig
 from tests.engines.probes import HybridActorProbe, pg_loss
 
 # 4 query and 4 key/value heads so TP 4 splits them; the vocabulary padded to a multiple of 4 for the
@@ -262,7 +263,7 @@ def test_zero_stage_1_actor_keeps_replicas_without_the_hybrid_engine(controller4
 def test_qwen2_biases_through_the_generation_pieces(controller4, tmp_path):
     """Qwen2's q/k/v biases are column-split with their weights: greedy tokens and rollout log-probs of a TP=4
     actor generating at t_g=2 equal the unsharded Qwen2 model's (biases made non-zero, loaded from a folder)."""
-    from engines.models import save_pretrained
+    from engines.models.config import save_pretrained
 
     built = ModelConfig(arch="qwen2", num_heads=4, num_kv_heads=4, pad_vocab_to=4, seed=9)
     tok = build_tokenizer(built)

@@ -64,7 +64,7 @@ def test_a_fused_pipeline_planner_sets_the_fused_update():
     """With `fused_pipeline` the fused update is the planner's schedule (here the one the fused training runs):
     what it is given is each model's micro-batch count and one micro-batch's step time, and it plans shorter
     than the bubble-paid-once estimate."""
-    from engines.pipeline_fusion import plan_pipelines
+    from engines.training.megatron.pipeline_fusion import plan_pipelines
 
     sim, spec, specs, cfgs = _setup(2)
     calls = []

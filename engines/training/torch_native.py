@@ -27,77 +27,18 @@ any DP size, sharded or not.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from engines.training.common import LossFn, OptimConfig, token_mean
 from engines.ops import (compute_precision, entropy_from_logits, position_ids_from_mask, response_logits,
                          token_log_probs)
 from flowactors import Batch
 
-__all__ = ["OptimConfig", "TrainEngine", "LossFn"]
-
-LossFn = Callable[[dict[str, torch.Tensor], Batch], tuple[torch.Tensor, torch.Tensor, dict[str, float]]]
-"""loss_fn(outputs, micro_batch) -> (per-token loss (B, R), token weights (B, R), metrics).
-
-`outputs` holds `log_probs` and `entropy` (policy) or `values` (critic), each (B, R) over the response."""
-
-
-@dataclass
-class OptimConfig:
-    """Optimiser and batching of one trained model."""
-
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    """Adam's epsilon: a gradient element much smaller than it moves its weight by less than lr."""
-    grad_clip: float = 1.0
-    """Max global gradient norm (0 disables clipping)."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warm-up."""
-    lr_schedule: str = "constant"
-    """constant or cosine (decays to 10 % over total_steps)."""
-    total_steps: int = 1000
-    micro_batch_tokens: int = 4096
-    """Tokens (rows x sequence length) per forward/backward on one rank; bounds activation memory."""
-    trainable_layers: int = 0
-    """Train only the top K decoder layers, the final norm and the head (0: every parameter). The layers below
-    get no gradient and no backward pass, so a step costs about a forward pass plus K layers' backward: how a score
-    head is fitted on a pretrained backbone cheaply (torch engine)."""
-    zero_stage: int = 3
-    """How data-parallel ranks hold the model (torch engine, DeepSpeed's numbering): 3 shards parameters,
-    gradients and optimizer state (FSDP2: least memory, but every layer's weights are gathered in each forward and
-    backward); 1 keeps a whole replica per rank, averages gradients once per step and shards only the optimizer
-    state (ZeRO-1: far less communication, for models that fit on one device; with tp > 1 each rank keeps its TP
-    shard)."""
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"OptimConfig.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
-        if self.trainable_layers < 0:
-            raise ValueError(f"OptimConfig.trainable_layers must be >= 0 (0: train every layer), got "
-                             f"{self.trainable_layers}")
-        if self.zero_stage not in (1, 3):
-            raise ValueError(f"OptimConfig.zero_stage must be 1 (replicas, sharded optimizer state) or 3 (FSDP2), "
-                             f"got {self.zero_stage}")
-
-    def lr_factor(self, step: int) -> float:
-        """The schedule's multiplier of `lr` after `step` optimizer steps (linear warm-up, then constant/cosine)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.lr_schedule == "cosine":
-            t = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-        return 1.0
+__all__ = ["TrainEngine", "assign_owners"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -118,18 +59,6 @@ def assign_owners(model: torch.nn.Module, dp_size: int) -> dict[str, int]:
         owners[name] = rank
         load[rank] += numel
     return owners
-
-
-def token_mean(sums: dict[str, float], tokens: float, dp_group: Any = None) -> dict[str, float]:
-    """Loss metrics over every data-parallel rank's tokens: `sums` (metric × tokens) and `tokens` summed over
-    `dp_group` (one all-reduce; None: this rank only), then divided. Each rank alone would report its own share of
-    the batch, and the group's result (rank 0's) would not be the batch's loss."""
-    keys = sorted(sums)
-    if dp_group is not None:
-        totals = torch.tensor([tokens, *(sums[k] for k in keys)], dtype=torch.float64)
-        dist.all_reduce(totals, group=dp_group)
-        tokens, sums = float(totals[0]), {k: float(v) for k, v in zip(keys, totals[1:])}
-    return {k: sums[k] / max(tokens, 1e-9) for k in keys}
 
 
 class TrainEngine:

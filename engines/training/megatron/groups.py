@@ -59,7 +59,7 @@ class MegatronGroups:
     tp_rank: int
     pp_ranks: tuple[int, ...]
     """Global ranks of this rank's pipeline, in stage order: ascending, or descending for a model whose stages run
-    the other way over its slots (engines.pipeline_fusion). torch orders a process group's ranks by global rank,
+    the other way over its slots (engines.training.megatron.pipeline_fusion). torch orders a process group's ranks by global rank,
     so megatron's own schedules and P2P, which read stages off the PP group, serve only ascending pipelines."""
 
     def __post_init__(self) -> None:
@@ -100,7 +100,7 @@ def megatron_groups(mesh: Any, subgroups: Mapping[tuple[int, ...], Any]) -> Mega
             return subgroups[ranks]
         except KeyError:
             raise RuntimeError(f"the megatron subgroup {ranks} was not created with this group; the role's "
-                               f"process_groups must return engines.megatron_groups.megatron_subgroups(pp, dp, tp)"
+                               f"process_groups must return engines.training.megatron.groups.megatron_subgroups(pp, dp, tp)"
                                ) from None
 
     whole = mesh.mesh.flatten().tolist()
@@ -123,7 +123,7 @@ def megatron_groups(mesh: Any, subgroups: Mapping[tuple[int, ...], Any]) -> Mega
 def world_groups(tp: int, pp: int, reverse_stages: bool = False) -> MegatronGroups:
     """The groups for a model spanning the whole torch.distributed world (a program of its own, or tests): every
     world rank calls this, with the same sizes. `reverse_stages` puts stage 0 on the highest ranks (the second
-    model of a fused pipeline, engines.pipeline_fusion)."""
+    model of a fused pipeline, engines.training.megatron.pipeline_fusion)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 

@@ -1,19 +1,19 @@
 """The megatron-core training engine: the GPU production path for TP / PP / DP (docs/design.md §4).
 
-`MegatronEngine` implements engines.interfaces.TrainingEngine, as the torch-native `engines.training.TrainEngine`
+`MegatronEngine` implements engines.interfaces.TrainingEngine, as the torch-native `engines.training.torch_native.TrainEngine`
 does, so a role holds either; `ModelConfig(engine="megatron")` chooses it (engines.registry). Its checkpoints hold the weights and
 the distributed optimizer's state in model space, so they load under any (p, t, d) (see `checkpoint_state`). Inside, everything is megatron-core's own
 machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the transformers config,
-explicit process groups for the TP × DP × PP rank grid (engines.megatron_groups: the group's own mesh, in
+explicit process groups for the TP × DP × PP rank grid (engines.training.megatron.groups: the group's own mesh, in
 megatron's order, tp fastest, then dp, then pp; megatron's process-global `parallel_state` is never initialised, so
 models on different slots or with different layouts live side by side), its `DistributedDataParallel` with the distributed optimizer, and the pipeline schedules of
 `get_forward_backward_func` (1F1B when pp > 1). A model whose stages run down its ranks (the critic of a fused
-actor/critic pipeline, engines.pipeline_fusion) runs its forwards and updates through that module's runner, on
+actor/critic pipeline, engines.training.megatron.pipeline_fusion) runs its forwards and updates through that module's runner, on
 the same forward / backward steps. Weights come in and go out in Hugging Face format through
-`engines.megatron_convert`.
+`engines.training.megatron.convert`.
 
 Version. megatron-core is pinned to 0.16.1, the last release that installs on Python 3.11 (0.17 and later need
-Python >= 3.12). It is imported lazily: `import engines.megatron` works without it; only building an engine
+Python >= 3.12). It is imported lazily: `import engines.training.megatron.engine` works without it; only building an engine
 needs it.
 
 Loss aggregation matches TrainEngine: token-mean over the whole mini-batch across data-parallel ranks. We use
@@ -41,7 +41,7 @@ Differences from TrainEngine worth knowing:
   every parameter. Identical when weight_decay = 0.
 * the rotary embedding is applied by sequence index, not by `position_ids`; for left-padded rows this is the
   same attention (rotary scores depend on position differences only), up to float rounding.
-* neither engine's value or score head has dropout (engines.models builds them with classifier_dropout = 0, as
+* neither engine's value or score head has dropout (engines.models.config builds them with classifier_dropout = 0, as
   verl does for critics), so the two engines' critics agree.
 
 What runs where. On GPUs the engine runs as is (NCCL, CUDA). On CPU, megatron-core 0.16.1 still reaches for CUDA
@@ -66,10 +66,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engines.hybrid.shards import ModelGeometry
-from engines.megatron_groups import MegatronGroups, world_groups
-from engines.megatron_convert import HEADS, check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
+from engines.training.megatron.groups import MegatronGroups, world_groups
+from engines.training.megatron.convert import HEADS, check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
 from engines.ops import response_logits
-from engines.training import LossFn, OptimConfig, token_mean
+from engines.training.common import LossFn, OptimConfig, token_mean
 from flowactors import Batch
 
 __all__ = ["MegatronEngine", "megatron_available"]
@@ -245,7 +245,7 @@ class _ScalarHead(torch.nn.Linear):
 
 
 def _head_of(model: torch.nn.Module) -> str:
-    """The engines.models head of a transformers model, from its class name."""
+    """The engines.models.config head of a transformers model, from its class name."""
     name = type(model).__name__
     for suffix, head in (("ForCausalLM", "lm"), ("ForTokenClassification", "value"),
                          ("ForSequenceClassification", "score")):
@@ -259,7 +259,7 @@ class MegatronEngine:
 
     `head`: "lm" (causal LM: actor, reference), "value" (a scalar per token: critic) or "score" (a scalar per
     sequence: reward / cost model); `state_dict` is the matching transformers model's. `groups`: this rank's
-    megatron process groups (engines.megatron_groups; a flowactors role passes its group's); None builds them
+    megatron process groups (engines.training.megatron.groups; a flowactors role passes its group's); None builds them
     over the whole torch.distributed world (every rank must then construct the engine)."""
 
     def __init__(self, hf_config, state_dict: Mapping[str, torch.Tensor], optim: OptimConfig | None, *,
@@ -439,7 +439,7 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         if self.groups.reversed_stages:
-            from engines.pipeline_fusion import PipelineJob, finalize_grads, plan_pipelines, run_plan
+            from engines.training.megatron.pipeline_fusion import PipelineJob, finalize_grads, plan_pipelines, run_plan
 
             job = PipelineJob(self, mbs, loss_step, forward_only)
             run_plan([job], plan_pipelines(self.pp, [len(mbs)], reverse=[True], forward_only=forward_only))
@@ -512,7 +512,7 @@ class MegatronEngine:
 
         `outputs_fn(mb)` is evaluated on the last pipeline stage inside the schedule, where `policy_outputs` /
         `value_outputs` read the schedule's output instead of running a forward of their own. (Two models
-        training on the same slots can share one pipeline instead: engines.pipeline_fusion.fused_update.)"""
+        training on the same slots can share one pipeline instead: engines.training.megatron.pipeline_fusion.fused_update.)"""
         run = self.begin_update()
         loss_step = self.train_loss_step(loss_fn, outputs_fn)
         for mini in mini_batches:
@@ -615,7 +615,7 @@ class MegatronEngine:
         """megatron-named tensors of this rank's shard → Hugging Face names, TP slices as DTensors."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        from engines.megatron_convert import hf_local_placement, megatron_shard_to_hf_local
+        from engines.training.megatron.convert import hf_local_placement, megatron_shard_to_hf_local
 
         pieces = megatron_shard_to_hf_local(local, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp,
                                             self.head)
@@ -627,7 +627,7 @@ class MegatronEngine:
         return out
 
     def _from_model_space(self, tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        from engines.megatron_convert import hf_local_to_megatron_shard
+        from engines.training.megatron.convert import hf_local_to_megatron_shard
 
         pieces = {k: v.to_local() for k, v in tensors.items()}
         return hf_local_to_megatron_shard(pieces, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp,
@@ -644,15 +644,15 @@ class MegatronEngine:
     def hybrid_engine(self, model: torch.nn.Module, mesh: Any, gen_tp: int,
                       subgroups: Mapping[tuple[int, ...], Any], gen_pp: int = 1) -> Any:
         """The 3D-HybridEngine over this actor's shards: (p, t, d) → (p_g, t_g) by all-gather inside micro-DP groups
-        (engines.hybrid_engine), fed from megatron's own parameters. megatron-core keeps its weights in its DDP
+        (engines.hybrid.actor), fed from megatron's own parameters. megatron-core keeps its weights in its DDP
         buffers, which the resharder's training layout cannot alias, so each transition copies this rank's shard
         (megatron_shard_to_hf_local: q/k/v out of the per-group interleave, gate/up apart) into a training shard
         that lives only while generating. `model` (the transformers model the engine was built from) lends its
         class and config to the generation skeleton; no weights of it are kept."""
         import copy
 
-        from engines.hybrid_engine import HybridEngine
-        from engines.megatron_convert import megatron_shard_to_hf_local
+        from engines.hybrid.actor import HybridEngine
+        from engines.training.megatron.convert import megatron_shard_to_hf_local
 
         if self.head != "lm":
             raise ValueError(f"the 3D-HybridEngine reshards a causal LM; this engine has head={self.head!r}")

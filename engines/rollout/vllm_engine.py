@@ -65,8 +65,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines.generation import (_TAIL, ROW_INDEX, TAIL_STEP, SamplingConfig, _Arrivals, _stop_lengths,
-                                _tail_prompts, assemble_samples, check_stream, chunk_of, row_seeds, stream_chunks)
+from engines.rollout.stream import (ROW_INDEX, TAIL_PREFIX, TAIL_STEP, Arrivals, SamplingConfig, assemble_samples,
+                                    check_stream, chunk_of, row_seeds, stop_lengths, stream_chunks, tail_prompts)
 from flowactors import Batch
 
 __all__ = ["VLLMGenerationEngine", "VLLM_INSTALL_HINT", "check_vllm_model"]
@@ -375,7 +375,7 @@ class VLLMGenerationEngine:
         self._wake()
         engine = self.llm.llm_engine
         call = next(_REQUESTS)
-        arrivals = _Arrivals(inbox)
+        arrivals = Arrivals(inbox)
         partial: dict[int, Any] = {}  # the latest output of each running row, for a pause
 
         def add(i: int, state: torch.Tensor | None = None) -> None:
@@ -520,35 +520,35 @@ class _Rows:
         (`TAIL_STEP`: how many), seeds and sampling generators' states."""
         idx = torch.tensor(rows, dtype=torch.long)
         part = self.prompts.take(idx)
-        state = {_TAIL + "tokens": self.tokens[idx], _TAIL + "logp": self.logp[idx],
-                 _TAIL + "seed": torch.tensor([self.seeds[i] for i in rows], dtype=torch.long),
-                 _TAIL + "generator": generators, TAIL_STEP: torch.tensor([self.count[i] for i in rows]),
+        state = {TAIL_PREFIX + "tokens": self.tokens[idx], TAIL_PREFIX + "logp": self.logp[idx],
+                 TAIL_PREFIX + "seed": torch.tensor([self.seeds[i] for i in rows], dtype=torch.long),
+                 TAIL_PREFIX + "generator": generators, TAIL_STEP: torch.tensor([self.count[i] for i in rows]),
                  ROW_INDEX: self.index[idx]}
         return Batch({**part.tensors, **state}, part.rows, part.meta)
 
     def admit(self, tail: Batch) -> list[tuple[int, torch.Tensor]]:
         """Take a paused decode's rows (another engine's `tail`) as rows of this call; returns each new row with
         the state its sampling generator must resume from."""
-        if _TAIL + "generator" not in tail:
+        if TAIL_PREFIX + "generator" not in tail:
             raise ValueError("the vLLM engine admits paused decodes of vLLM engines only (tokens so far and "
                              "generator states); this one came from another engine")
         first, n = len(self.done), len(tail)
-        prompts = _tail_prompts(tail)
+        prompts = tail_prompts(tail)
         counts = [int(c) for c in tail[TAIL_STEP].tolist()]
         self.prompts = Batch.concat([self.prompts, prompts])
-        self.tokens = torch.cat([self.tokens, tail[_TAIL + "tokens"]])
-        self.logp = torch.cat([self.logp, tail[_TAIL + "logp"]])
+        self.tokens = torch.cat([self.tokens, tail[TAIL_PREFIX + "tokens"]])
+        self.logp = torch.cat([self.logp, tail[TAIL_PREFIX + "logp"]])
         self.index = torch.cat([self.index, tail[ROW_INDEX]])
         self.start += counts
         self.count += counts
         self.stop += _budgets(prompts, self.tokens.shape[1])
-        self.seeds += [int(s) for s in tail[_TAIL + "seed"].tolist()]
+        self.seeds += [int(s) for s in tail[TAIL_PREFIX + "seed"].tolist()]
         self.done += [False] * n
         # a generator takes its state as a tensor of its own (torch reads it from the storage's start)
-        return [(first + j, tail[_TAIL + "generator"][j].to(torch.uint8).clone()) for j in range(n)]
+        return [(first + j, tail[TAIL_PREFIX + "generator"][j].to(torch.uint8).clone()) for j in range(n)]
 
 
 def _budgets(prompts: Batch, max_new_tokens: int) -> list[int]:
     """Each row's token budget: its `stop_at`, at most max_new_tokens."""
-    stop = _stop_lengths(prompts)
+    stop = stop_lengths(prompts)
     return [max_new_tokens] * len(prompts) if stop is None else [min(int(s), max_new_tokens) for s in stop]

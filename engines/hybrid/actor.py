@@ -1,6 +1,6 @@
 """The 3D-HybridEngine bound to a torch actor: trains on Megatron-layout shards, generates on resharded ones.
 
-`HybridEngine` takes a transformers decoder already split by `engines.parallel.parallelize(..., fsdp=False,
+`HybridEngine` takes a transformers decoder already split by `engines.training.parallel.parallelize(..., fsdp=False,
 vocab_parallel=True)` (TP over the mesh's "tp" dim, whole replicas over "dp": the (p, t, d) layout of HybridFlow,
 p = 1 in the torch engine) and moves every parameter into one flat training buffer (`TrainShard`): each
 parameter's local tensor becomes a view of that buffer, q/k/v and gate/up side by side as Megatron fuses them. The
@@ -145,7 +145,7 @@ class HybridEngine:
 
         `pieces`: for a training engine that keeps its weights in its own buffers (megatron-core): returns this
         rank's current training pieces (Hugging Face names, TP-local slices, e.g.
-        engines.megatron_convert.megatron_shard_to_hf_local). Each transition then copies them into a training
+        engines.training.megatron.convert.megatron_shard_to_hf_local). Each transition then copies them into a training
         shard that lives only while generating (one shard of extra memory, counted in extra_generation_bytes);
         `model` only lends its class and config to the generation skeleton.
 
@@ -270,7 +270,7 @@ class HybridEngine:
         """Reshard to the generation layout (collective), give `load` this rank's generation shard in the fused
         per-rank layout an inference engine keeps (q/k/v → qkv_proj, gate/up → gate_up_proj, this TP rank's
         vocabulary rows: vLLM's), one tensor at a time, then free the received pieces; returns what `load`
-        returned. For an engine that holds its own weights (engines.vllm_engine)."""
+        returned. For an engine that holds its own weights (engines.rollout.vllm_engine)."""
         shard = self._to_generation()
         self.held_extra_bytes = self.extra_generation_bytes
         try:
@@ -369,11 +369,11 @@ class _PipelineStage(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, stage: int, stages: int, group: dist.ProcessGroup,
                  vocab_size: int) -> None:
         super().__init__()
-        from engines.generation import _cache_argument
+        from engines.rollout.hf import cache_argument
 
         self.stage, self.stages, self.group, self.vocab_size = stage, stages, group, vocab_size
         self.base = getattr(model, model.base_model_prefix)
-        self.cache_arg = _cache_argument(self.base)
+        self.cache_arg = cache_argument(self.base)
         self.first, self.last = stage == 0, stage == stages - 1
         if not self.first:
             self.base.embed_tokens = torch.nn.Identity()  # the hidden states come from the previous stage

@@ -5,7 +5,7 @@ and chat template inside). transformers reads GGUF through the `gguf` package, d
 takes tens of seconds and the loaded model refuses `save_pretrained` (it still carries the GGUF quantizer). So
 `smollm2_dir()` converts once: it rebuilds the model from the same config without the quantization entry, moves the
 de-quantised weights in, and writes an ordinary Hugging Face folder (config.json, model.safetensors in float32,
-tokenizer files) that `engines.models` loads in about two seconds (`ModelConfig(path=str(smollm2_dir()))`).
+tokenizer files) that `engines.models.config` loads in about two seconds (`ModelConfig(path=str(smollm2_dir()))`).
 
 Decisions:
 
@@ -15,8 +15,8 @@ Decisions:
 - **Float32 weights.** The de-quantised GGUF values are float32; saving them as they are keeps the folder exactly
   the GGUF model. `ModelConfig(dtype="bfloat16")` casts at load time.
 - **Pad token = eos token (`<|im_end|>`, id 2).** SmolLM2's GGUF metadata sets it so; we keep it and check it
-  (engines.tokenizer requires a pad token). That is safe here: prompts are left-padded under an attention mask,
-  and `engines.generation` masks a response after its first EOS, so a pad that equals EOS is never trained on.
+  (engines.models.tokenizer requires a pad token). That is safe here: prompts are left-padded under an attention mask,
+  and `engines.rollout.stream.assemble_samples` masks a response after its first EOS, so a pad that equals EOS is never trained on.
 - **Atomic, versioned cache.** The folder is written under a temporary name next to the target and renamed into
   place; `flowactors_source.json`, written last, records which GGUF file (name, size) it came from, so a folder
   from another package version, or an interrupted write, is rebuilt rather than trusted.

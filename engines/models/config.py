@@ -17,8 +17,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from engines.registry import training_engine, training_engine_names
-from engines.tokenizer import char_tokenizer, load_tokenizer
+from engines.models.tokenizer import char_tokenizer, load_tokenizer
 
 __all__ = ["ModelConfig", "build_model", "build_tokenizer", "same_vocabulary", "save_pretrained", "check_model_dir",
            "freeze_lower_layers", "SUPPORTED_ARCHITECTURES"]
@@ -70,6 +69,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in _ARCH:
             raise ValueError(f"ModelConfig.arch must be one of {sorted(_ARCH)}, got {self.arch!r}")
+        # imported here: the registry's setups name ModelConfig, so a module-level import would close a circle
+        from engines.registry import training_engine, training_engine_names
+
         try:
             training_engine(self.engine)
         except ValueError:

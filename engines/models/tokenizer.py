@@ -2,7 +2,7 @@
 
 The synthetic tasks (digit sums, short strings) need no subword merges, and a character vocabulary keeps tiny
 models tiny (tens of embedding rows). It is a real `tokenizers` WordLevel model with a per-character
-pre-tokenizer, saved as `engines/assets/char_tokenizer.json`, so it loads through `PreTrainedTokenizerFast`
+pre-tokenizer, saved as `engines/models/assets/char_tokenizer.json`, so it loads through `PreTrainedTokenizerFast`
 exactly like any Hub tokenizer and is saved next to checkpoints in Hugging Face format.
 """
 

@@ -52,7 +52,7 @@ from engines.hybrid.shards import ModelGeometry
 __all__ = ["megatron_geometry", "hf_to_megatron", "megatron_to_hf", "check_megatron_fits", "HEADS"]
 
 HEADS = ("lm", "value", "score")
-"""Output heads (engines.models): the causal LM's vocabulary projection, or a scalar `score` linear."""
+"""Output heads (engines.models.config): the causal LM's vocabulary projection, or a scalar `score` linear."""
 
 
 def _check_head(head: str) -> None:
