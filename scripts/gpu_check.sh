@@ -114,7 +114,7 @@ out_new = engine.generate(None, prompts, sampling, greedy=True)
 engine.load_weights(new.items())
 engine.sleep_between_rollouts = False
 import queue
-from engines.rollout.hf import STOP_AT
+from engines.rollout.stream import STOP_AT
 stopped = Batch({**prompts.tensors, STOP_AT: torch.tensor([8, 3, 2, 8])})
 sampled = SamplingConfig(max_new_tokens=n, ignore_eos=True, temperature=1.0)
 whole = engine.generate(None, stopped, sampled, seed=7)
@@ -159,7 +159,7 @@ def megatron_tp1():
     import transformers
     from engines.training.megatron.engine import MegatronEngine
     from engines.ops import position_ids_from_mask, response_logits, token_log_probs
-    from engines.training.torch_native import OptimConfig
+    from engines.training.common import OptimConfig
     from flowactors import Batch
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
