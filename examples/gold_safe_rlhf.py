@@ -538,9 +538,9 @@ REUSED = ("reward_model", "cost_model", "rl_train.jsonl", "rl_eval.jsonl")
 trained and held out on."""
 
 
-def reuse_models(run: Path, out: Path, cost_threshold: float | None, margin: float) -> Learned:
-    """Stages 1-4 from a finished run's folder (`--from-run`): its models and prompts linked into `out`, its
-    calibration line applied to this run's threshold."""
+def check_run(run: Path, out: Path) -> dict:
+    """A finished run's folder fit for `--from-run` into `out`: its eval.json as a dict, else SystemExit naming what
+    is missing. Needs none of the example's packages, so a wrong folder is refused before they are asked for."""
     missing = [name for name in (*REUSED, "eval.json") if not (run / name).exists()]
     if missing:
         raise SystemExit(f"--from-run {run}: it lacks {', '.join(missing)}; give the --out folder of a finished "
@@ -555,11 +555,19 @@ def reuse_models(run: Path, out: Path, cost_threshold: float | None, margin: flo
     if lacking:
         raise SystemExit(f"--from-run {run}: its eval.json lacks {', '.join(lacking)}; give the --out folder of a "
                          f"full run of this version of the example")
-    if run.resolve() != out:
+    if run.resolve() != out.resolve():
         clash = [name for name in REUSED if (out / name).exists() and not (out / name).is_symlink()]
         if clash:
             raise SystemExit(f"--out {out} holds its own {', '.join(clash)}; give --from-run an empty --out folder "
                              f"(or the run's own folder)")
+    return prev
+
+
+def reuse_models(run: Path, out: Path, cost_threshold: float | None, margin: float) -> Learned:
+    """Stages 1-4 from a finished run's folder (`--from-run`): its models and prompts linked into `out`, its
+    calibration line applied to this run's threshold."""
+    prev = check_run(run, out)
+    if run.resolve() != out.resolve():
         for name in REUSED:
             (out / name).unlink(missing_ok=True)
             (out / name).symlink_to((run / name).resolve())
@@ -588,6 +596,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "finished run's --out folder, and run the Safe-RLHF stage and its evaluations only")
     args = parser.parse_args(argv)
     s = with_overrides(Settings.quick() if args.quick else Settings.full(), args.set)
+    if args.from_run:  # the user's folder first: its errors say more than a missing package's
+        check_run(Path(args.from_run), Path(args.out))
     missing = missing_packages()
     if missing:
         sys.exit(f"gold_safe_rlhf needs {', '.join(missing)}; install with:\n  "

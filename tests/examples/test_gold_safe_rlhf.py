@@ -152,6 +152,7 @@ def test_from_run_needs_a_finished_runs_folder_and_keeps_an_outs_own_models(exam
     (run / "reward_model").mkdir()
     with pytest.raises(SystemExit, match="lacks cost_model, rl_train.jsonl, rl_eval.jsonl, eval.json"):
         example.main(["--out", str(out), "--from-run", str(run)])
+    assert not out.exists()  # refused before anything was written, whatever packages this environment has
     for name in ("cost_model", "rl_train.jsonl", "rl_eval.jsonl", "eval.json"):
         (run / name).touch()
     with pytest.raises(SystemExit, match="its eval.json lacks a JSON object"):
@@ -162,7 +163,7 @@ def test_from_run_needs_a_finished_runs_folder_and_keeps_an_outs_own_models(exam
     (run / "eval.json").write_text(json.dumps({
         "cost_calibration": {"slope": 2.0, "intercept": -0.1}, "gold_cost_train_start": 0.174, "rm_pair_accuracy": 0.6,
         "cm_pair_accuracy": 0.7, "cm_sign_accuracy": 0.6, "reward_cost_correlation": 0.5}))
-    (out / "reward_model").mkdir()
+    (out / "reward_model").mkdir(parents=True)
     with pytest.raises(SystemExit, match="holds its own reward_model"):
         example.main(["--out", str(out), "--from-run", str(run)])
     assert [p.name for p in out.iterdir()] == ["reward_model"]  # nothing replaced
