@@ -193,10 +193,15 @@ def test_table2_for_the_paper_example():
 
 
 def test_the_package_imports_only_torch_and_itself():
-    """engines.hybrid sits below the runtime: no flowactors, no dask, no transformers."""
+    """engines.hybrid's resharding core sits below the runtime: no flowactors, no dask, no transformers. Only its
+    binding to the actor (actor.py) uses the runtime, and importing the package does not load it."""
     allowed = {"torch", "engines", "__future__", "collections", "dataclasses", "datetime", "fractions", "functools",
                "time", "typing"}
-    for path in (Path(__file__).parents[2] / "engines" / "hybrid").glob("*.py"):
+    package = Path(__file__).parents[2] / "engines" / "hybrid"
+    assert "actor" not in (package / "__init__.py").read_text()
+    for path in package.glob("*.py"):
+        if path.name == "actor.py":
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
