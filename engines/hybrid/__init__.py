@@ -6,6 +6,8 @@ shards.py  how Llama/Qwen2 tensors are cut into training and generation shards (
 limits.py  what a generation engine accepts, checked before any collective
 reshard.py the micro-DP all-gather and the two baselines, with byte and memory accounting
 accounting.py  HybridFlow Table 2 and the exact per-rank figures for a real model (pure)
+actor.py   the binding to the actor (HybridEngine: a generation model over the resharded weights); it uses the
+           runtime, so this package does not import it and spawned ranks that only reshard stay light
 """
 
 from engines.hybrid.accounting import (
