@@ -24,7 +24,8 @@ from algorithms.data import PromptData
 from algorithms.fusion import migration_threshold
 from algorithms.tasks import Task
 from engines import ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
-from engines.registry import generation_engine, training_engine
+from engines.models.config import head_dim
+from engines.registry import check_generation_model, generation_engine, training_engine
 from flowactors import Controller, Layout
 
 __all__ = ["Roles", "Pools", "check_before_start", "place", "rollout_tp", "rollout_engine", "build_roles",
@@ -79,10 +80,6 @@ def check_before_start(cfg: RLConfig) -> None:
         except ConfigError as e:
             raise ConfigError(f"{role}: {e}") from None
     rollout_tp(cfg)  # the plan's generation sizes
-    try:
-        generation_engine(rollout_engine(cfg))  # known, and installed (vllm)
-    except (ValueError, ImportError) as e:
-        raise ConfigError(f"rollout_engine: {e}") from None
     if cfg.model.path is not None:
         from engines import check_model_dir
 
@@ -90,6 +87,18 @@ def check_before_start(cfg: RLConfig) -> None:
             check_model_dir(cfg.model.path)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"model.path: {e}") from None
+    if cfg.address is None and cfg.cluster == "local":  # the embedded cluster's devices are this machine's
+        import torch
+
+        try:  # before the install check: the fix for the model is worth knowing before installing vLLM
+            check_generation_model(rollout_engine(cfg), head_dim(cfg.model), cuda=torch.cuda.is_available())
+        except ValueError as e:
+            raise ConfigError(f"rollout_engine: {e}" + (" (the tiny default with model.hidden_size=128 "
+                              "model.intermediate_size=256)" if cfg.model.path is None else "")) from None
+    try:
+        generation_engine(rollout_engine(cfg))  # known, and installed (vllm)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"rollout_engine: {e}") from None
     for name in ("reward_model", "cost_model"):
         if getattr(cfg, name):
             _check_score_model(getattr(cfg, name), name)

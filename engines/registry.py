@@ -30,7 +30,8 @@ from engines.interfaces import GenerationEngine, GenerationSetup, TrainingBuild,
 from engines.training.megatron.groups import megatron_subgroups  # plain torch.distributed: no megatron-core import
 
 __all__ = ["TrainingEngineEntry", "register_training_engine", "register_generation_engine", "training_engine",
-           "generation_engine", "training_engine_names", "generation_engine_names", "check_training_layout"]
+           "generation_engine", "training_engine_names", "generation_engine_names", "check_training_layout",
+           "check_generation_model"]
 
 TrainingFactory = Callable[[TrainingSetup], TrainingBuild]
 GenerationFactory = Callable[[GenerationSetup], GenerationEngine]
@@ -152,6 +153,12 @@ def _vllm_installed() -> None:
                           f"or use rollout_engine='hf'")
 
 
+def _vllm_model(head_dim: int, cuda: bool) -> None:
+    from engines.rollout.vllm_engine import check_vllm_head_dim
+
+    check_vllm_head_dim(head_dim, cuda=cuda)
+
+
 _TRAINING: dict[str, TrainingEngineEntry] = {
     "torch": TrainingEngineEntry(_build_torch, resharding=True),
     "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True, resharding=True,
@@ -160,6 +167,8 @@ _TRAINING: dict[str, TrainingEngineEntry] = {
 _GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf, "vllm": _build_vllm}
 _GENERATION_CHECKS: dict[str, Callable[[], None]] = {"vllm": _vllm_installed}
 """What a generation engine needs before any rank starts (checked on the controller by `generation_engine`)."""
+_GENERATION_MODEL_CHECKS: dict[str, Callable[[int, bool], None]] = {"vllm": _vllm_model}
+"""What a generation engine needs of the model on a kind of device: (head_dim, cuda) -> None or ValueError."""
 
 
 def register_training_engine(name: str, build: TrainingFactory, *, pipeline_parallel: bool = False,
@@ -225,6 +234,14 @@ def generation_engine(name: str) -> GenerationFactory:
     if name in _GENERATION_CHECKS:
         _GENERATION_CHECKS[name]()
     return build
+
+
+def check_generation_model(name: str, head_dim: int, *, cuda: bool) -> None:
+    """Refuse, before any rank starts, a model the named generation engine cannot run on CUDA (`cuda`) or on CPU
+    devices: vLLM's CPU attention and small heads, say. Needs the engine only where its check does."""
+    check = _GENERATION_MODEL_CHECKS.get(name)
+    if check is not None:
+        check(head_dim, cuda)
 
 
 def check_training_layout(name: str, pp: int) -> None:

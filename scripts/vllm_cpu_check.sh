@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM tests on a CPU machine, in a venv of their own (DESIGN §4): the engine alone (tests/engines/test_vllm.py),
+# The vLLM tests on a CPU machine, in a venv of their own (docs/design.md §4): the engine alone (tests/engines/test_vllm.py),
 # inside actor groups fed by the 3D-HybridEngine (tests/engines/test_vllm_actor.py), and GRPO / Safe-RLHF learning
 # with vLLM rollouts (tests/algorithms/test_vllm_learning.py). `.ci/run` calls it after the default suite.
 #

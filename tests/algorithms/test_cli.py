@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from algorithms.config import (ConfigError, GRPOConfig, PPOConfig, ReMaxConfig, RLConfig, SafeRLHFConfig,
                                apply_overrides, describe_settings)
@@ -93,8 +94,12 @@ def _plan(tmp_path, actor_train) -> str:
     (["model.hidden_size=12"], r"head size hidden_size / num_heads = 12 / 4 = 3 must be even"),
     (["call_timeout_s=0"], r"call_timeout_s must be > 0 seconds"),
     (["rollout_engine=sglang"], r"rollout_engine must be hf or vllm"),
-    *([(["rollout_engine=vllm"], r"rollout_engine: rollout_engine='vllm' needs vllm, which is not installed here: "
-                                 r".*scripts/vllm_cpu_check.sh")] if importlib.util.find_spec("vllm") is None else []),
+    *([(["rollout_engine=vllm"], r"rollout_engine: vLLM's CPU attention needs head_dim >= 32, the model has 16 "
+                                 r".*or rollout_engine='hf' \(the tiny default with model.hidden_size=128 "
+                                 r"model.intermediate_size=256\)$")] if not torch.cuda.is_available() else []),
+    *([(["rollout_engine=vllm", "model.hidden_size=128", "model.intermediate_size=256"],
+        r"rollout_engine: rollout_engine='vllm' needs vllm, which is not installed here: .*scripts/vllm_cpu_check.sh")]
+      if importlib.util.find_spec("vllm") is None else []),
 ])
 def test_a_user_error_is_one_line_and_status_2_before_the_cluster_starts(capsys, no_cluster, argv, message):
     import re
