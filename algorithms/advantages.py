@@ -11,17 +11,19 @@ from __future__ import annotations
 import torch
 
 from algorithms.core import gae, grpo_advantages, kl_penalty, masked_whiten, remax_advantages, token_rewards
+from engines.fields import (ADVANTAGES, COST_VALUES, COSTS, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK,
+                            REWARD_VALUES, REWARDS, ValueFields)
 from flowactors import Batch
 
 __all__ = ["join", "ppo_advantages", "safe_rlhf_advantages", "grpo_step_advantages", "remax_step_advantages"]
 
 
-def _gae_fields(batch: Batch, scores: torch.Tensor, values_key: str, kl_coef: float, kl_estimator: str,
+def _gae_fields(batch: Batch, scores: torch.Tensor, critic: ValueFields, kl_coef: float, kl_estimator: str,
                 gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = batch["response_mask"]
-    kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], kl_estimator) if kl_coef else None
+    mask = batch[RESPONSE_MASK]
+    kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], kl_estimator) if kl_coef else None
     rewards = token_rewards(scores, mask, kl, kl_coef)
-    return gae(rewards, batch[values_key], mask, gamma, lam)
+    return gae(rewards, batch[critic.values], mask, gamma, lam)
 
 
 def _scaled(scores: torch.Tensor, whiten: bool) -> torch.Tensor:
@@ -39,39 +41,39 @@ def join(*batches: Batch) -> Batch:
 def ppo_advantages(*parts: Batch, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool,
                    whiten_rewards: bool = False) -> Batch:
     batch = join(*parts)
-    adv, ret = _gae_fields(batch, _scaled(batch["rewards"], whiten_rewards), "values", kl_coef, kl_estimator, gamma,
-                           lam)
+    adv, ret = _gae_fields(batch, _scaled(batch[REWARDS], whiten_rewards), REWARD_VALUES, kl_coef, kl_estimator,
+                           gamma, lam)
     if whiten:
-        adv = masked_whiten(adv, batch["response_mask"])
-    return batch.union(Batch({"advantages": adv, "returns": ret}))
+        adv = masked_whiten(adv, batch[RESPONSE_MASK])
+    return batch.union(Batch({ADVANTAGES: adv, REWARD_VALUES.returns: ret}))
 
 
 def safe_rlhf_advantages(*parts: Batch, lagrange_lambda: float, gamma: float, lam: float, kl_coef: float,
                          kl_estimator: str, whiten_rewards: bool = False) -> Batch:
     """Reward advantages (KL penalty in the reward) and cost advantages, combined as (A_r − λ·A_c) / (1 + λ)."""
     batch = join(*parts)
-    mask = batch["response_mask"]
-    adv_r, ret_r = _gae_fields(batch, _scaled(batch["rewards"], whiten_rewards), "values", kl_coef, kl_estimator,
-                               gamma, lam)
-    adv_c, ret_c = _gae_fields(batch, _scaled(batch["costs"], whiten_rewards), "cost_values", 0.0, kl_estimator,
+    mask = batch[RESPONSE_MASK]
+    adv_r, ret_r = _gae_fields(batch, _scaled(batch[REWARDS], whiten_rewards), REWARD_VALUES, kl_coef,
+                               kl_estimator, gamma, lam)
+    adv_c, ret_c = _gae_fields(batch, _scaled(batch[COSTS], whiten_rewards), COST_VALUES, 0.0, kl_estimator,
                                gamma, lam)
     # whiten the combination, not each part: a cost that no sample incurs has no variance to normalise
     adv = masked_whiten((adv_r - lagrange_lambda * adv_c) / (1 + lagrange_lambda), mask)
-    return batch.union(Batch({"advantages": adv, "returns": ret_r, "cost_returns": ret_c}))
+    return batch.union(Batch({ADVANTAGES: adv, REWARD_VALUES.returns: ret_r, COST_VALUES.returns: ret_c}))
 
 
 def grpo_step_advantages(*parts: Batch) -> Batch:
     batch = join(*parts)
-    adv = grpo_advantages(batch["rewards"], batch["group"], batch["response_mask"])
-    return batch.union(Batch({"advantages": adv}))
+    adv = grpo_advantages(batch[REWARDS], batch["group"], batch[RESPONSE_MASK])
+    return batch.union(Batch({ADVANTAGES: adv}))
 
 
 def remax_step_advantages(*parts: Batch, greedy_rewards: Batch, kl_coef: float) -> Batch:
     """ReMax: the greedy response's reward is the baseline; the KL penalty is subtracted from the return."""
     batch = join(*parts)
-    mask = batch["response_mask"]
-    adv = remax_advantages(batch["rewards"], greedy_rewards["rewards"], mask)
+    mask = batch[RESPONSE_MASK]
+    adv = remax_advantages(batch[REWARDS], greedy_rewards[REWARDS], mask)
     if kl_coef:
-        kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], "k1") * mask
+        kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], "k1") * mask
         adv = adv - kl_coef * kl.sum(-1, keepdim=True) * mask
-    return batch.union(Batch({"advantages": adv, "baseline_rewards": greedy_rewards["rewards"]}))
+    return batch.union(Batch({ADVANTAGES: adv, "baseline_rewards": greedy_rewards[REWARDS]}))

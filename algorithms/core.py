@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.fields import (ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, REWARD_VALUES,
+                            ValueFields)
 from flowactors import Batch
 
 __all__ = [
@@ -140,33 +142,33 @@ class PolicyLoss:
     kl_estimator: str = "k3"
 
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        mask = mb["response_mask"].float()
+        mask = mb[RESPONSE_MASK].float()
         # Without old log-probs the batch is trained on by the policy that sampled it, in one optimizer step
         # (GRPO's on-policy case): the ratio is exactly 1, so the current log-probs, detached, are the old ones.
-        old = mb["old_log_probs"] if "old_log_probs" in mb else out["log_probs"].detach()
-        loss, clipped = policy_loss(out["log_probs"], old, mb["advantages"], self.clip_ratio, self.dual_clip)
+        old = mb[OLD_LOG_PROBS] if OLD_LOG_PROBS in mb else out["log_probs"].detach()
+        loss, clipped = policy_loss(out["log_probs"], old, mb[ADVANTAGES], self.clip_ratio, self.dual_clip)
         metrics = {"pg_loss": float(masked_mean(loss.detach(), mask)), "pg_clipfrac": float(masked_mean(clipped, mask))}
         if self.entropy_coef:
             loss = loss - self.entropy_coef * out["entropy"]
         if self.kl_coef:
-            kl = kl_penalty(out["log_probs"], mb["ref_log_probs"], self.kl_estimator)
+            kl = kl_penalty(out["log_probs"], mb[REF_LOG_PROBS], self.kl_estimator)
             loss = loss + self.kl_coef * kl
             metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
-            metrics["kl"] = float(masked_mean(out["log_probs"].detach() - mb["ref_log_probs"], mask))  # k1
+            metrics["kl"] = float(masked_mean(out["log_probs"].detach() - mb[REF_LOG_PROBS], mask))  # k1
         metrics["entropy"] = float(masked_mean(out["entropy"].detach(), mask))
         return loss, mask, metrics
 
 
 @dataclass
 class ValueLoss:
-    """The critic's loss for `update_critic`; `prefix` selects the value/return fields (e.g. "cost_")."""
+    """The critic's loss for `update_critic`; `fields` says which critic's values and returns it reads."""
 
     clip: float | None = 0.2
-    prefix: str = ""
+    fields: ValueFields = REWARD_VALUES
 
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        mask = mb["response_mask"].float()
-        loss = value_loss(out["values"], mb[f"{self.prefix}values"], mb[f"{self.prefix}returns"], self.clip)
+        mask = mb[RESPONSE_MASK].float()
+        loss = value_loss(out["values"], mb[self.fields.values], mb[self.fields.returns], self.clip)
         return loss, mask, {"vf_loss": float(masked_mean(loss.detach(), mask))}
 
 
@@ -178,7 +180,7 @@ class SFTLoss:
     coef: float = 1.0
 
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        mask = mb["response_mask"].float()
+        mask = mb[RESPONSE_MASK].float()
         nll = -out["log_probs"]
         return self.coef * nll, mask, {"sft_loss": float(masked_mean(nll.detach(), mask))}
 
@@ -191,7 +193,7 @@ class PairwiseLoss:
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         margin = out["chosen"] - out["rejected"]
         loss = -torch.nn.functional.logsigmoid(margin)
-        return loss[:, None], mb["response_mask"].float(), {
+        return loss[:, None], mb[RESPONSE_MASK].float(), {
             "rm_loss": float(loss.detach().mean()), "pair_accuracy": float((margin.detach() > 0).float().mean())}
 
 
@@ -208,7 +210,7 @@ class SafetyCostLoss:
         f = torch.nn.functional.logsigmoid
         loss = -f(rejected - chosen) - f(sign_c * chosen) - f(sign_r * rejected)
         sign_ok = torch.cat([(sign_c * chosen > 0), (sign_r * rejected > 0)]).float()
-        return loss[:, None], mb["response_mask"].float(), {
+        return loss[:, None], mb[RESPONSE_MASK].float(), {
             "cm_loss": float(loss.detach().mean()), "pair_accuracy": float((rejected > chosen).float().mean()),
             "sign_accuracy": float(sign_ok.mean())}
 

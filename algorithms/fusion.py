@@ -73,7 +73,7 @@ import flowactors as fa
 from engines.rollout.stream import ROW_INDEX
 from flowactors import Batch
 
-__all__ = ["FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated", "migration_threshold",
+__all__ = ["Rollout", "rollout", "FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated", "migration_threshold",
            "overlap_note"]
 
 Scorer = Callable[[Any], fa.CallFuture]
@@ -130,6 +130,29 @@ def _chunk_rows(n_rows: int, dp: int, chunk_samples: int) -> list[int]:
     sizes = [chunk_samples] * (per_rank // chunk_samples) + ([per_rank % chunk_samples] if per_rank % chunk_samples
                                                               else [])
     return [s * dp for s in sizes]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A step's generate-and-score stage, fused or not: what the advantage stage joins and the stage timer waits on."""
+
+    generated: list[fa.CallFuture]
+    """The generation calls (the fused stage's chunks, or the one generate_sequences call)."""
+    parts: tuple[fa.CallFuture, ...]
+    """The samples and every scorer's results about them; their union is the scored batch."""
+
+
+def rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scorers: Sequence[Scorer], *, fuse: bool,
+            chunk_samples: int = 8, migrate_below: float | None = None, migrate_to: int = 1) -> Rollout:
+    """Generate `prompts` on `actor` and score the samples with each of `scorers`: fused (`fused_rollout`, scoring
+    finished chunks while the tail generates) or one call after the other. Same samples and scores either way;
+    every call is issued before this returns."""
+    if fuse:
+        fused = fused_rollout(ctl, actor, prompts, scorers, chunk_samples=chunk_samples, migrate_below=migrate_below,
+                              migrate_to=migrate_to)
+        return Rollout(fused.chunks, fused.parts)
+    samples = actor.generate_sequences(prompts)
+    return Rollout([samples], (samples, *(score(samples) for score in scorers)))
 
 
 def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scorers: Sequence[Scorer], *,

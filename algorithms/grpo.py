@@ -18,7 +18,7 @@ from algorithms.advantages import grpo_step_advantages
 from algorithms.config import GRPOConfig
 from algorithms.core import PolicyLoss
 from algorithms.loop import Algorithm, run_program
-from algorithms.metrics import summarize
+from algorithms.metrics import summarize, update_metrics
 from algorithms.data import PromptData
 from algorithms.roles import Roles
 from flowactors import Batch, Controller
@@ -57,8 +57,7 @@ class GRPO(Algorithm):
         if self.on_policy:  # the update's forward ran the sampling policy: its entropy and KL are the step's
             m.setdefault("entropy", u["entropy"])
             m.setdefault("kl", u["kl"])
-        m.update({f"actor/{k}": v for k, v in u.items()})
-        return m
+        return {**m, **update_metrics({"actor": u})}
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

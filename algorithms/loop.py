@@ -43,7 +43,7 @@ from algorithms.roles import Roles, build_roles, check_before_start
 from engines import GenerationSpec, UpdateSpec
 from flowactors.checkpoint import Checkpoint, CheckpointStore, capture_rng, restore_rng, seed_rng
 
-__all__ = ["Algorithm", "run_program"]
+__all__ = ["Algorithm", "Runner", "Evaluation", "run_program"]
 
 
 class Algorithm:
@@ -86,13 +86,26 @@ class Algorithm:
         return {}
 
 
-class _Run:
-    """One program run: the controller, the groups, the loop state."""
+Evaluation = Callable[["Runner", int], dict[str, float]]
+"""evaluate(runner, steps_done) -> the metrics an evaluation adds to its step's record ("eval/..." names). It may
+use the runner's groups (`runner.roles`), prompts (`runner.eval_data`, `runner.data`) and settings."""
+
+
+class Runner:
+    """One program run: the controller, the groups, the loop state. `run_program` drives one; a program of one's
+    own (examples/gold_safe_rlhf.py) drives it in-process to add its own evaluation:
+
+    - `evaluate`: replaces the built-in evaluation (mean reward and cost of greedy and sampled answers to the eval
+      prompts) every `eval_every` steps and after the last;
+    - `evaluate_first`: also evaluates once before the first step (its result is the evaluation's own to keep).
+    """
 
     def __init__(self, algo: Algorithm, ctl: fa.Controller, workdir: Path, data: PromptData | None = None, *,
                  eval_data: PromptData | None = None, store: CheckpointStore | None = None,
-                 resume_from: Checkpoint | None = None, changes: Sequence[Change] = ()) -> None:
+                 resume_from: Checkpoint | None = None, changes: Sequence[Change] = (),
+                 evaluate: Evaluation | None = None, evaluate_first: bool = False) -> None:
         self.algo, self.cfg, self.ctl, self.workdir = algo, algo.cfg, ctl, workdir
+        self._evaluation, self.evaluate_first = evaluate, evaluate_first
         self.store, self.resume_from, self.changes = store, resume_from, list(changes)
         seed_rng(self.cfg.seed)  # the controller's RNGs, which checkpoints save, start from the run's seed
         self.initial = {"rng": capture_rng(), "algorithm": copy.deepcopy(algo.state_dict())}
@@ -244,10 +257,14 @@ class _Run:
         record = {"step": i, **metrics, **self.stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
         if self.eval_data is not None and self.cfg.eval_every and \
                 ((i + 1) % self.cfg.eval_every == 0 or i + 1 == self.cfg.steps):
-            record.update(self.evaluate())
+            record.update(self.evaluate(i + 1))
         return record
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, steps_done: int) -> dict[str, float]:
+        """The run's evaluation after `steps_done` steps: the `evaluate` hook's, else the built-in one."""
+        return self._evaluation(self, steps_done) if self._evaluation is not None else self._evaluate_rewards()
+
+    def _evaluate_rewards(self) -> dict[str, float]:
         """Mean reward (and cost) of greedy and of sampled responses to the eval prompts, with the current actor."""
         assert self.roles is not None and self.eval_data is not None
         roles, t0 = self.roles, time.perf_counter()
@@ -277,6 +294,8 @@ class _Run:
         bar = tqdm(total=self.cfg.steps, initial=self.start, desc=self.algo.name, file=sys.stderr,
                    dynamic_ncols=True)
         i = self.start
+        if self.evaluate_first:
+            self.evaluate(i)
         try:
             while i < self.cfg.steps:
                 try:
@@ -353,7 +372,7 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
             page = install_dashboard(ctl.client, metrics=algo.key_metrics, role_colors=ROLE_COLORS)
             print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
                   file=sys.stderr)
-        return _Run(algo, ctl, Path(tmp), data, eval_data=eval_data, store=store, resume_from=ckpt,
+        return Runner(algo, ctl, Path(tmp), data, eval_data=eval_data, store=store, resume_from=ckpt,
                     changes=changes).run()
 
 

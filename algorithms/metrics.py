@@ -12,11 +12,25 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from algorithms.core import masked_mean
 from flowactors import Batch
 
-__all__ = ["summarize", "MetricsFile", "print_summary"]
+__all__ = ["summarize", "update_metrics", "AS_REPORTED", "MetricsFile", "print_summary"]
+
+AS_REPORTED = ""
+"""The name of an update whose metrics already carry their roles' names (a fused actor-and-critics pipeline's)."""
+
+
+def update_metrics(updates: Mapping[str, Any]) -> dict[str, float]:
+    """A step's update results merged into one dict: each update's metrics under its name (`critic/vf_loss`), an
+    update named AS_REPORTED as it reported them. `updates`: name -> CallFuture (or the metrics themselves)."""
+    out: dict[str, float] = {}
+    for name, update in updates.items():
+        metrics = update.result() if hasattr(update, "result") else update
+        out.update(metrics if name == AS_REPORTED else {f"{name}/{k}": v for k, v in metrics.items()})
+    return out
 
 
 def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from algorithms.advantages import ppo_advantages
 from algorithms.config import PPOConfig
 from algorithms.core import AdaptiveKL, FixedKL, PolicyLoss, ValueLoss
-from algorithms.fusion import fused_rollout
+from algorithms.fusion import rollout
 from algorithms.loop import Algorithm, run_program
 from algorithms.resume import Change
-from algorithms.metrics import summarize
+from algorithms.metrics import AS_REPORTED, summarize, update_metrics
 from algorithms.data import PromptData
 from algorithms.roles import Roles
 from flowactors import Batch, Controller
@@ -49,41 +49,30 @@ class PPO(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        if cfg.fuse:
-            rollout = fused_rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
-                                                          self.critic.compute_values, self.reward.compute_reward],
-                                    chunk_samples=cfg.fuse_chunk_samples,
-                                    migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None,
-                                    migrate_to=cfg.fuse_migrate_to)
-            generated, parts = rollout.chunks, rollout.parts
-        else:
-            samples = actor.generate_sequences(prompts)
-            generated, parts = [samples], (samples, actor.compute_log_prob(samples),
-                                           self.ref.compute_ref_log_prob(samples), self.critic.compute_values(samples),
-                                           self.reward.compute_reward(samples))
-        batch = ctl.apply(ppo_advantages, *parts, gamma=cfg.gamma, lam=cfg.lam,
+        scored = rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
+                                               self.critic.compute_values, self.reward.compute_reward],
+                         fuse=cfg.fuse, chunk_samples=cfg.fuse_chunk_samples,
+                         migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None,
+                         migrate_to=cfg.fuse_migrate_to)
+        batch = ctl.apply(ppo_advantages, *scored.parts, gamma=cfg.gamma, lam=cfg.lam,
                           kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
                           whiten_rewards=cfg.whiten_rewards)
+        value_loss, spec = ValueLoss(cfg.value_clip), self.update_spec(i)
         if cfg.fuse_train:  # one fused pipeline for both updates (engines.training.megatron.pipeline_fusion)
-            updates = [actor.update_actor_and_critics(batch, self.policy_loss, self.update_spec(i),
-                                                      critics={self.critic.name: ValueLoss(cfg.value_clip)})]
+            updates = {AS_REPORTED: actor.update_actor_and_critics(batch, self.policy_loss, spec,
+                                                                   critics={self.critic.name: value_loss})}
         else:
-            updates = [self.critic.update_critic(batch, ValueLoss(cfg.value_clip), self.update_spec(i)),
-                       actor.update_actor(batch, self.policy_loss, self.update_spec(i))]
+            updates = {"critic": self.critic.update_critic(batch, value_loss, spec),
+                       "actor": actor.update_actor(batch, self.policy_loss, spec)}
         metrics = ctl.apply(summarize, batch)
         self.last_batch = batch  # the step's scored batch, for tests and benchmarks
-        self.stage("generate", *generated)
+        self.stage("generate", *scored.generated)
         self.stage("score", batch)
-        self.stage("update", *updates)
+        self.stage("update", *updates.values())
         m = metrics.result()
         m["kl_coef"] = self.kl_ctl.value
         self.kl_ctl.update(m["kl"], cfg.prompts_per_step * cfg.samples_per_prompt)
-        if cfg.fuse_train:
-            m.update(updates[0].result())
-        else:
-            m.update({f"critic/{k}": v for k, v in updates[0].result().items()})
-            m.update({f"actor/{k}": v for k, v in updates[1].result().items()})
-        return m
+        return {**m, **update_metrics(updates)}
 
     def state_dict(self) -> dict:
         return {"kl_coef": self.kl_ctl.value}

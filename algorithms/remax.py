@@ -13,7 +13,7 @@ from algorithms.advantages import remax_step_advantages
 from algorithms.config import ReMaxConfig
 from algorithms.core import PolicyLoss
 from algorithms.loop import Algorithm, run_program
-from algorithms.metrics import summarize
+from algorithms.metrics import summarize, update_metrics
 from algorithms.data import PromptData
 from algorithms.roles import Roles
 from engines import GenerationSpec
@@ -45,9 +45,7 @@ class ReMax(Algorithm):
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch, ("baseline_rewards",))
         self.stage("generate", samples, greedy), self.stage("score", batch), self.stage("update", update)
-        m = metrics.result()
-        m.update({f"actor/{k}": v for k, v in update.result().items()})
-        return m
+        return {**metrics.result(), **update_metrics({"actor": update})}
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -24,6 +24,7 @@ from algorithms.data import PromptData
 from algorithms.fusion import migration_threshold
 from algorithms.tasks import Task
 from engines import ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
+from engines.fields import CRITIC_FIELDS
 from engines.models.config import head_dim
 from engines.registry import check_generation_model, generation_engine, training_engine
 from flowactors import Controller, Layout
@@ -376,7 +377,7 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
     ref = group("ref", RefWorker, sft, cfg.temperature, cfg.zero_stage)
     built = {}
     for key in critics:  # PPOConfig: checked above
-        built[key] = group(key, CriticWorker, sft, critic_optim(cfg), "values" if key == "critic" else "cost_values")
+        built[key] = group(key, CriticWorker, sft, critic_optim(cfg), CRITIC_FIELDS[key].values)
     reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.zero_stage)
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)

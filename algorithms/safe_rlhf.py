@@ -20,12 +20,13 @@ from collections.abc import Sequence
 from algorithms.advantages import safe_rlhf_advantages
 from algorithms.config import SafeRLHFConfig
 from algorithms.core import LagrangeMultiplier, PolicyLoss, SFTLoss, ValueLoss
-from algorithms.fusion import fused_rollout
+from algorithms.fusion import rollout
 from algorithms.loop import Algorithm, run_program
-from algorithms.metrics import summarize
+from algorithms.metrics import AS_REPORTED, summarize, update_metrics
 from algorithms.data import PromptData
 from algorithms.roles import Roles, fused_critics
 from engines import UpdateSpec
+from engines.fields import COST_VALUES
 from flowactors import Batch, Controller
 
 
@@ -75,45 +76,32 @@ class SafeRLHF(Algorithm):
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
         scorers = [actor.compute_log_prob, self.ref.compute_ref_log_prob, self.critic.compute_values,
                    self.cost_critic.compute_values, self.reward.compute_reward, self.cost.compute_cost]
-        if cfg.fuse:  # score finished samples while the long tail still generates (algorithms.fusion)
-            rollout = fused_rollout(ctl, actor, prompts, scorers, chunk_samples=cfg.fuse_chunk_samples,
-                                    migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None,
-                                    migrate_to=cfg.fuse_migrate_to)
-            generated, parts = rollout.chunks, rollout.parts
-        else:
-            samples = actor.generate_sequences(prompts)
-            generated, parts = [samples], (samples, *(score(samples) for score in scorers))
-        batch = ctl.apply(safe_rlhf_advantages, *parts, lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
+        scored = rollout(ctl, actor, prompts, scorers, fuse=cfg.fuse, chunk_samples=cfg.fuse_chunk_samples,
+                         migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None,
+                         migrate_to=cfg.fuse_migrate_to)  # fused: score finished samples while the tail generates
+        batch = ctl.apply(safe_rlhf_advantages, *scored.parts, lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
                           lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                           whiten_rewards=cfg.whiten_rewards)
         spec = self.update_spec(i)
-        losses = {"critic": ValueLoss(cfg.value_clip), "cost_critic": ValueLoss(cfg.value_clip, prefix="cost_")}
+        losses = {"critic": ValueLoss(cfg.value_clip), "cost_critic": ValueLoss(cfg.value_clip, COST_VALUES)}
+        critics = {"critic": self.critic, "cost_critic": self.cost_critic}
+        updates = {}
         if self.fused:  # the actor and its critics in one fused pipeline (engines.training.megatron.pipeline_fusion)
-            updates = [actor.update_actor_and_critics(batch, self.policy_loss, spec,
-                                                      critics={name: losses[name] for name in self.fused})]
-            if "cost_critic" not in self.fused:
-                updates.append(self.cost_critic.update_critic(batch, losses["cost_critic"], spec))
-        else:
-            updates = [self.critic.update_critic(batch, losses["critic"], spec),
-                       self.cost_critic.update_critic(batch, losses["cost_critic"], spec),
-                       actor.update_actor(batch, self.policy_loss, spec)]
+            updates[AS_REPORTED] = actor.update_actor_and_critics(batch, self.policy_loss, spec,
+                                                                  critics={name: losses[name] for name in self.fused})
+        updates.update({name: critic.update_critic(batch, losses[name], spec)
+                        for name, critic in critics.items() if name not in self.fused})
+        if not self.fused:
+            updates["actor"] = actor.update_actor(batch, self.policy_loss, spec)
         if cfg.ptx_coef:
             ptx = self.data.sft_batch(cfg.mini_batch_samples, self.data.task.max_new_tokens, cfg.seed + 100 + i)
-            updates.append(actor.update_actor(ptx, SFTLoss(cfg.ptx_coef), UpdateSpec(len(ptx))))
+            updates["ptx"] = actor.update_actor(ptx, SFTLoss(cfg.ptx_coef), UpdateSpec(len(ptx)))
         metrics = ctl.apply(summarize, batch)
-        self.stage("generate", *generated), self.stage("score", batch), self.stage("update", *updates)
+        self.stage("generate", *scored.generated), self.stage("score", batch), self.stage("update", *updates.values())
         m = metrics.result()
         m["lagrange_lambda"] = self.lagrange.value  # the λ this step's advantages used
         self.lagrange.update(m["cost_mean"])
-        if self.fused:
-            m.update(updates[0].result())
-            if "cost_critic" not in self.fused:
-                m.update({f"cost_critic/{k}": v for k, v in updates[1].result().items()})
-        else:
-            m.update({f"actor/{k}": v for k, v in updates[2].result().items()})
-            for name, update in (("critic", updates[0]), ("cost_critic", updates[1])):
-                m.update({f"{name}/{k}": v for k, v in update.result().items()})
-        return m
+        return {**m, **update_metrics(updates)}
 
     def state_dict(self) -> dict:
         return {"lagrange": self.lagrange.state_dict()}

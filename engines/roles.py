@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from engines.rollout.stream import GenerationStream, is_tail, SamplingConfig, share_tails
+from engines.fields import COSTS, ENTROPY, OLD_LOG_PROBS, REF_LOG_PROBS, REWARD_VALUES, REWARDS
 from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
 from engines.models.config import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
 from engines.protocols import MINIBATCH
@@ -432,7 +433,7 @@ class ActorWorker(ModelWorker):
     def compute_log_prob(self, batch: Batch) -> Batch:
         self._end_receiving()
         lp = self.engine.log_probs(batch, self.sampling.temperature, with_entropy=True)
-        return Batch({"old_log_probs": lp["log_probs"], "entropy": lp["entropy"]})
+        return Batch({OLD_LOG_PROBS: lp["log_probs"], ENTROPY: lp["entropy"]})
 
     @endpoint(protocol=MINIBATCH)
     def update_actor(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec) -> dict[str, float]:
@@ -485,15 +486,15 @@ class RefWorker(ModelWorker):
 
     @endpoint(protocol=MESH)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        return Batch({"ref_log_probs": self.engine.log_probs(batch, self.temperature)["log_probs"]})
+        return Batch({REF_LOG_PROBS: self.engine.log_probs(batch, self.temperature)["log_probs"]})
 
 
 class CriticWorker(ModelWorker):
-    """Value model: compute_values and update_critic; `key` names its output (e.g. "cost_values")."""
+    """Value model: compute_values and update_critic; `key` names its output (engines.fields.CRITIC_FIELDS)."""
 
     head = "value"
 
-    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None, key: str = "values") -> None:
+    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None, key: str = REWARD_VALUES.values) -> None:
         self._setup(model, optim or OptimConfig(), trainable=True)
         self.key = key
 
@@ -536,11 +537,11 @@ class RewardModelWorker(ModelWorker):
 
     @endpoint(protocol=MESH)
     def compute_reward(self, batch: Batch) -> Batch:
-        return Batch({"rewards": self._scores(batch)})
+        return Batch({REWARDS: self._scores(batch)})
 
     @endpoint(protocol=MESH)
     def compute_cost(self, batch: Batch) -> Batch:
-        return Batch({"costs": self._scores(batch)})
+        return Batch({COSTS: self._scores(batch)})
 
     @endpoint(protocol=MINIBATCH)
     def update_scorer(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec) -> dict[str, float]:
@@ -581,8 +582,8 @@ class RuleRewardWorker(Worker):
 
     @endpoint(protocol=MESH)
     def compute_reward(self, batch: Batch) -> Batch:
-        return Batch({"rewards": self._score(batch)})
+        return Batch({REWARDS: self._score(batch)})
 
     @endpoint(protocol=MESH)
     def compute_cost(self, batch: Batch) -> Batch:
-        return Batch({"costs": self._score(batch)})
+        return Batch({COSTS: self._score(batch)})

@@ -49,7 +49,7 @@ The stages, each a progress bar, each on the project's own programs and a 2-slot
    below and the reward rose +2.72 s.e. with 8 evaluation answers per prompt, +3.91 with 16; every run measured
    lies on one line of gold reward change against gold cost change, and λ sets where on it a run ends; the gold
    scorers themselves as rewards end near it too: README).
-   The run is driven in-process (`algorithms.loop._Run`, as tests/algorithms/test_smollm2.py does) so that its
+   The run is driven in-process (`algorithms.loop.Runner` with an evaluation hook) so that its
    evaluations also decode the held-out answers and score them with the gold scorers: before the first step, every
    `eval_every` steps and after the last. Evaluation samples (temperature 1, the distribution the constraint is
    about) with a fixed seed per prompt and sample, so every evaluation draws the same random numbers and before/after
@@ -81,7 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gold_data, next to t
 
 from algorithms.cli import open_controller  # noqa: E402
 from algorithms.config import ConfigError, apply_overrides  # noqa: E402
-from algorithms.loop import _Run  # noqa: E402 - driven in-process to add gold evaluations (see the docstring)
+from algorithms.loop import Runner  # noqa: E402 - driven in-process to add gold evaluations (see the docstring)
 from algorithms.roles import check_before_start  # noqa: E402
 from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2  # noqa: E402
 from flowactors import Batch  # noqa: E402
@@ -337,37 +337,28 @@ EVAL_COPIES_PER_CALL = 8
 worker to Dask's memory-pause threshold; per-row seeds make the answers independent of the split."""
 
 
-class GoldRun(_Run):
-    """A Safe-RLHF run whose evaluations score the decoded held-out answers with the gold scorers: before the first
-    update, every eval_every steps and after the last. Each evaluation samples `eval_samples` answers per prompt,
-    each with a fixed seed (the same draws at every evaluation)."""
+class GoldEvaluation:
+    """The Safe-RLHF run's evaluation (an `algorithms.loop.Runner` hook, also run before the first update): score the
+    decoded held-out answers with the gold scorers. Each evaluation samples `eval_samples` answers per prompt, each
+    with a fixed seed (the same draws at every evaluation)."""
 
-    def __init__(self, *args, gold: GoldScorers, eval_samples: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, gold: GoldScorers, eval_samples: int) -> None:
         self.gold, self.eval_samples = gold, eval_samples
         self.points: list[dict] = []
         """Per evaluation: RL steps done, each held-out prompt's mean gold reward and cost, a few answers."""
 
-    def one_step(self, i: int) -> dict:
-        if not self.points:
-            self.gold_evaluate(steps_done=i)
-        return super().one_step(i)
-
-    def evaluate(self) -> dict[str, float]:
-        return self.gold_evaluate(steps_done=self.ctl.step + 1)
-
-    def gold_evaluate(self, steps_done: int) -> dict[str, float]:
+    def __call__(self, run: Runner, steps_done: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        one = self.eval_data.eval_batch(self.cfg.eval_prompts)
+        one = run.eval_data.eval_batch(run.cfg.eval_prompts)
         n = len(one)
         texts: list[str] = []
         for first in range(0, self.eval_samples, EVAL_COPIES_PER_CALL):
             ks = range(first, min(first + EVAL_COPIES_PER_CALL, self.eval_samples))
             copies = [Batch({**one.tensors, "seed": one["seed"] + 7919 * k}, one.rows) for k in ks]
-            prompts, _ = Batch.concat(copies).pad_to_multiple(self.roles.actor.layout.dp)
-            samples = self.roles.actor.generate_sequences(prompts).result()
-            texts += [t.strip() for t in self.data.tokenizer.batch_decode(samples["responses"][:n * len(ks)],
-                                                                          skip_special_tokens=True)]
+            prompts, _ = Batch.concat(copies).pad_to_multiple(run.roles.actor.layout.dp)
+            samples = run.roles.actor.generate_sequences(prompts).result()
+            texts += [t.strip() for t in run.data.tokenizer.batch_decode(samples["responses"][:n * len(ks)],
+                                                                         skip_special_tokens=True)]
         rewards, costs = self.gold.score(texts)
         point = {"step": steps_done, "rewards": [statistics.fmean(rewards[i::n]) for i in range(n)],
                  "costs": [statistics.fmean(costs[i::n]) for i in range(n)], "answers": texts[:6]}
@@ -392,9 +383,9 @@ def run_safe_rlhf(model_dir: str, out: Path, s: Settings, threshold: float, gold
         f"metrics_file={out / 'rl_metrics.jsonl'}"])
     check_before_start(cfg)
     with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="gold-safe-rlhf-") as tmp:
-        run = GoldRun(SafeRLHF(cfg), ctl, Path(tmp), gold=gold, eval_samples=s.eval_samples)
-        history = run.run()
-    return history, run.points
+        evaluation = GoldEvaluation(gold, s.eval_samples)
+        history = Runner(SafeRLHF(cfg), ctl, Path(tmp), evaluate=evaluation, evaluate_first=True).run()
+    return history, evaluation.points
 
 
 @dataclass

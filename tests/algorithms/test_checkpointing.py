@@ -57,7 +57,7 @@ def test_killed_worker_mid_run_recovers_and_finishes_with_equal_metrics(tmp_path
                        "2", "recovery_wait_s=60"])
     err = capsys.readouterr().err
     assert killed.is_set(), "the run ended before the worker was killed: the test proved nothing"
-    # the run saw that very worker die and recovered once (`_Run.recover` in algorithms/loop.py says so)
+    # the run saw that very worker die and recovered once (`Runner.recover` in algorithms/loop.py says so)
     assert f"worker {victim} died" in err and re.search(r"recovering \(1/\d+\)", err), err[-3000:]
     assert not re.search(r"recovering \(2/", err), err[-3000:]
     same(reference, history)

@@ -177,7 +177,7 @@ def test_ppo_on_files_with_a_learned_reward_model_and_held_out_evaluation(tmp_pa
     prompts: the step's rewards are the model's scores of its samples, and the last evaluation's greedy reward is
     what the final actor's greedy responses score."""
     from algorithms.config import PPOConfig, apply_overrides
-    from algorithms.loop import _Run
+    from algorithms.loop import Runner
     from algorithms.ppo import PPO
     from engines import GenerationSpec
     import flowactors as fa
@@ -189,7 +189,7 @@ def test_ppo_on_files_with_a_learned_reward_model_and_held_out_evaluation(tmp_pa
                                         "dashboard=none", f"train_files={train}", f"eval_files={held_out}",
                                         "eval_every=1", f"reward_model={rm}"])
     with fa.Controller.local(2, dashboard=None) as ctl:
-        run = _Run(PPO(cfg), ctl, tmp_path)
+        run = Runner(PPO(cfg), ctl, tmp_path)
         history = run.run()
         batch = run.algo.last_batch.result()
         prompts = run.eval_data.eval_batch()

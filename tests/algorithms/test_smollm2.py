@@ -29,7 +29,7 @@ def _weights(folder) -> dict[str, torch.Tensor]:
 
 def test_safe_rlhf_smollm2_preset_runs_two_steps_and_moves_the_actor(tmp_path):
     from algorithms.config import apply_overrides
-    from algorithms.loop import _Run
+    from algorithms.loop import Runner
     from algorithms.cli import open_controller
     from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2
     from engines import ModelConfig, build_model
@@ -41,7 +41,7 @@ def test_safe_rlhf_smollm2_preset_runs_two_steps_and_moves_the_actor(tmp_path):
         "steps=2", "n_slots=2", "dashboard=none", "prompts_per_step=4", "mini_batch_samples=4", "max_new_tokens=8",
         "sft_steps=0", "micro_batch_tokens=512"])
     with open_controller(cfg) as ctl:
-        run = _Run(SafeRLHF(cfg), ctl, tmp_path)
+        run = Runner(SafeRLHF(cfg), ctl, tmp_path)
         history = run.run()
         after = run.roles.actor.export_hf(str(tmp_path / "after")).result()
         ref_digest = run.roles.ref.parameter_digest().result()
