@@ -24,7 +24,7 @@ from engines.models.config import ModelConfig
 from engines.training.common import OptimConfig
 from flowactors.slurm import SlurmSettings
 
-__all__ = ["RunConfig", "RLConfig", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError",
+__all__ = ["RunConfig", "RLConfig", "FusionConfig", "SHORT_FORMS", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError",
            "PLACEMENTS", "apply_overrides",
            "check_trainable_layers", "check_zero_stage", "derived_sizes", "describe_settings", "field_docs", "validate"]
 
@@ -76,6 +76,58 @@ class RunConfig:
             raise ConfigError(f"call_timeout_s must be > 0 seconds (or none: no watchdog), got {self.call_timeout_s}")
         if self.dashboard in ("none", "None", ""):
             self.dashboard = None
+
+
+@dataclass
+class FusionConfig:
+    """Stage fusion (RLHFuse; algorithms/fusion.py), the `fusion.` section of every RL program. Each field has a
+    short form on the command line (`fuse=true` for `fusion.enabled=true`: SHORT_FORMS)."""
+
+    enabled: bool = False
+    """Score finished samples in chunks while generation goes on (scorers on the actor's slots still wait).
+    The same samples, scores and update as without it."""
+    chunk_samples: int = 8
+    """Samples per chunk on each generation (actor data-parallel) rank: smaller chunks start scoring sooner, at
+    the cost of more calls."""
+    migrate: bool = False
+    """Long-tail migration (RLHFuse; needs fuse and an actor of dp >= 2, tp = pp = 1, no rollout_tp): once at
+    most `fusion.migrate_below` of a generation rank's rows are still running, the rank hands them to one of the
+    first `fusion.migrate_to` actor ranks, which admits them into its running decode (hf: with their KV caches;
+    vllm: re-prefilled, with their seeds and sampling generators), and scorers on the freed slots start at once.
+    The same samples and update; rollout log-probs of rows that change decode batch (the moved rows, and with hf
+    the receiver's own after they join) may differ in the last bit."""
+    migrate_below: float = 0.25
+    """The fraction of a generation rank's rows still running at which its tail migrates."""
+    migrate_to: int = 1
+    """Actor ranks that finish the migrated tails (the first ones; fewer than the actor's data-parallel size):
+    each other rank's tail goes, whole, to the one with the fewest rows so far. `--placement fused` keeps the
+    scorers off their slots."""
+    train: bool = False
+    """Train the actor and the critic as one fused pipeline (RLHFuse's intra-stage fusion;
+    engines.training.megatron.pipeline_fusion): needs critics, and a plan that puts the actor and the critic in one
+    pool with the same train sizes, p >= 2, on a pipeline-parallel engine (megatron). The critic's stages then run
+    the other way over the slots, so each model fills the other's pipeline bubbles; Safe-RLHF's cost critic joins
+    the same pipeline where the plan gives it the actor's pool and sizes too. The same updates as without it."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_samples < 1:
+            raise ConfigError(f"fuse_chunk_samples must be >= 1, got {self.chunk_samples}")
+        if not 0 < self.migrate_below < 1:
+            raise ConfigError(f"fuse_migrate_below is a fraction of each generation rank's rows and must be in "
+                              f"(0, 1), got {self.migrate_below}")
+        if self.migrate_to < 1:
+            raise ConfigError(f"fuse_migrate_to is how many actor ranks finish the migrated tails, at least 1; got "
+                              f"{self.migrate_to}")
+        if self.migrate and not self.enabled:
+            raise ConfigError("fuse_migrate moves the long tail of a fused rollout; set fuse=true with it")
+
+
+SHORT_FORMS = {
+    "fuse": "fusion.enabled", "fuse_chunk_samples": "fusion.chunk_samples", "fuse_migrate": "fusion.migrate",
+    "fuse_migrate_below": "fusion.migrate_below", "fuse_migrate_to": "fusion.migrate_to",
+    "fuse_train": "fusion.train",
+}
+"""Command-line names kept from before the settings had sections: `fuse=true` is `fusion.enabled=true`."""
 
 
 @dataclass
@@ -131,6 +183,8 @@ class RLConfig(RunConfig):
     the algorithm has none): with fuse_migrate those first slots finish the long tail while the others score)."""
     plan: str | None = None
     """A placement plan (JSON/YAML from `python -m placement.automap --json`); overrides `placement`."""
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    """Stage fusion: fuse=true fuse_chunk_samples=8 fuse_migrate=true ... (or fusion.enabled=true ...)."""
     # -- batch sizes ----------------------------------------------------------------------------------------------
     prompts_per_step: int = 32
     """Prompts drawn from the dataset each RL step (global, across data-parallel ranks)."""
@@ -213,10 +267,22 @@ class RLConfig(RunConfig):
                               f"{self.eval_prompts}")
         if self.eval_every and not self.eval_files:
             raise ConfigError(f"eval_every={self.eval_every} needs eval_files=PATH[,PATH] (held-out prompts)")
+        self.fusion.__post_init__()  # before the cross-checks below read it
+        receivers = self.fusion.migrate_to
+        if self.placement == "fused" and self.address is None and self.n_slots <= receivers:
+            raise ConfigError(f"placement=fused keeps the scorers off the first fuse_migrate_to={receivers} slots, "
+                              f"so it needs n_slots > {receivers}")
+        if self.fusion.train and not self.has_critic:
+            raise ConfigError(f"fuse_train fuses the actor's and the critic's training; {type(self).__name__} "
+                              f"trains no critic")
+
+    has_critic: typing.ClassVar[bool] = False
+    """Whether the program trains a critic (PPO, Safe-RLHF): what fusion.train fuses with the actor."""
 
 
 @dataclass
 class PPOConfig(RLConfig):
+    has_critic: typing.ClassVar[bool] = True
     task: str = "digit_sum"
     sft_steps: int = 60
     gamma: float = 1.0
@@ -253,48 +319,8 @@ class PPOConfig(RLConfig):
     """Divide each step's model scores (rewards, and Safe-RLHF's costs) by their standard deviation over the step's
     samples, without shifting them (TRL's whiten_rewards): a learned reward model's scale is arbitrary (one trained
     briefly scores within ±0.1), and the KL penalty and λ should act on unit-scale scores. Metrics stay raw."""
-    # -- stage fusion (RLHFuse; algorithms/fusion.py) ---------------------------------------------------------------
-    fuse: bool = False
-    """Score finished samples in chunks while generation goes on (scorers on the actor's slots still wait).
-    The same samples, scores and update as without it."""
-    fuse_chunk_samples: int = 8
-    """Samples per chunk on each generation (actor data-parallel) rank: smaller chunks start scoring sooner, at
-    the cost of more calls."""
-    fuse_migrate: bool = False
-    """Long-tail migration (RLHFuse; needs fuse and an actor of dp >= 2, tp = pp = 1, no rollout_tp): once at
-    most `fuse_migrate_below` of a generation rank's rows are still running, the rank hands them to one of the
-    first `fuse_migrate_to` actor ranks, which admits them into its running decode (hf: with their KV caches;
-    vllm: re-prefilled, with their seeds and sampling generators), and scorers on the freed slots start at once.
-    The same samples and update; rollout log-probs of rows that change decode batch (the moved rows, and with hf
-    the receiver's own after they join) may differ in the last bit."""
-    fuse_migrate_below: float = 0.25
-    """The fraction of a generation rank's rows still running at which its tail migrates."""
-    fuse_migrate_to: int = 1
-    """Actor ranks that finish the migrated tails (the first ones; fewer than the actor's data-parallel size):
-    each other rank's tail goes, whole, to the one with the fewest rows so far. `--placement fused` keeps the
-    scorers off their slots."""
-    fuse_train: bool = False
-    """Train the actor and the critic as one fused pipeline (RLHFuse's intra-stage fusion; engines.training.megatron.pipeline_fusion):
-    needs a plan that puts both in one pool with the same train sizes, p >= 2, on a pipeline-parallel engine
-    (megatron). The critic's stages then run the other way over the slots, so each model fills the other's
-    pipeline bubbles; Safe-RLHF's cost critic joins the same pipeline where the plan gives it the actor's pool and
-    sizes too. The same updates as without it."""
-
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.fuse_chunk_samples < 1:
-            raise ConfigError(f"fuse_chunk_samples must be >= 1, got {self.fuse_chunk_samples}")
-        if not 0 < self.fuse_migrate_below < 1:
-            raise ConfigError(f"fuse_migrate_below is a fraction of each generation rank's rows and must be in "
-                              f"(0, 1), got {self.fuse_migrate_below}")
-        if self.fuse_migrate_to < 1:
-            raise ConfigError(f"fuse_migrate_to is how many actor ranks finish the migrated tails, at least 1; got "
-                              f"{self.fuse_migrate_to}")
-        if self.fuse_migrate and not self.fuse:
-            raise ConfigError("fuse_migrate moves the long tail of a fused rollout; set fuse=true with it")
-        if self.placement == "fused" and self.address is None and self.n_slots <= self.fuse_migrate_to:
-            raise ConfigError(f"placement=fused keeps the scorers off the first fuse_migrate_to="
-                              f"{self.fuse_migrate_to} slots, so it needs n_slots > {self.fuse_migrate_to}")
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ConfigError(f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
         if not 0 <= self.lam <= 1 or not 0 <= self.gamma <= 1:
@@ -417,7 +443,7 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
         if "=" not in item:
             raise ConfigError(f"{item!r} is not a key=value setting (e.g. steps=10); --help lists them all")
         key, value = item.split("=", 1)
-        obj, name = _resolve(cfg, key)
+        obj, name = _resolve(cfg, SHORT_FORMS.get(key, key) if hasattr(cfg, "fusion") else key)  # errors: as typed
         if dataclasses.is_dataclass(getattr(obj, name)):
             raise ConfigError(f"{key} is a group of settings, not one; set its fields ({key}.FIELD=VALUE, listed "
                               f"by --help)")
@@ -498,5 +524,7 @@ def describe_settings(cfg: Any, prefix: str = "") -> list[tuple[str, str, str]]:
             out += describe_settings(value, f"{prefix}{f.name}.")
         else:
             shown = json.dumps(value) if isinstance(value, (list, dict)) else "none" if value is None else str(value)
-            out.append((prefix + f.name, shown, docs.get(f.name, "")))
+            key = prefix + f.name
+            short = next((k for k, v in SHORT_FORMS.items() if v == key), None)
+            out.append((key, shown, (f"(short form: {short}=) " if short else "") + docs.get(f.name, "")))
     return out

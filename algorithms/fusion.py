@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 import flowactors as fa
+from algorithms.config import FusionConfig
 from engines.rollout.stream import ROW_INDEX
 from flowactors import Batch
 
@@ -142,14 +143,15 @@ class Rollout:
     """The samples and every scorer's results about them; their union is the scored batch."""
 
 
-def rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scorers: Sequence[Scorer], *, fuse: bool,
-            chunk_samples: int = 8, migrate_below: float | None = None, migrate_to: int = 1) -> Rollout:
-    """Generate `prompts` on `actor` and score the samples with each of `scorers`: fused (`fused_rollout`, scoring
-    finished chunks while the tail generates) or one call after the other. Same samples and scores either way;
-    every call is issued before this returns."""
-    if fuse:
-        fused = fused_rollout(ctl, actor, prompts, scorers, chunk_samples=chunk_samples, migrate_below=migrate_below,
-                              migrate_to=migrate_to)
+def rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scorers: Sequence[Scorer],
+            fusion: FusionConfig) -> Rollout:
+    """Generate `prompts` on `actor` and score the samples with each of `scorers`: fused as `fusion` says
+    (`fused_rollout`, scoring finished chunks while the tail generates) or one call after the other. Same samples
+    and scores either way; every call is issued before this returns."""
+    if fusion.enabled:
+        fused = fused_rollout(ctl, actor, prompts, scorers, chunk_samples=fusion.chunk_samples,
+                              migrate_below=fusion.migrate_below if fusion.migrate else None,
+                              migrate_to=fusion.migrate_to)
         return Rollout(fused.chunks, fused.parts)
     samples = actor.generate_sequences(prompts)
     return Rollout([samples], (samples, *(score(samples) for score in scorers)))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from algorithms.advantages import grpo_step_advantages
 from algorithms.config import GRPOConfig
 from algorithms.core import PolicyLoss
+from algorithms.fusion import rollout
 from algorithms.loop import Algorithm, run_program
 from algorithms.metrics import summarize, update_metrics
 from algorithms.data import PromptData
@@ -46,13 +47,13 @@ class GRPO(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         ctl, actor = self.ctl, self.actor
-        samples = actor.generate_sequences(prompts)
-        old = () if self.on_policy else (actor.compute_log_prob(samples),)
-        batch = ctl.apply(grpo_step_advantages, samples, *old, self.ref.compute_ref_log_prob(samples),
-                          self.reward.compute_reward(samples))
+        old = [] if self.on_policy else [actor.compute_log_prob]
+        scored = rollout(ctl, actor, prompts, [*old, self.ref.compute_ref_log_prob, self.reward.compute_reward],
+                         self.cfg.fusion)
+        batch = ctl.apply(grpo_step_advantages, *scored.parts)
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch)
-        self.stage("generate", samples), self.stage("score", batch), self.stage("update", update)
+        self.stage("generate", *scored.generated), self.stage("score", batch), self.stage("update", update)
         m, u = metrics.result(), update.result()
         if self.on_policy:  # the update's forward ran the sampling policy: its entropy and KL are the step's
             m.setdefault("entropy", u["entropy"])

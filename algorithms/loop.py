@@ -139,10 +139,10 @@ class Runner:
             print(f"[{self.algo.name}] {len(self.roles.groups())} roles ({', '.join(self.roles.groups())}) ready: "
                   f"{warm}{time.perf_counter() - t0:.1f} s; actor data-parallel size {dp}: {sizes}",
                   file=sys.stderr)
-        if getattr(self.cfg, "fuse", False):
+        if self.cfg.fusion.enabled:
             groups = self.roles.groups()
             note = overlap_note(groups["actor"], [g for k, g in groups.items() if k != "actor"],
-                                getattr(self.cfg, "fuse_migrate", False), getattr(self.cfg, "fuse_migrate_to", 1))
+                                self.cfg.fusion.migrate, self.cfg.fusion.migrate_to)
             if note and not resuming:
                 print(f"[{self.algo.name}] {note}", file=sys.stderr)
         self.algo.stage = self.stage

@@ -51,14 +51,12 @@ class PPO(Algorithm):
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
         scored = rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
                                                self.critic.compute_values, self.reward.compute_reward],
-                         fuse=cfg.fuse, chunk_samples=cfg.fuse_chunk_samples,
-                         migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None,
-                         migrate_to=cfg.fuse_migrate_to)
+                         cfg.fusion)
         batch = ctl.apply(ppo_advantages, *scored.parts, gamma=cfg.gamma, lam=cfg.lam,
                           kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
                           whiten_rewards=cfg.whiten_rewards)
         value_loss, spec = ValueLoss(cfg.value_clip), self.update_spec(i)
-        if cfg.fuse_train:  # one fused pipeline for both updates (engines.training.megatron.pipeline_fusion)
+        if cfg.fusion.train:  # one fused pipeline for both updates (engines.training.megatron.pipeline_fusion)
             updates = {AS_REPORTED: actor.update_actor_and_critics(batch, self.policy_loss, spec,
                                                                    critics={self.critic.name: value_loss})}
         else:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from algorithms.advantages import remax_step_advantages
 from algorithms.config import ReMaxConfig
 from algorithms.core import PolicyLoss
+from algorithms.fusion import rollout
 from algorithms.loop import Algorithm, run_program
 from algorithms.metrics import summarize, update_metrics
 from algorithms.data import PromptData
@@ -37,14 +38,14 @@ class ReMax(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        samples = actor.generate_sequences(prompts)
-        greedy = actor.generate_sequences(prompts, GenerationSpec(greedy=True))
-        batch = ctl.apply(remax_step_advantages, samples, actor.compute_log_prob(samples),
-                          self.ref.compute_ref_log_prob(samples), self.reward.compute_reward(samples),
-                          greedy_rewards=self.reward.compute_reward(greedy), kl_coef=cfg.kl_coef)
+        scored = rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
+                                               self.reward.compute_reward], cfg.fusion)
+        greedy = actor.generate_sequences(prompts, GenerationSpec(greedy=True))  # the baseline, unfused
+        batch = ctl.apply(remax_step_advantages, *scored.parts, greedy_rewards=self.reward.compute_reward(greedy),
+                          kl_coef=cfg.kl_coef)
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch, ("baseline_rewards",))
-        self.stage("generate", samples, greedy), self.stage("score", batch), self.stage("update", update)
+        self.stage("generate", *scored.generated, greedy), self.stage("score", batch), self.stage("update", update)
         return {**metrics.result(), **update_metrics({"actor": update})}
 
 

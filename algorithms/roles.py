@@ -103,12 +103,12 @@ def check_before_start(cfg: RLConfig) -> None:
     for name in ("reward_model", "cost_model"):
         if getattr(cfg, name):
             _check_score_model(getattr(cfg, name), name)
-    if isinstance(cfg, PPOConfig):
+    if isinstance(cfg, PPOConfig):  # the critics' own settings
         check_trainable_layers("critic_trainable_layers", cfg.critic_trainable_layers, cfg.model)
-        if cfg.fuse_migrate:
-            _check_migration(cfg)
-        if cfg.fuse_train:
-            _check_fused_training(cfg)
+    if cfg.fusion.migrate:
+        _check_migration(cfg)
+    if cfg.fusion.train:
+        _check_fused_training(cfg)
     for name in ("metrics_file", "tensorboard_dir", "export_dir"):
         value = getattr(cfg, name)
         if value and not Path(value).resolve().parent.is_dir():
@@ -163,7 +163,7 @@ def _load_plan(cfg: RLConfig):  # noqa: ANN202 - placement.Plan, imported lazily
     return plan
 
 
-def _check_migration(cfg: PPOConfig) -> None:
+def _check_migration(cfg: RLConfig) -> None:
     """fuse_migrate on a layout or engine it cannot run on, refused before the cluster starts (the same rules as
     algorithms.fusion.migration_threshold, which the step applies to the actor's actual layout)."""
     if rollout_tp(cfg) is not None:
@@ -178,12 +178,12 @@ def _check_migration(cfg: PPOConfig) -> None:
         return  # the cluster's slots decide; the first step checks
     try:
         migration_threshold(layout, cfg.prompts_per_step * cfg.samples_per_prompt // layout.dp,
-                            cfg.fuse_migrate_below, cfg.fuse_migrate_to)
+                            cfg.fusion.migrate_below, cfg.fusion.migrate_to)
     except ValueError as e:
         raise ConfigError(f"fuse_migrate: {e}; --placement fused puts the actor on every slot") from None
 
 
-def _check_fused_training(cfg: PPOConfig) -> None:
+def _check_fused_training(cfg: RLConfig) -> None:
     """fuse_train where the actor and critic cannot share one pipeline, refused before the cluster starts."""
     if not cfg.plan:
         raise ConfigError("fuse_train fuses the actor's and the critic's pipeline-parallel training; give a --plan "
@@ -206,7 +206,7 @@ def fused_critics(cfg: RLConfig, critics: Sequence[str]) -> tuple[str, ...]:
     """Which of the algorithm's `critics` fuse_train trains in the actor's pipeline: those the plan puts in the
     actor's pool with the actor's train sizes (the critic always, check_before_start makes sure; Safe-RLHF's
     cost critic where the plan puts it there too, else it trains on its own)."""
-    if not isinstance(cfg, PPOConfig) or not cfg.fuse_train:
+    if not cfg.fusion.train:
         return ()
     plan = _load_plan(cfg)
     planned = {m.role for m in plan.models}
@@ -297,7 +297,7 @@ def place(ctl: Controller, cfg: RLConfig) -> Pools:
         scorer = next((out[r] for r in _SCORERS if r in out), out["actor"])
         for role in ("ref", *_SCORERS):
             out.setdefault(role, scorer if role != "ref" else out["actor"])
-        if isinstance(cfg, PPOConfig) and cfg.fuse_train:  # the critic's stages run the other way (only its)
+        if cfg.fusion.train:  # the critic's stages run the other way (only its)
             addresses, layout = out["critic"]
             out["critic"] = (reverse_stages(addresses, layout), layout)
         result = Pools(out)
@@ -307,7 +307,7 @@ def place(ctl: Controller, cfg: RLConfig) -> Pools:
             half = len(slots) // 2
             actor_side, scorer_side = list(slots[:half]), list(slots[half:])
         elif cfg.placement == "fused":  # the first slots finish the migrated tails, the others score meanwhile
-            receivers = getattr(cfg, "fuse_migrate_to", 1)
+            receivers = cfg.fusion.migrate_to
             if len(slots) <= receivers:
                 raise fa.PlacementError(f"placement=fused puts the scorers on the slots after the first "
                                         f"{receivers} (fuse_migrate_to), so it needs more than {receivers} slots; the "
@@ -363,8 +363,6 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
     if with_cost and task.cost is None and not cfg.cost_model:
         raise ConfigError(f"task {task.name!r} defines no cost; Safe-RLHF needs a cost: cost_model=DIR, or a task "
                           f"with a rule cost (digit_sum)")
-    if critics and not isinstance(cfg, PPOConfig):
-        raise TypeError(f"critics need a PPOConfig (critic_lr, value_clip); got {type(cfg).__name__}")
     pools = place(ctl, cfg)
 
     def group(role: str, cls: type, *args: object) -> fa.ActorGroup:

@@ -76,9 +76,7 @@ class SafeRLHF(Algorithm):
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
         scorers = [actor.compute_log_prob, self.ref.compute_ref_log_prob, self.critic.compute_values,
                    self.cost_critic.compute_values, self.reward.compute_reward, self.cost.compute_cost]
-        scored = rollout(ctl, actor, prompts, scorers, fuse=cfg.fuse, chunk_samples=cfg.fuse_chunk_samples,
-                         migrate_below=cfg.fuse_migrate_below if cfg.fuse_migrate else None,
-                         migrate_to=cfg.fuse_migrate_to)  # fused: score finished samples while the tail generates
+        scored = rollout(ctl, actor, prompts, scorers, cfg.fusion)  # fused: scoring while the tail generates
         batch = ctl.apply(safe_rlhf_advantages, *scored.parts, lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
                           lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                           whiten_rewards=cfg.whiten_rewards)

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import flowactors as fa  # noqa: E402
-from algorithms.config import PPOConfig  # noqa: E402
+from algorithms.config import FusionConfig, PPOConfig  # noqa: E402
 from algorithms.ppo import PPO  # noqa: E402
 from algorithms.data import PromptData  # noqa: E402
 from algorithms.roles import Roles  # noqa: E402
@@ -127,8 +127,8 @@ class _Mode:
         self.name = "migrated" if migrate else "fused" if fuse else "unfused"
         self.ctl = fa.Controller.local(2, dashboard=None)
         cfg = PPOConfig(prompts_per_step=w.prompts, mini_batch_samples=w.prompts, micro_batch_tokens=4096,
-                        fuse=fuse, fuse_chunk_samples=w.chunk_samples, fuse_migrate=migrate,
-                        fuse_migrate_below=w.migrate_below, dashboard="none")
+                        dashboard="none", fusion=FusionConfig(fuse, chunk_samples=w.chunk_samples,
+                                                              migrate=migrate, migrate_below=w.migrate_below))
         self.algo = PPO(cfg)
         self.data = PromptData(get_task("digits"), build_tokenizer(w.model), 256, seed=0)
         self.algo.setup(self.ctl, build(self.ctl, w), self.data)

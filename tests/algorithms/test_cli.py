@@ -250,3 +250,20 @@ def test_an_unreadable_plan_or_a_checkpoint_dir_under_a_file_fails_before_any_wo
 def test_resume_from_a_path_saves_on_into_its_directory():
     cfg = apply_overrides(SafeRLHFConfig(), ["resume=/runs/a/step_00000010"])
     assert cfg.checkpoint_dir == "/runs/a"
+
+
+def test_fusion_is_a_section_of_every_rl_program_with_its_short_forms(capsys):
+    short = apply_overrides(GRPOConfig(), ["fuse=true", "fuse_chunk_samples=4", "fuse_migrate=true",
+                                           "fuse_migrate_below=0.5", "fuse_migrate_to=1"])
+    dotted = apply_overrides(GRPOConfig(), ["fusion.enabled=true", "fusion.chunk_samples=4", "fusion.migrate=true",
+                                            "fusion.migrate_below=0.5", "fusion.migrate_to=1"])
+    assert short.fusion == dotted.fusion and (short.fusion.enabled, short.fusion.chunk_samples) == (True, 4)
+    assert GRPOConfig().fusion.enabled is False  # the preset untouched
+    for cls in (GRPOConfig, ReMaxConfig):  # no critic to fuse with: refused with the reason
+        with pytest.raises(ConfigError, match=f"fuse_train fuses the actor's and the critic's training; "
+                                              f"{cls.__name__} trains no critic"):
+            apply_overrides(cls(), ["fuse_train=true"])
+    with pytest.raises(SystemExit):
+        safe_rlhf(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "fusion.enabled=False (short form: fuse=) Score finished samples" in out

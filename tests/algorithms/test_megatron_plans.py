@@ -138,7 +138,7 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
     """With fuse_train the critic's group runs its stages down the slots; the scorers the plan leaves out take the
     critic's pool the usual way round (they are not fused), the actor's side is untouched."""
     import flowactors as fa
-    from algorithms.config import PPOConfig
+    from algorithms.config import FusionConfig, PPOConfig
     from algorithms.roles import place
     from engines import ModelConfig
 
@@ -149,7 +149,7 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
     try:
         cfg = PPOConfig(plan=str(tmp_path / "plan.json"), model=ModelConfig(engine="megatron"), n_slots=2)
         plain = place(ctl, cfg).roles
-        fused = place(ctl, PPOConfig(**{**cfg.__dict__, "fuse_train": True})).roles
+        fused = place(ctl, PPOConfig(**{**cfg.__dict__, "fusion": FusionConfig(train=True)})).roles
     finally:
         ctl.close()
     slots = list(ctl.slots[:2])
@@ -159,7 +159,7 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
 
 
 def test_fused_critics_are_those_with_the_actor_s_pool_and_sizes(tmp_path):
-    from algorithms.config import PPOConfig, SafeRLHFConfig
+    from algorithms.config import FusionConfig, PPOConfig, SafeRLHFConfig
     from algorithms.roles import fused_critics
     from engines import ModelConfig
 
@@ -170,10 +170,10 @@ def test_fused_critics_are_those_with_the_actor_s_pool_and_sizes(tmp_path):
         path = tmp_path / f"plan{len(want)}.json"
         plan.save(path)
         mega = ModelConfig(engine="megatron")
-        assert fused_critics(SafeRLHFConfig(plan=str(path), model=mega, fuse_train=True),
+        assert fused_critics(SafeRLHFConfig(plan=str(path), model=mega, fusion=FusionConfig(train=True)),
                              ("critic", "cost_critic")) == want
         assert fused_critics(SafeRLHFConfig(plan=str(path), model=mega), ("critic", "cost_critic")) == ()
-        assert fused_critics(PPOConfig(plan=str(path), model=mega, fuse_train=True), ("critic",)) == ("critic",)
+        assert fused_critics(PPOConfig(plan=str(path), model=mega, fusion=FusionConfig(train=True)), ("critic",)) == ("critic",)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from distributed import get_task_stream
 from distributed.metrics import time as metrics_time
 
 import flowactors as fa
-from algorithms.config import ConfigError, PPOConfig
+from algorithms.config import ConfigError, FusionConfig, PPOConfig, apply_overrides
 from algorithms.fusion import fused_rollout, overlap_note
 from algorithms.ppo import PPO
 from algorithms.advantages import join
@@ -83,8 +83,8 @@ def close(g):
 
 
 def ppo(ctl, g, fuse, data, migrate=False):
-    algo = PPO(PPOConfig(prompts_per_step=N, mini_batch_samples=8, ppo_epochs=2, fuse=fuse, fuse_chunk_samples=3,
-                         fuse_migrate=migrate and fuse, dashboard="none"))
+    algo = PPO(PPOConfig(prompts_per_step=N, mini_batch_samples=8, ppo_epochs=2, dashboard="none",
+                         fusion=FusionConfig(fuse, chunk_samples=3, migrate=migrate and fuse)))
     algo.setup(ctl, Roles(**g), data)
     return algo
 
@@ -217,8 +217,8 @@ def test_safe_rlhf_fused_steps_give_the_unfused_metrics_and_updates(ctl, data, m
                                          args=(MODEL, OptimConfig(lr=1e-3, micro_batch_tokens=512), "cost_values"))
         g["cost"] = fa.ActorGroup(ctl, RuleRewardWorker, name=f"cost_{tag}", slots=ctl.slots[1:],
                                   args=(TASK.cost, MODEL))
-        algo = SafeRLHF(SafeRLHFConfig(prompts_per_step=N, mini_batch_samples=8, fuse=fuse, fuse_chunk_samples=3,
-                                       fuse_migrate=fuse and migrate, dashboard="none"))
+        algo = SafeRLHF(SafeRLHFConfig(prompts_per_step=N, mini_batch_samples=8, dashboard="none",
+                                       fusion=FusionConfig(fuse, chunk_samples=3, migrate=fuse and migrate)))
         algo.setup(ctl, Roles(**g), data)
         return g, algo
 
@@ -244,8 +244,8 @@ def test_hybrid_actor_streams_split_rows_and_matches_unfused(ctl, data):
              "critic": fa.ActorGroup(ctl, CriticWorker, name=f"critic_{tag}", layout=two, args=(model, optim)),
              "reward": fa.ActorGroup(ctl, RuleRewardWorker, name=f"reward_{tag}", layout=two,
                                      args=(TASK.reward, model))}
-        algo = PPO(PPOConfig(prompts_per_step=N, mini_batch_samples=8, ppo_epochs=2, fuse=fuse,
-                             fuse_chunk_samples=4, dashboard="none"))  # 4 = 2 rows from each replica
+        algo = PPO(PPOConfig(prompts_per_step=N, mini_batch_samples=8, ppo_epochs=2, dashboard="none",
+                             fusion=FusionConfig(fuse, chunk_samples=4)))  # 4 = 2 rows from each replica
         algo.setup(ctl, Roles(**g), data)
         return g, algo
 
@@ -347,9 +347,9 @@ def test_migration_refuses_a_layout_it_cannot_run(ctl, data):
     finally:
         close(g)
     with pytest.raises(ConfigError, match="set fuse=true"):
-        PPOConfig(fuse_migrate=True)
+        apply_overrides(PPOConfig(), ["fuse_migrate=true"])
     with pytest.raises(ConfigError, match="fuse_migrate_to is how many actor ranks"):
-        PPOConfig(fuse=True, fuse_migrate=True, fuse_migrate_to=0)
+        PPOConfig(fusion=FusionConfig(True, migrate=True, migrate_to=0))
     from algorithms.fusion import migration_threshold
     with pytest.raises(ValueError, match="some rank must hand over"):
         migration_threshold(Layout(dp=2), 8, 0.25, 2)
