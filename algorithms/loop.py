@@ -39,7 +39,7 @@ from algorithms.data import PromptData, prompt_data
 from algorithms.fusion import overlap_note
 from algorithms.metrics import MetricsFile, print_summary
 from algorithms.resume import Change, check_resumable
-from algorithms.roles import Roles, build_roles, check_before_start
+from algorithms.roles import Roles, RunPlan, build_roles, check_before_start, resolve
 from engines import GenerationSpec, UpdateSpec
 from flowactors.checkpoint import Checkpoint, CheckpointStore, capture_rng, restore_rng, seed_rng
 
@@ -103,8 +103,10 @@ class Runner:
     def __init__(self, algo: Algorithm, ctl: fa.Controller, workdir: Path, data: PromptData | None = None, *,
                  eval_data: PromptData | None = None, store: CheckpointStore | None = None,
                  resume_from: Checkpoint | None = None, changes: Sequence[Change] = (),
-                 evaluate: Evaluation | None = None, evaluate_first: bool = False) -> None:
+                 evaluate: Evaluation | None = None, evaluate_first: bool = False,
+                 run_plan: RunPlan | None = None) -> None:
         self.algo, self.cfg, self.ctl, self.workdir = algo, algo.cfg, ctl, workdir
+        self.run_plan = run_plan or resolve(self.cfg)  # check_before_start's, when the program checked first
         self._evaluation, self.evaluate_first = evaluate, evaluate_first
         self.store, self.resume_from, self.changes = store, resume_from, list(changes)
         seed_rng(self.cfg.seed)  # the controller's RNGs, which checkpoints save, start from the run's seed
@@ -130,8 +132,8 @@ class Runner:
     # -- building, saving, loading ---------------------------------------------------------------------------------
     def build(self, resuming: bool) -> None:
         t0 = time.perf_counter()
-        self.roles = build_roles(self.ctl, self.cfg, self.data, self.workdir, critics=self.algo.critics,
-                                 with_cost=self.algo.with_cost, warm_start=not resuming)
+        self.roles = build_roles(self.ctl, self.cfg, self.run_plan, self.data, self.workdir,
+                                 critics=self.algo.critics, with_cost=self.algo.with_cost, warm_start=not resuming)
         if not resuming:
             dp = self.roles.actor.layout.dp
             sizes = ", ".join(f"{k}={v}" for k, v in derived_sizes(self.cfg, dp).items())
@@ -344,7 +346,7 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
     cfg: RLConfig | None = None
     with user_errors(args, lambda: cfg, algo_cls.name), contextlib.ExitStack() as stack:
         cfg = parse_args(args, preset, description)
-        check_before_start(cfg)
+        run_plan = check_before_start(cfg)
         data, eval_data = prompt_data(cfg)
         store, ckpt, changes = None, None, []
         if cfg.checkpoint_dir:
@@ -373,7 +375,7 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
             print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
                   file=sys.stderr)
         return Runner(algo, ctl, Path(tmp), data, eval_data=eval_data, store=store, resume_from=ckpt,
-                    changes=changes).run()
+                    changes=changes, run_plan=run_plan).run()
 
 
 @contextlib.contextmanager

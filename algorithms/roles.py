@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import flowactors as fa
 from algorithms.config import ConfigError, PPOConfig, RLConfig, check_trainable_layers, derived_sizes
@@ -29,8 +30,7 @@ from engines.models.config import head_dim
 from engines.registry import check_generation_model, generation_engine, training_engine
 from flowactors import Controller, Layout
 
-__all__ = ["Roles", "Pools", "check_before_start", "place", "rollout_tp", "rollout_engine", "build_roles",
-           "run_warm_start"]
+__all__ = ["Roles", "Pools", "RunPlan", "resolve", "check_before_start", "place", "build_roles", "run_warm_start"]
 
 _SCORERS = ("critic", "cost_critic", "reward", "cost")
 
@@ -51,10 +51,12 @@ class Roles:
     """Value model of the cost (Safe-RLHF)."""
     cost: fa.ActorGroup | None = None
     """Scores each response's cost (Safe-RLHF)."""
+    fused_critics: tuple[str, ...] = ()
+    """The critics that train in the actor's fused pipeline (fusion.train; RunPlan.fused_critics)."""
 
     def groups(self) -> dict[str, fa.ActorGroup]:
         """The present roles by name, in declaration order."""
-        return {f.name: g for f in fields(self) if (g := getattr(self, f.name)) is not None}
+        return {f.name: g for f in fields(self) if isinstance(g := getattr(self, f.name), fa.ActorGroup)}
 
     def close(self) -> None:
         for g in self.groups().values():
@@ -73,14 +75,15 @@ class Pools:
 
 # -- checks before the cluster starts -----------------------------------------------------------------------------
 
-def check_before_start(cfg: RLConfig) -> None:
-    """Raise ConfigError (or the plan's PlanError) for what is wrong in `cfg` before any worker starts."""
-    for role, dp in _planned_dp(cfg).items():
+def check_before_start(cfg: RLConfig) -> RunPlan:
+    """The run's plan (`resolve`); ConfigError (or the plan's PlanError) for what is wrong in `cfg` before any
+    worker starts."""
+    run_plan = resolve(cfg)
+    for role, dp in run_plan.planned_dp.items():
         try:
             derived_sizes(cfg, dp)
         except ConfigError as e:
             raise ConfigError(f"{role}: {e}") from None
-    rollout_tp(cfg)  # the plan's generation sizes
     if cfg.model.path is not None:
         from engines import check_model_dir
 
@@ -92,12 +95,12 @@ def check_before_start(cfg: RLConfig) -> None:
         import torch
 
         try:  # before the install check: the fix for the model is worth knowing before installing vLLM
-            check_generation_model(rollout_engine(cfg), head_dim(cfg.model), cuda=torch.cuda.is_available())
+            check_generation_model(run_plan.rollout_engine, head_dim(cfg.model), cuda=torch.cuda.is_available())
         except ValueError as e:
             raise ConfigError(f"rollout_engine: {e}" + (" (the tiny default with model.hidden_size=128 "
                               "model.intermediate_size=256)" if cfg.model.path is None else "")) from None
     try:
-        generation_engine(rollout_engine(cfg))  # known, and installed (vllm)
+        generation_engine(run_plan.rollout_engine)  # known, and installed (vllm)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"rollout_engine: {e}") from None
     for name in ("reward_model", "cost_model"):
@@ -106,9 +109,9 @@ def check_before_start(cfg: RLConfig) -> None:
     if isinstance(cfg, PPOConfig):  # the critics' own settings
         check_trainable_layers("critic_trainable_layers", cfg.critic_trainable_layers, cfg.model)
     if cfg.fusion.migrate:
-        _check_migration(cfg)
+        _check_migration(cfg, run_plan)
     if cfg.fusion.train:
-        _check_fused_training(cfg)
+        _check_fused_training(cfg, run_plan)
     for name in ("metrics_file", "tensorboard_dir", "export_dir"):
         value = getattr(cfg, name)
         if value and not Path(value).resolve().parent.is_dir():
@@ -126,6 +129,7 @@ def check_before_start(cfg: RLConfig) -> None:
             Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"checkpoint_dir={cfg.checkpoint_dir} cannot be a directory: {e.strerror or e}") from None
+    return run_plan
 
 
 def _check_score_model(path: str, setting: str) -> None:
@@ -163,16 +167,16 @@ def _load_plan(cfg: RLConfig):  # noqa: ANN202 - placement.Plan, imported lazily
     return plan
 
 
-def _check_migration(cfg: RLConfig) -> None:
+def _check_migration(cfg: RLConfig, run_plan: RunPlan) -> None:
     """fuse_migrate on a layout or engine it cannot run on, refused before the cluster starts (the same rules as
     algorithms.fusion.migration_threshold, which the step applies to the actor's actual layout)."""
-    if rollout_tp(cfg) is not None:
+    if run_plan.rollout_tp is not None:
         raise ConfigError("fuse_migrate moves decoding rows between actor ranks that each generate with whole "
                           "weights; drop rollout_tp (or the plan's generation sizes), or fuse_migrate")
-    if cfg.plan:
-        p, t, d = next(m for m in _load_plan(cfg).models if m.role == "actor").train
+    if run_plan.plan is not None:
+        p, t, d = run_plan.plan.model("actor").train
         layout = Layout(pp=p, dp=d, tp=t)
-    elif (dp := _planned_dp(cfg).get("actor")) is not None:
+    elif (dp := run_plan.planned_dp.get("actor")) is not None:
         layout = Layout(dp=dp)
     else:
         return  # the cluster's slots decide; the first step checks
@@ -183,13 +187,13 @@ def _check_migration(cfg: RLConfig) -> None:
         raise ConfigError(f"fuse_migrate: {e}; --placement fused puts the actor on every slot") from None
 
 
-def _check_fused_training(cfg: RLConfig) -> None:
+def _check_fused_training(cfg: RLConfig, run_plan: RunPlan) -> None:
     """fuse_train where the actor and critic cannot share one pipeline, refused before the cluster starts."""
     if not cfg.plan:
         raise ConfigError("fuse_train fuses the actor's and the critic's pipeline-parallel training; give a --plan "
                           "with both in one pool and the same train sizes [p, t, d], p >= 2 (on model.engine="
                           "megatron), or drop fuse_train")
-    plan = _load_plan(cfg)
+    plan = run_plan.plan
     if "critic" not in {m.role for m in plan.models}:
         raise ConfigError("fuse_train fuses the actor with the critic; the plan has no critic")
     actor, critic = plan.model("actor"), plan.model("critic")
@@ -200,17 +204,6 @@ def _check_fused_training(cfg: RLConfig) -> None:
     if not training_engine(cfg.model.engine).fused_pipelines:
         raise ConfigError(f"fuse_train needs an engine whose pipelines can share a schedule; "
                           f"model.engine={cfg.model.engine} has none (use model.engine=megatron)")
-
-
-def fused_critics(cfg: RLConfig, critics: Sequence[str]) -> tuple[str, ...]:
-    """Which of the algorithm's `critics` fuse_train trains in the actor's pipeline: those the plan puts in the
-    actor's pool with the actor's train sizes (the critic always, check_before_start makes sure; Safe-RLHF's
-    cost critic where the plan puts it there too, else it trains on its own)."""
-    if not cfg.fusion.train:
-        return ()
-    plan = _load_plan(cfg)
-    planned = {m.role for m in plan.models}
-    return tuple(r for r in critics if r in planned and _in_actor_pipeline(plan, r))
 
 
 def _in_actor_pipeline(plan, role: str) -> bool:  # noqa: ANN001 - placement.Plan, imported lazily
@@ -225,10 +218,10 @@ def reverse_stages(addresses: list[str], layout: Layout) -> list[str]:
     return [addresses[(layout.pp - 1 - r // per_stage) * per_stage + r % per_stage] for r in range(len(addresses))]
 
 
-def _planned_dp(cfg: RLConfig) -> dict[str, int]:
+def _planned_dp(cfg: RLConfig, plan) -> dict[str, int]:  # noqa: ANN001 - placement.Plan, imported lazily
     """Each role's data-parallel size where it is known before connecting: a plan's, or the embedded cluster's."""
-    if cfg.plan:
-        return {m.role: m.train[2] for m in _load_plan(cfg).models}
+    if plan is not None:
+        return {m.role: m.train[2] for m in plan.models}
     if cfg.address is not None or cfg.cluster != "local":
         return {}  # known once the cluster's slots are (place() checks then)
     if cfg.placement == "split":
@@ -239,55 +232,64 @@ def _planned_dp(cfg: RLConfig) -> dict[str, int]:
     return {"actor": cfg.n_slots}
 
 
-def rollout_tp(cfg: RLConfig) -> int | None:
-    """The actor's generation TP size under the 3D-HybridEngine: a plan's actor "generate" sizes, else
-    cfg.rollout_tp; None when off, and for a plan on an engine without the 3D-HybridEngine (one registered
-    with resharding=False), whose actor generates from its gathered whole weights instead."""
-    if cfg.plan:
-        actor = next(m for m in _load_plan(cfg).models if m.role == "actor")
-        if actor.generate is not None:
-            p_g, t_g = actor.generate
-            if p_g != 1 and rollout_engine(cfg) != "hf":
-                raise ConfigError(f"the plan generates the actor over p_g={p_g} pipeline stages, which the "
-                                  f"{rollout_engine(cfg)!r} rollout engine does not take inside the actor: plan "
-                                  f"generate [1, t_g] or rollout_engine hf")
-            if not training_engine(cfg.model.engine).resharding:
-                return None  # it generates from its gathered whole weights; the plan's layout waits for resharding
-            return t_g
-    return cfg.rollout_tp or None
+@dataclass(frozen=True)
+class RunPlan:
+    """What a configuration resolves to before the cluster starts (`resolve`), read by everything after it: the
+    placement plan (its file parsed once), the actor's generation sizes and engine, the data-parallel sizes known
+    before connecting, and which critics train in the actor's fused pipeline."""
 
-
-def rollout_pp(cfg: RLConfig) -> int:
-    """The actor's generation pipeline stages p_g under the 3D-HybridEngine: a plan's actor "generate" sizes
-    (dividing its training p; the megatron engine), else 1."""
-    if cfg.plan and rollout_tp(cfg) is not None:
-        actor = next(m for m in _load_plan(cfg).models if m.role == "actor")
-        if actor.generate is not None:
-            return actor.generate[0]
-    return 1
-
-
-def rollout_engine(cfg: RLConfig) -> str:
+    plan: Any
+    """The placement plan (placement.Plan) of `--plan`, or None: cfg.placement decides on the cluster's slots."""
+    rollout_engine: str
     """The actor's generation engine: a plan's actor "rollout_engine" when it names one, else cfg.rollout_engine."""
-    if cfg.plan:
-        actor = next(m for m in _load_plan(cfg).models if m.role == "actor")
-        if actor.rollout_engine is not None:
-            return actor.rollout_engine
-    return cfg.rollout_engine
+    rollout_tp: int | None
+    """The actor's generation TP size under the 3D-HybridEngine: a plan's actor "generate" sizes, else
+    cfg.rollout_tp; None when off, and for a plan on an engine without the 3D-HybridEngine (one registered with
+    resharding=False), whose actor generates from its gathered whole weights instead."""
+    rollout_pp: int
+    """The actor's generation pipeline stages p_g (a plan's, dividing its training p; the megatron engine), else 1."""
+    planned_dp: dict[str, int]
+    """Each role's data-parallel size where it is known before connecting: a plan's, or the embedded cluster's."""
+    fused_critics: tuple[str, ...]
+    """The critics fusion.train trains in the actor's pipeline: those the plan puts in the actor's pool with the
+    actor's train sizes (the critic always, check_before_start makes sure; Safe-RLHF's cost critic where the plan
+    puts it there too, else it trains on its own)."""
+
+
+def resolve(cfg: RLConfig) -> RunPlan:
+    """The run's plan from its configuration (ConfigError or PlanError for one that cannot be resolved)."""
+    plan = _load_plan(cfg) if cfg.plan else None
+    actor = plan.model("actor") if plan is not None else None
+    engine = actor.rollout_engine if actor is not None and actor.rollout_engine is not None else cfg.rollout_engine
+    tp, pp = cfg.rollout_tp or None, 1
+    if actor is not None and actor.generate is not None:
+        p_g, t_g = actor.generate
+        if p_g != 1 and engine != "hf":
+            raise ConfigError(f"the plan generates the actor over p_g={p_g} pipeline stages, which the {engine!r} "
+                              f"rollout engine does not take inside the actor: plan generate [1, t_g] or "
+                              f"rollout_engine hf")
+        # without the 3D-HybridEngine the actor generates from its gathered whole weights
+        tp, pp = (t_g, p_g) if training_engine(cfg.model.engine).resharding else (None, 1)
+    fused = ()
+    if cfg.fusion.train and plan is not None:
+        planned = {m.role for m in plan.models}
+        fused = tuple(r for r in ("critic", "cost_critic") if r in planned and _in_actor_pipeline(plan, r))
+    return RunPlan(plan, engine, tp, pp, _planned_dp(cfg, plan), fused)
 
 
 # -- placement ------------------------------------------------------------------------------------------------------
 
-def place(ctl: Controller, cfg: RLConfig) -> Pools:
+def place(ctl: Controller, cfg: RLConfig, run_plan: RunPlan | None = None) -> Pools:
     """Colocated, split, or a placement plan (which also fixes each model's parallel sizes); each role's batch
-    sizes are checked against its data-parallel size."""
+    sizes are checked against its data-parallel size. `run_plan`: `resolve(cfg)`, resolved here if not given."""
+    run_plan = run_plan or resolve(cfg)
     slots = ctl.slots[:cfg.n_slots] if cfg.address is None and cfg.cluster == "local" else ctl.slots
     if not slots:
         raise fa.PlacementError("the cluster has no device slots; start workers with --nthreads 1 --resources slot=1")
-    if cfg.plan:
+    if run_plan.plan is not None:
         from placement import pools_for_plan, validate
 
-        plan = _load_plan(cfg)
+        plan = run_plan.plan
         validate(plan, len(slots))
         pools = pools_for_plan(plan, slots)
         out = {}
@@ -351,8 +353,8 @@ def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, export
     return ModelConfig(path=path, dtype=cfg.model.dtype, engine=cfg.model.engine)
 
 
-def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path, *, critics: Sequence[str] = (),
-                with_cost: bool = False, warm_start: bool = True) -> Roles:
+def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptData, workdir: Path, *,
+                critics: Sequence[str] = (), with_cost: bool = False, warm_start: bool = True) -> Roles:
     """Actor, reference, the named critics and the rule reward (and cost) on the configured placement.
 
     With `warm_start`, the actor is fine-tuned on demonstrations first and the reference and critics start from
@@ -363,14 +365,14 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
     if with_cost and task.cost is None and not cfg.cost_model:
         raise ConfigError(f"task {task.name!r} defines no cost; Safe-RLHF needs a cost: cost_model=DIR, or a task "
                           f"with a rule cost (digit_sum)")
-    pools = place(ctl, cfg)
+    pools = place(ctl, cfg, run_plan)
 
     def group(role: str, cls: type, *args: object) -> fa.ActorGroup:
         slots, layout = pools[role]
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
 
-    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), rollout_tp(cfg),
-                  rollout_engine(cfg), rollout_pp(cfg))
+    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), run_plan.rollout_tp,
+                  run_plan.rollout_engine, run_plan.rollout_pp)
     sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
     ref = group("ref", RefWorker, sft, cfg.temperature, cfg.zero_stage)
     built = {}
@@ -379,7 +381,8 @@ def build_roles(ctl: Controller, cfg: RLConfig, data: PromptData, workdir: Path,
     reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.zero_stage)
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)
-    return Roles(actor=actor, ref=ref, reward=reward, **built)
+    return Roles(actor=actor, ref=ref, reward=reward, **built,
+                 fused_critics=tuple(c for c in run_plan.fused_critics if c in critics))
 
 
 def _scorer(group: Callable[..., fa.ActorGroup], role: str, model_dir: str | None, rule: Callable,

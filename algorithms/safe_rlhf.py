@@ -24,7 +24,7 @@ from algorithms.fusion import rollout
 from algorithms.loop import Algorithm, run_program
 from algorithms.metrics import AS_REPORTED, summarize, update_metrics
 from algorithms.data import PromptData
-from algorithms.roles import Roles, fused_critics
+from algorithms.roles import Roles
 from engines import UpdateSpec
 from engines.fields import COST_VALUES
 from flowactors import Batch, Controller
@@ -70,7 +70,7 @@ class SafeRLHF(Algorithm):
         self.ctl, self.data = ctl, data
         self.actor, self.ref, self.reward, self.cost = roles.actor, roles.ref, roles.reward, roles.cost
         self.critic, self.cost_critic = roles.critic, roles.cost_critic
-        self.fused = fused_critics(self.cfg, ("critic", "cost_critic"))  # in the actor's pipeline (fuse_train)
+        self.fused = roles.fused_critics  # in the actor's pipeline (fusion.train)
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor

@@ -381,10 +381,11 @@ def run_safe_rlhf(model_dir: str, out: Path, s: Settings, threshold: float, gold
         f"lambda_init={s.lambda_init}", "micro_batch_tokens=2048", f"seed={seed}", "whiten_rewards=true",
         "zero_stage=1", f"critic_trainable_layers={s.critic_trainable_layers}",
         f"metrics_file={out / 'rl_metrics.jsonl'}"])
-    check_before_start(cfg)
+    run_plan = check_before_start(cfg)
     with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="gold-safe-rlhf-") as tmp:
         evaluation = GoldEvaluation(gold, s.eval_samples)
-        history = Runner(SafeRLHF(cfg), ctl, Path(tmp), evaluate=evaluation, evaluate_first=True).run()
+        history = Runner(SafeRLHF(cfg), ctl, Path(tmp), evaluate=evaluation, evaluate_first=True,
+                         run_plan=run_plan).run()
     return history, evaluation.points
 
 

@@ -160,7 +160,7 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
 
 def test_fused_critics_are_those_with_the_actor_s_pool_and_sizes(tmp_path):
     from algorithms.config import FusionConfig, PPOConfig, SafeRLHFConfig
-    from algorithms.roles import fused_critics
+    from algorithms.roles import resolve
     from engines import ModelConfig
 
     roles = [["actor", "ref", "critic", "cost_critic", "reward", "cost"]]
@@ -170,10 +170,10 @@ def test_fused_critics_are_those_with_the_actor_s_pool_and_sizes(tmp_path):
         path = tmp_path / f"plan{len(want)}.json"
         plan.save(path)
         mega = ModelConfig(engine="megatron")
-        assert fused_critics(SafeRLHFConfig(plan=str(path), model=mega, fusion=FusionConfig(train=True)),
-                             ("critic", "cost_critic")) == want
-        assert fused_critics(SafeRLHFConfig(plan=str(path), model=mega), ("critic", "cost_critic")) == ()
-        assert fused_critics(PPOConfig(plan=str(path), model=mega, fusion=FusionConfig(train=True)), ("critic",)) == ("critic",)
+        fused = FusionConfig(train=True)
+        assert resolve(SafeRLHFConfig(plan=str(path), model=mega, fusion=fused)).fused_critics == want
+        assert resolve(SafeRLHFConfig(plan=str(path), model=mega)).fused_critics == ()
+        assert resolve(PPOConfig(plan=str(path), model=mega, fusion=fused)).fused_critics[:1] == ("critic",)
 
 
 @pytest.fixture(scope="module")
