@@ -39,7 +39,8 @@ from algorithms.data import PromptData, prompt_data
 from algorithms.fusion import overlap_note
 from algorithms.metrics import MetricsFile, print_summary
 from algorithms.resume import Change, check_resumable
-from algorithms.roles import Roles, RunPlan, build_roles, check_before_start, resolve
+from algorithms.build import Roles, build_roles
+from algorithms.run_plan import RunPlan, check_before_start, resolve
 from engines import GenerationSpec, UpdateSpec
 from flowactors.checkpoint import Checkpoint, CheckpointStore, capture_rng, restore_rng, seed_rng
 

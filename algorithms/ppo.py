@@ -24,7 +24,7 @@ from algorithms.loop import Algorithm, run_program
 from algorithms.resume import Change
 from algorithms.metrics import AS_REPORTED, summarize, update_metrics
 from algorithms.data import PromptData
-from algorithms.roles import Roles
+from algorithms.build import Roles
 from flowactors import Batch, Controller
 
 

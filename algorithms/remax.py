@@ -16,7 +16,7 @@ from algorithms.fusion import rollout
 from algorithms.loop import Algorithm, run_program
 from algorithms.metrics import summarize, update_metrics
 from algorithms.data import PromptData
-from algorithms.roles import Roles
+from algorithms.build import Roles
 from engines import GenerationSpec
 from flowactors import Batch, Controller
 

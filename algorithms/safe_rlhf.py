@@ -24,7 +24,7 @@ from algorithms.fusion import rollout
 from algorithms.loop import Algorithm, run_program
 from algorithms.metrics import AS_REPORTED, summarize, update_metrics
 from algorithms.data import PromptData
-from algorithms.roles import Roles
+from algorithms.build import Roles
 from engines import UpdateSpec
 from engines.fields import COST_VALUES
 from flowactors import Batch, Controller

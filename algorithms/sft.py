@@ -17,7 +17,7 @@ from algorithms.config import ConfigError
 from algorithms.core import SFTLoss
 from algorithms.data import PromptData
 from algorithms.datasets import load_examples
-from algorithms.stage import Stage, StageConfig, _pad_rows, run_stage
+from algorithms.stage import Stage, StageConfig, pad_rows, run_stage
 from engines import ActorWorker, OptimConfig, SamplingConfig, UpdateSpec, build_tokenizer
 
 __all__ = ["SFT", "sft_tiny_cpu", "main"]
@@ -56,7 +56,7 @@ class SFT(Stage):
 
     def evaluate(self, group: fa.ActorGroup, examples: list[Any]) -> dict[str, float]:
         assert self.eval_data is not None
-        batch = self.eval_data.demonstrations(_pad_rows(examples, self.dp), self.cfg.max_response_tokens)
+        batch = self.eval_data.demonstrations(pad_rows(examples, self.dp), self.cfg.max_response_tokens)
         n = len(examples)
         lp = group.compute_log_prob(batch).result()["old_log_probs"][:n]
         mask = batch["response_mask"][:n].float()

@@ -28,7 +28,7 @@ from algorithms.metrics import MetricsFile
 from engines import ModelConfig, OptimConfig
 from flowactors import Layout
 
-__all__ = ["StageConfig", "Stage", "run_stage"]
+__all__ = ["StageConfig", "Stage", "run_stage", "pad_rows"]
 
 
 @dataclass
@@ -122,7 +122,7 @@ class Stage:
         raise NotImplementedError
 
 
-def _pad_rows(examples: list[Any], multiple: int) -> list[Any]:
+def pad_rows(examples: list[Any], multiple: int) -> list[Any]:
     """Repeat the last example until the count divides `multiple` (evaluations drop what the padding scored)."""
     return examples + [examples[-1]] * ((-len(examples)) % multiple)
 

@@ -27,7 +27,7 @@ from algorithms.config import ConfigError
 from algorithms.core import PairwiseLoss, SafetyCostLoss
 from algorithms.data import PromptData
 from algorithms.datasets import load_pairs
-from algorithms.stage import Stage, StageConfig, _pad_rows, run_stage
+from algorithms.stage import Stage, StageConfig, pad_rows, run_stage
 from engines import OptimConfig, RewardModelWorker, UpdateSpec, build_tokenizer
 from flowactors import Batch
 
@@ -92,7 +92,7 @@ class RewardModelTraining(Stage):
 
     def evaluate(self, group: fa.ActorGroup, pairs: list[Any]) -> dict[str, float]:
         n = len(pairs)
-        chosen, rejected = self._sides(_pad_rows(pairs, self.dp))
+        chosen, rejected = self._sides(pad_rows(pairs, self.dp))
         s_c, s_r = (group.compute_reward(b).result()["rewards"][:n] for b in (chosen, rejected))
         if self.cfg.kind == "reward":
             return {"eval/pair_accuracy": float((s_c > s_r).float().mean())}

@@ -54,7 +54,7 @@ import flowactors as fa  # noqa: E402
 from algorithms.config import FusionConfig, PPOConfig  # noqa: E402
 from algorithms.ppo import PPO  # noqa: E402
 from algorithms.data import PromptData  # noqa: E402
-from algorithms.roles import Roles  # noqa: E402
+from algorithms.build import Roles  # noqa: E402
 from algorithms.tasks import get_task  # noqa: E402
 from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RewardModelWorker,  # noqa: E402
                      SamplingConfig, build_tokenizer)

@@ -82,7 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gold_data, next to t
 from algorithms.cli import open_controller  # noqa: E402
 from algorithms.config import ConfigError, apply_overrides  # noqa: E402
 from algorithms.loop import Runner  # noqa: E402 - driven in-process to add gold evaluations (see the docstring)
-from algorithms.roles import check_before_start  # noqa: E402
+from algorithms.run_plan import check_before_start  # noqa: E402
 from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2  # noqa: E402
 from flowactors import Batch  # noqa: E402
 from gold_data import INSTALL, GoldScorers, missing_packages, prompt_rows, split_topics  # noqa: E402

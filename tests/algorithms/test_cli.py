@@ -136,7 +136,7 @@ def test_fused_training_on_a_plan_that_cannot_fuse_fails_before_any_worker(capsy
 
 
 def test_reverse_stages_puts_stage_0_on_the_last_stage_s_slots():
-    from algorithms.roles import reverse_stages
+    from algorithms.run_plan import reverse_stages
 
     slots = [f"w{i}" for i in range(8)]  # (pp, dp, tp) = (2, 2, 2): group rank (p·2 + d)·2 + t
     assert reverse_stages(slots, Layout(pp=2, dp=2, tp=2)) == ["w4", "w5", "w6", "w7", "w0", "w1", "w2", "w3"]

@@ -133,7 +133,7 @@ def test_bad_data_and_model_settings_fail_before_any_worker(capsys, no_cluster, 
 
 def test_critics_get_critic_trainable_layers():
     from algorithms.config import PPOConfig, SafeRLHFConfig
-    from algorithms.roles import critic_optim
+    from algorithms.build import critic_optim
 
     assert critic_optim(PPOConfig()).trainable_layers == 0
     optim = critic_optim(SafeRLHFConfig(critic_trainable_layers=2, critic_lr=3e-4, zero_stage=1))

@@ -139,7 +139,7 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
     critic's pool the usual way round (they are not fused), the actor's side is untouched."""
     import flowactors as fa
     from algorithms.config import FusionConfig, PPOConfig
-    from algorithms.roles import place
+    from algorithms.run_plan import place
     from engines import ModelConfig
 
     plan = Plan(placement=[["actor", "ref", "critic"]], models=[
@@ -160,7 +160,7 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
 
 def test_fused_critics_are_those_with_the_actor_s_pool_and_sizes(tmp_path):
     from algorithms.config import FusionConfig, PPOConfig, SafeRLHFConfig
-    from algorithms.roles import resolve
+    from algorithms.run_plan import resolve
     from engines import ModelConfig
 
     roles = [["actor", "ref", "critic", "cost_critic", "reward", "cost"]]

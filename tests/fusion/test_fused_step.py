@@ -17,7 +17,7 @@ from algorithms.fusion import fused_rollout, overlap_note
 from algorithms.ppo import PPO
 from algorithms.advantages import join
 from algorithms.data import PromptData
-from algorithms.roles import Roles
+from algorithms.build import Roles
 from algorithms.tasks import get_task
 from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RuleRewardWorker, SamplingConfig,
                      build_tokenizer)

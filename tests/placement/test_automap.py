@@ -38,7 +38,7 @@ def test_plans_say_which_engine_runs_them(capsys, tmp_path):
 def test_the_runner_refuses_a_megatron_plan_on_the_torch_engine_as_marked(tmp_path, capsys):
     # The mark and the runner agree: a plan marked megatron is refused on the default torch engine before any
     # worker starts, with the fix named; a plan marked torch passes that check.
-    roles = pytest.importorskip("algorithms.roles")
+    roles = pytest.importorskip("algorithms.run_plan")
     from algorithms.config import RLConfig
 
     piped, flat = tmp_path / "piped.json", tmp_path / "flat.json"

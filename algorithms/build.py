@@ -1,0 +1,125 @@
+"""The model roles of a program and how they start.
+
+- `Roles`: the groups a program uses, typed (actor, reference, reward; critics and cost where the algorithm has
+  them), so a program reads `roles.critic`, not `groups["critic"]`.
+- `build_roles` and `run_warm_start`: the groups on the run's placement (algorithms.run_plan), after a supervised
+  warm start of the actor whose Hugging Face export the reference and the critics start from (SFT → RLHF, as real
+  pipelines do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import flowactors as fa
+from algorithms.config import ConfigError, PPOConfig, RLConfig
+from algorithms.core import SFTLoss
+from algorithms.data import PromptData
+from algorithms.tasks import Task
+from engines import ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
+from engines.fields import CRITIC_FIELDS
+from algorithms.run_plan import RunPlan, place
+from flowactors import Controller
+
+__all__ = ["Roles", "build_roles", "run_warm_start"]
+
+
+@dataclass
+class Roles:
+    """The model groups of one program; roles the algorithm does not use are None."""
+
+    actor: fa.ActorGroup
+    """Generates and trains (hybrid)."""
+    ref: fa.ActorGroup
+    """The frozen reference policy (KL)."""
+    reward: fa.ActorGroup
+    """Scores responses (a rule reward for the synthetic tasks)."""
+    critic: fa.ActorGroup | None = None
+    """Value model of the reward (PPO, Safe-RLHF)."""
+    cost_critic: fa.ActorGroup | None = None
+    """Value model of the cost (Safe-RLHF)."""
+    cost: fa.ActorGroup | None = None
+    """Scores each response's cost (Safe-RLHF)."""
+    fused_critics: tuple[str, ...] = ()
+    """The critics that train in the actor's fused pipeline (fusion.train; RunPlan.fused_critics)."""
+
+    def groups(self) -> dict[str, fa.ActorGroup]:
+        """The present roles by name, in declaration order."""
+        return {f.name: g for f in fields(self) if isinstance(g := getattr(self, f.name), fa.ActorGroup)}
+
+    def close(self) -> None:
+        for g in self.groups().values():
+            g.close()
+
+
+# -- building -------------------------------------------------------------------------------------------------------
+
+def actor_optim(cfg: RLConfig) -> OptimConfig:
+    return OptimConfig(lr=cfg.actor_lr, micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=1.0,
+                       zero_stage=cfg.zero_stage)
+
+
+def critic_optim(cfg: PPOConfig) -> OptimConfig:
+    return OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens, zero_stage=cfg.zero_stage,
+                       trainable_layers=cfg.critic_trainable_layers)
+
+
+def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=cfg.max_new_tokens or task.max_new_tokens, temperature=cfg.temperature,
+                          ignore_eos=cfg.ignore_eos)
+
+
+def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, export_dir: Path) -> ModelConfig:
+    """SFT on the task's demonstrations, then export; returns the config that loads the SFT model."""
+    if cfg.sft_steps:
+        response_tokens = cfg.max_new_tokens or data.task.max_new_tokens
+        batch = data.sft_batch(cfg.sft_steps * cfg.sft_samples_per_step, response_tokens, cfg.seed + 17)
+        spec = UpdateSpec(cfg.sft_samples_per_step, epochs=1, shuffle_seed=cfg.seed, lr=cfg.sft_lr)
+        actor.update_actor(batch, SFTLoss(), spec).result()
+    path = actor.export_hf(str(export_dir / "sft")).result()
+    return ModelConfig(path=path, dtype=cfg.model.dtype, engine=cfg.model.engine)
+
+
+def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptData, workdir: Path, *,
+                critics: Sequence[str] = (), with_cost: bool = False, warm_start: bool = True) -> Roles:
+    """Actor, reference, the named critics and the rule reward (and cost) on the configured placement.
+
+    With `warm_start`, the actor is fine-tuned on demonstrations first and the reference and critics start from
+    its export; without (resuming), every model starts from `cfg.model` and is then loaded from a checkpoint."""
+    from engines import ActorWorker, CriticWorker, RefWorker
+
+    task = data.task
+    if with_cost and task.cost is None and not cfg.cost_model:
+        raise ConfigError(f"task {task.name!r} defines no cost; Safe-RLHF needs a cost: cost_model=DIR, or a task "
+                          f"with a rule cost (digit_sum)")
+    pools = place(ctl, cfg, run_plan)
+
+    def group(role: str, cls: type, *args: object) -> fa.ActorGroup:
+        slots, layout = pools[role]
+        return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
+
+    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), run_plan.rollout_tp,
+                  run_plan.rollout_engine, run_plan.rollout_pp)
+    sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
+    ref = group("ref", RefWorker, sft, cfg.temperature, cfg.zero_stage)
+    built = {}
+    for key in critics:  # PPOConfig: checked above
+        built[key] = group(key, CriticWorker, sft, critic_optim(cfg), CRITIC_FIELDS[key].values)
+    reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.zero_stage)
+    if with_cost:
+        built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)
+    return Roles(actor=actor, ref=ref, reward=reward, **built,
+                 fused_critics=tuple(c for c in run_plan.fused_critics if c in critics))
+
+
+def _scorer(group: Callable[..., fa.ActorGroup], role: str, model_dir: str | None, rule: Callable,
+            policy: ModelConfig, zero_stage: int) -> fa.ActorGroup:
+    """A learned model (a score-head folder) when one is given, else the task's rule."""
+    from engines import RewardModelWorker, RuleRewardWorker
+
+    if model_dir:
+        return group(role, RewardModelWorker, ModelConfig(path=model_dir, dtype=policy.dtype, engine=policy.engine),
+                     policy, None, zero_stage)
+    return group(role, RuleRewardWorker, rule, policy)
