@@ -1,0 +1,83 @@
+"""The page's HTTP side: `/flowactors` (the page, a static file) and `/flowactors/data.json` on the dashboard.
+
+Both routes are added to the scheduler's running tornado application, under its URL prefix, once per scheduler
+(`add_routes`); the handlers look the plugin up by name on every request, so a plugin unregistered and registered
+again is served without a second set of routes. The page (`page.html` beside this module: inline SVG, CSS and JS,
+no CDN, so it works offline and with the dashboard bound to 127.0.0.1) is read once, at its first request, and
+polls data.json every 1.5 s.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from typing import Any
+
+import tornado.routing
+from tornado import web
+
+from flowactors.dashboard.plugin import PLUGIN_NAME, FlowactorsDashboard
+
+__all__ = ["add_routes", "page"]
+
+
+def add_routes(app: Any, scheduler: Any) -> None:
+    """Serve the page and its data on `app` (the scheduler's dashboard), unless this scheduler already does."""
+    if getattr(app, "_flowactors_routes", False):
+        return
+    prefix = _http_prefix(app)
+    kw = {"scheduler": scheduler, "data_url": f"{prefix}flowactors/data.json"}
+    app.add_handlers(r".*", [(rf"{prefix}flowactors/?", _PageHandler, kw),
+                             (rf"{prefix}flowactors/data\.json", _DataHandler, kw)])
+    app._flowactors_routes = True
+
+
+@functools.cache
+def page() -> str:
+    """The page's HTML (`page.html`, shipped with the package); `__DATA_URL__` stands for its data's URL."""
+    return resources.files("flowactors.dashboard").joinpath("page.html").read_text(encoding="utf-8")
+
+
+def _http_prefix(app: Any) -> str:
+    """The dashboard's URL prefix (`Scheduler(http_prefix=...)`), read off the route of its /health page."""
+    stack = [app.wildcard_router, app.default_router]
+    while stack:
+        router = stack.pop()
+        for rule in getattr(router, "rules", ()):
+            if isinstance(rule.target, tornado.routing.RuleRouter):
+                stack.append(rule.target)
+            elif isinstance(rule.matcher, tornado.routing.PathMatches):
+                pattern = rule.matcher.regex.pattern.rstrip("$")
+                if pattern.endswith("/health"):
+                    return pattern[: -len("health")]
+    return "/"
+
+
+class _Handler(web.RequestHandler):
+    def initialize(self, scheduler: Any, data_url: str) -> None:
+        self.dask_scheduler, self.data_url = scheduler, data_url
+
+    def plugin(self) -> FlowactorsDashboard | None:
+        p = self.dask_scheduler.plugins.get(PLUGIN_NAME)
+        return p if isinstance(p, FlowactorsDashboard) else None
+
+
+class _PageHandler(_Handler):
+    def get(self) -> None:
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.set_header("Cache-Control", "no-store")
+        self.write(page().replace("__DATA_URL__", json.dumps(self.data_url)))
+
+
+class _DataHandler(_Handler):
+    def get(self) -> None:
+        p = self.plugin()
+        if p is None:
+            self.set_status(404)
+            self.write({"error": "the flowactors dashboard plugin is not registered on this scheduler; "
+                                 "call flowactors.dashboard.install_dashboard(client)"})
+            return
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Cache-Control", "no-store")
+        self.write(json.dumps(p.data()))
