@@ -1,4 +1,4 @@
-"""The direct call path: the controller sends pinned work straight to the workers, without the scheduler.
+"""The direct-call transport: the controller sends pinned work straight to the workers, without the scheduler.
 
 Why: a group call through Dask is a chain of messages (client → scheduler → worker → scheduler → client, then the
 value), each with the scheduler's bookkeeping on the way; on the 2-core CI machine a no-op call over 2 ranks costs
@@ -51,7 +51,9 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-__all__ = ["CALLS_TOPIC", "DirectChannel", "DirectFuture", "DirectRef", "INLINE_BYTES"]
+from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
+
+__all__ = ["CALLS_TOPIC", "DirectChannel", "DirectFuture", "DirectRef", "DirectTransport", "INLINE_BYTES"]
 
 INLINE_BYTES = 64 * 1024
 """Outputs up to this size (flowactors._push.payload_bytes) come back in the reply; larger ones stay on the worker
@@ -359,9 +361,81 @@ class DirectChannel:
         return [{"key": k, "worker": w, "startstops": [{"action": "compute", "start": a, "stop": b}]}
                 for w, spans in found.items() for k, a, b in spans]
 
-    def spans(self, start: float, stop: float) -> list[tuple[float, float]]:
-        """Compute spans of direct items on every worker that overlap [start, stop] (workers' clocks)."""
-        return [(s["start"], s["stop"]) for r in self.records(start, stop) for s in r["startstops"]]
+
+class DirectTransport(Transport):
+    """Calls on the direct path (`DirectChannel`): the controller's `Transport` over it."""
+
+    direct = True
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self.channel = DirectChannel(client)
+
+    def submit(self, tasks: Sequence[Work], step: int | None) -> list[DirectFuture]:
+        futs = self.channel.submit(tasks, step=step)
+        for f in futs:  # its stored output is dropped once nobody can ask for it
+            weakref.finalize(f, self.channel.release_one, f.key, f.address)
+        return futs
+
+    def apply_site(self, args: tuple, kwargs: dict, slots: Sequence[str]) -> str:
+        """The worker that produced the first input (its output is there), else the least busy one."""
+        return next((f.address for v in (*args, *kwargs.values()) for f in _direct_futures(v)), None) \
+            or self.channel.least_busy(slots)
+
+    def resolve(self, calls: Sequence[Any], timeout: float | None, values: bool = True) -> list[list]:
+        """A future whose connection broke means its worker is gone, whether or not the scheduler said so: every
+        item pending there fails, and `WorkerGone` names it. A runtime function's exception is raised here."""
+        if not self.channel.wait([f for c in calls for f in c.futures], timeout):
+            raise CallTimeout()
+        for c in calls:
+            lost = next((f for f in c.futures if f.status == "lost"), None)
+            if lost is not None:
+                self.channel.fail_address(lost.address, ConnectionError(f"worker {lost.address} died"))
+                raise WorkerGone(lost.address, c.label) from lost.error
+        if not values:
+            return []
+        for c in calls:
+            failed = next((f for f in c.futures if f.status == "error"), None)
+            if failed is not None:
+                raise failed.error if isinstance(failed.error, BaseException) else RuntimeError(failed.error)
+        return [self.channel.values(c.futures) for c in calls]
+
+    def settle(self, futures: Sequence[DirectFuture], timeout: float) -> None:
+        self.channel.wait(futures, timeout)
+
+    async def worker_lost(self, address: str, futures: Sequence[DirectFuture]) -> None:
+        """Every item pending on `address` fails (`futures` are among them: all of a direct controller's)."""
+        self.channel.fail_address(address, ConnectionError(f"worker {address} died"))
+
+    def reset(self, stale: Sequence[DirectFuture]) -> None:
+        """Stale items are cancelled (their workers live on; what they still reply is ignored), connections to
+        workers that are gone dropped."""
+        from distributed.client import FutureCancelledError
+
+        for a in {f.address for f in stale}:
+            self.channel.fail_address(a, FutureCancelledError(a, "recovery", "the controller rebuilt its groups "
+                                                                          "after a lost worker"), lost=False)
+        self.channel.reset()
+
+    def stacks(self) -> dict[str, dict[str, list[str]]]:
+        return self.channel.stacks()
+
+    def records(self, start: float, stop: float) -> list[dict]:
+        return self.channel.records(start, stop)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _direct_futures(v: Any) -> list[DirectFuture]:
+    """The direct futures a (possibly nested) argument refers to."""
+    if isinstance(v, DirectFuture):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [f for x in v for f in _direct_futures(x)]
+    if isinstance(v, dict):
+        return [f for x in v.values() for f in _direct_futures(x)]
+    return []
 
 
 def _unwrap_reply(reply: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Small call results pushed by the workers to the controller, one message after they are computed.
+"""The Dask-task transport with pushed results: small outputs reach the controller one message after they are computed.
 
 A call's value otherwise comes back through Dask's return path: the worker tells the scheduler the task finished,
 the scheduler tells the client, and the client then gathers the value (through the scheduler, or from the worker):
@@ -11,21 +11,28 @@ rank's output is larger, a push did not arrive, a future failed or was cancelled
 runs out.
 
 The inbox is a Dask comm server on the client's event loop. It listens on the interface the client reaches the
-scheduler from, so it is used by default only with the embedded cluster (127.0.0.1, `Controller.local`), where it
-opens nothing beyond the machine; a controller joining a cluster (`Controller.connect`) keeps the plain path unless
-asked (`push_results=True`).
+scheduler from, so it is used by default only with the embedded cluster (127.0.0.1, `Controller.local`) when direct
+calls are off, where it opens nothing beyond the machine; a controller joining a cluster (`Controller.connect`)
+keeps the plain path unless asked (`push_results=True`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Future
 
-__all__ = ["PUSH_BYTES", "ResultInbox", "payload_bytes", "push"]
+from flowactors._submit import DaskTransport
+from flowactors.transport import by_call
+
+if TYPE_CHECKING:
+    from flowactors.controller import CallFuture
+
+__all__ = ["PUSH_BYTES", "PushTransport", "ResultInbox", "payload_bytes", "push"]
 
 PUSH_BYTES = 64 * 1024
 """Outputs up to this size (`payload_bytes`) are pushed; larger ones are fetched through Dask."""
@@ -88,6 +95,48 @@ class ResultInbox:
             self._client.sync(self._server.close)
         except Exception:  # noqa: BLE001 - the loop may be gone at interpreter exit
             pass
+
+
+class PushTransport(DaskTransport):
+    """Dask tasks whose ranks also push small outputs to this controller's inbox (`inbox`)."""
+
+    pushes_results = True
+
+    def __init__(self, client: Client) -> None:
+        super().__init__(client)
+        self.inbox = ResultInbox(client, _client_host(client))
+
+    def task_kwargs(self, key: str) -> dict[str, Any]:
+        return {"push": (self.inbox.address, key)}
+
+    def track(self, call: "CallFuture") -> None:
+        if call.pushed:  # its pushed outputs are dropped once nobody can ask for them
+            weakref.finalize(call, self.inbox.forget, [f.key for f in call.futures])
+
+    def resolve(self, calls: Sequence["CallFuture"], timeout: float | None, values: bool = True) -> list[list]:
+        """Values of pushed calls from the inbox; the Dask path (with what is left of `timeout`) where one is
+        missing (see the module docstring)."""
+        left = timeout
+        if values and calls and all(c.pushed for c in calls):
+            start = time.monotonic()
+            pushed = self.inbox.wait([f for c in calls for f in c.futures], timeout)
+            if pushed is not None:
+                return by_call(pushed, calls)
+            if timeout is not None:
+                left = max(0.0, timeout - (time.monotonic() - start))
+        return super().resolve(calls, left, values)
+
+    def close(self) -> None:
+        self.inbox.close()
+
+
+def _client_host(client: Client) -> str:
+    """The interface this client reaches its scheduler from (where workers can reach it back)."""
+    from distributed.comm import get_address_host
+
+    comm = getattr(client.scheduler_comm, "comm", None)
+    local = getattr(comm, "local_address", None)
+    return get_address_host(local) if local else "127.0.0.1"
 
 
 def payload_bytes(value: Any) -> int:

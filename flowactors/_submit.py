@@ -1,4 +1,11 @@
-"""Many pinned tasks in one graph update: what `Client.submit` does for one task, for all ranks of a call at once.
+"""The Dask-task transport: every call is one pinned task per rank, ordered per process, sent in one graph update.
+
+docs/design.md §3 (Calls are pinned Dask tasks; Ordering). Dask runs tasks submitted close together in any order
+and prefers tasks whose inputs are local; colocated groups would then issue collectives in different orders on
+different ranks, and gloo silently returns wrong sums. So every task pinned to a worker process depends on the
+previous one pinned there (its `_after` argument) and carries a decreasing priority (`DaskTransport.submit`).
+
+Many pinned tasks in one graph update: what `Client.submit` does for one task, for all ranks of a call at once.
 
 Every `client.submit` is one `update-graph` message, and the scheduler handles each separately (deserialize,
 materialize on a thread, create task states, assign workers); for a group call that is once per rank. Dask's
@@ -14,17 +21,29 @@ tests/runtime/test_submit.py check the restrictions, priorities and dependencies
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask._expr import HLGExpr
 from dask._task_spec import Task, parse_input
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed import Client, Future
+from distributed.client import _wait
 from distributed.spans import SpanMetadata
+from distributed.utils import TimeoutError as DaskTimeoutError
 
-__all__ = ["PinnedTask", "submit_pinned_tasks"]
+from flowactors.batch import Batch
+from flowactors.transport import CallTimeout, Transport, Work, by_call
+
+if TYPE_CHECKING:
+    from flowactors.controller import CallFuture
+
+__all__ = ["DaskTransport", "PinnedTask", "scatter_to", "submit_pinned_tasks"]
+
+SCATTER_BYTES = 64 * 1024
+"""Batch arguments of a group call from this size up are sent straight to their rank's worker (`DaskTransport.ship`)."""
 
 
 @dataclass
@@ -61,3 +80,98 @@ def submit_pinned_tasks(client: Client, tasks: Sequence[PinnedTask]) -> list[Fut
         span_metadata=SpanMetadata(collections=[{"type": "Future"}]),
         internal_priority={k: 0 for k in keys}, fifo_timeout="100 ms")
     return [futures[k] for k in keys]
+
+
+def scatter_to(client: Client, items: Sequence[tuple[str, Any]]) -> list[Future]:
+    """Send each (address, value) straight to its worker (not through the scheduler), all at once; one future each."""
+    import asyncio
+
+    async def send() -> list[Future]:
+        return list(await asyncio.gather(*(
+            client.scatter(v, workers=[a], direct=True, hash=False, asynchronous=True) for a, v in items)))
+
+    return client.sync(send) if items else []
+
+
+class DaskTransport(Transport):
+    """Calls as pinned Dask tasks: the task stream shows every call, and the scheduler moves the data."""
+
+    def __init__(self, client: Client) -> None:
+        super().__init__(client)
+        self._seq = itertools.count()
+        self._last: dict[str, Future] = {}  # the latest task issued to each worker: the next one runs after it
+
+    def submit(self, tasks: Sequence[Work], step: int | None) -> list[Future]:
+        """Every rank of one call in one graph update (`submit_pinned_tasks`): one scheduler round of work per
+        call instead of one per rank. They share one place in the issue order (a priority below every earlier
+        call's); a task depends on the previous one issued to its worker. A task without an address runs where
+        the scheduler puts it, after nothing, with the next priority."""
+        out: list[Future] = []
+        batch: list[PinnedTask] = []
+        seq = next(self._seq)
+        for address, fn, args, kwargs, key in tasks:
+            if address is None:
+                out += self._send(batch)
+                batch, seq = [], next(self._seq)
+                out.append(self.client.submit(fn, *args, key=key, pure=False, priority=-seq, **kwargs))
+                continue
+            if any(t.address == address for t in batch):  # a second task for one worker orders after the first
+                out += self._send(batch)
+                batch, seq = [], next(self._seq)
+            prev = self._last.get(address)
+            if prev is not None and prev.status in ("error", "cancelled"):
+                prev = None
+            batch.append(PinnedTask(address, fn, key, tuple(args), {**kwargs, "_after": prev}, priority=-seq))
+        return out + self._send(batch)
+
+    def _send(self, batch: list[PinnedTask]) -> list[Future]:
+        futures = submit_pinned_tasks(self.client, batch)
+        for t, f in zip(batch, futures):
+            self._last[t.address] = f
+        return futures
+
+    def ship(self, addresses: Sequence[str], per_rank: list) -> list:
+        """Large Batch arguments replaced by futures of data sent straight to each rank's worker: values embedded
+        in a task travel through the scheduler, which unpickles and re-pickles them; a direct scatter moves the
+        bytes once, controller to worker."""
+        sends = [(r, i, k, v) for r, (a, kw) in enumerate(per_rank)
+                 for i, k, v in [*((i, None, x) for i, x in enumerate(a)), *((None, k, x) for k, x in kw.items())]
+                 if isinstance(v, Batch) and v.nbytes >= SCATTER_BYTES]
+        if not sends:
+            return per_rank
+        futures = scatter_to(self.client, [(addresses[r], v) for r, _, _, v in sends])
+        out = [(list(a), dict(kw)) for a, kw in per_rank]
+        for (r, i, k, _), f in zip(sends, futures):
+            if k is None:
+                out[r][0][i] = f
+            else:
+                out[r][1][k] = f
+        return [(tuple(a), kw) for a, kw in out]
+
+    def resolve(self, calls: Sequence["CallFuture"], timeout: float | None, values: bool = True) -> list[list]:
+        """Without a timeout the values are gathered at once (Dask waits for them); a cancelled future raises
+        Dask's cancellation error, which the controller turns into a lost worker where one was."""
+        futures = [f for c in calls for f in c.futures]
+        if timeout is not None or not values:
+            try:  # this client's own wait: `distributed.wait` looks for a default client, and this one is not
+                self.client.sync(_wait, futures, timeout=timeout)
+            except (DaskTimeoutError, TimeoutError) as e:
+                raise CallTimeout() from e
+        if not values:
+            return []
+        return by_call(self.client.gather(futures), calls)
+
+    def settle(self, futures: Sequence[Future], timeout: float) -> None:
+        self.client.sync(_wait, list(futures), timeout=timeout)
+
+    async def worker_lost(self, address: str, futures: Sequence[Future]) -> None:
+        last = self._last.pop(address, None)
+        futures = [*futures, last] if last is not None else list(futures)
+        if futures:
+            await self.client.cancel(futures, asynchronous=True, reason="worker-lost", msg=f"worker {address} died")
+
+    def reset(self, stale: Sequence[Future]) -> None:
+        stale = [*stale, *self._last.values()]
+        self._last.clear()
+        if stale:
+            self.client.cancel(stale, reason="recovery", msg="the controller rebuilt its groups after a lost worker")

@@ -6,8 +6,8 @@ Futures of earlier calls are accepted as inputs; their data moves worker to work
 
 Where each rank's inputs come from (`_route`):
 
-- Values the controller holds are split here and each rank's part travels in its own task (large batches sent
-  straight to the rank's worker, `_ship_large`).
+- Values the controller holds are split here and each rank's part travels in its own task or request (on the
+  Dask transports large batches are sent straight to the rank's worker first, `DaskTransport.ship`).
 - The future of an earlier call whose output is made of parts (`Protocol.parts`: DP, MESH), taken by a call that
   splits its batches into as many parts (`Protocol.destinations`), is passed part for part: rank r receives the
   producing rank's output for its part straight from that rank's worker, and nothing else of the batch. This is
@@ -29,7 +29,6 @@ from typing import Any
 from distributed import Future
 
 from flowactors import _runtime
-from flowactors.batch import Batch
 from flowactors.controller import CallFuture, Controller, _token, _unwrap_one
 from flowactors.errors import EndpointError, HangError, PlacementError, RemoteError
 from flowactors.protocols import Layout, Protocol
@@ -150,8 +149,7 @@ class ActorGroup:
             split = (protocol, layout)
         else:
             per_rank, agree = _route(protocol, layout, args, kwargs)
-        if not ctl.direct_calls:  # the direct path carries each rank's inputs in its own request
-            per_rank = _ship_large(ctl, self.addresses, per_rank)
+        per_rank = ctl.transport.ship(self.addresses, per_rank)  # large batches straight to their worker, on Dask
         keep = _kept_ranks(protocol, layout)
         agree = agree and self.world_size > 1
         token, label = _token(), f"{self.name}.{method}"
@@ -179,30 +177,6 @@ class ActorGroup:
 
     def __repr__(self) -> str:
         return f"<ActorGroup {self.name} {self.cls.__name__} {self.layout} endpoints={sorted(self.endpoints)}>"
-
-
-_SCATTER_BYTES = 64 * 1024
-
-
-def _ship_large(ctl: Controller, addresses: Sequence[str], per_rank: list) -> list:
-    """Replace large Batch arguments by futures of data sent straight to each rank's worker.
-
-    Values embedded in a task travel through the scheduler, which unpickles and re-pickles them; a direct
-    scatter moves the bytes once, controller to worker.
-    """
-    sends = [(r, i, k, v) for r, (a, kw) in enumerate(per_rank)
-             for i, k, v in [*((i, None, x) for i, x in enumerate(a)), *((None, k, x) for k, x in kw.items())]
-             if isinstance(v, Batch) and v.nbytes >= _SCATTER_BYTES]
-    if not sends:
-        return per_rank
-    futures = ctl.scatter_to([(addresses[r], v) for r, _, _, v in sends])
-    out = [(list(a), dict(kw)) for a, kw in per_rank]
-    for (r, i, k, _), f in zip(sends, futures):
-        if k is None:
-            out[r][0][i] = f
-        else:
-            out[r][1][k] = f
-    return [(tuple(a), kw) for a, kw in out]
 
 
 class _Held:

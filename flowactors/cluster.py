@@ -1,0 +1,145 @@
+"""Cluster start-up: the embedded LocalCluster, joining a running scheduler, and the device slots of either.
+
+docs/design.md §3 Cluster. `Controller.local()` starts an embedded `LocalCluster` of worker *processes* with one
+thread and one device slot each (resource `slot=1`, plus `GPU=1` where CUDA exists), on 127.0.0.1 only;
+`Controller.connect(address)` joins an existing scheduler whose workers were started the same way, after probing
+the address (Dask's client would otherwise retry a wrong one for half a minute, or wait forever on a port that is
+not a scheduler). `discover_slots` lists the workers that are device slots, ordered by host, then worker name, and
+refuses a slot with more than one thread (calls to one process must run one at a time). `shorten_streams` sets
+the Dask streams' batching interval (`flowactors._streams`). Slurm allocations start in `flowactors.slurm`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from distributed import Client, LocalCluster
+
+from flowactors.errors import PlacementError, SchedulerUnreachableError
+
+__all__ = ["SLOT_RESOURCES", "check_interval", "discover_slots", "probe_scheduler", "shorten_streams",
+           "start_local", "stop_workers"]
+
+SLOT_RESOURCES = ("slot", "GPU")
+
+
+def start_local(n_slots: int, dashboard: str | None, stream_interval_ms: float | None = None) -> LocalCluster:
+    """An embedded LocalCluster of `n_slots` single-threaded worker processes on 127.0.0.1 (`dashboard=None`: no
+    dashboard; `stream_interval_ms` is checked before any process starts)."""
+    import torch
+
+    if n_slots < 1:
+        raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+    check_interval(stream_interval_ms)
+    resources = {"slot": 1} | ({"GPU": 1} if torch.cuda.is_available() else {})
+    return LocalCluster(
+        n_workers=n_slots, threads_per_worker=1, processes=True, host="127.0.0.1",
+        dashboard_address=dashboard, resources=resources, silence_logs=logging.WARNING,
+        # without a dashboard the scheduler still serves /health on an HTTP port: a free one, not 8787
+        scheduler_kwargs=None if dashboard else {"dashboard_address": "127.0.0.1:0"},
+        env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+    )
+
+
+def stop_workers(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
+    """Stop the embedded cluster's worker processes, giving each `timeout_s` to exit. LocalCluster's own close
+    allows 4 s, after which the nanny kills the process and warns; a worker that holds torch and its models
+    can need longer to exit on a loaded machine, and a killed process is not a clean end of a run."""
+    import asyncio
+
+    nannies = list(cluster.workers.values())
+
+    async def stop() -> None:
+        await asyncio.gather(*(n.close(timeout=timeout_s) for n in nannies), return_exceptions=True)
+
+    try:
+        cluster.sync(stop)
+    except Exception:  # noqa: BLE001 - the cluster's own close below still ends them
+        pass
+
+
+def discover_slots(client: Client) -> list[str]:
+    """The addresses of the workers that are device slots (resource `slot` or `GPU`), by host, then name."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    slots, bad = [], []
+    for addr, w in workers.items():
+        if not any(w.get("resources", {}).get(r) for r in SLOT_RESOURCES):
+            continue
+        if w.get("nthreads") != 1:
+            bad.append(f"{addr} has {w.get('nthreads')} threads")
+        slots.append((w.get("host", ""), str(w.get("name", "")), addr))
+    if bad:
+        raise PlacementError("every device slot needs a worker process with exactly one thread "
+                             f"(calls to one process must run one at a time): {bad}; start workers with "
+                             f"`dask worker --nthreads 1 --resources slot=1`")
+    return [a for *_, a in sorted(slots, key=lambda s: (s[0], _natural(s[1])))]
+
+
+def probe_scheduler(address: str, timeout_s: float) -> None:
+    """Raise SchedulerUnreachableError unless a Dask scheduler answers an identity request at `address` in time."""
+    import asyncio
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from distributed.comm import connect
+    from distributed.comm.addressing import get_address_host_port, parse_address
+
+    start = "start one with `dask scheduler` and workers with `dask worker ADDRESS --nthreads 1 --resources slot=1`"
+    try:
+        scheme, _ = parse_address(address)
+        host, port = get_address_host_port(address)
+    except ValueError as e:
+        raise SchedulerUnreachableError(f"{address!r} is not a Dask scheduler address ({e}); use tcp://HOST:PORT, "
+                                        f"e.g. tcp://127.0.0.1:8786") from None
+    if scheme in ("tcp", "tls"):  # a refused port fails here at once; Dask would retry it until its timeout
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as e:
+            raise SchedulerUnreachableError(f"cannot reach a Dask scheduler at {address}: {e.strerror or e}; "
+                                            f"{start}") from None
+
+    async def identity() -> dict:
+        comm = await connect(address, timeout=timeout_s)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    try:
+        with ThreadPoolExecutor(1) as pool:  # its own event loop, also when the caller runs one (notebooks)
+            info = pool.submit(asyncio.run, asyncio.wait_for(identity(), timeout_s)).result()
+    except (OSError, asyncio.TimeoutError, TimeoutError) as e:
+        raise SchedulerUnreachableError(f"{address} accepts connections but did not answer as a Dask scheduler "
+                                        f"within {timeout_s:g} s ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+                                        f"; check the port (the scheduler's, 8786 by default, not its dashboard's) "
+                                        f"or {start}") from None
+    if not isinstance(info, dict) or info.get("type") != "Scheduler":
+        kind = info.get("type") if isinstance(info, dict) else type(info).__name__
+        raise SchedulerUnreachableError(f"{address} is a Dask {kind}, not a scheduler; give the scheduler's address")
+
+
+def check_interval(ms: float | None) -> float | None:
+    if ms is not None and not (isinstance(ms, (int, float)) and ms >= 0):
+        raise ValueError(f"stream_interval_ms must be a number >= 0 (milliseconds), or None for Dask's own "
+                         f"intervals; got {ms!r}")
+    return ms
+
+
+def shorten_streams(client: Client, interval_s: float) -> None:
+    """Shorter stream batching (flowactors._streams); a scheduler that cannot take the plugins (flowactors not
+    importable there) keeps Dask's intervals, with a warning: calls are slower, not wrong."""
+    from flowactors._streams import shorten
+
+    try:
+        shorten(client, interval_s)
+    except Exception as e:  # noqa: BLE001 - an optimisation; the runtime works without it
+        import structlog
+
+        structlog.get_logger("flowactors.controller").warning(
+            "stream_interval_not_set", error=f"{type(e).__name__}: {e}",
+            hint="install flowactors on the scheduler and workers, or pass stream_interval_ms=None")
+
+
+def _natural(name: str) -> tuple:
+    return (0, int(name)) if name.isdigit() else (1, name)
