@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "open_transport", "by_call"]
 
 Work = tuple[str | None, Any, tuple, dict, str]
-"""(address, fn, args, kwargs, key): `fn(*args, **kwargs)` to run on the worker at `address` under `key`; an
-address of None: any worker (the transport picks it)."""
+"""(address, fn, args, kwargs, key): `fn(*args, **kwargs)` to run on the worker at `address` under `key`. An
+address of None (a `Controller.apply` where `apply_site` said None): any worker, where the scheduler puts it."""
 
 
 class CallTimeout(Exception):
