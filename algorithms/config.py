@@ -24,7 +24,8 @@ from engines.models.config import ModelConfig
 from engines.training.common import OptimConfig
 from flowactors.slurm import SlurmSettings
 
-__all__ = ["RunConfig", "RLConfig", "FusionConfig", "SHORT_FORMS", "PPOConfig", "SafeRLHFConfig", "GRPOConfig", "ReMaxConfig", "ConfigError",
+__all__ = ["RunConfig", "RLConfig", "FusionConfig", "SHORT_FORMS", "PPOConfig", "SafeRLHFConfig", "GRPOConfig",
+           "ReMaxConfig", "ConfigError",
            "PLACEMENTS", "apply_overrides",
            "check_trainable_layers", "check_zero_stage", "derived_sizes", "describe_settings", "field_docs", "validate"]
 

@@ -46,8 +46,8 @@ the receivers' own rows once others join them), so their logits may differ in th
 log-probs then differ by rounding (the training log-probs are recomputed and are exact), and a token could flip
 only if its uniform fell within rounding of a CDF boundary (none did in the tests, which compare every token). Rows
 move with their KV caches, not by re-prefilling: a prefill over prompt + partial response rounds differently from
-the step-by-step decode. With vLLM (`engines.rollout.vllm_engine`), whose KV blocks do not leave the engine, a moved row is
-re-prefilled instead: the receiver adds it as a request over prompt + tokens so far, and restores the request's
+the step-by-step decode. With vLLM (`engines.rollout.vllm_engine`), whose KV blocks do not leave the engine, a moved row
+is re-prefilled instead: the receiver adds it as a request over prompt + tokens so far, and restores the request's
 sampling generator to the state it paused with, so it draws the same tokens (its log-probs differ by rounding, a
 prefill against step-by-step decoding). `finish_tail` takes every rank's handed-over rows as one input, which
 travels to every actor rank (the handing-over ones ignore it): with dp > 2 a freed slot downloads the other pausing
@@ -56,8 +56,8 @@ placement search that plans scorers onto the slots migration frees (`placement=f
 critics, reward and cost on every slot but the first `fuse_migrate_to`).
 
 Intra-stage fusion (RLHFuse's fused actor/critic training pipeline, the two models' micro-batches flowing over
-the same pipeline stages in opposite directions) is the training side: engines/training/megatron/pipeline_fusion.py, `fuse_train`.
-What both would save on a GPU cluster is estimated with the placement simulator: placement/fusion.py,
+the same pipeline stages in opposite directions) is the training side: engines/training/megatron/pipeline_fusion.py,
+`fuse_train`. What both would save on a GPU cluster is estimated with the placement simulator: placement/fusion.py,
 `benchmarks/fusion.py --cluster`.
 """
 
@@ -74,8 +74,8 @@ from algorithms.config import FusionConfig
 from engines.rollout.stream import ROW_INDEX
 from flowactors import Batch
 
-__all__ = ["Rollout", "rollout", "FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated", "migration_threshold",
-           "overlap_note"]
+__all__ = ["Rollout", "rollout", "FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated",
+           "migration_threshold", "overlap_note"]
 
 Scorer = Callable[[Any], fa.CallFuture]
 """A bound group endpoint that scores a batch, e.g. `critic.compute_values`."""

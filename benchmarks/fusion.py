@@ -210,7 +210,8 @@ def _bars(spans: list[dict], width: int = 72) -> list[str]:
 
 
 def _planned_pipeline(stages: int, micro_batches, step_s) -> float:
-    """The fused update's length as engines.training.megatron.pipeline_fusion plans it (a step's time split 1 : 2 forward : backward)."""
+    """The fused update's length as engines.training.megatron.pipeline_fusion plans it (a step's time split 1 : 2
+    forward : backward)."""
     from engines.training.megatron.pipeline_fusion import plan_pipelines
 
     plan = plan_pipelines(stages, list(micro_batches), forward_cost=[s / 3 for s in step_s],

@@ -2,8 +2,8 @@
 
     python benchmarks/megatron_hybrid.py --layouts 1,2:1 2,2:1 2,2:2,1
 
-Each layout `p,t:t_g` (or `p,t:p_g,t_g`) spawns p·t gloo processes on 127.0.0.1 (d = 1), builds a megatron-core GPTModel shard of one
-Llama-shaped model (random weights, float32) on each (megatron-core on CPU needs the test-only CUDA shim,
+Each layout `p,t:t_g` (or `p,t:p_g,t_g`) spawns p·t gloo processes on 127.0.0.1 (d = 1), builds a megatron-core GPTModel
+shard of one Llama-shaped model (random weights, float32) on each (megatron-core on CPU needs the test-only CUDA shim,
 tests/engines/megatron_shim.py, applied first: a measurement on CPU, not a product path), and times, rounds
 interleaved, (a) `MegatronEngine.hybrid_engine(...).generation_model()` + `release()` — copy of the rank's shard
 out of megatron's buffers, all-gather inside the micro-DP group — and (b) `full_state_dict()`, what a megatron

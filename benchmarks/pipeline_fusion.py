@@ -8,8 +8,8 @@ CUDA shim, tests/engines/megatron_shim.py: a measurement on CPU, not a product p
 m micro-batches per model, rounds interleaved, in three modes:
 
 - `megatron`: `actor.update` then `critic.update`, megatron's own 1F1B schedule each;
-- `1f1b`: the same two 1F1B pipelines run by engines.training.megatron.pipeline_fusion's runner, which also measures how long each
-  rank waits for its peer (the bubble, measured);
+- `1f1b`: the same two 1F1B pipelines run by engines.training.megatron.pipeline_fusion's runner, which also measures how
+  long each rank waits for its peer (the bubble, measured);
 - `fused`: `fused_update`: the critic's stages run down the ranks, both models in one plan.
 
 A round's time is the slowest rank's; the figure is the median. `bubble` is the measured wait over wall time,
@@ -78,7 +78,8 @@ def _run(rank: int, world: int, port: int, counts: list[int], rounds: int, out: 
     join_world(rank, world, port, megatron=True)
     from engines.training.megatron.engine import MegatronEngine
     from engines.training.megatron.groups import world_groups
-    from engines.training.megatron.pipeline_fusion import PipelineJob, finalize_grads, fused_update, plan_pipelines, run_plan
+    from engines.training.megatron.pipeline_fusion import (PipelineJob, finalize_grads, fused_update, plan_pipelines,
+                                                           run_plan)
     from engines.training.common import OptimConfig
 
     optim = OptimConfig(lr=1e-5, micro_batch_tokens=ROWS_PER_MB * WIDTH)

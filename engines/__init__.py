@@ -13,7 +13,8 @@ from typing import Any
 
 _EXPORTS = {
     "HFGenerationEngine": "engines.rollout.hf", "SamplingConfig": "engines.rollout.stream",
-    "ModelConfig": "engines.models.config", "build_model": "engines.models.config", "build_tokenizer": "engines.models.config",
+    "ModelConfig": "engines.models.config", "build_model": "engines.models.config",
+    "build_tokenizer": "engines.models.config",
     "check_model_dir": "engines.models.config", "save_pretrained": "engines.models.config",
     "MINIBATCH": "engines.protocols", "plan_minibatches": "engines.protocols",
     "ActorWorker": "engines.roles", "CriticWorker": "engines.roles", "RefWorker": "engines.roles",

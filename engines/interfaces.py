@@ -2,9 +2,10 @@
 
 The roles (engines.roles) hold one training engine per model and, for the actor, one generation engine. They call
 only the methods below, so any class that has them plugs in: structural typing (`typing.Protocol`), not a base
-class, because the two training engines share no implementation (torch-native FSDP2/DTensor in engines.training.torch_native,
-megatron-core in engines.training.megatron.engine) and a base class would only add a third place to keep in step. Engines are
-chosen by name through engines.registry, which builds them from the `TrainingSetup` / `GenerationSetup` below.
+class, because the two training engines share no implementation (torch-native FSDP2/DTensor in
+engines.training.torch_native, megatron-core in engines.training.megatron.engine) and a base class would only add a
+third place to keep in step. Engines are chosen by name through engines.registry, which builds them from the
+`TrainingSetup` / `GenerationSetup` below.
 
 Both protocols are `runtime_checkable`, so a test can assert that an engine has every member (isinstance checks
 names, not signatures).

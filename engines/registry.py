@@ -9,15 +9,15 @@ engine on first use: naming "megatron" costs nothing on a machine without megatr
 
 Built in:
 
-* training "torch": engines.training.torch_native.TrainEngine over FSDP2 / DTensor TP, with the 3D-HybridEngine for a hybrid
-  actor (`rollout_tp`; its DP replicas shard the optimizer state, ZeRO-1); no pipeline parallelism.
-* training "megatron": engines.training.megatron.engine.MegatronEngine (megatron-core TP / PP / DP) on any slots, with its own
-  process groups (engines.training.megatron.groups), so groups of different layouts live side by side; the 3D-HybridEngine
-  for a hybrid actor, fed from its shards, generating over (p_g, t_g) (`rollout_tp`, `rollout_pp`).
+* training "torch": engines.training.torch_native.TrainEngine over FSDP2 / DTensor TP, with the 3D-HybridEngine for a
+  hybrid actor (`rollout_tp`; its DP replicas shard the optimizer state, ZeRO-1); no pipeline parallelism.
+* training "megatron": engines.training.megatron.engine.MegatronEngine (megatron-core TP / PP / DP) on any slots, with
+  its own process groups (engines.training.megatron.groups), so groups of different layouts live side by side; the
+  3D-HybridEngine for a hybrid actor, fed from its shards, generating over (p_g, t_g) (`rollout_tp`, `rollout_pp`).
 * generation "hf": engines.rollout.hf.HFGenerationEngine (transformers with a KV cache).
-* generation "vllm": engines.rollout.vllm_engine.VLLMGenerationEngine, one in-process engine per rank over its generation
-  replica (t_g = rollout_tp ranks, or the rank alone), started from the model's config with dummy weights; the
-  actor sends it weights before each rollout that follows an update. Asking for it where vllm is not installed
+* generation "vllm": engines.rollout.vllm_engine.VLLMGenerationEngine, one in-process engine per rank over its
+  generation replica (t_g = rollout_tp ranks, or the rank alone), started from the model's config with dummy weights;
+  the actor sends it weights before each rollout that follows an update. Asking for it where vllm is not installed
   fails on the controller, before any rank starts, naming the install.
 """
 
@@ -51,7 +51,8 @@ class TrainingEngineEntry:
     """(pp, dp, tp) → the extra process groups (tuples of group ranks) its ranks need, created with the group
     (the roles' `process_groups`); None: the mesh's dimensions are enough."""
     fused_pipelines: bool = False
-    """Its pipelines can share a fused schedule with another model's (engines.training.megatron.pipeline_fusion; `fuse_train`)."""
+    """Its pipelines can share a fused schedule with another model's (`fuse_train`;
+    engines.training.megatron.pipeline_fusion)."""
 
 
 def _build_torch(setup: TrainingSetup) -> TrainingBuild:

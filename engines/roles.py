@@ -448,8 +448,8 @@ class ActorWorker(ModelWorker):
     def update_actor_and_critics(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec,
                                  critics: dict[str, LossFn]) -> dict[str, float]:
         """The actor's and critics' updates as one fused pipeline (RLHFuse's intra-stage fusion,
-        engines.training.megatron.pipeline_fusion): the same updates as update_actor and each update_critic, with the models'
-        pipelines filling each other's bubbles. `critics`: critic group name -> its loss; each group is on this
+        engines.training.megatron.pipeline_fusion): the same updates as update_actor and each update_critic, with the
+        models' pipelines filling each other's bubbles. `critics`: critic group name -> its loss; each group is on this
         group's slots with the same layout (stages running either way). Metrics come back as "actor/..." and
         "<critic group>/...". A critic's failure here is reported as this call's (on the actor's group)."""
         from engines.training.megatron.pipeline_fusion import fused_update

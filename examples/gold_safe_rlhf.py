@@ -48,7 +48,7 @@ The stages, each a progress bar, each on the project's own programs and a 2-slot
    while the reward rose +6.85 s.e.; from 1.5 the cost fell far below and the reward fell; from 1.0 the cost ended
    below and the reward rose +2.72 s.e. with 8 evaluation answers per prompt, +3.91 with 16; every run measured
    lies on one line of gold reward change against gold cost change, and λ sets where on it a run ends; the gold
-   scorers themselves as rewards end near it too: README).
+   scorers themselves as rewards end near it too: docs/results.md).
    The run is driven in-process (`algorithms.loop.Runner` with an evaluation hook) so that its
    evaluations also decode the held-out answers and score them with the gold scorers: before the first step, every
    `eval_every` steps and after the last. Evaluation samples (temperature 1, the distribution the constraint is
@@ -133,7 +133,7 @@ class Settings:
     """Each model trains on as many pairs where the other gold score agrees with its label as where it disagrees
     (`write_pairs`). Off: measured (seed 0, with rm_lr=3e-4), the pair accuracies rose (reward 0.64 → 0.72, cost
     0.69 → 0.71) but the RL ended at gold reward 0.238 → 0.135 (−3.84 s.e.) for cost 0.180 → 0.167, below the
-    line of the unbalanced runs (README)."""
+    line of the unbalanced runs (docs/results.md)."""
 
     @staticmethod
     def full() -> "Settings":

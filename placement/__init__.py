@@ -1,4 +1,4 @@
-"""Resource pools, placement plans and HybridFlow's auto device mapping (DESIGN.md §5; HybridFlow §4.1, §6).
+"""Resource pools, placement plans and HybridFlow's auto device mapping (docs/design.md §5; HybridFlow §4.1, §6).
 
 Pure Python: nothing here imports torch, Dask or the rest of flowactors, so plans can be searched and checked on
 any machine. See docs/placement.md for how to read a plan.

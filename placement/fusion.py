@@ -21,7 +21,8 @@ Intra-stage fusion (RLHFuse §5). Actor and critic training are each a 1F1B pipe
 opposite directions, each filling the other's bubbles). Without a planner this module estimates that as one
 pipeline over m_actor + m_critic micro-batches (the bubble paid once, on the combined work); given
 `fused_pipeline`, the length of the schedule that planner makes (the benchmark passes
-engines.training.megatron.pipeline_fusion.plan_pipelines', which the fused training runs, and which plans shorter than that).
+engines.training.megatron.pipeline_fusion.plan_pipelines', which the fused training runs, and which plans shorter than
+that).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Decisions:
   the GGUF model. `ModelConfig(dtype="bfloat16")` casts at load time.
 - **Pad token = eos token (`<|im_end|>`, id 2).** SmolLM2's GGUF metadata sets it so; we keep it and check it
   (engines.models.tokenizer requires a pad token). That is safe here: prompts are left-padded under an attention mask,
-  and `engines.rollout.stream.assemble_samples` masks a response after its first EOS, so a pad that equals EOS is never trained on.
+  and `engines.rollout.stream.assemble_samples` masks a response after its first EOS, so a pad that equals EOS is never
+  trained on.
 - **Atomic, versioned cache.** The folder is written under a temporary name next to the target and renamed into
   place; `flowactors_source.json`, written last, records which GGUF file (name, size) it came from, so a folder
   from another package version, or an interrupted write, is rebuilt rather than trusted.

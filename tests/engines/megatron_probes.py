@@ -2,8 +2,8 @@
 the same engine under a name the algorithms take: `model.engine=tests.engines.megatron_probes:megatron_cpu` (the
 registry imports this module on the workers, whose factory applies the shim, then builds the real engine).
 
-The classes apply the test-only CUDA shim (tests/engines/megatron_shim.py) in the worker process before building the role,
-which is the only difference from the product's roles. `TorchCritic` is the torch-engine reference for a megatron
+The classes apply the test-only CUDA shim (tests/engines/megatron_shim.py) in the worker process before building the
+role, which is the only difference from the product's roles. `TorchCritic` is the torch-engine reference for a megatron
 critic, with an endpoint to read its weights."""
 
 from __future__ import annotations

@@ -120,7 +120,8 @@ def test_megatron_critic_and_reward_model_match_torch(fresh_controller, layout):
 def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_controller):
     """Three megatron models in the same two worker processes, each on its own process groups (megatron's global
     parallel state is never used): an actor with pp=2 over both slots, a critic with tp=2 over both, and a reward
-    model and another critic on the second slot alone. Each equals the torch engine's role on one slot, and the actor and critic
+    model and another critic on the second slot alone. Each equals the torch engine's role on one slot, and the actor
+    and critic
     still do after one update each, interleaved on the same processes."""
     ctl = fresh_controller
     tok = build_tokenizer(ModelConfig(**CFG))

@@ -1,4 +1,5 @@
-"""Intra-stage fusion (engines.training.megatron.pipeline_fusion): the planner, and a fused actor + critic step on megatron.
+"""Intra-stage fusion (engines.training.megatron.pipeline_fusion): the planner, and a fused actor + critic step on
+megatron.
 
 The planner is checked against 1F1B's known shape (one model: megatron's order, bubble (p-1)/(m+p-1) of the
 slots) and against what fusion must give (each model's steps in dependency order, no more activations held than

@@ -27,7 +27,7 @@ def test_missing_packages_name_the_install_command(monkeypatch, tmp_path):
     """Fast, and runs without the packages: the errors a user without them sees."""
     import sys
 
-    from engines import pretrained
+    from engines.models import pretrained
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -47,7 +47,8 @@ def test_missing_packages_name_the_install_command(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """A fresh conversion into a private cache (so the test measures it), then the model through engines.models.config."""
+    """A fresh conversion into a private cache (so the test measures it), then the model through
+    engines.models.config."""
     from engines.models.pretrained import smollm2_dir
 
     cache = tmp_path_factory.mktemp("cache")

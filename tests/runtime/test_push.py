@@ -67,7 +67,7 @@ def test_the_watchdog_reports_its_whole_timeout(ctl, group):
     with pytest.raises(fa.HangError) as info:
         group.sleep(3.0).result(timeout=0.5)
     assert info.value.timeout_s == 0.5 and "running pushed.sleep" in info.value.report
-    assert group.all_reduce(1.0).result() == [3.0, 3.0]  # the group works once the sleep is over  # the group works once the sleep is over
+    assert group.all_reduce(1.0).result() == [3.0, 3.0]  # the group works once the sleep is over
 
 
 def test_outputs_are_dropped_with_their_call(ctl, group):

@@ -1,20 +1,21 @@
 """The megatron-core training engine: the GPU production path for TP / PP / DP (docs/design.md §4).
 
-`MegatronEngine` implements engines.interfaces.TrainingEngine, as the torch-native `engines.training.torch_native.TrainEngine`
-does, so a role holds either; `ModelConfig(engine="megatron")` chooses it (engines.registry). Its checkpoints hold the weights and
-the distributed optimizer's state in model space, so they load under any (p, t, d) (see `checkpoint_state`). Inside, everything is megatron-core's own
-machinery: a `GPTModel` (local layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the transformers config,
-explicit process groups for the TP × DP × PP rank grid (engines.training.megatron.groups: the group's own mesh, in
-megatron's order, tp fastest, then dp, then pp; megatron's process-global `parallel_state` is never initialised, so
-models on different slots or with different layouts live side by side), its `DistributedDataParallel` with the distributed optimizer, and the pipeline schedules of
+`MegatronEngine` implements engines.interfaces.TrainingEngine, as the torch-native
+`engines.training.torch_native.TrainEngine` does, so a role holds either; `ModelConfig(engine="megatron")` chooses it
+(engines.registry). Its checkpoints hold the weights and the distributed optimizer's state in model space, so they load
+under any (p, t, d) (see `checkpoint_state`). Inside, everything is megatron-core's own machinery: a `GPTModel` (local
+layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the transformers config, explicit process groups for the TP × DP ×
+PP rank grid (engines.training.megatron.groups: the group's own mesh, in megatron's order, tp fastest, then dp, then pp;
+megatron's process-global `parallel_state` is never initialised, so models on different slots or with different layouts
+live side by side), its `DistributedDataParallel` with the distributed optimizer, and the pipeline schedules of
 `get_forward_backward_func` (1F1B when pp > 1). A model whose stages run down its ranks (the critic of a fused
-actor/critic pipeline, engines.training.megatron.pipeline_fusion) runs its forwards and updates through that module's runner, on
-the same forward / backward steps. Weights come in and go out in Hugging Face format through
+actor/critic pipeline, engines.training.megatron.pipeline_fusion) runs its forwards and updates through that module's
+runner, on the same forward / backward steps. Weights come in and go out in Hugging Face format through
 `engines.training.megatron.convert`.
 
 Version. megatron-core is pinned to 0.16.1, the last release that installs on Python 3.11 (0.17 and later need
-Python >= 3.12). It is imported lazily: `import engines.training.megatron.engine` works without it; only building an engine
-needs it.
+Python >= 3.12). It is imported lazily: `import engines.training.megatron.engine` works without it; only building an
+engine needs it.
 
 Loss aggregation matches TrainEngine: token-mean over the whole mini-batch across data-parallel ranks. We use
 megatron's own per-token mode (`calculate_per_token_loss`): each micro-batch returns its summed weighted token
@@ -67,7 +68,8 @@ import torch.nn.functional as F
 
 from engines.hybrid.shards import ModelGeometry
 from engines.training.megatron.groups import MegatronGroups, world_groups
-from engines.training.megatron.convert import HEADS, check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
+from engines.training.megatron.convert import (HEADS, check_megatron_fits, hf_to_megatron, megatron_geometry,
+                                               megatron_to_hf)
 from engines.ops import response_logits
 from engines.training.common import LossFn, OptimConfig, token_mean
 from flowactors import Batch

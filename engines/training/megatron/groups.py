@@ -59,7 +59,8 @@ class MegatronGroups:
     tp_rank: int
     pp_ranks: tuple[int, ...]
     """Global ranks of this rank's pipeline, in stage order: ascending, or descending for a model whose stages run
-    the other way over its slots (engines.training.megatron.pipeline_fusion). torch orders a process group's ranks by global rank,
+    the other way over its slots (engines.training.megatron.pipeline_fusion). torch orders a process group's ranks by
+    global rank,
     so megatron's own schedules and P2P, which read stages off the PP group, serve only ascending pipelines."""
 
     def __post_init__(self) -> None:
@@ -100,8 +101,8 @@ def megatron_groups(mesh: Any, subgroups: Mapping[tuple[int, ...], Any]) -> Mega
             return subgroups[ranks]
         except KeyError:
             raise RuntimeError(f"the megatron subgroup {ranks} was not created with this group; the role's "
-                               f"process_groups must return engines.training.megatron.groups.megatron_subgroups(pp, dp, tp)"
-                               ) from None
+                               "process_groups must return "
+                               "engines.training.megatron.groups.megatron_subgroups(pp, dp, tp)") from None
 
     whole = mesh.mesh.flatten().tolist()
     tp_g, dp_g, pp_g = mesh.get_group("tp"), mesh.get_group("dp"), mesh.get_group("pp")
