@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class Roles:
     """Value model of the cost (Safe-RLHF)."""
     cost: fa.ActorGroup | None = None
     """Scores each response's cost (Safe-RLHF)."""
+    rollout: fa.ActorGroup | None = None
+    """The actor's rollout replicas, on slots of their own (asynchronous RL: algorithms.asynchronous); they hold a
+    copy of a recent policy, so checkpoints leave them out."""
     fused_critics: tuple[str, ...] = ()
     """The critics that train in the actor's fused pipeline (fusion.train; RunPlan.fused_critics)."""
 
@@ -110,6 +114,10 @@ def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptD
     reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.zero_stage)
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)
+    if cfg.async_rl.staleness:  # whole weights on every replica rank, on the torch engine, from the actor's policy
+        optim = dataclasses.replace(actor_optim(cfg), zero_stage=1)
+        built["rollout"] = group("rollout", ActorWorker, dataclasses.replace(cfg.model, engine="torch"), optim,
+                                 sampling(cfg, task), None, run_plan.rollout_engine)
     return Roles(actor=actor, ref=ref, reward=reward, **built,
                  fused_critics=tuple(c for c in run_plan.fused_critics if c in critics))
 

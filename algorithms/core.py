@@ -6,7 +6,9 @@ during `update_*`. Conventions: per-token tensors are (B, R) over the response, 
 sequence scores (rewards, costs) are (B,). References: PPO for RLHF (Ouyang et al. 2022; Ziegler et al. 2019 for
 the adaptive KL controller), GAE (Schulman et al. 2016), dual-clip PPO (Ye et al. 2020), ReMax (Li et al.
 2023), GRPO (Shao et al. 2024), Safe-RLHF / PPO-Lagrangian (Dai et al. 2023), KL estimators k1/k2/k3
-(Schulman, "Approximating KL divergence", 2020).
+(Schulman, "Approximating KL divergence", 2020); for stale samples (asynchronous RL) decoupled PPO (Hilton et al.
+2022, "Batch size-invariance for policy optimization"; AReaL, Fu et al. 2025) with a truncated importance weight
+(Espeholt et al. 2018's truncation; verl's and NeMo-RL's TIS).
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from engines.fields import (ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, REWARD_VALUES,
-                            ValueFields)
+                            ROLLOUT_LOG_PROBS, ValueFields)
 from flowactors import Batch
 
 __all__ = [
     "masked_mean", "masked_whiten", "kl_penalty", "token_rewards", "gae", "grpo_advantages",
-    "remax_advantages", "policy_loss", "value_loss", "PolicyLoss", "ValueLoss", "SFTLoss", "FixedKL",
-    "AdaptiveKL", "LagrangeMultiplier", "PairwiseLoss", "SafetyCostLoss",
+    "remax_advantages", "policy_loss", "truncated_importance_weight", "value_loss", "PolicyLoss", "ValueLoss",
+    "SFTLoss", "FixedKL", "AdaptiveKL", "LagrangeMultiplier", "PairwiseLoss", "SafetyCostLoss",
 ]
 
 
@@ -120,6 +122,15 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     return loss, clipped
 
 
+def truncated_importance_weight(proximal: torch.Tensor, behaviour: torch.Tensor, cap: float
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token min(pi_prox / pi_behaviour, cap), detached, and where the cap bit (as 0/1 floats). The ratio is
+    formed in log space and capped there, so a token the behaviour policy found unlikely cannot overflow."""
+    log_ratio = (proximal - behaviour).detach()
+    truncated = (log_ratio > math.log(cap)).float()
+    return torch.exp(log_ratio.clamp(max=math.log(cap))), truncated
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None = 0.2
                ) -> torch.Tensor:
     """Per-token clipped value loss ½·max((v − R)², (clip(v) − R)²)."""
@@ -140,14 +151,29 @@ class PolicyLoss:
     kl_coef: float = 0.0
     """KL-in-loss coefficient (GRPO); 0 when the KL is in the reward (PPO)."""
     kl_estimator: str = "k3"
+    behaviour_old: bool = False
+    """Clip against the behaviour log-probs recorded at generation (ROLLOUT_LOG_PROBS) instead of OLD_LOG_PROBS:
+    stale samples without a proximal pass (async_correction=none)."""
+    tis_cap: float | None = None
+    """Decoupled PPO for stale samples (async_correction=tis): each token's clipped surrogate, taken against the
+    trainer's own pre-update log-probs (OLD_LOG_PROBS, the proximal policy), is weighted by
+    min(exp(old - behaviour), tis_cap), correcting for the older policy that sampled it. None: off."""
 
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mask = mb[RESPONSE_MASK].float()
-        # Without old log-probs the batch is trained on by the policy that sampled it, in one optimizer step
-        # (GRPO's on-policy case): the ratio is exactly 1, so the current log-probs, detached, are the old ones.
-        old = mb[OLD_LOG_PROBS] if OLD_LOG_PROBS in mb else out["log_probs"].detach()
+        if self.behaviour_old:
+            old = mb[ROLLOUT_LOG_PROBS]
+        else:
+            # Without old log-probs the batch is trained on by the policy that sampled it, in one optimizer step
+            # (GRPO's on-policy case): the ratio is exactly 1, so the current log-probs, detached, are the old ones.
+            old = mb[OLD_LOG_PROBS] if OLD_LOG_PROBS in mb else out["log_probs"].detach()
         loss, clipped = policy_loss(out["log_probs"], old, mb[ADVANTAGES], self.clip_ratio, self.dual_clip)
         metrics = {"pg_loss": float(masked_mean(loss.detach(), mask)), "pg_clipfrac": float(masked_mean(clipped, mask))}
+        if self.tis_cap is not None:
+            weight, truncated = truncated_importance_weight(old, mb[ROLLOUT_LOG_PROBS], self.tis_cap)
+            loss = loss * weight
+            metrics["tis_weight_mean"] = float(masked_mean(weight, mask))
+            metrics["tis_truncated_frac"] = float(masked_mean(truncated, mask))
         if self.entropy_coef:
             loss = loss - self.entropy_coef * out["entropy"]
         if self.kl_coef:

@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 import flowactors as fa
+from algorithms.asynchronous import Generated
 from algorithms.config import FusionConfig
 from engines.rollout.stream import ROW_INDEX
 from flowactors import Batch
@@ -143,11 +144,16 @@ class Rollout:
     """The samples and every scorer's results about them; their union is the scored batch."""
 
 
-def rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scorers: Sequence[Scorer],
+def rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch | Generated, scorers: Sequence[Scorer],
             fusion: FusionConfig) -> Rollout:
     """Generate `prompts` on `actor` and score the samples with each of `scorers`: fused as `fusion` says
     (`fused_rollout`, scoring finished chunks while the tail generates) or one call after the other. Same samples
-    and scores either way; every call is issued before this returns."""
+    and scores either way; every call is issued before this returns. Samples generated ahead by rollout replicas
+    (`Generated`, asynchronous RL: algorithms.asynchronous) are only scored."""
+    if isinstance(prompts, Generated):  # the samples last: stages joining the parts run where the first one is
+        samples = prompts.samples  # (the trainer's slots), not behind the replicas' next rollout
+        return Rollout([samples] if isinstance(samples, fa.CallFuture) else [],
+                       (*(score(samples) for score in scorers), samples, prompts.meta()))
     if fusion.enabled:
         fused = fused_rollout(ctl, actor, prompts, scorers, chunk_samples=fusion.chunk_samples,
                               migrate_below=fusion.migrate_below if fusion.migrate else None,

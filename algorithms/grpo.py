@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from algorithms.advantages import grpo_step_advantages
+from algorithms.asynchronous import loss_terms
 from algorithms.config import GRPOConfig
 from algorithms.core import PolicyLoss
 from algorithms.fusion import rollout
@@ -34,16 +35,20 @@ class GRPO(Algorithm):
 
     def __init__(self, cfg: GRPOConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, None, cfg.entropy_coef, kl_coef=cfg.kl_coef, kl_estimator="k3")
+        self.policy_loss = PolicyLoss(cfg.clip_ratio, None, cfg.entropy_coef, kl_coef=cfg.kl_coef, kl_estimator="k3",
+                                      **loss_terms(cfg))
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward
 
     @property
     def on_policy(self) -> bool:
-        """One optimizer step over exactly the step's samples: the old log-probs need no pass of their own."""
+        """One optimizer step over exactly the step's samples: the old log-probs need no pass of their own (with
+        samples from an older policy only where the loss clips against their behaviour log-probs)."""
         cfg = self.cfg
-        return cfg.ppo_epochs == 1 and cfg.mini_batch_samples == cfg.prompts_per_step * cfg.samples_per_prompt
+        fresh = not cfg.async_rl.staleness or cfg.async_rl.correction == "none"
+        return fresh and cfg.ppo_epochs == 1 and \
+            cfg.mini_batch_samples == cfg.prompts_per_step * cfg.samples_per_prompt
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         ctl, actor = self.ctl, self.actor

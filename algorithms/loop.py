@@ -35,6 +35,7 @@ from typing import Any
 import flowactors as fa
 from algorithms.cli import open_controller, parse_args, user_errors
 from algorithms.config import RLConfig, derived_sizes
+from algorithms.asynchronous import RolloutPipeline
 from algorithms.data import PromptData, prompt_data
 from algorithms.fusion import overlap_note
 from algorithms.metrics import MetricsFile, print_summary
@@ -55,6 +56,9 @@ class Algorithm:
     critics: tuple[str, ...] = ()
     """Critic roles to build: "critic" (reward values), "cost_critic"."""
     with_cost = False
+    greedy_baseline = False
+    """The step also needs greedy responses to its prompts (ReMax): with asynchronous rollouts the replicas
+    generate them ahead too (`Generated.greedy`)."""
 
     def __init__(self, cfg: RLConfig) -> None:
         self.cfg = cfg
@@ -118,6 +122,7 @@ class Runner:
         self._stage_mark = 0.0
         self.recoveries = 0
         self.roles: Roles | None = None
+        self.pipeline: RolloutPipeline | None = None
         self.data, self.eval_data = (data, eval_data) if data is not None else prompt_data(self.cfg)
         self.start = 0
         self.tensorboard = None
@@ -150,10 +155,21 @@ class Runner:
                 print(f"[{self.algo.name}] {note}", file=sys.stderr)
         self.algo.stage = self.stage
         self.algo.setup(self.ctl, self.roles, self.data)
+        self.pipeline = None
+        if self.roles.rollout is not None:  # started once the run knows its first step (start_pipeline)
+            self.pipeline = RolloutPipeline(self.ctl, self.roles.actor, self.roles.rollout, self.data, self.cfg,
+                                            greedy_baseline=self.algo.greedy_baseline,
+                                            past_the_end=bool(self.store and self.cfg.save_every))
+
+    def start_pipeline(self, step: int, state: dict | None = None) -> None:
+        """Asynchronous rollouts: fill the pipeline from `step` (with a checkpoint's rollouts in flight)."""
+        if self.pipeline is not None:
+            self.pipeline.start(step, RolloutPipeline.in_flight(state) if state is not None else None)
 
     def model_groups(self) -> dict[str, fa.ActorGroup]:
         assert self.roles is not None
-        return {k: g for k, g in self.roles.groups().items() if "save_checkpoint" in g.endpoints}
+        return {k: g for k, g in self.roles.groups().items()
+                if "save_checkpoint" in g.endpoints and g is not self.roles.rollout}
 
     def save(self, step: int) -> float:
         """Save a checkpoint of every model role and the controller's state; returns the seconds it took."""
@@ -164,9 +180,11 @@ class Runner:
             calls = [g.save_checkpoint(str(pending.role_dir(name))) for name, g in self.model_groups().items()]
             for c in calls:
                 c.result()
-            self.store.commit(pending, {
-                "step": step, "data": self.data.state_dict(), "algorithm": self.algo.state_dict(),
-                "rng": capture_rng(), "config": dataclasses.asdict(self.cfg)})
+            state = {"step": step, "data": self.data.state_dict(), "algorithm": self.algo.state_dict(),
+                     "rng": capture_rng(), "config": dataclasses.asdict(self.cfg)}
+            if self.pipeline is not None:  # the rollouts in flight, whose prompts the data position has passed
+                state["async"] = self.pipeline.state_dict()
+            self.store.commit(pending, state)
         except BaseException:
             self.store.abort(pending)
             raise
@@ -181,6 +199,7 @@ class Runner:
         self.algo.load_state_dict(state["algorithm"])
         restore_rng(state["rng"])
         self.apply_changes()
+        self.start_pipeline(int(state["step"]), state.get("async"))
         print(f"[{self.algo.name}] resumed from {ckpt.path} at step {state['step']}", file=sys.stderr)
         return int(state["step"])
 
@@ -207,6 +226,7 @@ class Runner:
         self.algo.load_state_dict(copy.deepcopy(self.initial["algorithm"]))
         restore_rng(self.initial["rng"])
         self.start = 0
+        self.start_pipeline(0)
 
     def recover(self, error: fa.WorkerLostError) -> None:
         self.recoveries += 1
@@ -246,16 +266,19 @@ class Runner:
         assert self.data is not None
         self.ctl.step = i
         self.stage_t = {}
-        prompts = self.data.next_batch(self.cfg.prompts_per_step, self.cfg.samples_per_prompt)
-        t0 = self._stage_mark = time.perf_counter()
-        if self.cfg.profile_controller:
-            with self.ctl.profile() as profile:
-                metrics = self.algo.step(prompts, i)
-                dt = time.perf_counter() - t0
-            metrics["controller_share"] = profile.controller_share
+        if self.pipeline is not None:
+            prompts = self.pipeline.take(i)  # generated ahead by the rollout replicas
         else:
+            prompts = self.data.next_batch(self.cfg.prompts_per_step, self.cfg.samples_per_prompt)
+        t0 = self._stage_mark = time.perf_counter()
+        with self.ctl.profile() if self.cfg.profile_controller else contextlib.nullcontext() as profile:
             metrics = self.algo.step(prompts, i)
+            if self.pipeline is not None:
+                self.pipeline.after_update(i)  # the next version to the replicas, the next rollout issued
+                metrics.update(self.pipeline.sync_metrics(i))
             dt = time.perf_counter() - t0
+        if profile is not None:
+            metrics["controller_share"] = profile.controller_share
         tokens = metrics.pop("prompt_tokens", 0.0) + metrics.pop("response_tokens", 0.0)
         record = {"step": i, **metrics, **self.stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
         if self.eval_data is not None and self.cfg.eval_every and \
@@ -292,6 +315,8 @@ class Runner:
         self.build(resuming=self.resume_from is not None)  # no warm start when the checkpoint replaces it
         if self.resume_from is not None:
             self.start = self.load(self.resume_from)
+        else:
+            self.start_pipeline(self.start)
         if self.metrics_file is not None:
             self.metrics_file.restart_at(self.start)
         bar = tqdm(total=self.cfg.steps, initial=self.start, desc=self.algo.name, file=sys.stderr,
@@ -318,6 +343,8 @@ class Runner:
             bar.close()
             if self.tensorboard is not None:
                 self.tensorboard.close()
+        if self.pipeline is not None:
+            self.pipeline.drain()
         if self.cfg.export_dir:
             path = self.roles.actor.export_hf(str(Path(self.cfg.export_dir).resolve())).result()
             print(f"[{self.algo.name}] trained policy written to {path} (a Hugging Face folder)", file=sys.stderr)

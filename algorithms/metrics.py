@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from algorithms.core import masked_mean
+from engines.fields import POLICY_VERSIONS, RESPONSE_MASK
 from flowactors import Batch
 
-__all__ = ["summarize", "update_metrics", "AS_REPORTED", "MetricsFile", "print_summary"]
+__all__ = ["summarize", "staleness_metrics", "update_metrics", "AS_REPORTED", "MetricsFile", "print_summary"]
 
 AS_REPORTED = ""
 """The name of an update whose metrics already carry their roles' names (a fused actor-and-critics pipeline's)."""
@@ -51,6 +52,24 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
     for k in extra_keys:
         if k in batch:
             out[k] = float(batch[k].float().mean())
+    if POLICY_VERSIONS in batch and "trainer_version" in batch.meta:  # asynchronous rollouts (Generated.meta)
+        out.update(staleness_metrics(batch, version=batch.meta["trainer_version"],
+                                     max_staleness=batch.meta["max_staleness"]))
+    return out
+
+
+def staleness_metrics(samples: Batch, *, version: int, max_staleness: int) -> dict[str, float]:
+    """How many versions old the step's response tokens are (the trainer is at `version`): mean, max, the
+    fraction at each age 0..max_staleness, and how many tokens are older than that (the rollout schedule makes
+    it 0; a non-zero count is a bug worth seeing)."""
+    mask = samples[RESPONSE_MASK].bool()
+    ages = (version - samples[POLICY_VERSIONS])[mask].float()
+    n = max(int(ages.numel()), 1)
+    out = {"async/staleness_mean": float(ages.mean()) if ages.numel() else 0.0,
+           "async/staleness_max": float(ages.max()) if ages.numel() else 0.0,
+           "async/too_stale": float((ages > max_staleness).sum())}
+    for k in range(max_staleness + 1):
+        out[f"async/staleness_frac_{k}"] = float((ages == k).sum()) / n
     return out
 
 

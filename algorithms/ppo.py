@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from algorithms.advantages import ppo_advantages
+from algorithms.asynchronous import loss_terms
 from algorithms.config import PPOConfig
 from algorithms.core import AdaptiveKL, FixedKL, PolicyLoss, ValueLoss
 from algorithms.fusion import rollout
@@ -41,7 +42,7 @@ class PPO(Algorithm):
         super().__init__(cfg)
         self.kl_ctl = AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl \
             else FixedKL(cfg.kl_coef)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, cfg.dual_clip, cfg.entropy_coef)
+        self.policy_loss = PolicyLoss(cfg.clip_ratio, cfg.dual_clip, cfg.entropy_coef, **loss_terms(cfg))
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref = ctl, roles.actor, roles.ref

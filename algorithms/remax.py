@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from algorithms.advantages import remax_step_advantages
+from algorithms.asynchronous import generate_greedy, loss_terms
 from algorithms.config import ReMaxConfig
 from algorithms.core import PolicyLoss
 from algorithms.fusion import rollout
@@ -17,7 +18,6 @@ from algorithms.loop import Algorithm, run_program
 from algorithms.metrics import summarize, update_metrics
 from algorithms.data import PromptData
 from algorithms.build import Roles
-from engines import GenerationSpec
 from flowactors import Batch, Controller
 
 
@@ -28,10 +28,11 @@ def remax_tiny_cpu() -> ReMaxConfig:
 class ReMax(Algorithm):
     name = "remax"
     key_metrics = ("reward_mean", "baseline_rewards", "kl", "entropy", "response_length_mean")
+    greedy_baseline = True
 
     def __init__(self, cfg: ReMaxConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, None)
+        self.policy_loss = PolicyLoss(cfg.clip_ratio, None, **loss_terms(cfg))
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward
@@ -40,7 +41,7 @@ class ReMax(Algorithm):
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
         scored = rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
                                                self.reward.compute_reward], cfg.fusion)
-        greedy = actor.generate_sequences(prompts, GenerationSpec(greedy=True))  # the baseline, unfused
+        greedy = generate_greedy(actor, prompts)  # the baseline, unfused
         batch = ctl.apply(remax_step_advantages, *scored.parts, greedy_rewards=self.reward.compute_reward(greedy),
                           kl_coef=cfg.kl_coef)
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))

@@ -3,7 +3,8 @@
 A checkpoint holds the resolved config it was saved under. On resume every difference is sorted into one of:
 
 - **the run's environment** (where it runs, what it logs, how often it saves): used as given, not reported;
-- **fixed at the run's start** (seed, task, dataset, the model's architecture, the warm start, λ's start): the
+- **fixed at the run's start** (seed, task, dataset, the model's architecture, the warm start, λ's start, the
+  staleness, which shapes the rollouts a checkpoint holds in flight): the
   checkpoint's state was built from them, and a new value could not take effect, so the resume is refused with
   the list, before the cluster starts;
 - **applied**, and listed: everything else. Most are read afresh every step (batch sizes, clip ranges, steps).
@@ -27,7 +28,7 @@ _ENVIRONMENT = ("resume", "checkpoint_dir", "address", "cluster", "slurm.", "das
                 "tensorboard_dir", "log_format", "log_level", "call_timeout_s", "profile_controller",
                 "recovery_wait_s", "max_recoveries", "keep_last", "save_every")
 _FIXED_AT_START = ("seed", "task", "dataset_prompts", "train_files", "model.", "sft_steps", "sft_samples_per_step",
-                   "sft_lr", "lambda_init")
+                   "sft_lr", "lambda_init", "async_rl.staleness")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,9 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
 def setting_changes(saved_config: dict, cfg: RLConfig) -> list[Change]:
     """The settings (not of the run's environment) whose value differs from the checkpoint's config."""
     saved, now = _flat(saved_config), _flat(dataclasses.asdict(cfg))
+    # a setting newer than the checkpoint ran as its default there (the section did not exist yet)
+    defaults = _flat(dataclasses.asdict(type(cfg)()))
+    saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
     keys = [k for k in now if not _matches(k, _ENVIRONMENT)]
     return [Change(k, saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]]
 

@@ -5,8 +5,9 @@
   folder, output paths), so a mistake fails in a second, not after workers have started. It returns the run's
   `RunPlan` (`resolve`): the placement plan parsed once, the actor's generation sizes and engine, the fused critics.
 - `place`: colocated (every model on every slot, time-shared), split (actor + reference on one half of the slots,
-  critics + reward + cost on the other, running concurrently), fused (the first slots finish migrated tails), or
-  a placement plan with (p, t, d) per model.
+  critics + reward + cost on the other, running concurrently; with asynchronous RL the rollout replicas on the
+  last slots and every other model on the rest), fused (the first slots finish migrated tails), or a placement
+  plan with (p, t, d) per model.
 """
 
 from __future__ import annotations
@@ -188,6 +189,9 @@ def _planned_dp(cfg: RLConfig, plan) -> dict[str, int]:  # noqa: ANN001 - placem
         return {m.role: m.train[2] for m in plan.models}
     if cfg.address is not None or cfg.cluster != "local":
         return {}  # known once the cluster's slots are (place() checks then)
+    if cfg.placement == "split" and cfg.async_rl.staleness:
+        rollout = cfg.async_rl.rollout_slots or cfg.n_slots // 2
+        return {"actor": cfg.n_slots - rollout, "rollout": rollout}
     if cfg.placement == "split":
         half = cfg.n_slots // 2
         return {"actor": half, "critic": cfg.n_slots - half}
@@ -243,6 +247,19 @@ def resolve(cfg: RLConfig) -> RunPlan:
 
 # -- placement ------------------------------------------------------------------------------------------------------
 
+def _async_split(cfg: RLConfig, slots: list[str]) -> dict[str, tuple[list[str], Layout]]:
+    """Asynchronous RL's split: the rollout replicas on the last `async_rl.rollout_slots` slots (0: half), the
+    actor, reference, critics and scorers together on the others."""
+    n = cfg.async_rl.rollout_slots or len(slots) // 2
+    if not 0 < n < len(slots):
+        raise fa.PlacementError(f"async_staleness={cfg.async_rl.staleness} puts the rollout replicas on "
+                                f"async_rollout_slots={n} of the cluster's {len(slots)} slots and training on the "
+                                f"others; give the cluster at least 2 slots and async_rollout_slots < {len(slots)}")
+    train, rollout = slots[:len(slots) - n], slots[len(slots) - n:]
+    t = (train, Layout(dp=len(train)))
+    return {"actor": t, "ref": t, **{r: t for r in _SCORERS}, "rollout": (rollout, Layout(dp=len(rollout)))}
+
+
 def place(ctl: Controller, cfg: RLConfig, run_plan: RunPlan | None = None) -> Pools:
     """Colocated, split, or a placement plan (which also fixes each model's parallel sizes); each role's batch
     sizes are checked against its data-parallel size. `run_plan`: `resolve(cfg)`, resolved here if not given."""
@@ -267,6 +284,8 @@ def place(ctl: Controller, cfg: RLConfig, run_plan: RunPlan | None = None) -> Po
             addresses, layout = out["critic"]
             out["critic"] = (reverse_stages(addresses, layout), layout)
         result = Pools(out)
+    elif cfg.async_rl.staleness:  # the rollout replicas on the last slots, everything that trains on the others
+        result = Pools(_async_split(cfg, list(slots)))
     else:
         actor_side = scorer_side = list(slots)
         if cfg.placement == "split":

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from algorithms.advantages import safe_rlhf_advantages
+from algorithms.asynchronous import loss_terms
 from algorithms.config import SafeRLHFConfig
 from algorithms.core import LagrangeMultiplier, PolicyLoss, SFTLoss, ValueLoss
 from algorithms.fusion import rollout
@@ -64,7 +65,7 @@ class SafeRLHF(Algorithm):
     def __init__(self, cfg: SafeRLHFConfig) -> None:
         super().__init__(cfg)
         self.lagrange = LagrangeMultiplier(cfg.cost_threshold, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, cfg.dual_clip, cfg.entropy_coef)
+        self.policy_loss = PolicyLoss(cfg.clip_ratio, cfg.dual_clip, cfg.entropy_coef, **loss_terms(cfg))
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.data = ctl, data

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["OLD_LOG_PROBS", "ENTROPY", "REF_LOG_PROBS", "REWARDS", "COSTS", "ADVANTAGES", "RESPONSE_MASK",
-           "ValueFields", "REWARD_VALUES", "COST_VALUES", "CRITIC_FIELDS"]
+           "ROLLOUT_LOG_PROBS", "POLICY_VERSIONS", "ValueFields", "REWARD_VALUES", "COST_VALUES", "CRITIC_FIELDS"]
 
 OLD_LOG_PROBS = "old_log_probs"
 """The actor's log-probs of the sampled tokens before the update (compute_log_prob)."""
@@ -26,6 +26,12 @@ ADVANTAGES = "advantages"
 """Per-token advantages (the advantage stage), read by the policy loss."""
 RESPONSE_MASK = "response_mask"
 """1 over each response's own tokens (up to and including EOS)."""
+ROLLOUT_LOG_PROBS = "rollout_log_probs"
+"""The behaviour policy's log-probs of the sampled tokens, recorded by the generation engine as it sampled (0
+past each response's end)."""
+POLICY_VERSIONS = "policy_versions"
+"""(B, R) int64: the policy version (updates applied) that sampled each response token; written by rollout
+replicas (ActorWorker.load_policy, asynchronous RL), absent where the actor samples its own current weights."""
 
 
 @dataclass(frozen=True)

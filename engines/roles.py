@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from engines.rollout.stream import GenerationStream, is_tail, SamplingConfig, share_tails
-from engines.fields import COSTS, ENTROPY, OLD_LOG_PROBS, REF_LOG_PROBS, REWARD_VALUES, REWARDS
+from engines.fields import (COSTS, ENTROPY, OLD_LOG_PROBS, POLICY_VERSIONS, REF_LOG_PROBS, RESPONSE_MASK,
+                            REWARD_VALUES, REWARDS)
 from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
 from engines.models.config import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
 from engines.protocols import MINIBATCH
@@ -266,7 +267,46 @@ class ActorWorker(ModelWorker):
     @endpoint(protocol=MESH)
     def generate_sequences(self, prompts: Batch, spec: GenerationSpec | None = None) -> Batch:
         """Sample one response per prompt row; `spec`: greedy or sampled, and the base seed for rows without a
-        `seed` column (None: GenerationSpec())."""
+        `seed` column (None: GenerationSpec()). A rollout replica (one that `load_policy` fed) also records the
+        policy version of every response token (POLICY_VERSIONS)."""
+        out = self._generate(prompts, spec)
+        if self.policy_version is None:
+            return out
+        versions = torch.full_like(out[RESPONSE_MASK], self.policy_version, dtype=torch.int64)
+        return Batch({**out.tensors, POLICY_VERSIONS: versions}, out.rows, out.meta)
+
+    policy_version: int | None = None
+    """The trainer's policy version this replica's weights are (load_policy); None on the trainer itself."""
+
+    @endpoint(protocol=RANK_ZERO)
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The whole policy (Hugging Face names, unsharded, on CPU) for rollout replicas: every rank takes part in
+        the gather, rank 0's copy is the call's result, so it travels from that worker to the replicas."""
+        self._end_receiving()
+        state = self.engine.full_state_dict()
+        return state if self.rank == 0 else {}
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def load_policy(self, weights: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Become a rollout replica of the trainer's policy `version` (asynchronous RL): load `weights`
+        (`policy_weights` of the trainer, any layout) into this rank's whole copy; the generation engine takes
+        them at the next generate. Returns the bytes received and the seconds it took."""
+        import time
+
+        t0 = time.perf_counter()
+        if self.hybrid is not None:
+            raise ValueError("a rollout replica generates from its own weights: build it without rollout_tp")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # whole tensors in, this rank's layout out (plain, replicated or sharded parameters alike); every rank
+        # of the replica group calls this, so a layout that distributes tensors may use collectives
+        set_model_state_dict(self.engine.model, weights, options=StateDictOptions(full_state_dict=True))
+        self.weights_version += 1
+        self.policy_version = int(version)
+        return {"bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+                "seconds": time.perf_counter() - t0}
+
+    def _generate(self, prompts: Batch, spec: GenerationSpec | None) -> Batch:
         self._end_receiving()
         spec = _generation_spec(spec)
         greedy, seed = spec.greedy, spec.seed

@@ -47,6 +47,7 @@ FAST_MODULES = frozenset({
     "tests/fusion/test_stream.py",
     "tests/hybrid/test_layout.py",
     "tests/hybrid/test_shards.py",
+    "tests/placement/test_asynchronous.py",
     "tests/placement/test_automap.py",
     "tests/placement/test_fusion_estimate.py",
     "tests/placement/test_models.py",

@@ -149,3 +149,38 @@ def test_whiten_rewards_divides_the_scores_by_their_batch_std_without_shifting()
         large = _scored_batch(0.5, 0.2)
         torch.testing.assert_close(fn(large, whiten_rewards=True, **kw, **extra)["advantages"], out["advantages"])
         assert not torch.allclose(fn(large, **kw, **extra)["advantages"], fn(small, **kw, **extra)["advantages"])
+
+
+def test_off_policy_corrections_of_the_policy_loss():
+    """Stale samples (asynchronous RL): `tis` weights each token's surrogate, clipped against the proximal
+    log-probs, by min(pi_prox / pi_behaviour, cap); `behaviour_old` clips against the behaviour log-probs."""
+    from algorithms.metrics import staleness_metrics
+    from algorithms.core import policy_loss, truncated_importance_weight
+
+    new = torch.tensor([[-1.0, -0.5, -2.0]], requires_grad=True)
+    prox = torch.tensor([[-1.1, -0.7, -2.0]])
+    behaviour = torch.tensor([[-1.0, -2.0, -1.0]])  # token 1: ratio e^1.3 > 2 is truncated; token 2: e^-1
+    adv = torch.tensor([[1.0, -1.0, 0.5]])
+    mb = Batch({"response_mask": torch.ones(1, 3), "old_log_probs": prox, "rollout_log_probs": behaviour,
+                "advantages": adv})
+    weight, truncated = truncated_importance_weight(prox, behaviour, 2.0)
+    assert weight.tolist()[0] == pytest.approx([math.exp(-0.1), 2.0, math.exp(-1.0)])
+    assert truncated.tolist() == [[0.0, 1.0, 0.0]]
+    out = {"log_probs": new, "entropy": torch.zeros(1, 3)}
+    loss, _, m = PolicyLoss(0.2, None, tis_cap=2.0)(out, mb)
+    plain, _ = policy_loss(new, prox, adv, 0.2, None)
+    assert torch.allclose(loss, plain * weight)
+    assert m["tis_weight_mean"] == pytest.approx(float(weight.mean()))
+    assert m["tis_truncated_frac"] == pytest.approx(1 / 3)
+    loss_b, _, _ = PolicyLoss(0.2, None, behaviour_old=True)(out, mb)
+    assert torch.allclose(loss_b, policy_loss(new, behaviour, adv, 0.2, None)[0])
+    # the synchronous loss is untouched by the new fields
+    assert torch.equal(PolicyLoss(0.2, None)(out, mb)[0], plain)
+
+    versions = torch.tensor([[3, 3, 0], [1, 1, 1]])  # row 0's last token is padding
+    samples = Batch({"response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]]), "policy_versions": versions})
+    hist = staleness_metrics(samples, version=3, max_staleness=2)
+    assert (hist["async/staleness_frac_0"], hist["async/staleness_frac_2"]) == pytest.approx((0.4, 0.6))
+    assert hist["async/staleness_mean"] == pytest.approx(1.2)
+    assert (hist["async/staleness_max"], hist["async/too_stale"]) == (2.0, 0.0)
+    assert staleness_metrics(samples, version=4, max_staleness=2)["async/too_stale"] == 3.0

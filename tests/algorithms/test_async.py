@@ -1,0 +1,165 @@
+"""Asynchronous RL (algorithms/asynchronous.py) on real clusters: the schedule, the weight sync, exactly-once
+resume and recovery with rollouts in flight, learning under staleness; and the settings it refuses before start."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from algorithms.grpo import main as grpo
+from algorithms.ppo import main as ppo
+from tests.algorithms.kill import worker_killed_when
+
+SPLIT = ["dashboard=none", "--placement", "split"]
+# 64 prompts, 32 per step: an epoch ends every 2 steps
+COMMON = [*SPLIT, "sft_steps=10", "dataset_prompts=64", "prompts_per_step=32", "mini_batch_samples=16",
+          "async_staleness=1"]
+KEYS = ("reward_mean", "kl", "entropy", "response_length_mean", "actor/pg_loss", "actor/tis_weight_mean",
+        "critic/vf_loss", "async/staleness_mean", "async/sync_bytes")
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def same(a, b):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        for k in KEYS:
+            assert x[k] == y[k], (x["step"], k, x[k], y[k])
+
+
+# -- refused before the cluster starts ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["async_staleness=-1"], r"async_staleness is how many policy versions rollouts may run ahead, >= 0"),
+    (["partial_rollout=true"], r"partial_rollout interrupts rollouts that run ahead of training; set "
+                               r"async_staleness >= 1"),
+    (["async_staleness=1", "partial_rollout=true", "--placement", "split"], r"partial_rollout is not built yet"),
+    (["async_staleness=1"], r"async_staleness=1 runs the rollouts on slots of their own .* add --placement split"),
+    (["async_staleness=1", "--placement", "split", "n_slots=1"], r"placement=split needs n_slots >= 2"),
+    (["async_staleness=1", "--placement", "split", "async_rollout_slots=2"],
+     r"needs slots for the rollout replicas and slots for training: n_slots=2 with async_rollout_slots=2"),
+    (["async_staleness=2", "--placement", "split", "fuse=true"], r"async_staleness=2 with fuse=true is not built"),
+    (["async_correction=ratio"], r"async_correction must be tis or none, got 'ratio'"),
+    (["async_tis_cap=0.5"], r"async_tis_cap truncates an importance weight and must be >= 1, got 0.5"),
+])
+def test_bad_asynchronous_settings_are_one_line_before_the_cluster_starts(capsys, no_cluster, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        grpo(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert "Traceback" not in err and len(lines) == 2, err
+    assert lines[0].startswith("grpo: error: ") and re.search(message, lines[0]), lines[0]
+
+
+def test_the_staleness_is_fixed_at_a_run_s_start_and_older_checkpoints_resume_unchanged():
+    from algorithms.config import GRPOConfig, apply_overrides
+    from algorithms.resume import check_resumable, setting_changes
+    from algorithms.config import ConfigError
+    import dataclasses
+
+    saved = dataclasses.asdict(GRPOConfig())
+    del saved["async_rl"]  # a checkpoint from before the section existed ran synchronously
+    assert setting_changes(saved, GRPOConfig()) == []
+    cfg = apply_overrides(GRPOConfig(), ["async_staleness=1", "placement=split"])
+    with pytest.raises(ConfigError, match=r"async_rl.staleness None -> 1|async_rl.staleness 0 -> 1"):
+        check_resumable(saved, cfg)
+
+
+# -- on a cluster ---------------------------------------------------------------------------------------------------
+
+def test_rollouts_run_k_versions_ahead_on_the_weights_the_trainer_sent(tmp_path):
+    """K = 2: step j trains on samples of version max(0, j - 2), every token records it; the first step's samples
+    come from the warm-started policy the trainer sent, so they equal the synchronous run's (same seeds)."""
+    common = [*SPLIT, "--steps", "5", "sft_steps=20", "prompts_per_step=16", "mini_batch_samples=16"]
+    grpo([*common, "async_staleness=2", "--metrics-file", str(tmp_path / "a.jsonl")])
+    grpo([*common, "--metrics-file", str(tmp_path / "s.jsonl")])
+    a, s = _lines(tmp_path / "a.jsonl"), _lines(tmp_path / "s.jsonl")
+    assert [r["async/staleness_mean"] for r in a] == [0, 1, 2, 2, 2]
+    assert [r["async/staleness_frac_2"] for r in a] == [0, 0, 1, 1, 1]
+    assert all(r["async/too_stale"] == 0 for r in a)
+    params = 322304  # the tiny default's float32 bytes (hidden 64, 2 layers, tied embeddings)
+    assert all(r["async/sync_bytes"] == params for r in a), [r["async/sync_bytes"] for r in a]
+    for k in ("reward_mean", "response_length_mean"):
+        assert a[0][k] == s[0][k], k  # version 0 is the warm start, sampled with the same seeds
+    assert a[0]["actor/tis_weight_mean"] == pytest.approx(1.0, abs=1e-5)  # behaviour == proximal at version 0
+    assert a[3]["actor/tis_weight_mean"] != pytest.approx(1.0, abs=1e-7)  # stale: a real correction
+    assert "sync_bytes" not in json.dumps(s[0])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref")
+    return ppo(["--steps", "4", *COMMON, "--checkpoint-dir", str(d), "--save-every", "1"])
+
+
+def test_resume_with_rollouts_in_flight_reproduces_an_uninterrupted_run(tmp_path, reference):
+    """The step-2 checkpoint holds step 2's and step 3's rollouts (generated by versions 1 and 2): the resumed run
+    trains each exactly once, at its step, and ends with the uninterrupted run's metrics."""
+    ck = tmp_path / "ck"
+    ppo(["--steps", "2", *COMMON, "--checkpoint-dir", str(ck), "--save-every", "1"])
+    from flowactors.checkpoint import CheckpointStore
+
+    state = CheckpointStore(str(ck)).latest_complete().controller_state()
+    # a run that checkpoints keeps its pipeline full past its last step, so a longer resumed run goes on exactly
+    assert [(g["step"], g["version"]) for g in state["async"]["in_flight"]] == [(2, 1), (3, 2)]
+    resumed = ppo(["--steps", "4", *COMMON, "--checkpoint-dir", str(ck), "--save-every", "1", "--resume", "auto",
+                   "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert [r["step"] for r in resumed] == [2, 3]
+    same(reference[2:], resumed)
+
+
+def test_a_checkpoint_mid_run_holds_the_rollouts_in_flight(tmp_path, reference):
+    ck = tmp_path / "ck"
+    history = ppo(["--steps", "4", *COMMON, "--checkpoint-dir", str(ck), "--save-every", "2"])
+    same(reference, history)
+    from flowactors.checkpoint import CheckpointStore
+
+    store = CheckpointStore(str(ck))
+    mid = store.load(ck / "step_000002").controller_state()
+    assert [(g["step"], g["version"]) for g in mid["async"]["in_flight"]] == [(2, 1), (3, 2)]
+    assert mid["data"]["index"] == 0 and mid["data"]["epoch"] == 2  # four batches of 32 drawn from 64 prompts
+    resumed = ppo(["--steps", "4", *COMMON, "--checkpoint-dir", str(ck), "--resume", str(ck / "step_000002")])
+    same(reference[2:], resumed)
+
+
+def test_a_worker_killed_with_rollouts_in_flight_recovers_to_the_uninterrupted_metrics(tmp_path, reference,
+                                                                                        capsys):
+    ck = tmp_path / "ck"
+    with worker_killed_when(lambda: (ck / "step_000002").exists()) as (address, victim, killed):
+        history = ppo(["--steps", "4", *COMMON, "--address", address, "--checkpoint-dir", str(ck), "--save-every",
+                       "2", "recovery_wait_s=60"])
+    err = capsys.readouterr().err
+    assert killed.is_set(), "the run ended before the worker was killed: the test proved nothing"
+    assert f"worker {victim} died" in err and re.search(r"recovering \(1/\d+\)", err), err[-3000:]
+    same(reference, history)
+
+
+@pytest.mark.parametrize("algo, staleness", [("grpo", 1), ("grpo", 2), ("ppo", 1), ("ppo", 2), ("remax", 1),
+                                             ("remax", 2)])
+def test_each_algorithm_learns_its_task_under_staleness(tmp_path, algo, staleness):
+    import importlib
+
+    main = importlib.import_module(f"algorithms.{algo}").main
+    main([*SPLIT, "--steps", "40", f"async_staleness={staleness}", "--metrics-file", str(tmp_path / "m.jsonl")])
+    h = _lines(tmp_path / "m.jsonl")
+    first, last = (sum(r["reward_mean"] for r in w) / len(w) for w in (h[:10], h[-10:]))
+    assert last > first + 0.05, (first, last)
+    assert h[-1]["async/staleness_mean"] == staleness
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_safe_rlhf_keeps_its_constraint_under_staleness(tmp_path, staleness):
+    from algorithms.safe_rlhf import main
+
+    main([*SPLIT, f"async_staleness={staleness}", "--metrics-file", str(tmp_path / "m.jsonl")])
+    h = _lines(tmp_path / "m.jsonl")
+    mean = lambda key, w: sum(r[key] for r in w) / len(w)  # noqa: E731
+    assert mean("cost_mean", h[:10]) > 0.3                  # the warm start violates the constraint
+    assert mean("cost_mean", h[-20:]) <= 0.3                # ... and the policy ends at or below the threshold
+    assert mean("reward_mean", h[-20:]) > mean("reward_mean", h[:20]) + 0.05
+    assert h[-1]["async/staleness_mean"] == staleness
