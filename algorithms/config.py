@@ -75,8 +75,13 @@ class RunConfig:
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
         if self.call_timeout_s is not None and not self.call_timeout_s > 0:
             raise ConfigError(f"call_timeout_s must be > 0 seconds (or none: no watchdog), got {self.call_timeout_s}")
-        if self.dashboard in ("none", "None", ""):
+        if self.dashboard is not None and self.dashboard.lower() in ("none", "", "false", "off", "no"):
             self.dashboard = None
+        if self.dashboard is not None:
+            _, colon, port = self.dashboard.rpartition(":")
+            if not colon or not port.isdigit():
+                raise ConfigError(f"dashboard={self.dashboard} is not an address HOST:PORT (or :PORT); none turns "
+                                  f"the dashboard off")
 
 
 @dataclass

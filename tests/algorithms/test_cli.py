@@ -66,6 +66,7 @@ def _plan(tmp_path, actor_train) -> str:
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["dashboard=localhost"], r"dashboard=localhost is not an address HOST:PORT \(or :PORT\); none turns"),
     (["prompt_per_step=8"], r"unknown setting 'prompt_per_step'; did you mean prompts_per_step\?"),
     (["model.hidden_sise=8"], r"did you mean model.hidden_size\?"),
     (["steps=ten"], r"bad value for steps: invalid literal for int\(\) with base 10: 'ten'"),
