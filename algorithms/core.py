@@ -156,7 +156,8 @@ class PolicyLoss:
     stale samples without a proximal pass (async_correction=none)."""
     tis_cap: float | None = None
     """Decoupled PPO for stale samples (async_correction=tis): each token's clipped surrogate, taken against the
-    trainer's own pre-update log-probs (OLD_LOG_PROBS, the proximal policy), is weighted by
+    trainer's own pre-update log-probs (OLD_LOG_PROBS, the proximal policy; without them, the update's own
+    detached log-probs, which are the pre-update policy's in GRPO's one-optimizer-step case), is weighted by
     min(exp(old - behaviour), tis_cap), correcting for the older policy that sampled it. None: off."""
 
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:

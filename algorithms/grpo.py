@@ -43,12 +43,11 @@ class GRPO(Algorithm):
 
     @property
     def on_policy(self) -> bool:
-        """One optimizer step over exactly the step's samples: the old log-probs need no pass of their own (with
-        samples from an older policy only where the loss clips against their behaviour log-probs)."""
+        """One optimizer step over exactly the step's samples: the old log-probs need no pass of their own. With
+        asynchronous rollouts too: the proximal policy of decoupled PPO (`async_correction=tis`) is the trainer's
+        policy before the update, which is the one the update's own forward runs."""
         cfg = self.cfg
-        fresh = not cfg.async_rl.staleness or cfg.async_rl.correction == "none"
-        return fresh and cfg.ppo_epochs == 1 and \
-            cfg.mini_batch_samples == cfg.prompts_per_step * cfg.samples_per_prompt
+        return cfg.ppo_epochs == 1 and cfg.mini_batch_samples == cfg.prompts_per_step * cfg.samples_per_prompt
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         ctl, actor = self.ctl, self.actor

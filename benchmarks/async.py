@@ -46,6 +46,7 @@ from algorithms.grpo import GRPO  # noqa: E402
 from algorithms.loop import Runner  # noqa: E402
 from engines import ModelConfig  # noqa: E402
 from engines.rollout.stream import STOP_AT  # noqa: E402
+from benchmarks.stages import stage_of  # noqa: E402
 from flowactors import Batch  # noqa: E402
 
 
@@ -138,11 +139,8 @@ _KIND = {"generate_sequences": "G", "update_actor": "U", "update_critic": "U", "
 
 
 def _kind(key: str) -> str:
-    """Stage of a call from its key (`group.method-rank-token`, or `name-token` for an apply): G generation,
-    S scoring, U update, W weight sync, a tasks next to the data (advantages, metrics)."""
-    name = key.rsplit("-", 2)[0] if key.count("-") >= 2 else key.rsplit("-", 1)[0]
-    method = name.split(".")[-1]
-    return _KIND.get(method, "S" if method.startswith("compute_") else "a")
+    """G generation, S scoring, U update, W weight sync, a tasks next to the data (advantages, metrics)."""
+    return stage_of(key, _KIND)
 
 
 def _busy(tasks: list[dict], slots: list[str], t0: float, t1: float) -> list[float]:
@@ -172,6 +170,7 @@ def measure(w: Workload, modes: list[str], steps: int, warmup: int, rounds: int)
     for m, rs in runs.items():
         row = dict(rs[0])
         row["tokens_per_s"] = round(statistics.median(x["tokens_per_s"] for x in rs), 1)
+        row["step_s"] = round(statistics.median(x["step_s"] for x in rs), 4)
         row["rounds_tokens_per_s"] = [x["tokens_per_s"] for x in rs]
         for k in ("slot_busy_s", "slot_idle_s"):
             row[k] = [round(statistics.mean(x[k][i] for x in rs), 3) for i in range(2)]

@@ -58,6 +58,7 @@ from algorithms.build import Roles  # noqa: E402
 from algorithms.tasks import get_task  # noqa: E402
 from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RewardModelWorker,  # noqa: E402
                      SamplingConfig, build_tokenizer)
+from benchmarks.stages import stage_of  # noqa: E402
 from flowactors import Batch, Layout  # noqa: E402
 
 
@@ -179,10 +180,7 @@ _KIND = {"generate_sequences": "G", "start_generation": "G", "next_generated_chu
 
 
 def _kind(key: str) -> str:
-    """Stage of a task from its key: `group.method-rank-token` (calls) or `name-token` (apply)."""
-    name = key.rsplit("-", 2)[0] if key.count("-") >= 2 else key.rsplit("-", 1)[0]
-    method = name.split(".")[-1]
-    return _KIND.get(method, "S" if method.startswith("compute_") else "a")
+    return stage_of(key, _KIND)
 
 
 def _timeline(tasks: list[dict], slots: list[str], t0: float, dt: float) -> list[dict]:
