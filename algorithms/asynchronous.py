@@ -101,7 +101,7 @@ class RolloutPipeline:
 
     def __init__(self, ctl: fa.Controller, actor: fa.ActorGroup, rollout: fa.ActorGroup, data: PromptData,
                  cfg: RLConfig, *, greedy_baseline: bool = False, past_the_end: bool = False) -> None:
-        """`past_the_end`: keep issuing rollouts for the K steps after the run's last (a run that checkpoints:
+        """`past_the_end`: keep issuing rollouts for the K + 1 steps after the run's last (a run that checkpoints:
         its last checkpoint then holds them, so a longer resumed run trains on what an uninterrupted one would)."""
         self.ctl, self.actor, self.rollout, self.data, self.cfg = ctl, actor, rollout, data, cfg
         self.staleness = cfg.async_rl.staleness
@@ -119,11 +119,10 @@ class RolloutPipeline:
         self._syncs.clear()
         self._first_version = step
         self._sync_weights(step)
-        if in_flight is not None:
-            self.queue.extend(in_flight)
-        else:
-            for j in range(step, min(step + self.staleness + 1, self.end)):
-                self._issue(j, step)
+        self.queue.extend(in_flight or ())
+        first = self.queue[-1].step + 1 if self.queue else step  # (a checkpoint holds all K + 1 where it can)
+        for j in range(first, min(step + self.staleness + 1, self.end)):
+            self._issue(j, step)
 
     def take(self, i: int) -> Generated:
         """Step i's rollout (issued earlier)."""
