@@ -118,6 +118,7 @@ def open_controller(cfg: RunConfig) -> Controller:
         from flowactors.slurm import open_slurm
 
         # the scheduler runs in this process, like the embedded cluster's: one dashboard setting for both
-        return open_slurm(dataclasses.replace(cfg.slurm, dashboard_address=cfg.dashboard),
+        return open_slurm(dataclasses.replace(cfg.slurm, dashboard_address=cfg.dashboard, secure=cfg.secure),
                           call_timeout_s=cfg.call_timeout_s)
-    return Controller.local(cfg.n_slots, dashboard=cfg.dashboard, call_timeout_s=cfg.call_timeout_s)
+    return Controller.local(cfg.n_slots, dashboard=cfg.dashboard, call_timeout_s=cfg.call_timeout_s,
+                            secure=cfg.secure)

@@ -63,6 +63,10 @@ class RunConfig:
     """Watchdog per blocking wait: past it the step fails with every stuck rank's Python stack."""
     dashboard: str | None = "127.0.0.1:8787"
     """Dashboard address of the embedded cluster; none turns it off."""
+    secure: bool = True
+    """The embedded and Slurm clusters' listeners serve only this run: TLS with credentials made for it, and the
+    direct-call sockets behind secrets learned over it (docs/security.md). false: plain TCP, which any user who can
+    reach the ports can use to run code as the trainer; only on a machine you alone use."""
 
     def __post_init__(self) -> None:
         if self.n_slots < 1:

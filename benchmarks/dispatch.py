@@ -11,7 +11,9 @@ layouts differ, so the output cannot pass part for part). One JSON object per li
 `--verl-python PATH` adds verl 0.9.1's rows (`noop`, `split4MiB`: its Ray worker group of 2 CPU actors,
 benchmarks/verl_peer.py) from that interpreter's environment, measured just before and just after the Dask rows
 (the figure is the mean of the two medians, so drift of the machine's load affects both systems alike), and a
-`vs verl` column. `scripts/verl_venv.sh` builds such an environment.
+`vs verl` column. `scripts/verl_venv.sh` builds such an environment. `--compare-open` adds `fa-open` rows: the
+same calls on an embedded cluster without the run's credentials (`secure=False`: plain TCP, as before issue 41),
+measured before and after the secured rows, and a `vs open` column, the cost of TLS and the direct-path handshake.
 """
 
 from __future__ import annotations
@@ -77,10 +79,10 @@ def batch4mib() -> Batch:
     return Batch({"x": torch.arange(1024 * 512, dtype=torch.int64).reshape(1024, 512)})
 
 
-def run(repeats: int) -> list[dict]:
+def run(repeats: int, secure: bool = True, only_flowactors: bool = False) -> list[dict]:
     rows = []
     data = batch4mib()
-    with fa.Controller.local(2, dashboard=None) as ctl:
+    with fa.Controller.local(2, dashboard=None, secure=secure) as ctl:
         g = fa.ActorGroup(ctl, Echo, name="echo")
         solo = fa.ActorGroup(ctl, Echo, name="solo", slots=ctl.slots[:1])
         client, slots = ctl.client, ctl.slots
@@ -124,10 +126,12 @@ def run(repeats: int) -> list[dict]:
             ("dask-pinned", "resplit"): raw_resplit,
         }
         for (system, case), fn in cases.items():
+            if only_flowactors and system != "flowactors":
+                continue
             times, nbytes = _timed(fn, repeats)
             # the final gather legitimately brings the result; count only bytes beyond it
             result_bytes = data.nbytes if case != "noop" else 0
-            rows.append(_row(system, case, times, max(0, nbytes - result_bytes)))
+            rows.append(_row(system if secure else "fa-open", case, times, max(0, nbytes - result_bytes)))
     return rows
 
 
@@ -149,9 +153,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per line before the table")
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--verl-python", default=None, help="interpreter of an environment with verl 0.9.1 installed")
+    p.add_argument("--compare-open", action="store_true",
+                   help="also flowactors on an embedded cluster without credentials (secure=False): the cost of TLS "
+                        "and the direct-path handshake, measured before and after the secured rows")
     args = p.parse_args(argv)
     before = verl_rows(args.verl_python, args.repeats) if args.verl_python else None
+    opened = run(args.repeats, secure=False, only_flowactors=True) if args.compare_open else []
     rows = run(args.repeats)
+    if opened:
+        again = run(args.repeats, secure=False, only_flowactors=True)
+        rows += [{**a, "median_ms": (a["median_ms"] + b["median_ms"]) / 2, "p90_ms": max(a["p90_ms"], b["p90_ms"])}
+                 for a, b in zip(opened, again)]
     after = verl_rows(args.verl_python, args.repeats) if before else None
     verl = {}
     if before and after:
@@ -167,14 +179,17 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(json.dumps(r))
     floor = {r["case"]: r["median_ms"] for r in rows if r["system"] == "dask-pinned"}
+    unsecured = {r["case"]: r["median_ms"] for r in rows if r["system"] == "fa-open"}
     print(f"\n{'system':<12} {'case':<10} {'median ms':>10} {'p90 ms':>9} {'ctl bytes':>10} {'vs dask-pinned':>15} "
-          f"{'vs verl':>8}")
+          f"{'vs verl':>8} {'vs open':>8}")
     for r in rows:
         ratio = f"{r['median_ms'] / floor[r['case']]:.2f}x" if r["case"] in floor else "-"
         vs_verl = f"{r['median_ms'] / verl[r['case']]['median_ms']:.2f}x" if r["case"] in verl else "-"
         ctl_bytes = "-" if r["controller_bytes"] is None else r["controller_bytes"]
+        vs_open = f"{r['median_ms'] / unsecured[r['case']]:.2f}x" \
+            if r["case"] in unsecured and r["system"] == "flowactors" else "-"
         print(f"{r['system']:<12} {r['case']:<10} {r['median_ms']:>10.2f} {r['p90_ms']:>9.2f} "
-              f"{ctl_bytes:>10} {ratio:>15} {vs_verl:>8}")
+              f"{ctl_bytes:>10} {ratio:>15} {vs_verl:>8} {vs_open:>8}")
 
 
 if __name__ == "__main__":

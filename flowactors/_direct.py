@@ -30,7 +30,13 @@ What calls keep promising, and how:
   `result()` waits under the controller's watchdog; the hang report asks each worker what its task thread runs
   (`stacks`).
 - **Listening.** Each worker's socket listens on the address its Dask comm uses (127.0.0.1 for the embedded
-  cluster, the only default) and, like Dask's own TCP comm, trusts whoever connects: it runs what it receives.
+  cluster) and serves only a peer that proves it holds the worker's secret: 32 random bytes made when the plugin
+  starts, which a controller can learn only through `Client.run`, i.e. over the cluster's own Dask comms (TLS with
+  the run's credentials for the embedded cluster; whatever security an external cluster has). The worker sends a
+  nonce, the peer answers HMAC-SHA256(secret, nonce) within `HANDSHAKE_S`; nothing is read past that, let alone
+  unpickled, before the answer checks out. So the door is never weaker than the cluster's own. Every frame's size is
+  checked against `MAX_MESSAGE_BYTES` before anything is allocated for it; a connection that fails either check is
+  closed, and each waits in a thread of its own, so a stranger's connections never hold up the controller's.
 - **Visibility.** Every worker reports the items it ran (key, inputs, previous item, compute span) to the
   scheduler's event log every `REPORT_S` on topic `flowactors.calls`; the `/flowactors` dashboard page draws them
   like tasks, and `Controller.profile` counts their spans. Dask's task stream does not show them: they are not
@@ -40,6 +46,9 @@ What calls keep promising, and how:
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import secrets
 import socket
 import struct
 import threading
@@ -53,7 +62,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
 
-__all__ = ["CALLS_TOPIC", "DirectChannel", "DirectFuture", "DirectRef", "DirectTransport", "INLINE_BYTES"]
+__all__ = ["CALLS_TOPIC", "DirectChannel", "DirectFuture", "DirectRef", "DirectTransport", "INLINE_BYTES",
+           "MAX_MESSAGE_BYTES", "ProtocolError"]
 
 INLINE_BYTES = 64 * 1024
 """Outputs up to this size (flowactors._push.payload_bytes) come back in the reply; larger ones stay on the worker
@@ -62,6 +72,14 @@ CALLS_TOPIC = "flowactors.calls"
 REPORT_S = 0.2
 RELEASE_S = 0.5
 _FRAME = struct.Struct("!QI")  # pickle bytes, number of out-of-band buffers; then each buffer's length (!Q), data
+MAX_MESSAGE_BYTES = 1 << 33
+"""The most one direct-path message (a call's pickled arguments, or a reply) may hold: 8 GiB. Larger values travel
+as Dask futures (`Client.scatter`) or as another call's output, worker to worker."""
+MAX_BUFFERS = 1 << 16
+HANDSHAKE_S = 10.0
+"""How long a new connection has to answer the worker's nonce before it is closed."""
+_HELLO = b"flowactors-direct/1"
+_NONCE_BYTES = 32
 PLUGIN_NAME = "flowactors-direct"
 
 
@@ -113,6 +131,10 @@ class DirectFuture:
         return f"<DirectFuture {self.key} {self.status}>"
 
 
+class ProtocolError(ConnectionError):
+    """A peer that did not authenticate, or sent a frame past the limits: its connection is closed."""
+
+
 class _Connection:
     """One socket between a controller and a worker, written whole-message at a time under a lock."""
 
@@ -137,7 +159,12 @@ class _Connection:
     def receive_frames(self) -> tuple[bytearray, list[bytearray]]:
         """The next message's pickle bytes and out-of-band buffers, not yet unpickled."""
         n, count = _FRAME.unpack(_read_exactly(self.sock, _FRAME.size))
+        if count > MAX_BUFFERS:
+            raise ProtocolError(f"a message announced {count} buffers, more than the {MAX_BUFFERS} allowed")
         sizes = struct.unpack(f"!{count}Q", _read_exactly(self.sock, 8 * count)) if count else ()
+        if n + sum(sizes) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"a message announced {n + sum(sizes)} bytes, more than MAX_MESSAGE_BYTES = "
+                                f"{MAX_MESSAGE_BYTES}; send values that large as Dask futures (Client.scatter)")
         data = _read_exactly(self.sock, n)
         return data, [_read_exactly(self.sock, k) for k in sizes]
 
@@ -158,6 +185,31 @@ def _frames(obj: Any) -> list:
     views = [b.raw() for b in buffers]
     return [_FRAME.pack(len(data), len(views)) + struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)) + data,
             *views]
+
+
+def _proof(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, _HELLO + nonce, hashlib.sha256).digest()
+
+
+def _authenticate(sock: socket.socket, secret: bytes) -> bool:
+    """The worker's side of the handshake: send a nonce, check the peer's HMAC of it within `HANDSHAKE_S`."""
+    nonce = secrets.token_bytes(_NONCE_BYTES)
+    try:
+        sock.settimeout(HANDSHAKE_S)
+        sock.sendall(_HELLO + nonce)
+        ok = hmac.compare_digest(bytes(_read_exactly(sock, hashlib.sha256().digest_size)), _proof(secret, nonce))
+        sock.settimeout(None)
+        return ok
+    except (OSError, ConnectionError):  # timed out, or gone
+        return False
+
+
+def _answer(sock: socket.socket, secret: bytes) -> None:
+    """The controller's side: prove it holds the worker's secret."""
+    hello = bytes(_read_exactly(sock, len(_HELLO) + _NONCE_BYTES))
+    if not hello.startswith(_HELLO):
+        raise ProtocolError(f"{sock.getpeername()} is not a flowactors direct-path listener")
+    sock.sendall(_proof(secret, hello[len(_HELLO):]))
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytearray:
@@ -191,9 +243,15 @@ class DirectChannel:
         if conn is None:
             from distributed.comm import get_address_host
 
-            port = self._client.run(listen_port, workers=[address])[address]
-            conn = _Connection(socket.create_connection((get_address_host(address), port), timeout=30))
-            conn.sock.settimeout(None)
+            port, secret = self._client.run(listen_port, workers=[address])[address]
+            sock = socket.create_connection((get_address_host(address), port), timeout=30)
+            try:
+                _answer(sock, secret)
+            except BaseException:
+                sock.close()
+                raise
+            sock.settimeout(None)
+            conn = _Connection(sock)
             self._connections[address] = conn
             threading.Thread(target=self._read_replies, args=(address, conn), daemon=True,
                              name=f"flowactors-direct {address}").start()
@@ -468,9 +526,10 @@ class DirectPlugin(WorkerPlugin):
         from tornado.ioloop import PeriodicCallback
 
         worker.handlers["flowactors_get"] = lambda comm=None, **kw: _handle_get(worker, **kw)
-        self._listener = socket.create_server((get_address_host(worker.address), 0))
-        worker._flowactors_direct_port = self._listener.getsockname()[1]
-        threading.Thread(target=_accept, args=(worker, self._listener), daemon=True,
+        self._listener = socket.create_server((get_address_host(worker.address), 0), backlog=128)
+        secret = secrets.token_bytes(32)
+        worker._flowactors_direct = (self._listener.getsockname()[1], secret)
+        threading.Thread(target=_accept, args=(worker, self._listener, secret), daemon=True,
                          name="flowactors-direct accept").start()
         self._report = PeriodicCallback(lambda: _flush_reports(worker), REPORT_S * 1000)
         self._report.start()
@@ -488,19 +547,29 @@ class DirectPlugin(WorkerPlugin):
             listener.close()
 
 
-def listen_port(dask_worker: Any = None) -> int:
-    """The port this worker's direct-path socket listens on (run through `Client.run`)."""
-    return dask_worker._flowactors_direct_port
+def listen_port(dask_worker: Any = None) -> tuple[int, bytes]:
+    """The port this worker's direct-path socket listens on, and its secret (run through `Client.run`: only a
+    client the cluster lets in learns it)."""
+    return dask_worker._flowactors_direct
 
 
-def _accept(worker: Any, listener: socket.socket) -> None:
+REFUSED: deque[str] = deque(maxlen=100)
+"""Why this worker closed each of its last unauthenticated or oversized connections (tests and hang reports)."""
+
+
+def _accept(worker: Any, listener: socket.socket, secret: bytes) -> None:
     while True:
         try:
-            sock, _ = listener.accept()
+            sock, peer = listener.accept()
         except OSError:  # closed with the plugin
             return
-        threading.Thread(target=_serve, args=(worker, _Connection(sock)), daemon=True,
+        threading.Thread(target=_serve, args=(worker, sock, peer, secret), daemon=True,
                          name="flowactors-direct serve").start()
+
+
+def refused(dask_worker: Any = None) -> list[str]:
+    """`REFUSED` (run through `Client.run`)."""
+    return list(REFUSED)
 
 
 class _Order:
@@ -512,10 +581,16 @@ class _Order:
         self.last: str | None = None
 
 
-def _serve(worker: Any, conn: _Connection) -> None:
-    """Read one controller's items in order and queue each on the task thread; its inputs are fetched meanwhile."""
+def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
+    """Authenticate the peer, then read its items in order and queue each on the task thread; its inputs are
+    fetched meanwhile."""
     import pickle
 
+    if not _authenticate(sock, secret):
+        REFUSED.append(f"{peer}: did not authenticate within {HANDSHAKE_S:g} s")
+        sock.close()
+        return
+    conn = _Connection(sock)
     loop = worker.loop.asyncio_loop
     executor = worker.executors["default"]
     order = _Order()
@@ -529,7 +604,9 @@ def _serve(worker: Any, conn: _Connection) -> None:
             if release:
                 loop.call_soon_threadsafe(_handle_release, release)
             data, buffers = conn.receive_frames()  # unpickled apart: a failure there is this item's failure
-        except Exception:  # noqa: BLE001 - the controller went away
+        except Exception as e:  # noqa: BLE001 - the controller went away, or broke the protocol
+            if isinstance(e, ProtocolError):
+                REFUSED.append(f"{peer}: {e}")
             conn.close()
             return
         try:

@@ -11,8 +11,8 @@ rank's output is larger, a push did not arrive, a future failed or was cancelled
 runs out.
 
 The inbox is a Dask comm server on the client's event loop. It listens on the interface the client reaches the
-scheduler from, so it is used by default only with the embedded cluster (127.0.0.1, `Controller.local`) when direct
-calls are off, where it opens nothing beyond the machine; a controller joining a cluster (`Controller.connect`)
+scheduler from, with the cluster's security (TLS with the run's credentials for the embedded cluster), so it is used
+by default only with the embedded cluster (127.0.0.1, `Controller.local`) when direct calls are off; a controller joining a cluster (`Controller.connect`)
 keeps the plain path unless asked (`push_results=True`).
 """
 
@@ -52,9 +52,11 @@ class ResultInbox:
         self._cond = threading.Condition()
         self._values: dict[str, Any] = {}
         self._server = Server({"flowactors_push": self._receive})
+        security = client.security  # the cluster's own scheme and credentials: it lets in only what the cluster does
+        scheme = client.scheduler.address.split("://")[0]
 
         async def listen() -> str:
-            await self._server.listen(f"tcp://{host}:0")
+            await self._server.listen(f"{scheme}://{host}:0", **security.get_listen_args("client"))
             return self._server.address
 
         self._client = client

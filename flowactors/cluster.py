@@ -4,7 +4,8 @@ docs/design.md §3 Cluster. `Controller.local()` starts an embedded `LocalCluste
 thread and one device slot each (resource `slot=1`, plus `GPU=1` where CUDA exists), on 127.0.0.1 only;
 `Controller.connect(address)` joins an existing scheduler whose workers were started the same way, after probing
 the address (Dask's client would otherwise retry a wrong one for half a minute, or wait forever on a port that is
-not a scheduler). `discover_slots` lists the workers that are device slots, ordered by host, then worker name, and
+not a scheduler). The embedded cluster's listeners accept only peers holding the run's credentials (TLS, made
+in memory per run; `secure=False` turns that off); a joined cluster keeps its own Dask security. `discover_slots` lists the workers that are device slots, ordered by host, then worker name, and
 refuses a slot with more than one thread (calls to one process must run one at a time). `shorten_streams` sets
 the Dask streams' batching interval (`flowactors._streams`). Slurm allocations start in `flowactors.slurm`.
 """
@@ -12,6 +13,7 @@ the Dask streams' batching interval (`flowactors._streams`). Slurm allocations s
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from distributed import Client, LocalCluster
 
@@ -23,10 +25,18 @@ __all__ = ["SLOT_RESOURCES", "check_interval", "discover_slots", "probe_schedule
 SLOT_RESOURCES = ("slot", "GPU")
 
 
-def start_local(n_slots: int, dashboard: str | None, stream_interval_ms: float | None = None) -> LocalCluster:
+def start_local(n_slots: int, dashboard: str | None, stream_interval_ms: float | None = None,
+                secure: bool = True) -> LocalCluster:
     """An embedded LocalCluster of `n_slots` single-threaded worker processes on 127.0.0.1 (`dashboard=None`: no
-    dashboard; `stream_interval_ms` is checked before any process starts)."""
+    dashboard; `stream_interval_ms` is checked before any process starts).
+
+    `secure`: every Dask listener (scheduler, nannies, workers) speaks TLS and requires a certificate signed by the
+    run's own authority, made in memory for this run (`Security.temporary`) and handed to the worker processes as
+    they spawn, never written anywhere. Without it any local user could connect a Dask client, or send a pickle to a
+    worker, and run code as the trainer. The direct-call sockets are guarded by secrets learned over these comms
+    (flowactors._direct)."""
     import torch
+    from distributed.security import Security
 
     if n_slots < 1:
         raise ValueError(f"n_slots must be >= 1, got {n_slots}")
@@ -35,6 +45,7 @@ def start_local(n_slots: int, dashboard: str | None, stream_interval_ms: float |
     return LocalCluster(
         n_workers=n_slots, threads_per_worker=1, processes=True, host="127.0.0.1",
         dashboard_address=dashboard, resources=resources, silence_logs=logging.WARNING,
+        security=Security.temporary() if secure else None,
         # without a dashboard the scheduler still serves /health on an HTTP port: a free one, not 8787
         scheduler_kwargs=None if dashboard else {"dashboard_address": "127.0.0.1:0"},
         env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
@@ -75,8 +86,9 @@ def discover_slots(client: Client) -> list[str]:
     return [a for *_, a in sorted(slots, key=lambda s: (s[0], _natural(s[1])))]
 
 
-def probe_scheduler(address: str, timeout_s: float) -> None:
-    """Raise SchedulerUnreachableError unless a Dask scheduler answers an identity request at `address` in time."""
+def probe_scheduler(address: str, timeout_s: float, security: Any = None) -> None:
+    """Raise SchedulerUnreachableError unless a Dask scheduler answers an identity request at `address` in time
+    (over TLS with `security`'s client credentials for a tls:// address)."""
     import asyncio
     import socket
     from concurrent.futures import ThreadPoolExecutor
@@ -99,7 +111,8 @@ def probe_scheduler(address: str, timeout_s: float) -> None:
                                             f"{start}") from None
 
     async def identity() -> dict:
-        comm = await connect(address, timeout=timeout_s)
+        args = security.get_connection_args("client") if security is not None and scheme == "tls" else {}
+        comm = await connect(address, timeout=timeout_s, **args)
         try:
             await comm.write({"op": "identity", "reply": True})
             return await comm.read()

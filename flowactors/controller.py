@@ -142,24 +142,31 @@ class Controller:
 
     # -- opening and closing --------------------------------------------------------------------------------
     @classmethod
-    def local(cls, n_slots: int = 2, *, dashboard: str | None = "127.0.0.1:8787", **kwargs: Any) -> "Controller":
+    def local(cls, n_slots: int = 2, *, dashboard: str | None = "127.0.0.1:8787", secure: bool = True,
+              **kwargs: Any) -> "Controller":
         """An embedded LocalCluster of `n_slots` single-threaded worker processes on 127.0.0.1.
 
         `dashboard=None` turns the dashboard off (tests); exposing it beyond 127.0.0.1 is an explicit choice.
+        `secure`: its listeners serve only this run (TLS with credentials made for it; flowactors.cluster).
         """
-        cluster = _cluster.start_local(n_slots, dashboard, kwargs.get("stream_interval_ms"))
+        cluster = _cluster.start_local(n_slots, dashboard, kwargs.get("stream_interval_ms"), secure=secure)
         return cls(Client(cluster, set_as_default=False), cluster, **kwargs)
 
     @classmethod
-    def connect(cls, address: str, *, connect_timeout_s: float = 4.0, **kwargs: Any) -> "Controller":
+    def connect(cls, address: str, *, connect_timeout_s: float = 4.0, security: Any = None,
+                **kwargs: Any) -> "Controller":
         """Join an existing scheduler (`dask worker --nthreads 1 --resources slot=1` or `GPU=1` per device).
 
-        The address is probed first: Dask's client retries a refused connection for its whole timeout and waits
-        forever on a port that accepts TCP but is not a scheduler (an HTTP server, say), so a wrong address would
-        otherwise hang or take half a minute to fail."""
+        `security`: the cluster's `distributed.security.Security` (None: Dask's configuration, `distributed.comm.tls`,
+        as `dask scheduler --tls-*` clusters are joined). The address is probed first: Dask's client retries a
+        refused connection for its whole timeout and waits forever on a port that accepts TCP but is not a
+        scheduler (an HTTP server, say), so a wrong address would otherwise hang or take half a minute to fail."""
+        from distributed.security import Security
+
+        security = security if security is not None else Security()
         _cluster.check_interval(kwargs.get("stream_interval_ms"))
-        _cluster.probe_scheduler(address, connect_timeout_s)
-        return cls(Client(address, set_as_default=False), None, **kwargs)
+        _cluster.probe_scheduler(address, connect_timeout_s, security)
+        return cls(Client(address, set_as_default=False, security=security), None, **kwargs)
 
     def close(self) -> None:
         """Close groups (without waiting on busy workers), the client, and the embedded cluster if any."""

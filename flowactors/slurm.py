@@ -88,6 +88,12 @@ class SlurmSettings:
     """Where each job's stdout/stderr go; None: Slurm's default (slurm-JOBID.out in the submission directory)."""
     dashboard_address: str | None = ":8787"
     """The scheduler's dashboard (task stream, graph); None or "none" turns it off."""
+    secure: bool = True
+    """TLS between scheduler, workers and controller with credentials made for this run. Without it any user who
+    can reach a node's ports can run code inside the job."""
+    credentials_directory: str = "~"
+    """Where the workers' copy of the run's credentials is written (files readable by you alone, removed when the
+    run ends): a directory every node sees; expanded by the job's shell."""
     startup_timeout_s: float = 600.0
     """How long to wait for every worker to join (queueing included) before failing with squeue's view."""
     death_timeout_s: float = 60.0
@@ -203,7 +209,9 @@ def open_slurm(settings: SlurmSettings, **controller_kwargs: Any) -> Controller:
     scancels the jobs). `controller_kwargs` go to `Controller` (`call_timeout_s`, `collective_timeout_s`)."""
     from distributed import Client
 
-    cluster = _import_slurm_cluster()(**settings.cluster_kwargs())
+    # security=True: dask-jobqueue makes Security.temporary() for the run and hands the workers their copy
+    cluster = _import_slurm_cluster()(**settings.cluster_kwargs(), security=True if settings.secure else None,
+                                      shared_temp_directory=settings.credentials_directory)
     client = None
     try:
         _test_submission(cluster.job_script(), settings)

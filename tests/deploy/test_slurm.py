@@ -195,7 +195,8 @@ def local_slurm(tmp_path_factory):
 def _settings(slurm, tmp_path: Path, **kw) -> SlurmSettings:
     return SlurmSettings(**{"nodes": 1, "gpus_per_node": 2, "partition": slurm.partition, "memory_per_job": "4GB",
                             "walltime": "00:10:00", "interface": "lo", "dashboard_address": None,
-                            "log_directory": str(tmp_path / "jobs"), "startup_timeout_s": 60, **kw})
+                            "log_directory": str(tmp_path / "jobs"), "startup_timeout_s": 60,
+                            "credentials_directory": str(tmp_path), **kw})
 
 
 def _wait_no_jobs(slurm, timeout: float = 20) -> list[str]:
@@ -252,9 +253,18 @@ def test_algorithm_program_runs_on_slurm_workers(local_slurm, tmp_path):
     metrics = tmp_path / "m.jsonl"
     with open_slurm(_settings(local_slurm, tmp_path)) as ctl:
         address = ctl.client.scheduler.address
+        assert address.startswith("tls://")  # the run's credentials: the program joins with Dask's TLS settings
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        for name, pem in (("CA_FILE", ctl.cluster.security.tls_ca_file),
+                          ("CLIENT__CERT", ctl.cluster.security.tls_client_cert),
+                          ("CLIENT__KEY", ctl.cluster.security.tls_client_key)):
+            path = tmp_path / name.lower()
+            path.write_text(pem)
+            path.chmod(0o600)
+            env[f"DASK_DISTRIBUTED__COMM__TLS__{name}"] = str(path)
         out = subprocess.run([sys.executable, str(ROOT / "algorithms" / "grpo.py"), "--address", address,
                               "--steps", "2", "sft_steps=2", "dashboard=none", "--metrics-file", str(metrics)],
-                             capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

@@ -172,7 +172,7 @@ def test_on_a_cluster_it_joined_the_controller_leaves_no_listener_behind():
         assert g.all_reduce(1.0).result() == [3.0, 3.0] and ctl.direct_calls
         ports = client.run(_direct.listen_port)
         ctl.close()
-        for port in ports.values():
+        for port, _ in ports.values():
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", port)) != 0
     finally:

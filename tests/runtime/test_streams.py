@@ -38,7 +38,8 @@ def test_none_keeps_dasks_intervals_and_a_bad_value_fails_before_any_process_sta
 
 def test_a_second_controller_on_the_same_scheduler_sets_its_interval_once():
     with fa.Controller.local(1, dashboard=None, stream_interval_ms=0.5) as ctl:
-        second = fa.Controller.connect(ctl.cluster.scheduler_address, stream_interval_ms=2.0)
+        second = fa.Controller.connect(ctl.cluster.scheduler_address, stream_interval_ms=2.0,
+                                       security=ctl.cluster.security)
         try:
             got = _intervals(second)
             assert got["client"] == 0.002 and got["to_workers"] == [0.002] and got["workers"] == [0.002]
