@@ -38,6 +38,48 @@ class ConfigError(ValueError):
     """A setting the user gave cannot work; the message names it and says what to change."""
 
 
+RANGES: dict[str, str] = {
+    # learning rates and step sizes
+    "actor_lr": "(0, inf)", "critic_lr": "(0, inf)", "sft_lr": "(0, inf)", "lambda_lr": "[0, inf)",
+    # the loss
+    "temperature": "(0, inf)", "kl_coef": "[0, inf)", "kl_target": "(0, inf)", "clip_ratio": "(0, inf)",
+    "dual_clip": "(1, inf)", "value_clip": "(0, inf)", "entropy_coef": "[0, inf)", "ptx_coef": "[0, inf)",
+    "gamma": "[0, 1]", "lam": "[0, 1]",
+    # Safe-RLHF's multiplier
+    "lambda_init": "[0, inf)", "lambda_max": "[0, inf)",
+    # fractions, caps and times
+    "async_rl.tis_cap": "[1, inf)", "recovery_wait_s": "[0, inf)",
+    "slurm.startup_timeout_s": "(0, inf)", "slurm.death_timeout_s": "(0, inf)",
+}
+"""The interval each numeric setting must lie in, by its dotted name; every other float must be finite (nan and
+inf are refused everywhere: a nan learning rate or threshold would run and report success)."""
+
+
+def check_numbers(cfg: Any, prefix: str = "") -> None:
+    """Refuse a numeric setting that is nan, infinite or outside `RANGES`, naming it and the interval, before
+    anything starts; nested sections (`model.`, `fusion.`, `slurm.` ...) are walked too."""
+    import math
+
+    for f in dataclasses.fields(cfg):
+        value, name = getattr(cfg, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_numbers(value, name + ".")
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={value} is not a finite number; give one"
+                              + (f" in {RANGES[name]}" if name in RANGES else ""))
+        interval = RANGES.get(name)
+        if interval is None:
+            continue
+        lo, hi = (float(x) for x in interval[1:-1].split(","))
+        above = value > lo if interval[0] == "(" else value >= lo
+        below = value < hi if interval[-1] == ")" else value <= hi
+        if not (above and below):
+            raise ConfigError(f"{name}={value} is outside {interval}; give a number in {interval}")
+
+
 @dataclass
 class RunConfig:
     """Where a program runs and what it reports: shared by the RL programs and the stages before RL."""
@@ -69,6 +111,7 @@ class RunConfig:
     reach the ports can use to run code as the trainer; only on a machine you alone use."""
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         if self.n_slots < 1:
             raise ConfigError(f"n_slots must be >= 1, got {self.n_slots}")
         if self.cluster not in ("local", "slurm"):
