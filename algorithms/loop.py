@@ -176,6 +176,7 @@ class Runner:
         assert self.store is not None
         t0 = time.perf_counter()
         pending = self.store.begin(step)
+        calls: list[fa.CallFuture] = []
         try:
             calls = [g.save_checkpoint(str(pending.role_dir(name))) for name, g in self.model_groups().items()]
             for c in calls:
@@ -185,7 +186,10 @@ class Runner:
             if self.pipeline is not None:  # the rollouts in flight, whose prompts the data position has passed
                 state["async"] = self.pipeline.state_dict()
             self.store.commit(pending, state)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt) and calls:  # let the ranks finish writing what is then removed
+                with contextlib.suppress(Exception):
+                    self.ctl.wait(calls, timeout=60)
             self.store.abort(pending)
             raise
         return time.perf_counter() - t0
@@ -369,56 +373,117 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
 
     A user's mistake exits with status 2 and one line (algorithms.cli); `--debug` shows the traceback. What can
     be decided without a cluster is, before it starts: the settings, the checkpoint to resume from (verified) and
-    whether its settings allow the resume. The checkpoint directory is locked for the run."""
+    whether its settings allow the resume. The checkpoint directory is locked for the run. Ctrl-C and SIGTERM
+    unwind it all (workers, cluster, lock, temporary files) and end with one line saying what was saved and where
+    the metrics are (exit status 130 / 143); a second Ctrl-C while that runs exits at once."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg: RLConfig | None = None
-    with user_errors(args, lambda: cfg, algo_cls.name), contextlib.ExitStack() as stack:
-        cfg = parse_args(args, preset, description)
-        run_plan = check_before_start(cfg)
-        data, eval_data = prompt_data(cfg)
-        store, ckpt, changes = None, None, []
-        if cfg.checkpoint_dir:
-            store = CheckpointStore(cfg.checkpoint_dir, keep_last=cfg.keep_last)
-            store.acquire()
-            stack.callback(store.release)
-            ckpt = store.resolve(cfg.resume)
-            if ckpt is not None:
-                changes = check_resumable(ckpt.controller_state()["config"], cfg)
-        fa.configure_logging(cfg.log_format, cfg.log_level)  # before the cluster starts: workers inherit it
-        stack.enter_context(_terminate_as_exit())
-        algo = algo_cls(cfg)
-        ctl = stack.enter_context(open_controller(cfg))
-        # the SFT export: inside the run's checkpoint directory when there is one (a killed controller's leftover
-        # is found and removed by the next run there), else a temporary directory removed on any exit
-        if store is not None:
-            for stale in Path(cfg.checkpoint_dir).glob(".sft-*"):  # the lock says no other run uses them
-                shutil.rmtree(stale, ignore_errors=True)
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=".sft-" if store else "flowactors-",
-                                                              dir=cfg.checkpoint_dir if store else None))
-        if cfg.dashboard and ctl.dashboard_link:
-            from algorithms.dashboard_style import ROLE_COLORS
-            from flowactors.dashboard import install_dashboard
+    runner: Runner | None = None
+    name = algo_cls.name
+    try:
+        with user_errors(args, lambda: cfg, name), contextlib.ExitStack() as stack:
+            cfg = parse_args(args, preset, description)
+            run_plan = check_before_start(cfg)
+            data, eval_data = prompt_data(cfg)
+            store, ckpt, changes = None, None, []
+            if cfg.checkpoint_dir:
+                store = CheckpointStore(cfg.checkpoint_dir, keep_last=cfg.keep_last)
+                store.acquire()
+                stack.callback(store.release)
+                ckpt = store.resolve(cfg.resume)
+                if ckpt is not None:
+                    changes = check_resumable(ckpt.controller_state()["config"], cfg)
+            fa.configure_logging(cfg.log_format, cfg.log_level)  # before the cluster starts: workers inherit it
+            stack.enter_context(_interrupts_as_exit())
+            algo = algo_cls(cfg)
+            ctl = stack.enter_context(open_controller(cfg))
+            # the SFT export: inside the run's checkpoint directory when there is one (a killed controller's
+            # leftover is found and removed by the next run there), else a temporary directory removed on any exit
+            if store is not None:
+                for stale in Path(cfg.checkpoint_dir).glob(".sft-*"):  # the lock says no other run uses them
+                    shutil.rmtree(stale, ignore_errors=True)
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=".sft-" if store else "flowactors-",
+                                                                  dir=cfg.checkpoint_dir if store else None))
+            if cfg.dashboard and ctl.dashboard_link:
+                from algorithms.dashboard_style import ROLE_COLORS
+                from flowactors.dashboard import install_dashboard
 
-            page = install_dashboard(ctl.client, metrics=algo.key_metrics, role_colors=ROLE_COLORS)
-            print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
-                  file=sys.stderr)
-        return Runner(algo, ctl, Path(tmp), data, eval_data=eval_data, store=store, resume_from=ckpt,
-                    changes=changes, run_plan=run_plan).run()
+                page = install_dashboard(ctl.client, metrics=algo.key_metrics, role_colors=ROLE_COLORS)
+                print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
+                      file=sys.stderr)
+            runner = Runner(algo, ctl, Path(tmp), data, eval_data=eval_data, store=store, resume_from=ckpt,
+                            changes=changes, run_plan=run_plan)
+            return runner.run()
+    except KeyboardInterrupt as e:  # `Interrupted`, or a Ctrl-C before its handler was installed
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"{name}: {interrupted_note(signum, cfg, runner)}", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM reached the controller: the run unwinds and ends with one line (`run_program`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupted_note(signum: int, cfg: RLConfig | None, runner: "Runner | None") -> str:
+    """The one line an interrupted run ends with: where it stopped, what was saved, where the metrics are."""
+    how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    if runner is None:
+        return f"interrupted ({how}) while starting: nothing ran, nothing was saved"
+    done = [r["step"] for r in runner.history]
+    where = f"after {done[-1] + 1} of {runner.cfg.steps} steps" if done else "before its first step"
+    saved = runner.store.steps() if runner.store is not None else []
+    if saved:
+        ckpt = (f"the checkpoint of step {saved[-1]} is in {runner.cfg.checkpoint_dir} (--resume auto "
+                f"--checkpoint-dir {runner.cfg.checkpoint_dir} continues from it)")
+    elif runner.store is not None:
+        ckpt = f"no checkpoint was saved yet in {runner.cfg.checkpoint_dir} (save_every={runner.cfg.save_every})"
+    else:
+        ckpt = "no checkpoint (--checkpoint-dir D save_every=N saves them)"
+    metrics = (f"metrics of {len(done)} steps in {runner.cfg.metrics_file}" if runner.cfg.metrics_file
+               else "no metrics file (--metrics-file F keeps them)")
+    return f"interrupted ({how}) {where}; {ckpt}; {metrics}"
 
 
 @contextlib.contextmanager
-def _terminate_as_exit() -> Iterator[None]:
-    """SIGTERM (a scheduler's cancel, `kill`) unwinds like Ctrl-C, so temporary files, the cluster and the lock are
-    cleaned up; only SIGKILL skips that. Only the main thread can install handlers; elsewhere this does nothing."""
+def _interrupts_as_exit() -> Iterator[None]:
+    """Ctrl-C and SIGTERM (a scheduler's cancel, `kill`) raise `Interrupted` in the main thread, so temporary files,
+    the cluster and the lock are cleaned up; only SIGKILL skips that. While that runs, Dask's and flowactors' own
+    complaints about connections closing are silenced, and a second Ctrl-C exits at once. Only the main thread can
+    install handlers; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
+        signal.signal(signal.SIGINT, _exit_now)
+        signal.signal(signal.SIGTERM, _exit_now)
+        _quiet_teardown()
+        raise Interrupted(signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    print(f"\ninterrupted again ({signal.Signals(signum).name}): exiting without cleaning up", file=sys.stderr)
+    import os
+
+    os._exit(128 + signum)
+
+
+def _quiet_teardown() -> None:
+    """An interrupted run is closing on purpose: what Dask, tornado and the transports log about the connections and
+    workers going away is not news to the user."""
+    import logging
+
+    for logger in ("distributed", "tornado", "asyncio", "flowactors"):
+        logging.getLogger(logger).setLevel(logging.CRITICAL + 1)
+    threading.excepthook = lambda args: None  # the direct path's reader threads, as their connections close

@@ -232,6 +232,7 @@ class DirectChannel:
         self._pending: dict[str, weakref.WeakSet[DirectFuture]] = {}
         self._inflight: dict[str, tuple[DirectFuture, Any]] = {}  # key -> (future, its arguments, held)
         self._connections: dict[str, _Connection] = {}
+        self._listeners: dict[str, tuple[int, bytes]] = {}  # each worker's direct port and secret
         self._dropped: dict[str, list[str]] = {}
         self._flush_pending = False
         self._closed = False
@@ -243,7 +244,10 @@ class DirectChannel:
         if conn is None:
             from distributed.comm import get_address_host
 
-            port, secret = self._client.run(listen_port, workers=[address])[address]
+            if address not in self._listeners:  # all workers' at once, and never asked of a worker once it died
+                got = self._client.run(listen_port, on_error="return")
+                self._listeners.update({a: v for a, v in got.items() if isinstance(v, tuple)})
+            port, secret = self._listeners[address]  # KeyError: a worker the cluster does not know (any more)
             sock = socket.create_connection((get_address_host(address), port), timeout=30)
             try:
                 _answer(sock, secret)

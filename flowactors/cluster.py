@@ -46,6 +46,7 @@ def start_local(n_slots: int, dashboard: str | None, stream_interval_ms: float |
         n_workers=n_slots, threads_per_worker=1, processes=True, host="127.0.0.1",
         dashboard_address=dashboard, resources=resources, silence_logs=logging.WARNING,
         security=Security.temporary() if secure else None,
+        preload=["flowactors._local_preload"],  # Ctrl-C is the controller's to handle: workers ignore SIGINT
         # without a dashboard the scheduler still serves /health on an HTTP port: a free one, not 8787
         scheduler_kwargs=None if dashboard else {"dashboard_address": "127.0.0.1:0"},
         env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},

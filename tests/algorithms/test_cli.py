@@ -210,6 +210,49 @@ def test_the_program_itself_exits_2_without_a_traceback():
     assert proc.stderr.startswith("safe_rlhf: error: unknown setting 'prompt_per_step'")
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_and_sigterm_end_with_one_line_saying_what_was_saved(tmp_path, sig):
+    """The signal goes to the whole process group, as a terminal's Ctrl-C or a `kill -TERM -PGID` does: no process
+    prints a traceback, the run says where it stopped, what was saved and where the metrics are, and leaves its
+    checkpoint directory unlocked with every worker process gone."""
+    import os
+    import signal
+
+    import psutil
+
+    from flowactors.checkpoint import CheckpointStore
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = subprocess.Popen([sys.executable, "algorithms/safe_rlhf.py", "--steps", "400", "dashboard=none",
+                             "sft_steps=2", "--checkpoint-dir", str(ckpt), "save_every=2", "--metrics-file",
+                             str(metrics)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, getattr(signal, sig))
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + getattr(signal, sig)
+    lines = [x for x in err.replace("\r", "\n").splitlines() if x.strip() and "it/s" not in x
+             and "roles (" not in x]
+    assert lines and "Traceback" not in err and len(lines) == 1, err[-3000:]
+    steps = len(metrics.read_text().splitlines())
+    saved = CheckpointStore(ckpt).steps()
+    how = "Ctrl-C" if sig == "SIGINT" else "SIGTERM"
+    assert lines[0] == (f"safe_rlhf: interrupted ({how}) after {steps} of 400 steps; the checkpoint of step "
+                        f"{saved[-1]} is in {ckpt} (--resume auto --checkpoint-dir {ckpt} continues from it); "
+                        f"metrics of {steps} steps in {metrics}")
+    assert saved[-1] in (steps, steps - 1)
+    CheckpointStore(ckpt).acquire()  # the run's lock was released
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_safe_rlhf_summary_shows_the_threshold_and_whether_the_constraint_holds(capsys):
     algo = SafeRLHF(SafeRLHFConfig(cost_threshold=0.3))
     steps = [{"step": i, "cost_mean": c, "tokens_per_s": 1.0} for i, c in enumerate([0.9, 0.8, 0.5, 0.2])]

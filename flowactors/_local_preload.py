@@ -1,0 +1,20 @@
+"""The embedded cluster's worker processes leave Ctrl-C to the controller (a Dask preload module).
+
+A terminal's Ctrl-C goes to every process of its foreground group: the controller and each worker process of the
+embedded LocalCluster. Each worker would end on its own, with a KeyboardInterrupt traceback, while the controller
+still talks to it. Here the workers ignore SIGINT, and the controller, which owns them, stops them as it unwinds
+(`flowactors.cluster.start_local` loads this with `preload=`). Run before any task, on the worker's main thread.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+__all__ = ["dask_setup"]
+
+
+def dask_setup(worker: Any = None) -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
