@@ -48,7 +48,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from placement.plan import PlanError
 
     return (ConfigError, PlanError, fa.PlacementError, fa.SchedulerUnreachableError, CheckpointError,
-            SlurmStartupError, FileNotFoundError)
+            SlurmStartupError, fa.ClusterStartError, FileNotFoundError)
 
 
 USER_ERRORS = _user_error_types()

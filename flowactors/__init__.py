@@ -10,7 +10,7 @@ from flowactors.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from flowactors.controller import CallFuture, Controller
 from flowactors.dashboard import FlowactorsDashboard, install_dashboard
 from flowactors.errors import (EndpointError, FlowactorsError, HangError, PlacementError, RemoteError,
-                               SchedulerUnreachableError, WorkerLostError)
+                               SchedulerUnreachableError, WorkerLostError, ClusterStartError)
 from flowactors.group import ActorGroup
 from flowactors.log import _configure_from_env, configure_logging
 from flowactors.protocols import (ALL_TO_ALL, DP, MESH, ONE_TO_ALL, RANK_ZERO, Layout, Protocol, ProtocolError,
@@ -23,7 +23,7 @@ __all__ = [
     "Batch", "Controller", "CallFuture", "ActorGroup", "Worker", "endpoint", "Layout", "Protocol",
     "register_protocol", "get_protocol", "ONE_TO_ALL", "ALL_TO_ALL", "RANK_ZERO", "DP", "MESH",
     "FlowactorsError", "RemoteError", "HangError", "WorkerLostError", "EndpointError", "PlacementError", "ProtocolError",
-    "SchedulerUnreachableError",
+    "SchedulerUnreachableError", "ClusterStartError",
     "configure_logging", "install_dashboard", "FlowactorsDashboard", "CheckpointStore", "Checkpoint",
     "CheckpointError",
 ]

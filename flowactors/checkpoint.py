@@ -360,18 +360,14 @@ class CheckpointStore:
             return None
         if resume == "auto":
             found = self.latest_complete()
-            candidates = self._candidates()
-            if found is None and candidates:
-                problems = []
-                for path in candidates:
-                    try:
-                        self.load(path)
-                    except CheckpointError as error:
-                        problems.append(f"{path.name}: {error}")
+            step_dirs = self._step_dirs()
+            if found is None and step_dirs:
+                problems = [f"{path.name}: {self._problem(path)}" for path in step_dirs]
                 raise CheckpointError(
-                    f"resume=auto found {len(candidates)} checkpoint(s) under {self.root} and none verifies:\n  - "
-                    + "\n  - ".join(problems) + "\nresume=never starts over (saving over them), or resume=PATH "
-                    f"names another checkpoint", path=self.root)
+                    f"resume=auto found {len(step_dirs)} checkpoint director{'y' if len(step_dirs) == 1 else 'ies'} "
+                    f"under {self.root} and none verifies:\n  - " + "\n  - ".join(problems)
+                    + "\nresume=never starts over (saving over them), or resume=PATH names another checkpoint",
+                    path=self.root)
             return found
         path = Path(resume)
         if not path.exists() and (self.root / path).exists():
@@ -397,6 +393,21 @@ class CheckpointStore:
             match = _STEP_DIR.match(entry.name)
             if match and (entry / MANIFEST_NAME).is_file():
                 yield int(match.group(1)), entry
+
+    def _step_dirs(self) -> list[Path]:
+        """Every directory named like a checkpoint's, newest first, whether or not it holds a manifest."""
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), e) for e in self.root.iterdir() if (m := _STEP_DIR.match(e.name)) and e.is_dir()]
+        return [path for _, path in sorted(found, reverse=True)]
+
+    def _problem(self, path: Path) -> str:
+        """Why the step directory `path` cannot be resumed from, in words."""
+        try:
+            self.load(path)
+        except CheckpointError as error:
+            return str(error)
+        return "verifies, but is newer than the checkpoint `latest` names (an interrupted publish): resume=PATH"
 
     def _candidates(self) -> list[Path]:
         """Checkpoint directories to try, best first: the one ``latest`` names, then older ones by step."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from distributed import Client, LocalCluster
 
-from flowactors.errors import PlacementError, SchedulerUnreachableError
+from flowactors.errors import ClusterStartError, PlacementError, SchedulerUnreachableError
 
 __all__ = ["SLOT_RESOURCES", "check_interval", "discover_slots", "probe_scheduler", "shorten_streams",
            "start_local", "stop_workers"]
@@ -36,12 +36,28 @@ def start_local(n_slots: int, dashboard: str | None, stream_interval_ms: float |
     worker, and run code as the trainer. The direct-call sockets are guarded by secrets learned over these comms
     (flowactors._direct)."""
     import torch
-    from distributed.security import Security
 
     if n_slots < 1:
         raise ValueError(f"n_slots must be >= 1, got {n_slots}")
     check_interval(stream_interval_ms)
     resources = {"slot": 1} | ({"GPU": 1} if torch.cuda.is_available() else {})
+    try:
+        return _local_cluster(n_slots, dashboard, secure, resources)
+    except Exception as e:  # noqa: BLE001 - Dask's own words, chained, in one line
+        said, cause = [], e
+        while cause is not None:
+            said.append(f"{type(cause).__name__}: {cause}".rstrip(". "))
+            cause = cause.__cause__ or cause.__context__
+        part = ("a worker process ended or failed while starting" if "Nanny" in " ".join(said)
+                else "its scheduler or workers could not be set up")
+        raise ClusterStartError(f"the embedded cluster of {n_slots} worker process(es) did not start: {part} "
+                                f"({'; '.join(said)}); the processes' own output above says why (an import that "
+                                f"fails in them, memory, a signal)") from e
+
+
+def _local_cluster(n_slots: int, dashboard: str | None, secure: bool, resources: dict) -> LocalCluster:
+    from distributed.security import Security
+
     return LocalCluster(
         n_workers=n_slots, threads_per_worker=1, processes=True, host="127.0.0.1",
         dashboard_address=dashboard, resources=resources, silence_logs=logging.WARNING,

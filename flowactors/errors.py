@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["FlowactorsError", "RemoteError", "WorkerLostError", "EndpointError", "PlacementError", "HangError",
-           "SchedulerUnreachableError"]
+           "SchedulerUnreachableError", "ClusterStartError"]
 
 
 class FlowactorsError(RuntimeError):
@@ -63,3 +63,8 @@ class HangError(FlowactorsError, TimeoutError):
 
 class SchedulerUnreachableError(FlowactorsError, ConnectionError):
     """No Dask scheduler answered at the address given; the message says what is there and what to start."""
+
+
+class ClusterStartError(FlowactorsError):
+    """The embedded cluster did not start (a worker process died or failed while starting); the message says which
+    part failed and what Dask said."""

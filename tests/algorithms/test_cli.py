@@ -239,7 +239,7 @@ def test_ctrl_c_and_sigterm_end_with_one_line_saying_what_was_saved(tmp_path, si
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + getattr(signal, sig)
-    lines = [x for x in err.replace("\r", "\n").splitlines() if x.strip() and "it/s" not in x
+    lines = [x for x in err.replace("\r", "\n").splitlines() if x.strip() and "%|" not in x
              and "roles (" not in x]
     assert lines and "Traceback" not in err and len(lines) == 1, err[-3000:]
     steps = len(metrics.read_text().splitlines())
@@ -251,6 +251,23 @@ def test_ctrl_c_and_sigterm_end_with_one_line_saying_what_was_saved(tmp_path, si
     assert saved[-1] in (steps, steps - 1)
     CheckpointStore(ckpt).acquire()  # the run's lock was released
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_worker_process_that_dies_while_the_cluster_starts_is_one_line(tmp_path):
+    """Every spawned worker process exits at once (a sitecustomize on its path, as a broken environment would):
+    the run ends with one line naming what failed, not Dask's "Nanny failed to start" traceback."""
+    (tmp_path / "sitecustomize.py").write_text("import os, sys\nif '--multiprocessing-fork' in sys.argv:\n"
+                                               "    os._exit(3)\n")
+    import os
+
+    proc = subprocess.run([sys.executable, "algorithms/safe_rlhf.py", "--steps", "2", "dashboard=none"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(
+        "safe_rlhf: error: the embedded cluster of 2 worker process(es) did not start: a worker process ended or "
+        "failed while starting (RuntimeError: Nanny failed to start"), proc.stderr
 
 
 def test_safe_rlhf_summary_shows_the_threshold_and_whether_the_constraint_holds(capsys):

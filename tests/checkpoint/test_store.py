@@ -185,12 +185,28 @@ def test_all_damaged_means_no_checkpoint_and_resume_auto_refuses_to_start_over(s
     with capture_logs():
         assert store.latest_complete() is None
         # starting from step 0 would silently discard the run: the error lists what was found and why it failed
-        with pytest.raises(CheckpointError, match=r"(?s)resume=auto found 2 checkpoint\(s\) under .* and none "
+        with pytest.raises(CheckpointError, match=r"(?s)resume=auto found 2 checkpoint directories under .* and none "
                                                   r"verifies:\n  - step_000002: .*partial: it has no MANIFEST.json.*"
                                                   r"\n  - step_000001: .*corrupt: actor/rank0.bin.*"
                                                   r"resume=never starts over"):
             store.resolve("auto")
     assert store.resolve("never") is None
+
+
+def test_resume_auto_over_nothing_that_verifies_lists_every_step_directory(store: CheckpointStore) -> None:
+    """A step directory `latest` does not name and that has no manifest is listed too, not silently left out."""
+    first, second = save_step(store, 1), save_step(store, 2)
+    _flip_one_byte(first.path / "actor" / "rank0.bin", 0)
+    _flip_one_byte(second.path / "actor" / "rank0.bin", 0)
+    stray = store.root / "step_000003"
+    (stray / "actor").mkdir(parents=True)
+    with capture_logs():
+        with pytest.raises(CheckpointError) as raised:
+            store.resolve("auto")
+    lines = str(raised.value).splitlines()
+    assert lines[0].startswith("resume=auto found 3 checkpoint directories under")
+    assert [x.split(":")[0] for x in lines[1:4]] == ["  - step_000003", "  - step_000002", "  - step_000001"]
+    assert "no MANIFEST.json" in lines[1] and "corrupt: actor/rank0.bin" in lines[2]
 
 
 def test_one_run_at_a_time_holds_a_checkpoint_directory(store: CheckpointStore, tmp_path: Path) -> None:
