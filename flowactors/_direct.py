@@ -8,7 +8,9 @@ client and worker) costs ~0.9 ms for the round trip alone, each hop waking an ev
 other threads hold; keeping a Dask task per rank next to it for the record brings it back to ~3 ms; a plain socket
 per worker, written by the controller's thread and read by a thread of the worker that hands each item to the task
 thread, costs ~0.2 ms. So direct work is not a Dask task, and its requests and replies travel on such a socket.
-Worker-to-worker transfers (inputs, large outputs) stay on Dask's comms, where the bytes dominate.
+Inputs fetched worker to worker and large outputs fetched by the controller take the same kind of socket (a `get` on
+the producing worker's listener): with the embedded cluster's Dask comms on TLS, they would otherwise pay for
+encryption no one on the machine needs (measured with `benchmarks/dispatch.py --compare-open`).
 
 What calls keep promising, and how:
 
@@ -20,9 +22,10 @@ What calls keep promising, and how:
 - **Chaining.** An item's output stays in its worker's store under the item's key until the controller drops the
   future that names it (a `CallFuture` and every call that takes it as input). In a later item's arguments a
   `DirectFuture` travels as a `DirectRef` (key and worker); the worker replaces it by the value, from its own store
-  or fetched from the producing worker (one request, worker to worker; never through the controller).
+  or fetched from the producing worker (one `get` on that worker's direct listener, worker to worker; never
+  through the controller, which tells each worker its peers' listeners).
 - **Values.** The reply to the request carries the output when it is small (`INLINE_BYTES`), else only that it is
-  stored; `result()` then fetches it from the worker.
+  stored; `result()` then fetches it from the worker (a `get`, on a pooled connection of its own).
 - **Failures.** A rank's failure is its returned `RankFailure`, as on the Dask path; an exception raised by a
   runtime function (forming the world, a `Controller.apply`) is sent back and raised by `result()`, and items that
   take its output raise the same without running (as Dask fails a task whose input erred). A request to a dead worker
@@ -55,6 +58,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from contextlib import suppress as _suppress
 from collections.abc import Sequence
 from typing import Any
 
@@ -212,6 +216,61 @@ def _answer(sock: socket.socket, secret: bytes) -> None:
     sock.sendall(_proof(secret, hello[len(_HELLO):]))
 
 
+def _dial(address: str, port: int, secret: bytes) -> _Connection:
+    """An authenticated connection to the direct listener of the worker at `address`."""
+    from distributed.comm import get_address_host
+
+    sock = socket.create_connection((get_address_host(address), port), timeout=30)
+    try:
+        _answer(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return _Connection(sock)
+
+
+class _Fetcher:
+    """Fetches stored outputs from workers' direct listeners (a `get` per connection at a time, connections
+    pooled per worker): the controller's `values()` and a worker's inputs held by a peer. The bytes of a large
+    output travel here, authenticated but not encrypted, rather than on Dask's comms, which with TLS would encrypt
+    them on a machine where no one else can read the loopback traffic anyway."""
+
+    def __init__(self, listener: Any) -> None:
+        self._listener = listener  # address -> (port, secret)
+        self._idle: dict[str, list[_Connection]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str, key: str) -> dict:
+        """The worker's reply for `key`: {"status": "ok", "value"}, "raised" (with "exception") or "missing"."""
+        with self._lock:
+            idle = self._idle.get(address)
+            conn = idle.pop() if idle else None
+        if conn is None:
+            conn = _dial(address, *self._listener(address))
+        try:
+            conn.send(_frames(("get", key)))
+            reply = conn.receive()
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            self._idle.setdefault(address, []).append(conn)
+        return reply
+
+    def forget(self, address: str) -> None:
+        with self._lock:
+            for conn in self._idle.pop(address, []):
+                conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+
 def _read_exactly(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
@@ -233,29 +292,30 @@ class DirectChannel:
         self._inflight: dict[str, tuple[DirectFuture, Any]] = {}  # key -> (future, its arguments, held)
         self._connections: dict[str, _Connection] = {}
         self._listeners: dict[str, tuple[int, bytes]] = {}  # each worker's direct port and secret
+        self._fetcher = _Fetcher(self._listener)
+        self._fetch_pool: Any = None
         self._dropped: dict[str, list[str]] = {}
         self._flush_pending = False
         self._closed = False
         client.register_plugin(DirectPlugin(), name=PLUGIN_NAME)
 
     # -- connections -----------------------------------------------------------------------------------------
+    def _listener(self, address: str) -> tuple[int, bytes]:
+        """The port and secret of `address`'s direct listener. Asked of all workers at once, and never of one
+        that died (it would not answer); each connected worker is told the new table, to fetch from its peers."""
+        if address not in self._listeners:
+            got = self._client.run(listen_port, on_error="return")
+            self._listeners.update({a: v for a, v in got.items() if isinstance(v, tuple)})
+            for conn in list(self._connections.values()):
+                with _suppress(OSError):
+                    conn.send(_frames(("peers", dict(self._listeners))))
+        return self._listeners[address]  # KeyError: a worker the cluster does not know (any more)
+
     def _connection(self, address: str) -> _Connection:
         conn = self._connections.get(address)
         if conn is None:
-            from distributed.comm import get_address_host
-
-            if address not in self._listeners:  # all workers' at once, and never asked of a worker once it died
-                got = self._client.run(listen_port, on_error="return")
-                self._listeners.update({a: v for a, v in got.items() if isinstance(v, tuple)})
-            port, secret = self._listeners[address]  # KeyError: a worker the cluster does not know (any more)
-            sock = socket.create_connection((get_address_host(address), port), timeout=30)
-            try:
-                _answer(sock, secret)
-            except BaseException:
-                sock.close()
-                raise
-            sock.settimeout(None)
-            conn = _Connection(sock)
+            conn = _dial(address, *self._listener(address))
+            conn.send(_frames(("peers", dict(self._listeners))))
             self._connections[address] = conn
             threading.Thread(target=self._read_replies, args=(address, conn), daemon=True,
                              name=f"flowactors-direct {address}").start()
@@ -289,6 +349,9 @@ class DirectChannel:
         for conn in list(self._connections.values()):
             conn.close()
         self._connections.clear()
+        self._fetcher.close()
+        if self._fetch_pool is not None:
+            self._fetch_pool.shutdown(wait=False)
         try:
             self._client.unregister_worker_plugin(PLUGIN_NAME)
         except Exception:  # noqa: BLE001 - workers already gone
@@ -346,14 +409,18 @@ class DirectChannel:
     def values(self, futures: Sequence[DirectFuture]) -> list[Any]:
         """The outputs of finished futures, fetching stored ones from their workers (all at once)."""
         fetch = [f for f in futures if f.stored]
-        if fetch:
-            async def get() -> list[Any]:
-                return list(await asyncio.gather(*(self._client.rpc(f.address).flowactors_get(key=f.key)
-                                                   for f in fetch)))
+        if not fetch:
+            return [f.value for f in futures]
+        if len(fetch) == 1:
+            got = {fetch[0].key: self._fetcher.get(fetch[0].address, fetch[0].key)}
+        else:
+            if self._fetch_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
 
-            got = dict(zip((f.key for f in fetch), self._client.sync(get)))
-            return [_unwrap_reply(got[f.key]) if f.stored else f.value for f in futures]
-        return [f.value for f in futures]
+                self._fetch_pool = ThreadPoolExecutor(8, thread_name_prefix="flowactors-fetch")
+            replies = self._fetch_pool.map(lambda f: self._fetcher.get(f.address, f.key), fetch)
+            got = dict(zip((f.key for f in fetch), replies))
+        return [_unwrap_reply(got[f.key]) if f.stored else f.value for f in futures]
 
     def least_busy(self, addresses: Sequence[str]) -> str:
         """The address with the fewest items sent and not yet done (the first among equals)."""
@@ -372,6 +439,8 @@ class DirectChannel:
         conn = self._connections.pop(address, None) if lost else None
         if conn is not None:
             conn.close()
+        if lost:
+            self._fetcher.forget(address)
         return futs
 
     def release_one(self, key: str, address: str) -> None:
@@ -501,7 +570,7 @@ def _direct_futures(v: Any) -> list[DirectFuture]:
 
 
 def _unwrap_reply(reply: Any) -> Any:
-    """The value of a `flowactors_get` reply; raises `_InputRaised` for an item that raised, LookupError for
+    """The value of a fetch's reply (`_lookup`); raises `_InputRaised` for an item that raised, LookupError for
     one that was released."""
     if isinstance(reply, dict) and reply.get("status") == "raised":
         raise _InputRaised(reply.get("exception"))
@@ -517,6 +586,7 @@ _READY: dict[str, asyncio.Event] = {}  # touched on the worker's event loop only
 _SPANS: deque[tuple[str, float, float]] = deque(maxlen=20000)
 _REPORTS: deque[dict] = deque()
 _RUNNING: dict[str, Any] = {}  # {"key": ..., "thread": ident} while the task thread runs an item
+_PEERS: dict[str, tuple[int, bytes]] = {}  # every worker's direct listener, as the controller told this one
 
 
 class DirectPlugin(WorkerPlugin):
@@ -529,7 +599,6 @@ class DirectPlugin(WorkerPlugin):
         from distributed.comm import get_address_host
         from tornado.ioloop import PeriodicCallback
 
-        worker.handlers["flowactors_get"] = lambda comm=None, **kw: _handle_get(worker, **kw)
         self._listener = socket.create_server((get_address_host(worker.address), 0), backlog=128)
         secret = secrets.token_bytes(32)
         worker._flowactors_direct = (self._listener.getsockname()[1], secret)
@@ -539,6 +608,7 @@ class DirectPlugin(WorkerPlugin):
         self._report.start()
 
     def teardown(self, worker: Any) -> None:
+        _FETCHER.close()
         report = getattr(self, "_report", None)
         if report is not None:
             report.stop()
@@ -604,6 +674,12 @@ def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
             if msg[0] == "release":
                 loop.call_soon_threadsafe(_handle_release, msg[1])
                 continue
+            if msg[0] == "peers":
+                _PEERS.update(msg[1])
+                continue
+            if msg[0] == "get":  # on a fetch connection: one get at a time, so waiting here holds up no one
+                _serve_get(conn, loop, msg[1])
+                continue
             _, key, step, release = msg
             if release:
                 loop.call_soon_threadsafe(_handle_release, release)
@@ -621,6 +697,17 @@ def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
         _collect_refs((args, kwargs), refs)
         inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs), loop) if refs else None
         executor.submit(_job, worker, conn, order, key, step, fn, args, kwargs, inputs, list(refs))
+
+
+def _serve_get(conn: _Connection, loop: Any, key: str) -> None:
+    """Reply to a fetch of `key` once its item is done (its output, what it raised, or that it was released)."""
+    reply = asyncio.run_coroutine_threadsafe(_lookup(key), loop).result()
+    try:
+        frames = _frames(reply)
+    except Exception as e:  # noqa: BLE001 - an exception that cannot travel
+        frames = _frames({"status": "raised", "exception": RuntimeError(f"{key} raised, and its exception cannot "
+                                                                        f"be sent: {e}")})
+    conn.send(frames)
 
 
 def _raise(error: BaseException) -> None:
@@ -705,16 +792,35 @@ class _InputRaised(Exception):
         self.error = error
 
 
-async def _handle_get(worker: Any, key: str) -> dict:
-    from distributed.protocol import to_serialize
-
+async def _lookup(key: str) -> dict:
+    """On the worker's event loop: what a fetch of `key` gets, once its item is done."""
     await _ready(key).wait()
     if key not in _STORE:
-        return {"status": "missing", "message": f"{key} was released on {worker.address}"}
+        return {"status": "missing", "message": f"{key} was released"}
     value = _STORE[key]
     if isinstance(value, _Raised):
-        return {"status": "raised", "exception": to_serialize(value.error)}
-    return {"status": "ok", "value": to_serialize(value)}
+        return {"status": "raised", "exception": value.error}
+    return {"status": "ok", "value": value}
+
+
+def _peer(address: str) -> tuple[int, bytes]:
+    try:
+        return _PEERS[address]
+    except KeyError:
+        raise LookupError(f"no direct listener known for {address} (not a worker of this cluster)") from None
+
+
+_FETCHER = _Fetcher(_peer)
+_FETCH_POOL: Any = None
+
+
+def _fetch_pool() -> Any:
+    global _FETCH_POOL
+    if _FETCH_POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _FETCH_POOL = ThreadPoolExecutor(16, thread_name_prefix="flowactors-fetch")
+    return _FETCH_POOL
 
 
 def _handle_release(keys: Sequence[str]) -> None:
@@ -739,7 +845,8 @@ async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef]) -> 
                 if isinstance(got, _Raised):
                     raise _InputRaised(got.error)
                 return got
-            return _unwrap_reply(await worker.rpc(ref.address).flowactors_get(key=ref.key))
+            loop = asyncio.get_running_loop()
+            return _unwrap_reply(await loop.run_in_executor(_fetch_pool(), _FETCHER.get, ref.address, ref.key))
         except _InputRaised:
             raise
         except Exception as e:  # noqa: BLE001
