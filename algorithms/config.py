@@ -48,7 +48,7 @@ RANGES: dict[str, str] = {
     # Safe-RLHF's multiplier
     "lambda_init": "[0, inf)", "lambda_max": "[0, inf)",
     # fractions, caps and times
-    "async_rl.tis_cap": "[1, inf)", "recovery_wait_s": "[0, inf)",
+    "recovery_wait_s": "[0, inf)",
     "slurm.startup_timeout_s": "(0, inf)", "slurm.death_timeout_s": "(0, inf)",
 }
 """The interval each numeric setting must lie in, by its dotted name; every other float must be finite (nan and

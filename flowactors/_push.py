@@ -11,9 +11,10 @@ rank's output is larger, a push did not arrive, a future failed or was cancelled
 runs out.
 
 The inbox is a Dask comm server on the client's event loop. It listens on the interface the client reaches the
-scheduler from, with the cluster's security (TLS with the run's credentials for the embedded cluster), so it is used
-by default only with the embedded cluster (127.0.0.1, `Controller.local`) when direct calls are off; a controller joining a cluster (`Controller.connect`)
-keeps the plain path unless asked (`push_results=True`).
+scheduler from, with the cluster's own scheme and security (TLS with the run's credentials for the embedded
+cluster). It is used by default only with the embedded cluster (127.0.0.1, `Controller.local`) when direct calls
+are off; a controller joining a cluster (`Controller.connect`) keeps the plain path unless asked
+(`push_results=True`).
 """
 
 from __future__ import annotations

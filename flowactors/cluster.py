@@ -5,9 +5,10 @@ thread and one device slot each (resource `slot=1`, plus `GPU=1` where CUDA exis
 `Controller.connect(address)` joins an existing scheduler whose workers were started the same way, after probing
 the address (Dask's client would otherwise retry a wrong one for half a minute, or wait forever on a port that is
 not a scheduler). The embedded cluster's listeners accept only peers holding the run's credentials (TLS, made
-in memory per run; `secure=False` turns that off); a joined cluster keeps its own Dask security. `discover_slots` lists the workers that are device slots, ordered by host, then worker name, and
-refuses a slot with more than one thread (calls to one process must run one at a time). `shorten_streams` sets
-the Dask streams' batching interval (`flowactors._streams`). Slurm allocations start in `flowactors.slurm`.
+in memory per run; `secure=False` turns that off); a joined cluster keeps its own Dask security. `discover_slots`
+lists the workers that are device slots, ordered by host, then worker name, and refuses a slot with more than one
+thread (calls to one process must run one at a time). `shorten_streams` sets the Dask streams' batching interval
+(`flowactors._streams`). Slurm allocations start in `flowactors.slurm`.
 """
 
 from __future__ import annotations

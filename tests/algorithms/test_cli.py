@@ -105,7 +105,6 @@ def _plan(tmp_path, actor_train) -> str:
     (["temperature=0"], r"temperature=0.0 is outside \(0, inf\)"),
     (["dual_clip=1"], r"dual_clip=1.0 is outside \(1, inf\)"),
     (["kl_coef=-0.1"], r"kl_coef=-0.1 is outside \[0, inf\)"),
-    (["async_tis_cap=0.5"], r"async_rl.tis_cap=0.5 is outside \[1, inf\)"),
     (["recovery_wait_s=nan"], r"recovery_wait_s=nan is not a finite number"),
     (["slurm.startup_timeout_s=-5"], r"slurm.startup_timeout_s=-5.0 is outside \(0, inf\)"),
     (["rollout_engine=sglang"], r"rollout_engine must be hf or vllm"),
