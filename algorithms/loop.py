@@ -397,6 +397,7 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
             stack.enter_context(_interrupts_as_exit())
             algo = algo_cls(cfg)
             ctl = stack.enter_context(open_controller(cfg))
+            stack.callback(_quiet_workers, ctl)  # runs before the controller closes: quiet, if interrupted
             # the SFT export: inside the run's checkpoint directory when there is one (a killed controller's
             # leftover is found and removed by the next run there), else a temporary directory removed on any exit
             if store is not None:
@@ -461,8 +462,12 @@ def _interrupts_as_exit() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGINT, _exit_now)
         signal.signal(signal.SIGTERM, _exit_now)
-        _quiet_teardown()
+        _INTERRUPTED.set()
+        _quiet_logs()
+        threading.excepthook = lambda args: None  # the direct path's reader threads, as their connections close
         raise Interrupted(signum)
+
+    _INTERRUPTED.clear()
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -479,11 +484,24 @@ def _exit_now(signum: int, frame: Any) -> None:
     os._exit(128 + signum)
 
 
-def _quiet_teardown() -> None:
-    """An interrupted run is closing on purpose: what Dask, tornado and the transports log about the connections and
-    workers going away is not news to the user."""
+_INTERRUPTED = threading.Event()
+
+
+def _quiet_logs(dask_worker: Any = None) -> None:
+    """An interrupted run is closing on purpose: what Dask, tornado and flowactors log in this process about the
+    connections and workers going away is not news to the user (run on the workers too, `_quiet_workers`)."""
     import logging
 
-    for logger in ("distributed", "tornado", "asyncio", "flowactors"):
+    import structlog
+
+    for logger in ("distributed", "tornado", "asyncio"):
         logging.getLogger(logger).setLevel(logging.CRITICAL + 1)
-    threading.excepthook = lambda args: None  # the direct path's reader threads, as their connections close
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+
+
+def _quiet_workers(ctl: fa.Controller) -> None:
+    """After an interrupt, before the controller closes: the workers stop logging too (their heartbeats and calls
+    fail as the scheduler goes). A worker that is already gone is skipped."""
+    if _INTERRUPTED.is_set():
+        with contextlib.suppress(Exception):
+            ctl.client.run(_quiet_logs, on_error="ignore")

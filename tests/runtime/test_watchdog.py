@@ -97,7 +97,7 @@ def test_hang_report_of_an_apply_task_says_where_it_is(any_path):
         else:
             wanted = ", ".join(sorted(f.key for f in busy.futures))
             assert f"- join.apply task {key} on no worker yet: waiting for its inputs: {wanted}" in join
-        assert f" task {running.futures[0].key} on tcp://127.0.0.1:" in slow and "running slow.apply" in slow
+        assert f" task {running.futures[0].key} on tls://127.0.0.1:" in slow and "running slow.apply" in slow
         assert "time.sleep(seconds)" in slow  # its stack, in nap
         assert waiting.result(timeout=30) == 0.0 and running.result(timeout=30) == 4.0
     finally:
