@@ -7,6 +7,7 @@ The configuration of the TRL baseline (../shared/ref/peers/trl_grpo_cpu.py): a 3
 beta 0.04, fp32, the "fraction of digits" reward. Tokens per second = (prompt + response tokens per step) / step
 time, median over the steps after the first two. `controller_share` is the fraction of step time in which no
 worker was computing (the single controller's overhead plus Dask's scheduling). TRL runs only when installed.
+`--compare-open` adds `fa-open`: the same run on an embedded cluster without the run's credentials (docs/security.md).
 
 flowactors runs the actor over 2 data-parallel ranks under the 3D-HybridEngine (`rollout_tp=1`: whole replicas,
 gradients averaged, Adam state sharded ZeRO-1, generation from the rank's own replica) rather than FSDP2, whose
@@ -32,14 +33,17 @@ SETTINGS = ["task=digits", "sft_steps=0", "prompts_per_step=8", "samples_per_pro
             "model.max_position_embeddings=128", "dashboard=none", "rollout_tp=1"]
 
 
-def flowactors_row(steps: int) -> dict:
+def flowactors_row(steps: int, secure: bool = True) -> dict:
     """Throughput from a plain run; the controller share from a second, profiled run (the task-stream plugin
-    that measures it slows the scheduler, so it must not distort the throughput figure)."""
+    that measures it slows the scheduler, so it must not distort the throughput figure). `secure=False`: the
+    embedded cluster without the run's credentials (row `fa-open`)."""
     from algorithms.grpo import main
 
-    history = main(["--steps", str(steps), *SETTINGS])[2:]
-    profiled = main(["--steps", "6", *SETTINGS, "profile_controller=true"])[2:]
-    return {"system": "flowactors", "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in history), 1),
+    settings = [*SETTINGS, f"secure={str(secure).lower()}"]
+    history = main(["--steps", str(steps), *settings])[2:]
+    profiled = main(["--steps", "6", *settings, "profile_controller=true"])[2:]
+    return {"system": "flowactors" if secure else "fa-open",
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in history), 1),
             "controller_share": round(statistics.median(r["controller_share"] for r in profiled), 4),
             "step_s": round(statistics.median(r["step_s"] for r in history), 4)}
 
@@ -68,8 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--trl-python", default=sys.executable, help="interpreter of an environment with trl installed")
+    p.add_argument("--compare-open", action="store_true",
+                   help="also a run on an embedded cluster without the run's credentials (secure=false): the cost "
+                        "of TLS and the direct path's handshake end to end")
     args = p.parse_args(argv)
-    rows = [r for r in (flowactors_row(args.steps), trl_row(args.steps, args.trl_python)) if r]
+    opened = [flowactors_row(args.steps, secure=False)] if args.compare_open else []
+    rows = [r for r in (flowactors_row(args.steps), *opened, trl_row(args.steps, args.trl_python)) if r]
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -126,10 +126,13 @@ def by_call(outputs: Sequence[Any], calls: Sequence["CallFuture"]) -> list[list]
 
 def open_transport(client: Any, embedded: bool, direct_calls: bool | None, push_results: bool | None) -> Transport:
     """The transport a controller uses: direct calls when asked, or by default with the embedded cluster
-    (`embedded`); else Dask tasks, with pushed results when asked or by default with the embedded cluster.
-    Both fast paths listen on the interface the workers reach (127.0.0.1 for the embedded cluster), which is
-    why a controller joining a cluster uses them only when asked."""
-    if direct_calls or (direct_calls is None and embedded):
+    (`embedded`) and with a joined cluster whose comms are plain TCP; else Dask tasks, with pushed results when
+    asked or by default with the embedded cluster. The direct path authenticates each connection with a secret
+    learned over the cluster's comms but does not encrypt: on a TLS cluster that would be a weaker door than the
+    cluster's own, so a TLS cluster keeps the Dask path unless asked; on the embedded cluster (127.0.0.1) there is
+    nothing to encrypt against."""
+    plain = str(getattr(client.scheduler, "address", "")).startswith("tcp://")
+    if direct_calls or (direct_calls is None and (embedded or plain)):
         from flowactors._direct import DirectTransport
 
         return DirectTransport(client)
