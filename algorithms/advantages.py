@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.core import gae, grpo_advantages, kl_penalty, masked_whiten, remax_advantages, token_rewards
+from algorithms.core import (gae, grpo_advantages, kl_penalty, masked_whiten, reinforce_pp_advantages, remax_advantages,
+                             rloo_advantages, token_rewards)
 from engines.fields import (ADVANTAGES, COST_VALUES, COSTS, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK,
                             REWARD_VALUES, REWARDS, ValueFields)
 from flowactors import Batch
 
-__all__ = ["join", "ppo_advantages", "safe_rlhf_advantages", "grpo_step_advantages", "remax_step_advantages"]
+__all__ = ["join", "ppo_advantages", "safe_rlhf_advantages", "grpo_step_advantages", "remax_step_advantages",
+           "rloo_step_advantages", "reinforce_pp_step_advantages"]
 
 
 def _gae_fields(batch: Batch, scores: torch.Tensor, critic: ValueFields, kl_coef: float, kl_estimator: str,
@@ -77,3 +79,21 @@ def remax_step_advantages(*parts: Batch, greedy_rewards: Batch, kl_coef: float) 
         kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], "k1") * mask
         adv = adv - kl_coef * kl.sum(-1, keepdim=True) * mask
     return batch.union(Batch({ADVANTAGES: adv, "baseline_rewards": greedy_rewards[REWARDS]}))
+
+
+def rloo_step_advantages(*parts: Batch, kl_coef: float) -> Batch:
+    """RLOO: the KL-penalised reward (k1, summed over the response) minus the mean of the prompt's other samples'."""
+    batch = join(*parts)
+    mask = batch[RESPONSE_MASK]
+    scores = batch[REWARDS].float()
+    if kl_coef:
+        scores = scores - kl_coef * (kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], "k1") * mask).sum(-1)
+    return batch.union(Batch({ADVANTAGES: rloo_advantages(scores, batch["group"], mask)}))
+
+
+def reinforce_pp_step_advantages(*parts: Batch, kl_coef: float) -> Batch:
+    """REINFORCE++: token-level KL (k1) in the reward, returns-to-go, normalised over the whole batch."""
+    batch = join(*parts)
+    mask = batch[RESPONSE_MASK]
+    kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], "k1") if kl_coef else None
+    return batch.union(Batch({ADVANTAGES: reinforce_pp_advantages(batch[REWARDS], mask, kl, kl_coef)}))

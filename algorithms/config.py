@@ -25,7 +25,7 @@ from engines.training.common import OptimConfig
 from flowactors.slurm import SlurmSettings
 
 __all__ = ["RunConfig", "RLConfig", "FusionConfig", "AsyncConfig", "SHORT_FORMS", "PPOConfig", "SafeRLHFConfig", "GRPOConfig",
-           "ReMaxConfig", "ConfigError",
+           "ReMaxConfig", "RLOOConfig", "ReinforcePPConfig", "ConfigError",
            "PLACEMENTS", "apply_overrides",
            "check_trainable_layers", "check_zero_stage", "derived_sizes", "describe_settings", "field_docs", "validate"]
 
@@ -489,6 +489,38 @@ class ReMaxConfig(RLConfig):
     sft_steps: int = 60
     kl_coef: float = 0.02
     """KL penalty subtracted from each sample's return (k1, against the reference)."""
+    clip_ratio: float = 0.2
+    """PPO's clip range of the probability ratio."""
+
+
+@dataclass
+class RLOOConfig(RLConfig):
+    task: str = "reverse"
+    sft_steps: int = 60
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    mini_batch_samples: int = 32
+    kl_coef: float = 0.02
+    """KL penalty (k1, summed over the response) subtracted from each sample's reward before the baseline."""
+    clip_ratio: float = 0.2
+    """PPO's clip range of the probability ratio."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.samples_per_prompt < 2:
+            raise ConfigError(f"RLOO's baseline is the mean reward of a prompt's other samples: samples_per_prompt "
+                              f"must be >= 2, got {self.samples_per_prompt}")
+
+
+@dataclass
+class ReinforcePPConfig(RLConfig):
+    task: str = "reverse"
+    sft_steps: int = 60
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 1
+    mini_batch_samples: int = 32
+    kl_coef: float = 0.01
+    """KL penalty per token (k1) in the reward."""
     clip_ratio: float = 0.2
     """PPO's clip range of the probability ratio."""
 

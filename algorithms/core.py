@@ -101,6 +101,29 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.T
     return adv[:, None] * mask.to(torch.float32)
 
 
+def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """RLOO: r_i − the mean reward of the other samples of its prompt, broadcast over the response tokens. Each
+    group needs at least two samples (the config refuses fewer before start)."""
+    adv = torch.zeros_like(scores, dtype=torch.float32)
+    for g in group_ids.unique():
+        sel = group_ids == g
+        r = scores[sel].float()
+        k = r.numel()
+        if k < 2:
+            raise ValueError(f"RLOO needs at least 2 samples per prompt; group {int(g)} has {k}")
+        adv[sel] = r - (r.sum() - r) / (k - 1)
+    return adv[:, None] * mask.to(torch.float32)
+
+
+def reinforce_pp_advantages(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                            kl_coef: float = 0.0) -> torch.Tensor:
+    """REINFORCE++: the per-token reward (the score at the last response token, − kl_coef · KL at every token),
+    summed to a return-to-go (γ = 1, no critic), then whitened over every response token of the global batch."""
+    rewards = token_rewards(scores, mask, kl, kl_coef)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1) * mask.to(torch.float32)
+    return masked_whiten(returns, mask)
+
+
 def remax_advantages(scores: torch.Tensor, baseline_scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """ReMax: the return r(x, y) − r(x, ŷ_greedy) at every response token."""
     return (scores.float() - baseline_scores.float())[:, None] * mask.to(torch.float32)

@@ -66,6 +66,8 @@ ALGORITHMS = {
     "remax": ("actor", "ref", "reward"),
     "safe-rlhf": ("actor", "critic", "cost_critic", "ref", "reward", "cost"),
     "grpo": ("actor", "ref", "reward"),
+    "rloo": ("actor", "ref", "reward"),
+    "reinforce_pp": ("actor", "ref", "reward"),
 }
 
 STAGES = ("generate", "inference", "train")

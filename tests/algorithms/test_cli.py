@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.config import (ConfigError, GRPOConfig, PPOConfig, ReMaxConfig, RLConfig, SafeRLHFConfig,
+from algorithms.config import (ConfigError, GRPOConfig, PPOConfig, ReinforcePPConfig, ReMaxConfig, RLConfig,
+                               RLOOConfig, SafeRLHFConfig,
                                apply_overrides, describe_settings)
 from algorithms.metrics import MetricsFile, print_summary
 from algorithms.safe_rlhf import SafeRLHF
@@ -28,7 +29,8 @@ from flowactors import Layout
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("cls", [RLConfig, PPOConfig, SafeRLHFConfig, GRPOConfig, ReMaxConfig])
+@pytest.mark.parametrize("cls", [RLConfig, PPOConfig, SafeRLHFConfig, GRPOConfig, ReMaxConfig, RLOOConfig,
+                                 ReinforcePPConfig])
 def test_every_setting_is_documented_where_it_is_declared(cls):
     undocumented = [key for key, _, doc in describe_settings(cls()) if not doc]
     assert undocumented == []

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from algorithms.core import (AdaptiveKL, LagrangeMultiplier, PolicyLoss, ValueLoss, gae, grpo_advantages,
-                             kl_penalty, masked_mean, masked_whiten, policy_loss, remax_advantages, token_rewards,
-                             value_loss)
+                             kl_penalty, masked_mean, masked_whiten, policy_loss, reinforce_pp_advantages,
+                             remax_advantages, rloo_advantages, token_rewards, value_loss)
 from flowactors import Batch
 
 
@@ -184,3 +184,33 @@ def test_off_policy_corrections_of_the_policy_loss():
     assert hist["async/staleness_mean"] == pytest.approx(1.2)
     assert (hist["async/staleness_max"], hist["async/too_stale"]) == (2.0, 0.0)
     assert staleness_metrics(samples, version=4, max_staleness=2)["async/too_stale"] == 3.0
+
+
+def test_rloo_baseline_is_the_mean_of_the_other_samples_of_the_prompt():
+    scores = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 4.0])
+    groups = torch.tensor([7, 7, 7, 7, 9, 9])
+    mask = torch.tensor([[1, 1, 0]] * 6)
+    adv = rloo_advantages(scores, groups, mask)
+    # by hand: 1 - (2+3+6)/3, 2 - (1+3+6)/3, 3 - (1+2+6)/3, 6 - (1+2+3)/3; 0 - 4, 4 - 0
+    expected = torch.tensor([1 - 11 / 3, 2 - 10 / 3, 3 - 3.0, 6 - 2.0, -4.0, 4.0])
+    assert torch.allclose(adv[:, 0], expected) and torch.allclose(adv[:, 1], expected)
+    assert adv[:, 2].abs().sum() == 0  # padding gets nothing
+    with pytest.raises(ValueError, match="at least 2 samples per prompt; group 3 has 1"):
+        rloo_advantages(torch.tensor([1.0, 2.0, 5.0]), torch.tensor([1, 1, 3]), torch.ones(3, 2))
+
+
+def test_reinforce_pp_returns_to_go_with_token_kl_whitened_over_the_batch():
+    scores = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    kl = torch.tensor([[0.5, 0.0, 1.0], [2.0, 1.0, 9.0]])
+    beta = 0.1
+    # per token: -beta * kl, plus the score at the last response token; then the sum from each token on
+    raw = [[1 - beta * (0.5 + 0.0 + 1.0), 1 - beta * (0.0 + 1.0), 1 - beta * 1.0],
+           [-1 - beta * (2.0 + 1.0), -1 - beta * 1.0]]
+    flat = torch.tensor([v for row in raw for v in row])
+    whitened = (flat - flat.mean()) / flat.std(unbiased=True)
+    adv = reinforce_pp_advantages(scores, mask, kl, beta)
+    assert torch.allclose(adv[mask.bool()], whitened, atol=1e-5)
+    assert adv[1, 2] == 0
+    plain = reinforce_pp_advantages(scores, mask)  # no KL: every token of a response carries its score
+    assert torch.allclose(plain[0, :3], plain[0, 0].expand(3)) and plain[0, 0] > 0 > plain[1, 0]

@@ -31,7 +31,8 @@ def test_safe_rlhf_cost_ends_below_threshold_while_reward_rises(tmp_path):
     assert max(r["lagrange_lambda"] for r in h[:40]) > h[0]["lagrange_lambda"]  # λ rose while violated
 
 
-@pytest.mark.parametrize("algo, margin", [("ppo", 0.05), ("grpo", 0.05), ("remax", 0.05)])
+@pytest.mark.parametrize("algo, margin", [("ppo", 0.05), ("grpo", 0.05), ("remax", 0.05), ("rloo", 0.05),
+                                          ("reinforce_pp", 0.05)])
 def test_algorithm_learns_its_task(tmp_path, algo, margin):
     import importlib
 
