@@ -97,6 +97,16 @@ def test_without_security_the_same_stranger_gets_in(tmp_path):
         marker = tmp_path / "ran"
         asyncio.run(_stranger_sends(address, marker, None))
         assert marker.exists()
+        # joining a plain-TCP cluster, the (authenticated) direct path is the default: no weaker than its door
+        with fa.Controller.connect(ctl.cluster.scheduler_address) as joined:
+            assert joined.direct_calls
+
+
+def test_joining_a_tls_cluster_keeps_the_dask_path_unless_asked(ctl):
+    """The direct path authenticates but does not encrypt: on a TLS cluster it would be the weaker door."""
+    with fa.Controller.connect(ctl.cluster.scheduler_address, security=ctl.cluster.security) as joined:
+        assert not joined.direct_calls
+        assert len(joined.slots) == 2
 
 
 def _closed_by_peer(s: socket.socket) -> bool:
