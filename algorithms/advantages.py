@@ -17,7 +17,7 @@ from engines.fields import (ADVANTAGES, COST_VALUES, COSTS, OLD_LOG_PROBS, REF_L
 from flowactors import Batch
 
 __all__ = ["join", "ppo_advantages", "safe_rlhf_advantages", "grpo_step_advantages", "remax_step_advantages",
-           "rloo_step_advantages", "reinforce_pp_step_advantages"]
+           "rloo_step_advantages", "reinforce_pp_step_advantages", "varied_groups", "fill_groups"]
 
 
 def _gae_fields(batch: Batch, scores: torch.Tensor, critic: ValueFields, kl_coef: float, kl_estimator: str,
@@ -97,3 +97,30 @@ def reinforce_pp_step_advantages(*parts: Batch, kl_coef: float) -> Batch:
     mask = batch[RESPONSE_MASK]
     kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], "k1") if kl_coef else None
     return batch.union(Batch({ADVANTAGES: reinforce_pp_advantages(batch[REWARDS], mask, kl, kl_coef)}))
+
+
+def varied_groups(*parts: Batch, offset: int, max_len: int = 0, buffer: int = 0, penalty: float = 0.0,
+                  keep_all: bool = False) -> Batch:
+    """DAPO: the samples of the groups whose rewards are not all equal (the others give no advantage; `keep_all`
+    keeps every group), their groups renumbered from `offset` so rounds can be merged. With `buffer`, rewards first
+    get the overlong shaping: a response longer than max_len − buffer loses up to `penalty`, linearly over the
+    buffer."""
+    batch = join(*parts)
+    if buffer:
+        length = batch[RESPONSE_MASK].sum(-1).float()
+        shaped = batch[REWARDS].float() - penalty * ((length - (max_len - buffer)) / buffer).clamp(0, 1)
+        batch = Batch({**batch.tensors, REWARDS: shaped}, batch.rows, batch.meta)
+    groups, rewards = batch["group"], batch[REWARDS].float()
+    kept = [g for g in groups.unique().tolist()
+            if keep_all or bool((rewards[groups == g] != rewards[groups == g][0]).any())]
+    rows = torch.cat([torch.nonzero(groups == g).flatten() for g in kept]) if kept else torch.zeros(0, dtype=torch.long)
+    out = batch.take(rows)
+    renumber = {g: offset + j for j, g in enumerate(kept)}
+    renumbered = torch.tensor([renumber[int(g)] for g in out["group"]], dtype=groups.dtype)
+    return Batch({**out.tensors, "group": renumbered}, out.rows, out.meta)
+
+
+def fill_groups(*rounds: Batch, groups: int) -> Batch:
+    """The first `groups` groups of the rounds' kept samples, as one batch (a step's exact size)."""
+    batch = Batch.concat([r for r in rounds if len(r)])
+    return batch.take(torch.nonzero(batch["group"] < groups).flatten())

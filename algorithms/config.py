@@ -25,7 +25,8 @@ from engines.training.common import OptimConfig
 from flowactors.slurm import SlurmSettings
 
 __all__ = ["RunConfig", "RLConfig", "FusionConfig", "AsyncConfig", "SHORT_FORMS", "PPOConfig", "SafeRLHFConfig", "GRPOConfig",
-           "ReMaxConfig", "RLOOConfig", "ReinforcePPConfig", "ConfigError",
+           "ReMaxConfig", "RLOOConfig", "ReinforcePPConfig", "GSPOConfig", "DAPOConfig",
+           "ConfigError",
            "PLACEMENTS", "apply_overrides",
            "check_trainable_layers", "check_zero_stage", "derived_sizes", "describe_settings", "field_docs", "validate"]
 
@@ -43,6 +44,7 @@ RANGES: dict[str, str] = {
     "actor_lr": "(0, inf)", "critic_lr": "(0, inf)", "sft_lr": "(0, inf)", "lambda_lr": "[0, inf)",
     # the loss
     "temperature": "(0, inf)", "kl_coef": "[0, inf)", "kl_target": "(0, inf)", "clip_ratio": "(0, inf)",
+    "clip_ratio_high": "(0, inf)",
     "dual_clip": "(1, inf)", "value_clip": "(0, inf)", "entropy_coef": "[0, inf)", "ptx_coef": "[0, inf)",
     "gamma": "[0, 1]", "lam": "[0, 1]",
     # Safe-RLHF's multiplier
@@ -491,6 +493,54 @@ class ReMaxConfig(RLConfig):
     """KL penalty subtracted from each sample's return (k1, against the reference)."""
     clip_ratio: float = 0.2
     """PPO's clip range of the probability ratio."""
+
+
+@dataclass
+class GSPOConfig(GRPOConfig):
+    kl_coef: float = 0.0
+    """KL to the reference, in the loss (k3); GSPO's paper uses none."""
+    clip_ratio: float = 3e-4
+    """Lower clip of the sequence-level ratio, 1 − clip_ratio (GSPO's ε_left: ratios of whole sequences stay close
+    to 1, so the range is far narrower than a token's)."""
+    clip_ratio_high: float = 4e-4
+    """Upper clip of the sequence-level ratio, 1 + clip_ratio_high (GSPO's ε_right)."""
+
+
+@dataclass
+class DAPOConfig(GRPOConfig):
+    kl_coef: float = 0.0
+    """KL to the reference, in the loss (k3); DAPO uses none."""
+    clip_ratio: float = 0.2
+    """Lower clip of the token ratio, 1 − clip_ratio (DAPO's ε_low)."""
+    clip_ratio_high: float = 0.28
+    """Upper clip, 1 + clip_ratio_high (DAPO's clip-higher, ε_high > ε_low: room for unlikely tokens to grow)."""
+    dynamic_sampling: bool = True
+    """Drop the groups whose rewards are all equal (no advantage, no gradient) and generate more prompts until a
+    step's batch is full again."""
+    max_gen_rounds: int = 4
+    """Generation rounds a step may take to fill its batch with groups that vary; past it the run stops with the
+    reason."""
+    overlong_buffer: int = 0
+    """DAPO's overlong reward shaping: a response longer than max_new_tokens − overlong_buffer loses up to
+    overlong_penalty, linearly over the buffer (0: off; needs max_new_tokens)."""
+    overlong_penalty: float = 1.0
+    """The most a response at max_new_tokens loses under overlong shaping."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dynamic_sampling and self.samples_per_prompt < 2:
+            raise ConfigError(f"dynamic_sampling keeps the groups whose rewards vary, which needs samples_per_prompt "
+                              f">= 2, got {self.samples_per_prompt}; or dynamic_sampling=false")
+        if self.dynamic_sampling and self.async_rl.staleness:
+            raise ConfigError("dynamic_sampling with async_staleness is not built yet (the rollout replicas would "
+                              "have to refill a step's batch); set one of them off")
+        if self.max_gen_rounds < 1:
+            raise ConfigError(f"max_gen_rounds must be >= 1, got {self.max_gen_rounds}")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ConfigError("overlong_buffer and overlong_penalty must be >= 0")
+        if self.overlong_buffer and not 0 < self.overlong_buffer < self.max_new_tokens:
+            raise ConfigError(f"overlong_buffer={self.overlong_buffer} needs max_new_tokens > it (the response "
+                              f"length it is measured against), got max_new_tokens={self.max_new_tokens}")
 
 
 @dataclass

@@ -130,11 +130,15 @@ def remax_advantages(scores: torch.Tensor, baseline_scores: torch.Tensor, mask: 
 
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                clip_ratio: float = 0.2, dual_clip: float | None = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss (with dual clip for negative advantages); returns (loss, clipped mask)."""
-    ratio = torch.exp(log_probs - old_log_probs)
+                clip_ratio: float = 0.2, dual_clip: float | None = 3.0, clip_ratio_high: float | None = None,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss (with dual clip for negative advantages); returns (loss, clipped mask).
+    The ratio is clipped to [1 − clip_ratio, 1 + clip_ratio_high] (clip_ratio_high None: clip_ratio). With the
+    response `mask`, the ratio is GSPO's sequence-level one instead (`sequence_ratio`)."""
+    ratio = torch.exp(log_probs - old_log_probs) if mask is None else sequence_ratio(log_probs, old_log_probs, mask)
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     l1 = -advantages * ratio
-    l2 = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
+    l2 = -advantages * ratio.clamp(1 - clip_ratio, 1 + high)
     loss = torch.maximum(l1, l2)
     clipped = (l2 > l1).float()
     if dual_clip is not None:
@@ -143,6 +147,15 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         bound = -advantages * dual_clip
         loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
     return loss, clipped
+
+
+def sequence_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's importance ratio at every response token (its "GSPO-token" form): the value is the sequence's
+    length-normalised ratio exp(mean over its tokens of log π − log π_old), the same at each of its tokens; the
+    gradient at a token is that value times the token's own ∇log π."""
+    mask = mask.to(log_probs.dtype)
+    seq = ((log_probs - old_log_probs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
+    return torch.exp(seq.detach() + log_probs - log_probs.detach())
 
 
 def truncated_importance_weight(proximal: torch.Tensor, behaviour: torch.Tensor, cap: float
@@ -174,6 +187,10 @@ class PolicyLoss:
     kl_coef: float = 0.0
     """KL-in-loss coefficient (GRPO); 0 when the KL is in the reward (PPO)."""
     kl_estimator: str = "k3"
+    clip_ratio_high: float | None = None
+    """The upper clip 1 + clip_ratio_high (DAPO's clip-higher, GSPO's asymmetric range); None: clip_ratio."""
+    sequence_level: bool = False
+    """GSPO: the importance ratio (and its clipping) is the sequence's, length-normalised (`sequence_ratio`)."""
     behaviour_old: bool = False
     """Clip against the behaviour log-probs recorded at generation (ROLLOUT_LOG_PROBS) instead of OLD_LOG_PROBS:
     stale samples without a proximal pass (async_correction=none)."""
@@ -191,7 +208,8 @@ class PolicyLoss:
             # Without old log-probs the batch is trained on by the policy that sampled it, in one optimizer step
             # (GRPO's on-policy case): the ratio is exactly 1, so the current log-probs, detached, are the old ones.
             old = mb[OLD_LOG_PROBS] if OLD_LOG_PROBS in mb else out["log_probs"].detach()
-        loss, clipped = policy_loss(out["log_probs"], old, mb[ADVANTAGES], self.clip_ratio, self.dual_clip)
+        loss, clipped = policy_loss(out["log_probs"], old, mb[ADVANTAGES], self.clip_ratio, self.dual_clip,
+                                    self.clip_ratio_high, mask if self.sequence_level else None)
         metrics = {"pg_loss": float(masked_mean(loss.detach(), mask)), "pg_clipfrac": float(masked_mean(clipped, mask))}
         if self.tis_cap is not None:
             weight, truncated = truncated_importance_weight(old, mb[ROLLOUT_LOG_PROBS], self.tis_cap)

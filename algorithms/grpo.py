@@ -60,8 +60,7 @@ class GRPO(Algorithm):
         self.stage("generate", *scored.generated), self.stage("score", batch), self.stage("update", update)
         m, u = metrics.result(), update.result()
         if self.on_policy:  # the update's forward ran the sampling policy: its entropy and KL are the step's
-            m.setdefault("entropy", u["entropy"])
-            m.setdefault("kl", u["kl"])
+            m.update({k: u[k] for k in ("entropy", "kl") if k in u and k not in m})  # no KL without kl_coef
         return {**m, **update_metrics({"actor": u})}
 
 

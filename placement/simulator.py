@@ -66,8 +66,10 @@ ALGORITHMS = {
     "remax": ("actor", "ref", "reward"),
     "safe-rlhf": ("actor", "critic", "cost_critic", "ref", "reward", "cost"),
     "grpo": ("actor", "ref", "reward"),
+    "dapo": ("actor", "ref", "reward"),
+    "gspo": ("actor", "ref", "reward"),
     "rloo": ("actor", "ref", "reward"),
-    "reinforce_pp": ("actor", "ref", "reward"),
+    "reinforce-pp": ("actor", "ref", "reward"),
 }
 
 STAGES = ("generate", "inference", "train")

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.config import (ConfigError, GRPOConfig, PPOConfig, ReinforcePPConfig, ReMaxConfig, RLConfig,
-                               RLOOConfig, SafeRLHFConfig,
+from algorithms.config import (ConfigError, DAPOConfig, GRPOConfig, GSPOConfig, PPOConfig, ReinforcePPConfig,
+                               ReMaxConfig, RLConfig, RLOOConfig, SafeRLHFConfig,
                                apply_overrides, describe_settings)
 from algorithms.metrics import MetricsFile, print_summary
 from algorithms.safe_rlhf import SafeRLHF
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("cls", [RLConfig, PPOConfig, SafeRLHFConfig, GRPOConfig, ReMaxConfig, RLOOConfig,
-                                 ReinforcePPConfig])
+                                 ReinforcePPConfig, GSPOConfig, DAPOConfig])
 def test_every_setting_is_documented_where_it_is_declared(cls):
     undocumented = [key for key, _, doc in describe_settings(cls()) if not doc]
     assert undocumented == []
@@ -252,6 +252,31 @@ def test_ctrl_c_and_sigterm_end_with_one_line_saying_what_was_saved(tmp_path, si
     assert saved[-1] in (steps, steps - 1)
     CheckpointStore(ckpt).acquire()  # the run's lock was released
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_dapo_refuses_what_dynamic_sampling_cannot_do(capsys, no_cluster):
+    from algorithms.dapo import main as dapo
+
+    with pytest.raises(SystemExit):
+        dapo(["samples_per_prompt=1", "mini_batch_samples=8"])
+    assert "dynamic_sampling keeps the groups whose rewards vary, which needs samples_per_prompt >= 2" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        dapo(["overlong_buffer=8"])
+    assert "overlong_buffer=8 needs max_new_tokens > it" in capsys.readouterr().err
+
+
+def test_dapo_that_cannot_fill_its_batch_stops_with_the_reason(capsys):
+    """Near-greedy sampling makes every group's samples, and so its rewards, equal: no group can be kept."""
+    from algorithms.dapo import main as dapo
+
+    with pytest.raises(SystemExit) as exit_:
+        dapo(["--steps", "2", "dashboard=none", "sft_steps=0", "temperature=1e-6", "max_gen_rounds=2"])
+    assert exit_.value.code == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert lines == ["dapo: error: dynamic sampling kept 0 of the 8 groups a step needs after 2 generation rounds "
+                     "at step 0 (the others' rewards were all equal); raise max_gen_rounds or samples_per_prompt, "
+                     "or dynamic_sampling=false"]
 
 
 def test_a_worker_process_that_dies_while_the_cluster_starts_is_one_line(tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from algorithms.core import (AdaptiveKL, LagrangeMultiplier, PolicyLoss, ValueLoss, gae, grpo_advantages,
                              kl_penalty, masked_mean, masked_whiten, policy_loss, reinforce_pp_advantages,
-                             remax_advantages, rloo_advantages, token_rewards, value_loss)
+                             remax_advantages, rloo_advantages, sequence_ratio, token_rewards, value_loss)
 from flowactors import Batch
 
 
@@ -214,3 +214,47 @@ def test_reinforce_pp_returns_to_go_with_token_kl_whitened_over_the_batch():
     assert adv[1, 2] == 0
     plain = reinforce_pp_advantages(scores, mask)  # no KL: every token of a response carries its score
     assert torch.allclose(plain[0, :3], plain[0, 0].expand(3)) and plain[0, 0] > 0 > plain[1, 0]
+
+
+def test_gspo_sequence_ratio_is_the_length_normalised_one_with_per_token_gradients():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -9.0]])
+    new = torch.tensor([[-0.8, -2.2, -0.2], [-1.3, -0.9, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    ratio = sequence_ratio(new, old, mask)
+    # by hand: exp(mean of the log-ratio over each response): (0.2 − 0.2 + 0.3) / 3 and (−0.3 + 0.1) / 2
+    seq = torch.tensor([math.exp(0.3 / 3), math.exp(-0.2 / 2)])
+    assert torch.allclose(ratio.detach(), seq[:, None].expand(2, 3))
+    (ratio * mask).sum().backward()
+    # d/d new_t of the GSPO-token ratio: the sequence's ratio (value), per masked token
+    assert torch.allclose(new.grad, seq[:, None] * mask)
+
+
+def test_clip_higher_and_sequence_level_clipping():
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    mask = torch.ones(2, 2)
+    old = torch.zeros(2, 2)
+    new = torch.full((2, 2), 0.1)  # every ratio exp(0.1) = 1.105
+    loss, clipped = policy_loss(new, old, adv, clip_ratio=0.05, dual_clip=None, clip_ratio_high=0.2)
+    assert torch.allclose(loss[0], -adv[0] * math.exp(0.1)) and clipped[0].sum() == 0  # inside 1 + 0.2
+    loss, clipped = policy_loss(new, old, adv, clip_ratio=0.05, dual_clip=None)  # symmetric: clipped at 1.05
+    assert torch.allclose(loss[0], torch.full((2,), -1.05)) and clipped[0].sum() == 2
+    loss, clipped = policy_loss(new, old, adv, 3e-4, None, 4e-4, mask)  # GSPO's range: the sequence is clipped
+    assert torch.allclose(loss[0], torch.full((2,), -(1 + 4e-4))) and clipped[0].sum() == 2
+
+
+def test_dapo_keeps_the_groups_whose_rewards_vary_and_shapes_overlong_responses():
+    from algorithms.advantages import fill_groups, varied_groups
+
+    lengths = [10, 6, 8, 10, 3, 3]
+    mask = torch.tensor([[1] * n + [0] * (10 - n) for n in lengths])
+    batch = Batch({"group": torch.tensor([0, 0, 1, 1, 2, 2]), "rewards": torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]),
+                   "response_mask": mask, "x": torch.arange(6)})
+    kept = varied_groups(batch, offset=5)
+    assert kept["x"].tolist() == [2, 3] and kept["group"].tolist() == [5, 5]
+    assert len(varied_groups(batch, offset=0, keep_all=True)) == 6
+    # overlong shaping over the last 4 of 10 tokens, penalty 1: length 10 loses 1, 8 loses 0.5, 6 and less nothing
+    shaped = varied_groups(batch, offset=0, max_len=10, buffer=4, penalty=1.0)
+    assert shaped["x"].tolist() == [0, 1, 2, 3]  # group 0 now varies: 1 − 1 = 0 against 1
+    assert shaped["rewards"].tolist() == [0.0, 1.0, -0.5, 0.0]
+    two = fill_groups(kept, varied_groups(batch, offset=6, keep_all=True), groups=7)
+    assert two["group"].tolist() == [5, 5, 6, 6] and two["x"].tolist() == [2, 3, 0, 1]

@@ -32,7 +32,7 @@ def test_safe_rlhf_cost_ends_below_threshold_while_reward_rises(tmp_path):
 
 
 @pytest.mark.parametrize("algo, margin", [("ppo", 0.05), ("grpo", 0.05), ("remax", 0.05), ("rloo", 0.05),
-                                          ("reinforce_pp", 0.05)])
+                                          ("reinforce_pp", 0.05), ("gspo", 0.05), ("dapo", 0.05)])
 def test_algorithm_learns_its_task(tmp_path, algo, margin):
     import importlib
 
