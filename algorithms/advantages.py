@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.core import (gae, grpo_advantages, kl_penalty, masked_whiten, reinforce_pp_advantages, remax_advantages,
-                             rloo_advantages, token_rewards)
+from algorithms.core import (gae, grpo_advantages, kl_penalty, masked_whiten, reinforce_pp_advantages,
+                             remax_advantages, rloo_advantages, token_rewards)
 from engines.fields import (ADVANTAGES, COST_VALUES, COSTS, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK,
                             REWARD_VALUES, REWARDS, ValueFields)
 from flowactors import Batch
