@@ -447,8 +447,6 @@ class PPOConfig(RLConfig):
         super().__post_init__()
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ConfigError(f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
-        if not 0 <= self.lam <= 1 or not 0 <= self.gamma <= 1:
-            raise ConfigError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
 
 
 @dataclass

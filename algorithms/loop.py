@@ -417,7 +417,7 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
             return runner.run()
     except KeyboardInterrupt as e:  # `Interrupted`, or a Ctrl-C before its handler was installed
         signum = getattr(e, "signum", signal.SIGINT)
-        print(f"{name}: {interrupted_note(signum, cfg, runner)}", file=sys.stderr)
+        print(f"{name}: {interrupted_note(signum, runner)}", file=sys.stderr)
         raise SystemExit(128 + signum) from None
 
 
@@ -429,7 +429,7 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def interrupted_note(signum: int, cfg: RLConfig | None, runner: "Runner | None") -> str:
+def interrupted_note(signum: int, runner: "Runner | None") -> str:
     """The one line an interrupted run ends with: where it stopped, what was saved, where the metrics are."""
     how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     if runner is None:

@@ -118,7 +118,6 @@ def _closed_by_peer(s: socket.socket) -> bool:
 
 
 def _direct_port(ctl, address: str) -> int:
-    ctl.client.run(lambda: None)  # the plugin runs on every worker once a direct controller exists
     return ctl.client.run(_direct.listen_port, workers=[address])[address][0]
 
 
