@@ -83,7 +83,8 @@ def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, export
         spec = UpdateSpec(cfg.sft_samples_per_step, epochs=1, shuffle_seed=cfg.seed, lr=cfg.sft_lr)
         actor.update_actor(batch, SFTLoss(), spec).result()
     path = actor.export_hf(str(export_dir / "sft")).result()
-    return ModelConfig(path=path, dtype=cfg.model.dtype, engine=cfg.model.engine)
+    return ModelConfig(path=path, dtype=cfg.model.dtype, engine=cfg.model.engine,
+                       pack_sequences=cfg.model.pack_sequences)
 
 
 def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptData, workdir: Path, *,
@@ -128,6 +129,7 @@ def _scorer(group: Callable[..., fa.ActorGroup], role: str, model_dir: str | Non
     from engines import RewardModelWorker, RuleRewardWorker
 
     if model_dir:
-        return group(role, RewardModelWorker, ModelConfig(path=model_dir, dtype=policy.dtype, engine=policy.engine),
-                     policy, None, zero_stage)
+        scorer = ModelConfig(path=model_dir, dtype=policy.dtype, engine=policy.engine,
+                             pack_sequences=policy.pack_sequences)
+        return group(role, RewardModelWorker, scorer, policy, None, zero_stage)
     return group(role, RuleRewardWorker, rule, policy)

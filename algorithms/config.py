@@ -304,6 +304,10 @@ class RLConfig(RunConfig):
     1 = a whole replica per rank (its TP shard when tp > 1), gradients averaged once per mini-batch, Adam state
     sharded (ZeRO-1), and the actor samples from its own replica: less communication for models that fit on one
     device. The 3D-HybridEngine (rollout_tp) always keeps replicas."""
+    pack_sequences: bool = False
+    """Pack rows of different lengths end to end in every role's forward and backward passes instead of padding
+    each to the longest (torch engine; the same numbers, less compute where lengths vary); sets
+    model.pack_sequences."""
     # -- model and sampling ---------------------------------------------------------------------------------------
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (and the models started from it): model.path=DIR loads a Hugging Face folder, else sizes."""
@@ -345,6 +349,11 @@ class RLConfig(RunConfig):
             raise ConfigError(f"rollout_engine must be hf or vllm (or a registered 'module:name'), got "
                               f"{self.rollout_engine!r}")
         check_zero_stage(self.zero_stage)
+        if self.pack_sequences or self.model.pack_sequences:
+            if self.model.engine != "torch":
+                raise ConfigError(f"pack_sequences=true runs on the torch engine; the {self.model.engine} engine does "
+                                  f"not pack rows yet: set model.engine=torch or pack_sequences=false")
+            self.pack_sequences = self.model.pack_sequences = True
         if self.rollout_tp < 0:
             raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
         if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:

@@ -62,6 +62,13 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
     from engines.training.torch_native import TrainEngine
 
     net, layout = setup.model, setup.layout
+    if setup.config.pack_sequences:
+        from engines.training.packing import check_packable
+
+        check_packable(net)
+        if setup.head == "score" and not isinstance(getattr(net, "score", None), torch.nn.Module):
+            raise ValueError(f"pack_sequences: {type(net).__name__} has no per-token score head to read packed rows "
+                             f"at; set pack_sequences=false")
     if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
         from engines.models.config import freeze_lower_layers
 
@@ -84,7 +91,8 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
         net = parallelize(net, setup.mesh, fsdp=not replicas)
     engine = TrainEngine(net, setup.optim, dp_group=setup.mesh["dp"].get_group(), dp_size=layout.dp,
                          trainable=setup.trainable, sync_grads=hybrid is not None or replicas,
-                         compute_dtype=compute_dtype)
+                         compute_dtype=compute_dtype, pack_sequences=setup.config.pack_sequences,
+                         pad_token_id=net.config.pad_token_id or 0)
     return TrainingBuild(engine, gathers_to_generate=sharded, hybrid=hybrid)
 
 
@@ -97,6 +105,10 @@ def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
     from engines.training.megatron.engine import MegatronEngine
     from engines.training.megatron.groups import megatron_groups
 
+    if setup.config.pack_sequences:
+        raise ValueError("the megatron engine does not pack sequences yet (it would take megatron-core's THD layout "
+                         "with PackedSeqParams through every role's forward); set pack_sequences=false or "
+                         "model.engine=torch")
     if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
         raise ValueError(f"the megatron engine trains every layer (trainable_layers={setup.optim.trainable_layers}); "
                          f"use model.engine=torch to train only the top layers")

@@ -65,6 +65,10 @@ class ModelConfig:
     pad_vocab_to: int = 1
     """Round the vocabulary of a built model up to a multiple of this (Megatron's make-vocab-size-divisible-by),
     so a vocab-parallel split (the 3D-HybridEngine's training layout) divides it."""
+    pack_sequences: bool = False
+    """Forward and backward passes over packed rows instead of padded ones (engines.training.packing; torch
+    engine): rows of different lengths laid end to end, each attending only to itself, micro-batches filled by
+    valid tokens."""
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCH:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from engines.training.common import LossFn, OptimConfig, token_mean
+from engines.training.packing import pack, packed_micro_batches
 from engines.ops import (compute_precision, entropy_from_logits, position_ids_from_mask, response_logits,
                          token_log_probs)
 from flowactors import Batch
@@ -66,9 +67,12 @@ class TrainEngine:
 
     def __init__(self, model: torch.nn.Module, optim: OptimConfig | None, *, dp_group: Any = None,
                  dp_size: int = 1, trainable: bool = True, sync_grads: bool = False,
-                 shard_optimizer: bool = True, compute_dtype: torch.dtype | None = None) -> None:
+                 shard_optimizer: bool = True, compute_dtype: torch.dtype | None = None,
+                 pack_sequences: bool = False, pad_token_id: int = 0) -> None:
         """`compute_dtype`: autocast dtype of forward passes (bfloat16/float16), for a model whose float32
         parameters are the master weights; a plain trainable model given in low precision is converted here.
+        `pack_sequences`: forward passes over packed rows (engines.training.packing), micro-batches by valid
+        tokens; `pad_token_id` fills the bins' tails.
         `sync_grads`: DP ranks hold whole replicas (no FSDP) and the engine reduces their gradients;
         `shard_optimizer` then shards the optimizer state over them (ZeRO-1, see the module docstring)."""
         low = [p for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
@@ -82,6 +86,7 @@ class TrainEngine:
             model.float()
         self.compute_dtype = compute_dtype
         self.model = model
+        self.pack_sequences, self.pad_token_id = pack_sequences, pad_token_id
         self.cfg = optim or OptimConfig()
         self.dp_group, self.dp_size = dp_group, dp_size
         # sync_grads: DP ranks hold whole replicas (no FSDP), so the engine averages gradients over dp_group itself
@@ -112,6 +117,8 @@ class TrainEngine:
 
     # -- forward passes ---------------------------------------------------------------------------------------
     def micro_batches(self, batch: Batch) -> list[Batch]:
+        if self.pack_sequences:
+            return packed_micro_batches(batch, self.cfg.micro_batch_tokens)
         width = int(batch["input_ids"].shape[1])
         rows = max(1, self.cfg.micro_batch_tokens // max(1, width))
         return batch.chunk(rows) if len(batch) else []
@@ -123,20 +130,29 @@ class TrainEngine:
     def _forward(self, mb: Batch) -> Any:
         mask = mb["attention_mask"]
         pos = mb["position_ids"] if "position_ids" in mb else position_ids_from_mask(mask)
+        return self._run(mb["input_ids"], mask, pos)
+
+    def _run(self, input_ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor) -> Any:
         with self.autocast():
-            return self.model(input_ids=mb["input_ids"], attention_mask=mask, position_ids=pos, use_cache=False)
+            return self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=False)
+
+    def _response_outputs(self, mb: Batch) -> torch.Tensor:
+        """The head's per-token outputs (B, R, ...) at the positions that predict each response token."""
+        if not self.pack_sequences:
+            return response_logits(self._forward(mb).logits, mb["responses"].shape[1])
+        packed = pack(mb, self.pad_token_id)
+        return packed.gather(self._run(packed.input_ids, None, packed.position_ids).logits, packed.response_index)
 
     def policy_outputs(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
-        resp = mb["responses"]
-        logits = response_logits(self._forward(mb).logits, resp.shape[1])
-        out = {"log_probs": token_log_probs(logits, resp, temperature)}
+        logits = self._response_outputs(mb)
+        out = {"log_probs": token_log_probs(logits, mb["responses"], temperature)}
         if with_entropy:
             out["entropy"] = entropy_from_logits(logits, temperature)
         return out
 
     def value_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
-        logits = self._forward(mb).logits  # (B, T, 1) from a token-classification head
-        return {"values": response_logits(logits, mb["responses"].shape[1]).squeeze(-1).float()}
+        # (B, R, 1) from a token-classification head
+        return {"values": self._response_outputs(mb).squeeze(-1).float()}
 
     @torch.no_grad()
     def log_probs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
@@ -157,7 +173,17 @@ class TrainEngine:
 
     def score_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
         """`scores` of one micro-batch, with gradients (training a reward or cost model)."""
-        return {"scores": self._forward(mb).logits.squeeze(-1).float()}
+        if not self.pack_sequences:
+            return {"scores": self._forward(mb).logits.squeeze(-1).float()}
+        # the head pools one position per bin; its per-token output, caught on the way, holds every row's
+        packed = pack(mb, self.pad_token_id)
+        caught: list[torch.Tensor] = []
+        hook = self.model.score.register_forward_hook(lambda _m, _i, out: caught.append(out))
+        try:
+            self._run(packed.input_ids, None, packed.position_ids)
+        finally:
+            hook.remove()
+        return {"scores": packed.gather(caught[-1], packed.last_index).squeeze(-1).float()}
 
     # -- updates ----------------------------------------------------------------------------------------------
     def update(self, mini_batches: list[Batch], loss_fn: LossFn,
