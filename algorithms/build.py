@@ -60,14 +60,19 @@ class Roles:
 
 # -- building -------------------------------------------------------------------------------------------------------
 
+def _lora(cfg: RLConfig) -> dict:
+    return {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+            "lora_target_modules": cfg.lora_target_modules}
+
+
 def actor_optim(cfg: RLConfig) -> OptimConfig:
     return OptimConfig(lr=cfg.actor_lr, micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=1.0,
-                       zero_stage=cfg.zero_stage)
+                       zero_stage=cfg.zero_stage, **_lora(cfg))
 
 
 def critic_optim(cfg: PPOConfig) -> OptimConfig:
     return OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens, zero_stage=cfg.zero_stage,
-                       trainable_layers=cfg.critic_trainable_layers)
+                       trainable_layers=cfg.critic_trainable_layers, **_lora(cfg))
 
 
 def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
@@ -105,9 +110,22 @@ def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptD
         slots, layout = pools[role]
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
 
-    actor = group("actor", ActorWorker, cfg.model, actor_optim(cfg), sampling(cfg, task), run_plan.rollout_tp,
-                  run_plan.rollout_engine, run_plan.rollout_pp)
-    sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
+    def build_actor(model: ModelConfig, optim: OptimConfig) -> fa.ActorGroup:
+        return group("actor", ActorWorker, model, optim, sampling(cfg, task), run_plan.rollout_tp,
+                     run_plan.rollout_engine, run_plan.rollout_pp)
+
+    if cfg.lora_rank and warm_start and cfg.sft_steps:
+        # LoRA adapts a fine-tuned model: the warm start trains every parameter, then RL trains adapters on its
+        # export, which is also the reference (so a resumed run rebuilds the base from the reference's checkpoint)
+        full = build_actor(cfg.model, dataclasses.replace(actor_optim(cfg), lora_rank=0))
+        try:
+            sft = run_warm_start(full, data, cfg, workdir)
+        finally:
+            full.close()
+        actor = build_actor(sft, actor_optim(cfg))
+    else:
+        actor = build_actor(cfg.model, actor_optim(cfg))
+        sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
     ref = group("ref", RefWorker, sft, cfg.temperature, cfg.zero_stage)
     built = {}
     for key in critics:  # PPOConfig: checked above
@@ -116,7 +134,7 @@ def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptD
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)
     if cfg.async_rl.staleness:  # whole weights on every replica rank, on the torch engine, from the actor's policy
-        optim = dataclasses.replace(actor_optim(cfg), zero_stage=1)
+        optim = dataclasses.replace(actor_optim(cfg), zero_stage=1, lora_rank=0)  # they load merged weights
         built["rollout"] = group("rollout", ActorWorker, dataclasses.replace(cfg.model, engine="torch"), optim,
                                  sampling(cfg, task), None, run_plan.rollout_engine)
     return Roles(actor=actor, ref=ref, reward=reward, **built,

@@ -308,6 +308,16 @@ class RLConfig(RunConfig):
     """Pack rows of different lengths end to end in every role's forward and backward passes instead of padding
     each to the longest (torch engine; the same numbers, less compute where lengths vary); sets
     model.pack_sequences."""
+    lora_rank: int = 0
+    """Train rank-R LoRA adapters on the actor and the critics instead of every parameter (torch engine, tp = 1,
+    no rollout_tp); generation, exports and the reference see the merged weights; checkpoints hold only the
+    adapters (and the critics' heads) with their optimizer state. 0: full-parameter training."""
+    lora_alpha: float = OptimConfig.lora_alpha
+    """LoRA scaling: adapters' outputs times lora_alpha / lora_rank."""
+    lora_dropout: float = OptimConfig.lora_dropout
+    """Dropout on the adapters' inputs while training."""
+    lora_target_modules: str = OptimConfig.lora_target_modules
+    """Linear layers that get adapters: all-linear, or comma-separated names (q_proj,k_proj,v_proj,o_proj,...)."""
     # -- model and sampling ---------------------------------------------------------------------------------------
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (and the models started from it): model.path=DIR loads a Hugging Face folder, else sizes."""
@@ -354,6 +364,8 @@ class RLConfig(RunConfig):
                 raise ConfigError(f"pack_sequences=true runs on the torch engine; the {self.model.engine} engine does "
                                   f"not pack rows yet: set model.engine=torch or pack_sequences=false")
             self.pack_sequences = self.model.pack_sequences = True
+        if self.lora_rank:
+            self._check_lora()
         if self.rollout_tp < 0:
             raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
         if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:
@@ -390,6 +402,23 @@ class RLConfig(RunConfig):
         self.async_rl.__post_init__()
         if self.async_rl.staleness:
             self._check_async()
+
+    def _check_lora(self) -> None:
+        r = self.lora_rank
+        try:
+            OptimConfig(lora_rank=r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout)
+        except ValueError as e:
+            raise ConfigError(str(e).removeprefix("OptimConfig: ")) from None
+        if self.model.engine != "torch":
+            raise ConfigError(f"lora_rank={r} runs on the torch engine; the {self.model.engine} engine trains every "
+                              f"parameter: set model.engine=torch or lora_rank=0")
+        if self.rollout_tp:
+            raise ConfigError(f"lora_rank={r} with the 3D-HybridEngine (rollout_tp={self.rollout_tp}) is not built "
+                              f"(tensor parallelism would split the adapters with their layers); set rollout_tp=0 or "
+                              f"lora_rank=0")
+        if getattr(self, "critic_trainable_layers", 0):
+            raise ConfigError(f"lora_rank={r} trains adapters on frozen critics; critic_trainable_layers="
+                              f"{self.critic_trainable_layers} cannot go with it (set one of them to 0)")
 
     def _check_async(self) -> None:
         k = self.async_rl.staleness

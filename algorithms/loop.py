@@ -195,7 +195,10 @@ class Runner:
         return time.perf_counter() - t0
 
     def load(self, ckpt: Any) -> int:
-        calls = [g.load_checkpoint(str(ckpt.role_dir(name))) for name, g in self.model_groups().items()]
+        # LoRA models' checkpoints hold their adapters; their frozen base is the reference's weights
+        adapted = {"actor", *self.algo.critics} if self.cfg.lora_rank else set()
+        calls = [g.load_checkpoint(str(ckpt.role_dir(name)), str(ckpt.role_dir("ref")) if name in adapted else None)
+                 for name, g in self.model_groups().items()]
         for c in calls:
             c.result()
         state = ckpt.controller_state()

@@ -69,6 +69,15 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
         if setup.head == "score" and not isinstance(getattr(net, "score", None), torch.nn.Module):
             raise ValueError(f"pack_sequences: {type(net).__name__} has no per-token score head to read packed rows "
                              f"at; set pack_sequences=false")
+    lora = setup.optim.lora if setup.trainable and setup.optim is not None else None
+    if lora is not None:
+        from engines.training.lora import apply_lora
+
+        if layout.tp > 1 or setup.rollout_tp is not None:
+            raise ValueError(f"lora_rank={lora.rank} runs on tp = 1 without the 3D-HybridEngine (got tp={layout.tp}, "
+                             f"rollout_tp={setup.rollout_tp}): tensor parallelism would split the adapters as their "
+                             f"layers; use data parallelism, or lora_rank=0")
+        apply_lora(net, lora, trainable_heads=() if setup.head == "lm" else ("score",))
     if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
         from engines.models.config import freeze_lower_layers
 
@@ -92,7 +101,7 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
     engine = TrainEngine(net, setup.optim, dp_group=setup.mesh["dp"].get_group(), dp_size=layout.dp,
                          trainable=setup.trainable, sync_grads=hybrid is not None or replicas,
                          compute_dtype=compute_dtype, pack_sequences=setup.config.pack_sequences,
-                         pad_token_id=net.config.pad_token_id or 0)
+                         pad_token_id=net.config.pad_token_id or 0, lora_scale=lora.scale if lora else None)
     return TrainingBuild(engine, gathers_to_generate=sharded, hybrid=hybrid)
 
 
@@ -109,6 +118,9 @@ def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
         raise ValueError("the megatron engine does not pack sequences yet (it would take megatron-core's THD layout "
                          "with PackedSeqParams through every role's forward); set pack_sequences=false or "
                          "model.engine=torch")
+    if setup.trainable and setup.optim is not None and setup.optim.lora_rank:
+        raise ValueError(f"the megatron engine trains every parameter (lora_rank={setup.optim.lora_rank}); use "
+                         f"model.engine=torch for LoRA")
     if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
         raise ValueError(f"the megatron engine trains every layer (trainable_layers={setup.optim.trainable_layers}); "
                          f"use model.engine=torch to train only the top layers")

@@ -129,10 +129,16 @@ class ModelWorker(Worker):
         torch.save(capture_rng(), Path(directory) / f"rng_rank{self.rank}_of{self.world_size}.pt")
 
     @endpoint(protocol=ONE_TO_ALL)
-    def load_checkpoint(self, directory: str) -> None:
-        """Load shards saved under any parallel sizes into this group's layout; RNG only under the same size."""
+    def load_checkpoint(self, directory: str, base: str | None = None) -> None:
+        """Load shards saved under any parallel sizes into this group's layout; RNG only under the same size.
+        `base`: another model's checkpoint that holds this one's frozen weights by the same names (a LoRA model's
+        checkpoint holds only its adapters: its base is the reference's)."""
         from flowactors.checkpoint import load_sharded, restore_rng
 
+        if base is not None:
+            frozen = self.engine.frozen_state()
+            load_sharded(frozen, base, process_group=self.process_group)
+            self.engine.load_frozen_state(frozen)
         state = self.engine.checkpoint_state()
         load_sharded(state, directory, process_group=self.process_group)
         self.engine.load_checkpoint_state(state)
@@ -244,7 +250,8 @@ class ActorWorker(ModelWorker):
             copied = self.hybrid.hand_over(self.generator.load_shard)
             received = self.hybrid.stats.received_bytes
         else:
-            state = self.engine.full_state_dict() if self.sharded else self.engine.model.state_dict()
+            adapted = getattr(self.engine, "lora_scale", None) is not None  # merged into plain weights
+            state = self.engine.full_state_dict() if self.sharded or adapted else self.engine.model.state_dict()
             copied = sum(t.numel() * t.element_size() for t in state.values())
             received = copied if self.sharded else 0
             self.generator.load_weights(state.items())

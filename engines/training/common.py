@@ -51,6 +51,28 @@ class OptimConfig:
     state (ZeRO-1: far less communication, for models that fit on one device; with tp > 1 each rank keeps its TP
     shard)."""
 
+    lora_rank: int = 0
+    """Train rank-r LoRA adapters on the frozen model instead of every parameter (torch engine, tp = 1, no
+    3D-HybridEngine; engines.training.lora); 0: full-parameter training. A critic's value head stays trainable."""
+    lora_alpha: float = 16.0
+    """LoRA's scaling numerator: the adapter's output is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    lora_target_modules: str = "all-linear"
+    """Comma-separated names of the linear layers that get adapters (q_proj,v_proj, ...), or all-linear (every
+    attention and MLP projection)."""
+
+    @property
+    def lora(self) -> Any:
+        """The adapters' engines.training.lora.LoraConfig, or None for full-parameter training."""
+        if not self.lora_rank:
+            return None
+        from engines.training.lora import ALL_LINEAR, LoraConfig
+
+        targets = self.lora_target_modules
+        names = ALL_LINEAR if targets == "all-linear" else tuple(t.strip() for t in targets.split(",") if t.strip())
+        return LoraConfig(self.lora_rank, self.lora_alpha, self.lora_dropout, names)
+
     def __post_init__(self) -> None:
         if self.lr <= 0:
             raise ValueError(f"OptimConfig.lr must be > 0, got {self.lr}")
@@ -61,6 +83,12 @@ class OptimConfig:
         if self.trainable_layers < 0:
             raise ValueError(f"OptimConfig.trainable_layers must be >= 0 (0: train every layer), got "
                              f"{self.trainable_layers}")
+        if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"OptimConfig: lora_rank must be >= 0 (0: off), lora_alpha > 0 and lora_dropout in [0, 1); "
+                             f"got {self.lora_rank}, {self.lora_alpha}, {self.lora_dropout}")
+        if self.lora_rank and self.trainable_layers:
+            raise ValueError(f"OptimConfig: lora_rank={self.lora_rank} trains adapters on a frozen model; "
+                             f"trainable_layers={self.trainable_layers} cannot go with it (set one of them to 0)")
         if self.zero_stage not in (1, 3):
             raise ValueError(f"OptimConfig.zero_stage must be 1 (replicas, sharded optimizer state) or 3 (FSDP2), "
                              f"got {self.zero_stage}")

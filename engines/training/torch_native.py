@@ -68,11 +68,13 @@ class TrainEngine:
     def __init__(self, model: torch.nn.Module, optim: OptimConfig | None, *, dp_group: Any = None,
                  dp_size: int = 1, trainable: bool = True, sync_grads: bool = False,
                  shard_optimizer: bool = True, compute_dtype: torch.dtype | None = None,
-                 pack_sequences: bool = False, pad_token_id: int = 0) -> None:
+                 pack_sequences: bool = False, pad_token_id: int = 0, lora_scale: float | None = None) -> None:
         """`compute_dtype`: autocast dtype of forward passes (bfloat16/float16), for a model whose float32
         parameters are the master weights; a plain trainable model given in low precision is converted here.
         `pack_sequences`: forward passes over packed rows (engines.training.packing), micro-batches by valid
-        tokens; `pad_token_id` fills the bins' tails.
+        tokens; `pad_token_id` fills the bins' tails. `lora_scale`: the model carries LoRA adapters
+        (engines.training.lora) with this scale: checkpoints hold only the trainable tensors (adapters, a critic's
+        head) and their optimizer state, and `full_state_dict` gives the merged plain model.
         `sync_grads`: DP ranks hold whole replicas (no FSDP) and the engine reduces their gradients;
         `shard_optimizer` then shards the optimizer state over them (ZeRO-1, see the module docstring)."""
         low = [p for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
@@ -87,6 +89,7 @@ class TrainEngine:
         self.compute_dtype = compute_dtype
         self.model = model
         self.pack_sequences, self.pad_token_id = pack_sequences, pad_token_id
+        self.lora_scale = lora_scale
         self.cfg = optim or OptimConfig()
         self.dp_group, self.dp_size = dp_group, dp_size
         # sync_grads: DP ranks hold whole replicas (no FSDP), so the engine averages gradients over dp_group itself
@@ -299,7 +302,8 @@ class TrainEngine:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         opt = self.optimizer
-        model_sd, optim_sd = get_state_dict(self.model, opt if opt is not None and self.owners is None else [])
+        model_sd, optim_sd = get_state_dict(self.model, opt if opt is not None and self.owners is None else [],
+                                            options=self._state_options())
         state = {"model": model_sd}
         if opt is not None:
             state["optim"] = optim_sd if self.owners is None else self._owned_optim_state()
@@ -330,7 +334,8 @@ class TrainEngine:
         opt = self.optimizer
         sharded = self.owners is not None
         set_state_dict(self.model, opt if opt is not None and not sharded else [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}) if not sharded else {})
+                       optim_state_dict=state.get("optim", {}) if not sharded else {},
+                       options=self._state_options(loading=True))
         if sharded and opt is not None:
             by_name = dict(self.model.named_parameters())
             for name, held in state["optim"]["state"].items():
@@ -338,11 +343,39 @@ class TrainEngine:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
 
+    def frozen_state(self) -> dict[str, Any]:
+        """{"model": this rank's shards of the frozen tensors}, named as any model's checkpoint names them: an
+        adapted model's base, loaded from the checkpoint of the model it was adapted from."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        return {"model": {k: v for k, v in get_model_state_dict(self.model).items() if k not in trainable}}
+
+    def load_frozen_state(self, state: dict[str, Any]) -> None:
+        """Apply a `frozen_state()` dict that torch.distributed.checkpoint has filled in place."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
+
+    def _state_options(self, loading: bool = False) -> Any:
+        """Checkpoints of an adapted model hold its trainable tensors only; its frozen base comes from elsewhere
+        (`load_frozen_state`), so loading leaves those keys alone (torch.distributed.checkpoint has already
+        refused a checkpoint that lacks any key asked for)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        adapted = self.lora_scale is not None
+        return StateDictOptions(ignore_frozen_params=adapted, strict=not (adapted and loading))
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters on CPU (every rank of the group must call this: it all-gathers)."""
+        """Unsharded parameters on CPU (every rank of the group must call this: it all-gathers); with LoRA, the
+        merged plain model's."""
         out = {}
         for name, t in self.model.state_dict().items():
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
             out[name] = t.detach().cpu()
+        if self.lora_scale is not None:
+            from engines.training.lora import merged_state_dict
+
+            out = merged_state_dict(out, self.lora_scale)
         return out
