@@ -39,6 +39,27 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, reference, stop):
     assert [r["step"] for r in lines] == [0, 1, 2, 3]  # one line per step across both runs
 
 
+def test_lora_run_resumes_exactly_from_adapter_checkpoints(tmp_path):
+    """GRPO with lora_rank=8: the actor's checkpoints hold only adapters (its base is the reference's, the warm
+    start's export, which the resumed run does not redo), and the resumed run equals the uninterrupted one."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from algorithms.grpo import main as grpo
+
+    common = ["dashboard=none", "lora_rank=8", "sft_steps=10", "dataset_prompts=64", "prompts_per_step=16",
+              "mini_batch_samples=16"]
+    reference = grpo(["--steps", "4", *common])
+    ck = tmp_path / "ck"
+    grpo(["--steps", "2", *common, "--checkpoint-dir", str(ck), "--save-every", "1"])
+    keys = FileSystemReader(str(ck / "step_000002" / "actor")).read_metadata().state_dict_metadata
+    assert all(k.endswith((".lora_A", ".lora_B")) for k in keys if k.startswith("model."))
+    resumed = grpo(["--steps", "4", *common, "--checkpoint-dir", str(ck), "--resume", "auto"])
+    assert [r["step"] for r in resumed] == [2, 3]
+    for x, y in zip(reference[2:], resumed):
+        for k in ("reward_mean", "kl", "entropy", "response_length_mean"):
+            assert x[k] == y[k], (x["step"], k)
+
+
 def test_checkpoint_loads_under_a_different_data_parallel_size(tmp_path, reference):
     ck = str(tmp_path / "ck")
     ppo(["--steps", "2", *COMMON, "--checkpoint-dir", ck, "--save-every", "2"])

@@ -41,6 +41,14 @@ def test_algorithm_learns_its_task(tmp_path, algo, margin):
     assert window(h, "reward_mean", -10, None) > window(h, "reward_mean", 0, 10) + margin
 
 
+def test_grpo_with_lora_adapters_learns(tmp_path):
+    """lora_rank=8: the warm start trains every parameter, RL only rank-8 adapters on its export."""
+    from algorithms.grpo import main
+
+    h = run(main, tmp_path, "--steps", "40", "lora_rank=8")
+    assert window(h, "reward_mean", -10, None) > window(h, "reward_mean", 0, 10) + 0.05
+
+
 def test_two_data_parallel_ranks_match_one(tmp_path):
     from algorithms.grpo import main
 
