@@ -66,14 +66,18 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
 
-__all__ = ["CALLS_TOPIC", "DirectChannel", "DirectFuture", "DirectRef", "DirectTransport", "INLINE_BYTES",
+__all__ = ["CALLS_TOPIC", "ISSUED_TOPIC", "DirectChannel", "DirectFuture", "DirectRef", "DirectTransport", "INLINE_BYTES",
            "MAX_MESSAGE_BYTES", "ProtocolError"]
 
 INLINE_BYTES = 64 * 1024
 """Outputs up to this size (flowactors._push.payload_bytes) come back in the reply; larger ones stay on the worker
 until `result()` asks."""
 CALLS_TOPIC = "flowactors.calls"
+ISSUED_TOPIC = "flowactors.issued"
+"""The controller's reports of the items it sends, as it sends them (the dashboard's waiting calls)."""
 REPORT_S = 0.2
+ISSUE_REPORT_S = 0.05
+"""The controller gathers issue reports this long into one message to the scheduler, off the caller's thread."""
 RELEASE_S = 0.5
 _FRAME = struct.Struct("!QI")  # pickle bytes, number of out-of-band buffers; then each buffer's length (!Q), data
 MAX_MESSAGE_BYTES = 1 << 33
@@ -296,6 +300,8 @@ class DirectChannel:
         self._fetch_pool: Any = None
         self._dropped: dict[str, list[str]] = {}
         self._flush_pending = False
+        self._issued: list[dict] = []  # issue reports not yet sent to the scheduler (the dashboard's)
+        self._last_sent: dict[str, str] = {}  # address -> the key sent there last (the order edge)
         self._closed = False
         client.register_plugin(DirectPlugin(), name=PLUGIN_NAME)
 
@@ -365,6 +371,7 @@ class DirectChannel:
         that cannot travel raises at the call site and no item is sent (no rank enters a collective alone);
         arguments are held until their item is done, so the outputs they name stay stored until it has read them."""
         frames = [_frames((fn, args, kwargs)) for _, fn, args, kwargs, _ in items]
+        self._report_issued(items, step)
         out = []
         for (address, _, args, kwargs, key), task in zip(items, frames):
             fut = DirectFuture(self, key, address)
@@ -381,6 +388,33 @@ class DirectChannel:
                     self._inflight.pop(key, None)
                 self._finish(fut, "lost", error=e)
         return out
+
+    def _report_issued(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None) -> None:
+        """Tell the scheduler (its dashboard) what is being sent, gathered over ISSUE_REPORT_S and sent from a
+        timer thread: the caller does not wait on the scheduler."""
+        reports = []
+        for address, _, args, kwargs, key in items:
+            refs: dict[str, DirectRef] = {}
+            _collect_refs((args, kwargs), refs)
+            reports.append({"key": key, "worker": address, "deps": list(refs), "step": step,
+                            "order": self._last_sent.get(address)})
+            self._last_sent[address] = key
+        with self._cond:
+            self._issued.extend(reports)
+            if len(self._issued) > len(reports):
+                return  # a send is already scheduled and will take these too
+        timer = threading.Timer(ISSUE_REPORT_S, self._send_issued)
+        timer.daemon = True
+        timer.start()
+
+    def _send_issued(self) -> None:
+        with self._cond:
+            calls, self._issued = self._issued, []
+        if calls and not self._closed:
+            try:
+                self._client.log_event(ISSUED_TOPIC, {"calls": calls})
+            except Exception:  # noqa: BLE001 - the dashboard misses them; calls are unaffected
+                pass
 
     def _finish(self, fut: DirectFuture, status: str, value: Any = None, stored: bool = False,
                 error: BaseException | None = None) -> None:
@@ -695,8 +729,10 @@ def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
             fn, args, kwargs = _raise, (e,), {}
         refs: dict[str, DirectRef] = {}
         _collect_refs((args, kwargs), refs)
+        previous, order.last = order.last, key  # items of one connection run in the order they arrive
+        _REPORTS.append({"key": key, "deps": list(refs), "order": previous, "state": "waiting", "step": step})
         inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs), loop) if refs else None
-        executor.submit(_job, worker, conn, order, key, step, fn, args, kwargs, inputs, list(refs))
+        executor.submit(_job, worker, conn, previous, key, step, fn, args, kwargs, inputs, list(refs))
 
 
 def _serve_get(conn: _Connection, loop: Any, key: str) -> None:
@@ -714,7 +750,7 @@ def _raise(error: BaseException) -> None:
     raise error
 
 
-def _job(worker: Any, conn: _Connection, order: _Order, key: str, step: int | None, fn: Any, args: tuple,
+def _job(worker: Any, conn: _Connection, previous: str | None, key: str, step: int | None, fn: Any, args: tuple,
          kwargs: dict, inputs: Any, deps: list[str]) -> None:
     """In the worker's task thread: wait for the inputs, run the item as a task would run (`get_worker()` answers
     there), keep its output, reply to the controller."""
@@ -731,10 +767,10 @@ def _job(worker: Any, conn: _Connection, order: _Order, key: str, step: int | No
             failed = e.error
         except BaseException as e:  # noqa: BLE001
             failed = e
-    previous, order.last = order.last, key
     start = now()
     value = None
     if failed is None:
+        _REPORTS.append({"key": key, "state": "processing", "start": start, "step": step})
         token = _worker_cvar.set(worker)
         _RUNNING.update(key=key, thread=threading.get_ident())
         try:

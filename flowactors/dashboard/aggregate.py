@@ -19,7 +19,7 @@ from dask.utils import key_split
 from flowactors.profiling import union_spans as _union
 
 __all__ = ["TaskRecord", "Interval", "node_of", "role_of", "role_color", "aggregate_graph", "slot_usage",
-           "stage_idle", "metric_series", "snapshot", "DEFAULT_METRIC_LIMIT", "STATE_COLORS"]
+           "stage_idle", "metric_series", "snapshot", "is_slow", "DEFAULT_METRIC_LIMIT", "STATE_COLORS"]
 
 DEFAULT_METRIC_LIMIT = 12  # metrics charted when the caller names none: the first ones published
 
@@ -47,6 +47,22 @@ class TaskRecord:
     deps: tuple[str, ...] = ()
     order_deps: tuple[str, ...] = ()
     done: bool = False
+    worker: str = ""
+    """Where it runs (its rank's worker), once known."""
+    started: float | None = None
+    """When it started computing (scheduler clock), while it is processing."""
+    late: bool = False
+    """First recorded already finished: the page could not show it waiting or running (counted per node)."""
+
+
+SLOW_FACTOR, SLOW_MARGIN_S = 3.0, 1.0
+"""A running task is marked slow past max(SLOW_FACTOR x its call's usual compute time, usual + SLOW_MARGIN_S)."""
+
+
+def is_slow(running_s: float, usual_s: float | None) -> bool:
+    """Whether a task running for `running_s` is slow for a call that usually takes `usual_s` (None: no finished
+    task of that call yet, so nothing to compare with)."""
+    return usual_s is not None and running_s > max(SLOW_FACTOR * usual_s, usual_s + SLOW_MARGIN_S)
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,8 @@ def _state(scheduler_state: str) -> str:
 # -- pure computations -----------------------------------------------------------------------------------------
 
 def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | None = None,
-                    role_colors: Mapping[str, str] | None = None) -> dict:
+                    role_colors: Mapping[str, str] | None = None, *, now: float | None = None,
+                    usual: Mapping[str, float] | None = None) -> dict:
     """Aggregate tasks into call nodes and call → call edges with a layered layout.
 
     Dependencies on keys outside `tasks` (earlier steps) are left out. Columns come from the task graph, which
@@ -98,9 +115,20 @@ def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | 
     of its shallowest task. The order in which the scheduler reported the tasks does not matter: Dask handles graph
     updates concurrently, so a consumer can be reported before its producer. `row` is a node's place in its
     column, in first-seen order.
+
+    Per node, `ranks` lists its tasks (key, worker, state, and how long a running one has run at `now`), `late`
+    counts tasks first recorded already finished, and `slow` the running ones past `is_slow` for the node's
+    `usual` compute seconds.
     """
     records = list(tasks)
     node_by_key = {r.key: node_of(r.key) for r in records}
+    ranks: dict[str, list[dict]] = {}
+    for r in records:
+        entry = {"key": r.key, "worker": r.worker, "state": r.state}
+        if r.state == "processing" and r.started is not None and now is not None:
+            entry["running_s"] = round(max(now - r.started, 0.0), 3)
+            entry["slow"] = is_slow(entry["running_s"], (usual or {}).get(node_by_key[r.key]))
+        ranks.setdefault(node_by_key[r.key], []).append(entry)
     order: dict[str, int] = {}
     counts: dict[str, dict[str, int]] = {}
     done: dict[str, int] = {}
@@ -138,7 +166,10 @@ def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | 
         nodes.append({"id": n, "role": role_of(n), "method": n.split(".", 1)[1] if "." in n else n,
                       "state": state, "counts": dict(sorted(c.items())), "n": sum(c.values()), "done": done[n],
                       "layer": layer[n], "row": row, "seconds": round((seconds or {}).get(n, 0.0), 4),
-                      "color": role_color(role_of(n), role_colors)})
+                      "color": role_color(role_of(n), role_colors), "ranks": ranks[n],
+                      "late": sum(r.late for r in records if node_by_key[r.key] == n),
+                      "slow": [t for t in ranks[n] if t.get("slow")],
+                      "usual_s": round((usual or {})[n], 4) if n in (usual or {}) else None})
     return {"nodes": nodes, "edges": edge_list, "layers": 1 + max(layer.values(), default=-1),
             "rows": max(rows.values(), default=0)}
 
@@ -265,13 +296,15 @@ def metric_series(events: Iterable[tuple[float, Any]], keys: Sequence[str] | Non
 def snapshot(*, now: float, step: int | None, tasks: Iterable[TaskRecord], intervals: Sequence[Interval],
              slots: Sequence[str], slot_names: Mapping[str, str] | None = None, window_start: float,
              events: Iterable[tuple[float, Any]] = (), metric_keys: Sequence[str] | None = None,
-             role_colors: Mapping[str, str] | None = None) -> dict:
-    """Everything `/flowactors/data.json` serves, from plain records."""
+             role_colors: Mapping[str, str] | None = None, steps: Sequence[int] = (),
+             usual: Mapping[str, float] | None = None) -> dict:
+    """Everything `/flowactors/data.json` serves, from plain records; `steps` are the steps whose graphs are
+    kept (the page offers them), `step` the one shown."""
     seconds: dict[str, float] = {}
     for iv in intervals:
         if iv.step == step:
             seconds[iv.node] = seconds.get(iv.node, 0.0) + (iv.stop - iv.start)
-    graph = aggregate_graph(tasks, seconds, role_colors)
+    graph = aggregate_graph(tasks, seconds, role_colors, now=now, usual=usual)
     usage = slot_usage(intervals, slots, window_start, now)
     for i, u in enumerate(usage):
         u["name"] = (slot_names or {}).get(u["worker"], str(i))
@@ -279,7 +312,7 @@ def snapshot(*, now: float, step: int | None, tasks: Iterable[TaskRecord], inter
     events = list(events)
     last = events[-1][1] if events and isinstance(events[-1][1], Mapping) else {}
     return {
-        "now": now, "step": step,
+        "now": now, "step": step, "steps": list(steps),
         "window": {"start": window_start, "stop": now, "seconds": round(now - window_start, 4)},
         "graph": graph, "slots": usage, "stages": stage_idle(intervals, slots, window_start, now),
         "roles": {r: role_color(r, role_colors) for r in sorted(roles)}, "states": STATE_COLORS,

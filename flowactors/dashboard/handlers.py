@@ -1,6 +1,6 @@
 """The page's HTTP side: `/flowactors` (the page, a static file) and `/flowactors/data.json` on the dashboard.
 
-Both routes are added to the scheduler's running tornado application, under its URL prefix, once per scheduler
+The routes (and `/flowactors/stack.json`, a running task's stack) are added to the scheduler's running tornado application, under its URL prefix, once per scheduler
 (`add_routes`); the handlers look the plugin up by name on every request, so a plugin unregistered and registered
 again is served without a second set of routes. The page (`page.html` beside this module: inline SVG, CSS and JS,
 no CDN, so it works offline and with the dashboard bound to 127.0.0.1) is read once, at its first request, and
@@ -29,7 +29,8 @@ def add_routes(app: Any, scheduler: Any) -> None:
     prefix = _http_prefix(app)
     kw = {"scheduler": scheduler, "data_url": f"{prefix}flowactors/data.json"}
     app.add_handlers(r".*", [(rf"{prefix}flowactors/?", _PageHandler, kw),
-                             (rf"{prefix}flowactors/data\.json", _DataHandler, kw)])
+                             (rf"{prefix}flowactors/data\.json", _DataHandler, kw),
+                             (rf"{prefix}flowactors/stack\.json", _StackHandler, kw)])
     app._flowactors_routes = True
 
 
@@ -62,6 +63,15 @@ class _Handler(web.RequestHandler):
         p = self.dask_scheduler.plugins.get(PLUGIN_NAME)
         return p if isinstance(p, FlowactorsDashboard) else None
 
+    def require_plugin(self) -> FlowactorsDashboard | None:
+        p = self.plugin()
+        if p is None:
+            self.set_status(404)
+            self.write({"error": "the flowactors dashboard plugin is not registered on this scheduler; "
+                                 "call flowactors.dashboard.install_dashboard(client)"})
+        self.set_header("Cache-Control", "no-store")
+        return p
+
 
 class _PageHandler(_Handler):
     def get(self) -> None:
@@ -71,13 +81,29 @@ class _PageHandler(_Handler):
 
 
 class _DataHandler(_Handler):
+    """data.json; `?step=N` shows step N's graph while it is kept (the page offers the kept steps)."""
+
     def get(self) -> None:
-        p = self.plugin()
+        p = self.require_plugin()
         if p is None:
+            return
+        step = self.get_argument("step", None)
+        self.set_header("Content-Type", "application/json")
+        self.write(json.dumps(p.data(int(step) if step and step.lstrip("-").isdigit() else None)))
+
+
+class _StackHandler(_Handler):
+    """stack.json?key=K: the stack of the rank running call task K now (a slow call's link)."""
+
+    async def get(self) -> None:
+        p = self.require_plugin()
+        if p is None:
+            return
+        try:
+            found = await p.stack(self.get_argument("key"))
+        except KeyError as e:
             self.set_status(404)
-            self.write({"error": "the flowactors dashboard plugin is not registered on this scheduler; "
-                                 "call flowactors.dashboard.install_dashboard(client)"})
+            self.write({"error": str(e.args[0])})
             return
         self.set_header("Content-Type", "application/json")
-        self.set_header("Cache-Control", "no-store")
-        self.write(json.dumps(p.data()))
+        self.write(json.dumps(found))

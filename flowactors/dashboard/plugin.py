@@ -3,9 +3,11 @@
 The scheduler forgets a task once no client holds its future, and keeps task-stream data only while a
 `TaskStreamPlugin` runs, so `FlowactorsDashboard` keeps its own small records (`flowactors.dashboard.aggregate`):
 per task key of the last `keep_steps` steps its state and dependencies (from `update_graph` and `transition`), per
-finished task its compute span on its worker, and the items workers report from the direct call path (topic
-`flowactors.calls`). On start it mounts the page's routes on the scheduler's dashboard
-(`flowactors.dashboard.handlers`). See the package docstring for the design.
+finished task its compute span on its worker, and the items of the direct call path: the controller reports each
+as it issues it (topic `flowactors.issued`: waiting), its worker when it starts and when it ends (topic
+`flowactors.calls`: processing, then memory or erred), so a step's graph is whole while it runs, as on the
+Dask-task path. Each call belongs to the step that issued it, whenever it runs or reports. On start it mounts the
+page's routes on the scheduler's dashboard (`flowactors.dashboard.handlers`). See the package docstring.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from flowactors._direct import CALLS_TOPIC
+from flowactors._direct import CALLS_TOPIC, ISSUED_TOPIC
 from flowactors.dashboard.aggregate import (_PALETTE, _RUNTIME_COLORS, Interval, TaskRecord, _state, node_of,
                                             role_color, role_of, snapshot)
 
@@ -41,7 +43,7 @@ class FlowactorsDashboard(SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True  # installing again keeps the running plugin and what it recorded
 
-    def __init__(self, window_s: float = 60.0, keep_steps: int = 2, metrics: Sequence[str] | None = None,
+    def __init__(self, window_s: float = 60.0, keep_steps: int = 4, metrics: Sequence[str] | None = None,
                  max_intervals: int = 20000, role_colors: Mapping[str, str] | None = None) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0 seconds, got {window_s}")
@@ -65,6 +67,7 @@ class FlowactorsDashboard(SchedulerPlugin):
         self._step_times: deque[tuple[float, int]] = deque(maxlen=1000)  # (when, step from then on)
         self._intervals: deque[Interval] = deque(maxlen=self.max_intervals)
         self._colors: dict[str, str] = {**_RUNTIME_COLORS, **self.role_colors}  # grows as roles appear
+        self._usual: dict[str, float] = {}  # call node -> its tasks' usual compute seconds (a moving average)
 
     def __getstate__(self) -> dict:  # only the settings travel to the scheduler
         return {"window_s": self.window_s, "keep_steps": self.keep_steps, "metrics": self.metrics,
@@ -92,6 +95,9 @@ class FlowactorsDashboard(SchedulerPlugin):
         if topic == CALLS_TOPIC and isinstance(msg, Mapping):
             self._direct_calls(str(msg.get("worker", "")), msg.get("calls") or ())
             return
+        if topic == ISSUED_TOPIC and isinstance(msg, Mapping):
+            self._issued(msg.get("calls") or ())
+            return
         if not isinstance(msg, Mapping) or not isinstance(msg.get("step"), int):
             return
         if topic == METRICS_TOPIC:
@@ -105,12 +111,18 @@ class FlowactorsDashboard(SchedulerPlugin):
         self._step_times.append((time(), self.step))
 
     def _records(self, step: int) -> dict[str, TaskRecord] | None:
-        """The records of `step` (created when it is the newest; None for a step already dropped)."""
+        """The records of `step`, created unless it is older than every kept step when `keep_steps` are kept (None:
+        a step already dropped). Steps are kept in order, whatever order their first calls arrive in (the
+        asynchronous pipeline issues calls of later steps early)."""
         records = self._steps.get(step)
         if records is None:
-            if self._steps and step < next(reversed(self._steps)):
+            if len(self._steps) >= self.keep_steps and step < next(iter(self._steps)):
                 return None
+            out_of_order = bool(self._steps) and step < next(reversed(self._steps))
             records = self._steps[step] = {}
+            if out_of_order:
+                for s in sorted(self._steps):
+                    self._steps.move_to_end(s)
             while len(self._steps) > self.keep_steps:
                 _, old = self._steps.popitem(last=False)
                 for k in old:
@@ -128,27 +140,59 @@ class FlowactorsDashboard(SchedulerPlugin):
             self._color_role(role_of(node_of(key)))
             self._key_step[key] = self.step
 
+    def _issued(self, calls: Iterable[Mapping]) -> None:
+        """Items the controller sent on the direct path, as it sent them: waiting, in the step that issued them."""
+        for c in calls:
+            self._direct_record(str(c.get("key")), c.get("step"), "waiting", c.get("deps") or (), c.get("order"),
+                                str(c.get("worker") or ""))
+
+    def _direct_record(self, key: str, step: Any, state: str, deps: Iterable[Any], order: Any,
+                       worker: str) -> TaskRecord | None:
+        """The record of a direct item (made on its first report, whichever comes first), moved on to `state`
+        unless a later state arrived first: reports of one item come from the controller and its worker apart."""
+        known = self._key_step.get(key)
+        if known is not None:
+            rec = self._steps[known].get(key) if known in self._steps else None
+        else:
+            records = self._records(step if isinstance(step, int) else self.step)
+            if records is None:
+                return None
+            data = tuple(str(d) for d in deps)
+            order_deps = (str(order),) if order and str(order) not in data else ()  # as _order_deps
+            rec = records[key] = TaskRecord(key, state, data + order_deps, order_deps, late=state in _FINAL)
+            self._color_role(role_of(node_of(key)))
+            self._key_step[key] = step if isinstance(step, int) else self.step
+        if rec is None:
+            return None
+        if _PROGRESS[state] > _PROGRESS.get(rec.state, 0):
+            rec.state = state
+            rec.done = rec.done or state == "memory"
+        if worker and not rec.worker:
+            rec.worker = worker
+        return rec
+
     def _direct_calls(self, worker: str, calls: Iterable[Mapping]) -> None:
-        """Items a worker ran on the direct call path (flowactors._direct), reported after they finished: each
-        becomes a finished task of its step (the controller's step when it had one) and a span on the worker."""
+        """What a worker reports of the items it ran on the direct call path (flowactors._direct): each one
+        received (waiting), started (processing) and ended (memory or erred, with its compute span)."""
         skew = self._skew(worker)
         times = [t for t, _ in self._step_times]
         for c in calls:
             key = str(c.get("key"))
             start, stop = c.get("start"), c.get("stop")
+            state = c.get("state") or ("memory" if c.get("ok") else "erred")
             timed = isinstance(start, (int, float)) and isinstance(stop, (int, float))
             step = c["step"] if isinstance(c.get("step"), int) else \
                 self._step_at(start + skew, times) if timed else self.step
-            records = self._records(step)
-            if records is not None and key not in self._key_step:
-                data = tuple(str(d) for d in c.get("deps") or ())
-                order = (str(c["order"]),) if c.get("order") and str(c["order"]) not in data else ()  # as _order_deps
-                records[key] = TaskRecord(key, "memory" if c.get("ok") else "erred", data + order, order,
-                                          done=bool(c.get("ok")))
-                self._color_role(role_of(node_of(key)))
-                self._key_step[key] = step
+            rec = self._direct_record(key, step, state, c.get("deps") or (), c.get("order"), worker)
+            if rec is not None and state == "processing" and isinstance(start, (int, float)):
+                rec.started = start + skew
             if timed:
                 self._intervals.append(Interval(worker, node_of(key), start + skew, stop + skew, step))
+                self._note_duration(node_of(key), stop - start)
+
+    def _note_duration(self, node: str, seconds: float) -> None:
+        old = self._usual.get(node)
+        self._usual[node] = seconds if old is None else 0.7 * old + 0.3 * seconds
 
     def _step_at(self, when: float, times: Sequence[float]) -> int:
         """The step that was current at time `when` (scheduler clock): reports arrive after the fact. `times`:
@@ -173,6 +217,12 @@ class FlowactorsDashboard(SchedulerPlugin):
             rec = self._steps[step][key]
             rec.state = _state(finish)
             rec.done = rec.done or finish == "memory"
+            if finish == "processing":
+                from distributed.metrics import time
+
+                ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
+                on = getattr(ts, "processing_on", None)
+                rec.started, rec.worker = time(), getattr(on, "address", rec.worker)
         worker = kwargs.get("worker")
         if start == "processing" and finish in ("memory", "erred") and worker:
             skew = self._skew(worker)
@@ -180,6 +230,7 @@ class FlowactorsDashboard(SchedulerPlugin):
                 if ss.get("action") == "compute":
                     self._intervals.append(Interval(worker, node_of(key), ss["start"] + skew, ss["stop"] + skew,
                                                     self.step if step is None else step))
+                    self._note_duration(node_of(key), ss["stop"] - ss["start"])
 
     # -- serving ---------------------------------------------------------------------------------------------
     def slots(self) -> tuple[list[str], dict[str, str]]:
@@ -196,18 +247,54 @@ class FlowactorsDashboard(SchedulerPlugin):
                 names[iv.worker] = "gone"
         return addresses, names
 
-    def data(self) -> dict:
+    def data(self, step: int | None = None) -> dict:
+        """The page's data for `step` if its graph is kept, else the latest step with calls."""
         from distributed.metrics import time
 
         now = time()
-        shown = next((s for s in reversed(self._steps) if self._steps[s]), None)
+        kept = [s for s in self._steps if self._steps[s]]
+        shown = step if step in kept else (kept[-1] if kept else None)
         slots, names = self.slots()
         window_start = max(now - self.window_s, self._started)
         recent = [iv for iv in self._intervals if iv.stop > window_start or iv.step == shown]
         return snapshot(now=now, step=shown, tasks=list(self._steps.get(shown, {}).values()), intervals=recent,
                         slots=slots, slot_names=names, window_start=window_start,
                         events=self.scheduler.get_events(METRICS_TOPIC), metric_keys=self.metrics,
-                        role_colors=self._colors)
+                        role_colors=self._colors, steps=kept, usual=self._usual)
+
+    async def stack(self, key: str) -> dict:
+        """What the rank running `key` is doing now: its task thread's stack (the watchdog's report, for one
+        rank, on demand); {"key", "worker", "stack": [frames]} with no frames once it has finished."""
+        step = self._key_step.get(key)
+        rec = self._steps[step].get(key) if step is not None and step in self._steps else None
+        if rec is None:
+            raise KeyError(f"no call {key!r} in the steps kept ({list(self._steps)})")
+        frames: list[str] = []
+        if rec.worker and rec.state == "processing":
+            from distributed.protocol.pickle import dumps
+            from distributed.protocol.serialize import Serialized, deserialize
+
+            from flowactors._direct import running_stack
+
+            replies = await self.scheduler.broadcast(
+                msg={"op": "run", "function": dumps(running_stack), "args": dumps(()), "kwargs": dumps({}),
+                     "wait": True}, workers=[rec.worker])
+            reply = replies.get(rec.worker) or {}
+            result = reply.get("result") if reply.get("status") == "OK" else None
+            if isinstance(result, Serialized):  # the worker's reply, still in its wire form here
+                result = deserialize(result.header, result.frames)
+            frames = (result or {}).get(key, [])
+            if not frames:  # a Dask task: the worker's own call stack of it
+                try:
+                    stacks = await self.scheduler.get_call_stack(keys=[key])
+                except KeyError:  # forgotten meanwhile: it finished
+                    stacks = {}
+                frames = [line for per_key in (stacks or {}).values() for lines in per_key.values() for line in lines]
+        return {"key": key, "worker": rec.worker, "state": rec.state, "stack": frames}
+
+
+_FINAL = ("memory", "erred", "released")
+_PROGRESS = {"waiting": 0, "processing": 1, "memory": 2, "erred": 2, "released": 3}
 
 
 def _order_deps(ts: Any) -> tuple[str, ...]:

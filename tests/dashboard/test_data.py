@@ -9,6 +9,7 @@ import pytest
 from flowactors.dashboard import (_PALETTE, DEFAULT_METRIC_LIMIT, FlowactorsDashboard, Interval, TaskRecord,
                                   aggregate_graph, install_dashboard, metric_series, node_of, role_color, role_of,
                                   slot_usage, snapshot, stage_idle)
+from flowactors.dashboard.aggregate import is_slow
 
 H = "0123456789abcdef"
 
@@ -294,3 +295,60 @@ def test_busy_seconds_between_any_bounds_match_a_direct_sum():
         lo = rng.uniform(-1, 25)
         hi = lo + rng.uniform(0, 10)
         assert _Busy(spans).between(lo, hi) == pytest.approx(_length(_union(spans, lo, hi)), abs=1e-9)
+
+
+def test_direct_calls_are_waiting_when_issued_processing_when_started_and_done_when_they_end():
+    """The direct path's three reports of one item: the controller's as it sends it, then its worker's when it
+    starts and when it ends; whichever arrives first makes the record, and none moves a record back."""
+    p = FlowactorsDashboard()
+    p.scheduler = _fake_scheduler({})
+    a0, a1, b0 = k("actor.gen", 0), k("actor.gen", 1), k("critic.values", 0)
+    p.log_event("flowactors.issued", {"calls": [
+        {"key": a0, "worker": "W0", "deps": [], "step": 3, "order": None},
+        {"key": a1, "worker": "W1", "deps": [], "step": 3, "order": None},
+        {"key": b0, "worker": "W0", "deps": [a0, a1], "step": 3, "order": a0}]})
+    recs = p._steps[3]
+    assert [recs[x].state for x in (a0, a1, b0)] == ["waiting"] * 3 and not any(r.late for r in recs.values())
+    assert recs[b0].deps == (a0, a1) and recs[b0].order_deps == ()  # a0 is data too: no separate order edge
+    p.log_event("flowactors.calls", {"worker": "W0", "calls": [
+        {"key": a0, "deps": [], "order": None, "state": "waiting", "step": 3},
+        {"key": a0, "state": "processing", "start": 10.0, "step": 3}]})
+    assert (recs[a0].state, recs[a0].started, recs[a0].worker) == ("processing", 10.0, "W0")
+    p.log_event("flowactors.calls", {"worker": "W0", "calls": [
+        {"key": a0, "deps": [], "order": None, "start": 10.0, "stop": 12.0, "ok": True, "step": 3}]})
+    p.log_event("flowactors.calls", {"worker": "W0", "calls": [  # a late copy of an earlier report
+        {"key": a0, "state": "processing", "start": 10.0, "step": 3}]})
+    assert (recs[a0].state, recs[a0].done) == ("memory", True)
+    assert list(p._intervals) == [Interval("W0", "actor.gen", 10.0, 12.0, 3)] and p._usual["actor.gen"] == 2.0
+    # a worker's end report before the controller's issue report: recorded finished, and counted as late
+    c0 = k("reward.score", 0)
+    p.log_event("flowactors.calls", {"worker": "W1", "calls": [
+        {"key": c0, "deps": [], "order": None, "start": 1.0, "stop": 1.5, "ok": False, "step": 3}]})
+    p.log_event("flowactors.issued", {"calls": [{"key": c0, "worker": "W1", "deps": [], "step": 3}]})
+    assert (recs[c0].state, recs[c0].late) == ("erred", True)
+    g = {n["id"]: n for n in aggregate_graph(recs.values(), now=11.0)["nodes"]}
+    assert g["actor.gen"]["state"] == "waiting" and g["actor.gen"]["counts"] == {"memory": 1, "waiting": 1}
+    assert [r["state"] for r in g["actor.gen"]["ranks"]] == ["memory", "waiting"]
+    assert (g["reward.score"]["late"], g["actor.gen"]["late"]) == (1, 0)
+
+
+def test_calls_keep_the_step_that_issued_them_and_kept_steps_stay_in_order():
+    """The asynchronous pipeline issues a later step's calls early: each stays in its own step's graph."""
+    p = FlowactorsDashboard(keep_steps=3)
+    p.scheduler = _fake_scheduler({})
+    for step in (6, 5, 7, 8):  # step 5's first call arrives after step 6's
+        p.log_event("flowactors.issued", {"calls": [{"key": k("actor.gen", 0, f"{step:016x}"), "worker": "W",
+                                                     "step": step}]})
+    assert list(p._steps) == [6, 7, 8]  # 5 was kept, then dropped as the oldest once 8 came
+    p.log_event("flowactors.issued", {"calls": [{"key": k("actor.gen", 1, H), "worker": "W", "step": 2}]})
+    assert 2 not in p._steps  # older than every kept step: dropped at once
+
+
+def test_a_call_running_past_its_usual_time_is_marked_slow():
+    assert not is_slow(2.9, 1.0) and is_slow(3.1, 1.0)  # 3 x usual
+    assert not is_slow(1.05, 0.1) and is_slow(1.2, 0.1)  # usual + 1 s for short calls
+    assert not is_slow(1000.0, None)  # nothing to compare with yet
+    recs = [TaskRecord(k("actor.update", r), "processing", worker=f"W{r}", started=100.0 - 4.0 * r) for r in (0, 1)]
+    node = aggregate_graph(recs, now=100.0, usual={"actor.update": 1.0})["nodes"][0]
+    assert [t["running_s"] for t in node["ranks"]] == [0.0, 4.0]
+    assert [t["key"] for t in node["slow"]] == [k("actor.update", 1)] and node["usual_s"] == 1.0

@@ -143,3 +143,101 @@ def test_page_renders_in_headless_chromium(page, tmp_path):
     assert all(f'data-metric="{m}"' in dom for m in CHARTED) and 'data-metric="cost_mean"' not in dom
     assert 'data-role="scorer"' in dom and '<span id="status">updated ' in dom
     shutil.copy(shot, os.environ.get("FLOWACTORS_SCREENSHOT", tmp_path / "kept.png"))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "dask-tasks"])
+def test_a_held_call_shows_processing_on_its_ranks_and_the_calls_behind_it_waiting(direct):
+    """While a step runs: a call held on purpose (a 3 s sleep on both ranks) is processing on each rank, the call
+    issued after it on the same processes is already in the step's graph, waiting; once the sleep has run past its
+    usual time (0.05 s, learned from the previous step) it is marked slow, and its link gives the rank's stack."""
+    ctl = fa.Controller.local(2, dashboard="127.0.0.1:0", collective_timeout_s=60, direct_calls=direct)
+    try:
+        url = install_dashboard(ctl.client)
+        rt = fa.ActorGroup(ctl, Reducer, name="rt", args=(1.0,))
+        for _ in range(3):
+            rt.sleep(0.05).result()
+        ctl.report_metrics(0, {"reward_mean": 0.0})  # what follows is step 1
+        held = rt.sleep(3.0)
+        behind = rt.add_rank(Batch({"x": torch.arange(4.0)}))
+        seen: dict = {}
+        deadline = time.monotonic() + 2.8
+        while time.monotonic() < deadline and not seen.get("slow"):
+            d = json.loads(_get(f"{url}/data.json")[1])
+            nodes = {n["id"]: n for n in d["graph"]["nodes"]}
+            sleep, add = nodes.get("rt.sleep"), nodes.get("rt.add_rank")
+            if d["step"] == 1 and sleep and add:
+                if [r["state"] for r in sleep["ranks"]] == ["processing"] * 2 and add["state"] == "waiting":
+                    seen.setdefault("live", (sleep, add, d["steps"]))
+                if sleep["slow"]:
+                    seen["slow"] = sleep
+            time.sleep(0.1)
+        assert "live" in seen, "the held call never showed as processing with the next call waiting"
+        sleep, add, steps = seen["live"]
+        assert {r["worker"] for r in sleep["ranks"]} == set(ctl.slots) and steps[-1] == 1
+        assert [r["state"] for r in add["ranks"]] == ["waiting"] * 2 and add["done"] == 0
+        assert ("rt.sleep", "rt.add_rank", "order") in {(e["source"], e["target"], e["kind"])
+                                                        for e in d["graph"]["edges"]}
+        assert "slow" in seen, "the held call was never marked slow"
+        slow = seen["slow"]["slow"][0]
+        assert slow["running_s"] > 1.0 and seen["slow"]["usual_s"] < 0.2
+        stack = json.loads(_get(f"{url.removesuffix('/flowactors')}/flowactors/stack.json?key={slow['key']}")[1])
+        assert stack["worker"] == slow["worker"] and any("sleep" in line for line in stack["stack"]), stack
+        held.result(), behind.result()
+        # the finished step stays selectable while the next runs
+        ctl.report_metrics(1, {"reward_mean": 0.0})
+        rt.sleep(0.01).result()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            d1 = json.loads(_get(f"{url}/data.json?step=1")[1])
+            if d1["step"] == 1 and all(n["done"] == n["n"] for n in d1["graph"]["nodes"]) and 2 in d1["steps"]:
+                break
+            time.sleep(0.1)
+        assert d1["step"] == 1 and {n["id"] for n in d1["graph"]["nodes"]} == {"rt.sleep", "rt.add_rank"}
+        assert all(n["late"] == 0 for n in d1["graph"]["nodes"])  # every call appeared before it finished
+    finally:
+        ctl.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_safe_rlhf_run_shows_each_step_live(tmp_path):
+    """Polling data.json through a Safe-RLHF run (the default program, direct calls): calls are seen waiting and
+    processing as well as done, and in every step's graph each call appeared before it finished (`late` 0)."""
+    import sys
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/flowactors"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "algorithms/safe_rlhf.py", "--steps", "8", "sft_steps=5",
+                             f"dashboard=127.0.0.1:{port}", "--metrics-file", str(tmp_path / "m.jsonl")],
+                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    states, graphs = set(), {}
+    try:
+        while proc.poll() is None:
+            try:
+                d = json.loads(_get(f"{url}/data.json")[1])
+            except OSError:  # not serving yet, or closing
+                time.sleep(0.1)
+                continue
+            states |= {r["state"] for n in d["graph"]["nodes"] for r in n["ranks"]}
+            for s in d["steps"][:-1]:  # steps before the newest have been issued whole
+                if s not in graphs and s >= 1:
+                    graphs[s] = json.loads(_get(f"{url}/data.json?step={s}")[1])["graph"]
+            time.sleep(0.05)
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert {"waiting", "processing", "memory"} <= states, states
+    assert len(graphs) >= 3, sorted(graphs)
+    for s, g in graphs.items():
+        ids = {n["id"] for n in g["nodes"]}
+        assert {"actor.generate_sequences", "actor.update_actor", "critic.update_critic",
+                "cost_critic.update_critic"} <= ids, (s, ids)
+        assert [n["id"] for n in g["nodes"] if n["late"]] == [], s
