@@ -76,7 +76,7 @@ CALLS_TOPIC = "flowactors.calls"
 ISSUED_TOPIC = "flowactors.issued"
 """The controller's reports of the items it sends, as it sends them (the dashboard's waiting calls)."""
 REPORT_S = 0.2
-ISSUE_REPORT_S = 0.05
+ISSUE_REPORT_S = 0.2
 """The controller gathers issue reports this long into one message to the scheduler, off the caller's thread."""
 RELEASE_S = 0.5
 _FRAME = struct.Struct("!QI")  # pickle bytes, number of out-of-band buffers; then each buffer's length (!Q), data
