@@ -5,8 +5,8 @@ tasks; this page shows what the author of an actor program asks about: which gro
 made of and where each stands, which group (role) occupied which device slot when (and how long each slot sat
 idle), and how the step metrics move. It is a `SchedulerPlugin` (`FlowactorsDashboard`) that adds two routes to
 the scheduler's running tornado application, `/flowactors` (a self-contained page, `page.html`: inline SVG, CSS and
-JS, no CDN, works offline and with the dashboard bound to 127.0.0.1) and `/flowactors/data.json`, which the page
-polls every 1.5 s.
+JS, no CDN, works offline and with the dashboard bound to 127.0.0.1), `/flowactors/data.json`, which the page
+polls every 1.5 s, and `/flowactors/stack.json` (a running task's stack).
 
 The package: `aggregate` (plain records and the pure functions that compute the page's data), `plugin` (the
 scheduler plugin that records, and `install_dashboard`), `handlers` (the two routes), `page.html` (the page).
@@ -38,10 +38,21 @@ Design decisions, and why:
   other role the next palette colour nobody holds, in the order roles first submit work, so roles never share a
   colour while the palette lasts and one program looks the same from run to run; `role_color` alone (no such
   record) picks by a stable hash of the name.
-- **Direct calls.** Calls on the direct path (flowactors._direct) are not Dask tasks: the workers report each
-  item after it ran (key, inputs, the item before it on that process, compute span, the controller's step) on
-  topic `flowactors.calls`, and the plugin records them as finished tasks and spans, the same records as above.
-  They appear when finished (within `_direct.REPORT_S`), never as processing.
+- **Direct calls, live.** Calls on the direct path (flowactors._direct) are not Dask tasks, so the runtime
+  reports them itself: the controller each item as it sends it (topic `flowactors.issued`, gathered over
+  `_direct.ISSUE_REPORT_S`, from a timer thread: the call site does not wait), the worker when it receives it,
+  starts it and ends it (topic `flowactors.calls`, every `_direct.REPORT_S`). Whichever report comes first makes
+  the record and none moves it back, so a step's graph is whole while it runs, with waiting / processing /
+  memory / erred per rank as on the Dask-task path (where the scheduler's own transitions give them). A task first
+  recorded already finished is counted as `late` on its node (the tests hold it at 0).
+- **Steps in flight.** Every item carries the controller's step when it was issued, so a call stays in the step
+  that issued it whenever it runs; the last `keep_steps` (4) steps keep their graphs, in step order even when a
+  later step's calls come first (the asynchronous pipeline), and the page lets the user pick one
+  (`data.json?step=N`).
+- **Slow calls.** Per call node the plugin keeps a moving average of its tasks' compute time; a task processing
+  for longer than max(3 x that, that + 1 s) is marked slow, with a link to `/flowactors/stack.json?key=K`, which
+  asks that rank's worker what its task thread runs now (the watchdog's report, for one rank, on demand; Dask's
+  own call stack for a Dask task).
 - **Idle time** is measured over a recent window (default 60 s, never before the plugin started): per slot,
   window length minus the union of its compute spans; per stage (node), over the stage's span in the window,
   the slot-seconds in which a slot ran nothing at all (the cost of a stage that does not use every device).
