@@ -392,12 +392,13 @@ class DirectChannel:
     def _report_issued(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None) -> None:
         """Tell the scheduler (its dashboard) what is being sent, gathered over ISSUE_REPORT_S and sent from a
         timer thread: the caller does not wait on the scheduler."""
-        reports = []
+        from distributed.metrics import time as clock
+
+        reports, now = [], clock()
         for address, _, args, kwargs, key in items:
-            refs: dict[str, DirectRef] = {}
-            _collect_refs((args, kwargs), refs)
-            reports.append({"key": key, "worker": address, "deps": list(refs), "step": step,
-                            "order": self._last_sent.get(address)})
+            deps = list(dict.fromkeys(f.key for f in _direct_futures((args, kwargs))))  # they travel as DirectRefs
+            reports.append({"key": key, "worker": address, "deps": deps, "step": step,
+                            "order": self._last_sent.get(address), "at": now})
             self._last_sent[address] = key
         with self._cond:
             self._issued.extend(reports)
@@ -730,7 +731,8 @@ def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
         refs: dict[str, DirectRef] = {}
         _collect_refs((args, kwargs), refs)
         previous, order.last = order.last, key  # items of one connection run in the order they arrive
-        _REPORTS.append({"key": key, "deps": list(refs), "order": previous, "state": "waiting", "step": step})
+        _REPORTS.append({"key": key, "deps": list(refs), "order": previous, "state": "waiting", "step": step,
+                         "at": time.time()})
         inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs), loop) if refs else None
         executor.submit(_job, worker, conn, previous, key, step, fn, args, kwargs, inputs, list(refs))
 

@@ -142,9 +142,17 @@ class FlowactorsDashboard(SchedulerPlugin):
 
     def _issued(self, calls: Iterable[Mapping]) -> None:
         """Items the controller sent on the direct path, as it sent them: waiting, in the step that issued them."""
+        times = [t for t, _ in self._step_times]
         for c in calls:
-            self._direct_record(str(c.get("key")), c.get("step"), "waiting", c.get("deps") or (), c.get("order"),
-                                str(c.get("worker") or ""))
+            self._direct_record(str(c.get("key")), self._step_of(c, c.get("at"), times), "waiting",
+                                c.get("deps") or (), c.get("order"), str(c.get("worker") or ""))
+
+    def _step_of(self, report: Mapping, when: Any, times: Sequence[float]) -> int:
+        """A report's step: the controller's, else the one current at `when` (scheduler clock; reports arrive
+        after the fact), else the current one."""
+        if isinstance(report.get("step"), int):
+            return report["step"]
+        return self._step_at(when, times) if isinstance(when, (int, float)) else self.step
 
     def _direct_record(self, key: str, step: Any, state: str, deps: Iterable[Any], order: Any,
                        worker: str) -> TaskRecord | None:
@@ -164,6 +172,10 @@ class FlowactorsDashboard(SchedulerPlugin):
             self._key_step[key] = step if isinstance(step, int) else self.step
         if rec is None:
             return None
+        if deps and not rec.deps:  # the first report did not know them
+            data = tuple(str(d) for d in deps)
+            rec.order_deps = (str(order),) if order and str(order) not in data else ()
+            rec.deps = data + rec.order_deps
         if _PROGRESS[state] > _PROGRESS.get(rec.state, 0):
             rec.state = state
             rec.done = rec.done or state == "memory"
@@ -181,8 +193,8 @@ class FlowactorsDashboard(SchedulerPlugin):
             start, stop = c.get("start"), c.get("stop")
             state = c.get("state") or ("memory" if c.get("ok") else "erred")
             timed = isinstance(start, (int, float)) and isinstance(stop, (int, float))
-            step = c["step"] if isinstance(c.get("step"), int) else \
-                self._step_at(start + skew, times) if timed else self.step
+            when = start if isinstance(start, (int, float)) else c.get("at")
+            step = self._step_of(c, when + skew if isinstance(when, (int, float)) else None, times)
             rec = self._direct_record(key, step, state, c.get("deps") or (), c.get("order"), worker)
             if rec is not None and state == "processing" and isinstance(start, (int, float)):
                 rec.started = start + skew

@@ -146,10 +146,11 @@ def test_page_renders_in_headless_chromium(page, tmp_path):
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "dask-tasks"])
-def test_a_held_call_shows_processing_on_its_ranks_and_the_calls_behind_it_waiting(direct):
-    """While a step runs: a call held on purpose (a 3 s sleep on both ranks) is processing on each rank, the call
+def test_a_held_call_shows_processing_on_its_ranks_and_the_calls_behind_it_waiting(direct, tmp_path):
+    """While a step runs: a call held on purpose (a 6 s sleep on both ranks) is processing on each rank, the call
     issued after it on the same processes is already in the step's graph, waiting; once the sleep has run past its
-    usual time (0.05 s, learned from the previous step) it is marked slow, and its link gives the rank's stack."""
+    usual time (0.05 s, learned from the previous step) it is marked slow, and its link gives the rank's stack;
+    the page in a browser draws the ranks' states and the slow call's link."""
     ctl = fa.Controller.local(2, dashboard="127.0.0.1:0", collective_timeout_s=60, direct_calls=direct)
     try:
         url = install_dashboard(ctl.client)
@@ -157,10 +158,10 @@ def test_a_held_call_shows_processing_on_its_ranks_and_the_calls_behind_it_waiti
         for _ in range(3):
             rt.sleep(0.05).result()
         ctl.report_metrics(0, {"reward_mean": 0.0})  # what follows is step 1
-        held = rt.sleep(3.0)
+        held = rt.sleep(6.0)
         behind = rt.add_rank(Batch({"x": torch.arange(4.0)}))
         seen: dict = {}
-        deadline = time.monotonic() + 2.8
+        deadline = time.monotonic() + 4.0
         while time.monotonic() < deadline and not seen.get("slow"):
             d = json.loads(_get(f"{url}/data.json")[1])
             nodes = {n["id"]: n for n in d["graph"]["nodes"]}
@@ -182,6 +183,11 @@ def test_a_held_call_shows_processing_on_its_ranks_and_the_calls_behind_it_waiti
         assert slow["running_s"] > 1.0 and seen["slow"]["usual_s"] < 0.2
         stack = json.loads(_get(f"{url.removesuffix('/flowactors')}/flowactors/stack.json?key={slow['key']}")[1])
         assert stack["worker"] == slow["worker"] and any("sleep" in line for line in stack["stack"]), stack
+        if Path(CHROMIUM).exists() and not held.done():
+            dom = _chromium(url, tmp_path, "--dump-dom").stdout
+            assert 'class="rank" data-state="processing"' in dom and 'class="rank" data-state="waiting"' in dom
+            assert 'data-node="rt.sleep" data-state="processing" data-slow="2"' in dom
+            assert 'class="slow-call"' in dom and "stack.json?key=" in dom
         held.result(), behind.result()
         # the finished step stays selectable while the next runs
         ctl.report_metrics(1, {"reward_mean": 0.0})
