@@ -139,11 +139,14 @@ def test_direct_items_become_dashboard_records_and_profile_spans(ctl, group):
     reports = []
     while time.monotonic() < deadline:
         events = ctl.client.get_events(_direct.CALLS_TOPIC)
-        reports = [m for _, m in events for c in m["calls"] if c["key"] in {f.key for f in call.futures}]
-        if len(reports) == 2:
+        mine = {f.key for f in call.futures}
+        reports = [m for _, m in events if any(c["key"] in mine for c in m["calls"])]
+        states = [c.get("state", "end") for m in reports for c in m["calls"] if c["key"] in mine]
+        if states.count("end") == 2:
             break
         time.sleep(0.2)
-    assert len(reports) == 2
+    # each rank's item: received (waiting), started (processing), ended
+    assert sorted(states) == ["end", "end", "processing", "processing", "waiting", "waiting"]
     for m in reports:
         plugin.log_event(_direct.CALLS_TOPIC, m)
     recs = plugin._steps[5]
