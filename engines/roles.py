@@ -157,6 +157,21 @@ class ModelWorker(Worker):
         self.engine.set_lr(lr)
 
     @endpoint(protocol=ONE_TO_ALL)
+    def memory_stats(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer state (its shards), and the device's peak
+        allocation so far (CUDA; 0 on CPU): what a role costs, per rank."""
+        params = list(self.engine.model.parameters())
+        size = lambda t: t.numel() * t.element_size()  # noqa: E731
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        state = getattr(self.engine.optimizer, "state", None) or {}  # megatron's distributed optimizer: its own
+        optim = sum(size(local(v)) for st in state.values() if isinstance(st, dict) for v in st.values()
+                    if isinstance(v, torch.Tensor))
+        return {"param_bytes": sum(size(local(p)) for p in params),
+                "grad_bytes": sum(size(local(p.grad)) for p in params if p.grad is not None),
+                "optimizer_bytes": optim,
+                "device_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0}
+
+    @endpoint(protocol=ONE_TO_ALL)
     def parameter_digest(self) -> float:
         """A cheap fingerprint of the full weights (sum of all parameters), for tests and sanity checks."""
         return float(sum(t.double().sum() for t in self.engine.full_state_dict().values()))

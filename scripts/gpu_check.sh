@@ -1,14 +1,65 @@
 #!/usr/bin/env bash
-# All GPU checks in one call (a lent GPU machine has little time): NCCL groups through flowactors, the engines on
-# CUDA, vLLM and megatron-core when installed. Prints a table; exits non-zero if a check that could run failed.
+# All GPU checks in one call (a lent GPU machine has ~15 minutes, 10 per command, and reaches no package index):
+#
+#   scripts/gpu_kit.sh fetch            # first, on a machine with an index: the wheels the GPU machine lacks
+#   bash scripts/gpu_check.sh           # on the GPU machine (run carry=[".gpu-kit"]): one table, and JSON in $OUT
+#   bash scripts/gpu_check.sh --dry-run # on a CPU machine: a Python 3.12 venv as the GPU machine's (torch 2.11,
+#                                       # transformers 5.17, ...) plus .gpu-kit/ installed with --no-index, running
+#                                       # every check that does not need CUDA
+#
+# Installs .gpu-kit/*.whl with pip --no-index into a directory outside the working tree (nothing from an index) and
+# runs from the source tree (PYTHONPATH), so the GPU machine's own torch and transformers are used as they are.
+# Checks: flowactors groups on NCCL, bf16 training and generation on the torch engine, the 3D-HybridEngine's
+# transition, megatron-core on CUDA (tp = pp = 1, no shim), one GRPO run on a Qwen2-0.5B-shaped model (tokens/s,
+# step time, memory per role, MFU), vLLM and TRL where installed (neither travels in the kit: vLLM does not fit
+# in a call, TRL needs pyarrow). Exits non-zero if a check that could run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-pip install -q -e ".[test]" >/dev/null 2>&1 || pip install -e ".[test]"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || { echo "no GPU visible"; exit 1; }
-python - <<'PY'
-import sys, time, traceback
+root=$PWD
+if [ "${1:-}" = "--dry-run" ]; then
+  py312=$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1 || true)
+  [ -n "$py312" ] || { echo "--dry-run needs a python3.12 (the GPU machine's Python)"; exit 2; }
+  venv=${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/flowactors-gpu-dry}
+  if [ ! -x "$venv/bin/python" ]; then  # the GPU machine's own packages, from the index (the kit brings the rest)
+    "$py312" -m venv "$venv"
+    "$venv/bin/pip" install --isolated -q torch==2.11.0 transformers==5.17.0 peft accelerate msgpack cloudpickle \
+      psutil toolz pyyaml || { echo "--dry-run: could not build the GPU machine's environment in $venv"; exit 2; }
+  fi
+  export PATH="$venv/bin:$PATH" GPU_CHECK_DRY=1
+fi
+ls .gpu-kit/*.whl >/dev/null 2>&1 || { echo "no .gpu-kit/: run scripts/gpu_kit.sh fetch on a machine with a package \
+index, then carry .gpu-kit with this command"; exit 2; }
+site=${TMPDIR:-/tmp}/flowactors-gpu-site
+rm -rf "$site"
+python -m pip install -q --no-index --no-deps --target "$site" .gpu-kit/*.whl \
+  || { echo "installing .gpu-kit/ with --no-index failed (above): fetch it again with scripts/gpu_kit.sh fetch"; exit 2; }
+export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}"
+python - <<'PY' || exit 2
+import sys
+import torch, transformers
+from packaging.version import Version
+need = {"python": ("3.11", sys.version.split()[0]), "torch": ("2.11", torch.__version__.split("+")[0]),
+        "transformers": ("5.17", transformers.__version__)}
+old = [f"{k} {have} (flowactors needs >= {want})" for k, (want, have) in need.items() if Version(have) < Version(want)]
+if old:
+    sys.exit("this machine's " + ", ".join(old) + ": the checks would fail on it; nothing was run")
+print(f"python {need['python'][1]}, torch {torch.__version__}, transformers {transformers.__version__}")
+PY
+if [ -z "${GPU_CHECK_DRY:-}" ]; then
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || { echo "no GPU visible"; exit 1; }
+fi
+# a file, not stdin: the embedded cluster's worker processes are spawned and import the main module
+checks=$(mktemp -d)/gpu_checks.py
+cat > "$checks" <<'PY'
+import json, os, sys, time, traceback
 import torch
 rows = []
+RESULTS = {}
+DRY = os.environ.get("GPU_CHECK_DRY") == "1"
+
+def needs_cuda():
+    if DRY:
+        raise Skip("dry run: needs CUDA")
 
 class Skip(Exception):
     """A check this machine cannot run (e.g. too few GPUs); reported with its reason."""
@@ -38,7 +89,7 @@ def nccl_group():
             dist.all_reduce(t, group=self.process_group)
             return (t.item(), str(self.device), dist.get_backend(self.process_group))
 
-    n = torch.cuda.device_count()
+    n = 2 if DRY else torch.cuda.device_count()  # a dry run: two CPU slots on gloo
     with fa.Controller.local(n, dashboard=None) as ctl:
         g = fa.ActorGroup(ctl, R, name="r")
         out = g.reduce().result()
@@ -46,17 +97,133 @@ def nccl_group():
     assert all(o[0] == want for o in out), out
     return f"{n} ranks, backend {out[0][2]}, device {out[0][1]}"
 
+DEV = "cpu" if DRY else "cuda"
+PEAK_BF16_FLOPS = 989.5e12  # H200 (as H100 SXM): dense bf16 tensor-core peak, for MFU
+
 def engine_cuda():
     from engines import ModelConfig, build_model, SamplingConfig, HFGenerationEngine, build_tokenizer
     from flowactors import Batch
     cfg = ModelConfig()
     tok = build_tokenizer(cfg)
-    m = build_model(cfg, "lm", tok).cuda()
+    m = build_model(cfg, "lm", tok).to(DEV)
     enc = tok(["sum 12:"], return_tensors="pt")
-    b = Batch({"input_ids": enc.input_ids.cuda(), "attention_mask": enc.attention_mask.cuda()})
+    b = Batch({"input_ids": enc.input_ids.to(DEV), "attention_mask": enc.attention_mask.to(DEV)})
     ref = m.generate(**{"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}, do_sample=False,
                      max_new_tokens=8, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     return f"generate ok, {ref.shape}"
+
+
+def bf16_torch_engine():
+    """The torch engine in bfloat16 on the device: float32 master weights, bf16 compute; three policy-gradient
+    updates move the weights with finite losses, then the hf engine samples from the trained model."""
+    from engines import ModelConfig, OptimConfig, SamplingConfig, build_model, build_tokenizer
+    from engines.rollout.hf import HFGenerationEngine
+    from engines.training.torch_native import TrainEngine
+    from flowactors import Batch
+    cfg = ModelConfig(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=768,
+                      dtype="bfloat16")
+    tok = build_tokenizer(cfg)
+    model = build_model(cfg, "lm", tok).to(DEV)
+    engine = TrainEngine(model, OptimConfig(lr=1e-3), compute_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40, (16, 48), generator=g)
+    batch = Batch({k: v.to(DEV) for k, v in {
+        "input_ids": ids, "attention_mask": torch.ones_like(ids), "responses": ids[:, -16:],
+        "response_mask": torch.ones(16, 16, dtype=torch.long), "advantages": torch.randn(16, 16, generator=g)}.items()})
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    loss = lambda out, mb: (-(out["log_probs"] * mb["advantages"]), mb["response_mask"].float(), {})
+    t0 = time.time()
+    for _ in range(3):
+        m = engine.update([batch], loss, lambda mb: engine.policy_outputs(mb, 1.0, False))
+    update_s = (time.time() - t0) / 3
+    assert next(model.parameters()).dtype == torch.float32 and m["grad_norm"] == m["grad_norm"], m
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items()), "no weight moved"
+    enc = tok(["sum 12:", "ab"], padding=True, return_tensors="pt")
+    prompts = Batch({"input_ids": enc.input_ids.to(DEV), "attention_mask": enc.attention_mask.to(DEV)})
+    with engine.autocast():
+        out = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id, compute_dtype=torch.bfloat16).generate(
+            model, prompts, SamplingConfig(max_new_tokens=16))
+    return f"update {update_s * 1000:.0f} ms, grad_norm {m['grad_norm']:.3f}, sampled {tuple(out['responses'].shape)}"
+
+def hybrid_transition():
+    """The 3D-HybridEngine on the device: an actor with rollout_tp=1 generates, updates, and generates again from
+    the resharded weights (the transition both ways), on every GPU (two CPU slots in a dry run)."""
+    import flowactors as fa
+    from engines import ActorWorker, ModelConfig, SamplingConfig, UpdateSpec, build_tokenizer
+    from flowactors import Batch
+    n = 2 if DRY else torch.cuda.device_count()
+    cfg = ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
+                      pad_vocab_to=8, dtype="float32" if DRY else "bfloat16")
+    tok = build_tokenizer(cfg)
+    enc = tok([f"sum {i}:" for i in range(8 * n)], padding=True, return_tensors="pt")
+    prompts = Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+    loss = lambda out, mb: (-(out["log_probs"] * 0.1), mb["response_mask"].float(), {})
+    with fa.Controller.local(n, dashboard=None) as ctl:
+        actor = fa.ActorGroup(ctl, ActorWorker, name="actor", args=(cfg, None, SamplingConfig(max_new_tokens=8), 1))
+        first = actor.generate_sequences(prompts).result()
+        t0 = time.time()
+        actor.update_actor(first, loss, UpdateSpec(len(first), 1, 0)).result()
+        second = actor.generate_sequences(prompts).result()
+        cycle = time.time() - t0
+        stats = actor.reshard_stats().result()
+    assert second["responses"].shape[0] == prompts["input_ids"].shape[0]
+    return f"{n} rank(s): update + transition + generate {cycle:.2f}s; reshard {stats}"[:160]
+
+def _role_memory(runner):
+    out = {}
+    for name, g in runner.roles.groups().items():
+        if "memory_stats" in g.endpoints:
+            per_rank = g.memory_stats().result()
+            out[name] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    return out
+
+def grpo_qwen2_05b():
+    """One GRPO run on a Qwen2-0.5B-shaped model (its 24 layers of width 896, 14 heads, 2 KV heads, MLP 4864;
+    the task's 50-token vocabulary, so 0.36B parameters; random weights), bf16, hf rollout engine, every GPU:
+    tokens/s, step time, memory per role, MFU (6N per trained token, 2N per scored or generated token)."""
+    import tempfile
+    from pathlib import Path
+    from algorithms.cli import open_controller
+    from algorithms.cli import parse_args
+    from algorithms.grpo import GRPO, GRPOConfig
+    from algorithms.loop import Runner
+    n = 1 if DRY else torch.cuda.device_count()
+    shape = ([] if DRY else ["model.arch=qwen2", "model.hidden_size=896", "model.num_layers=24", "model.num_heads=14",
+                             "model.num_kv_heads=2", "model.intermediate_size=4864", "model.dtype=bfloat16"])
+    steps = 2 if DRY else 4
+    cfg = parse_args([f"n_slots={n}", "dashboard=none", f"--steps", str(steps), "sft_steps=2",
+                      "prompts_per_step=32", "samples_per_prompt=4", "mini_batch_samples=128", *shape],
+                     GRPOConfig, "gpu check")
+    with open_controller(cfg) as ctl, tempfile.TemporaryDirectory() as tmp:
+        runner = Runner(GRPO(cfg), ctl, Path(tmp))
+        history = runner.run()
+        memory = _role_memory(runner)
+        params = runner.roles.actor.memory_stats().result()[0]["param_bytes"] / 4  # float32 master weights
+        runner.roles.close()
+    last = history[1:] or history  # the first step warms up
+    step_s = sum(r["step_s"] for r in last) / len(last)
+    tok_s = sum(r["tokens_per_s"] for r in last) / len(last)  # prompt + response tokens per second
+    samples = cfg.prompts_per_step * cfg.samples_per_prompt
+    generated = samples * sum(r["response_length_mean"] for r in last) / len(last)
+    # generation 2N per new token; the reference's log-probs 2N and the update 6N per token of every sample
+    flops = 2 * params * generated + (2 + 6) * params * tok_s * step_s
+    mfu = flops / step_s / (PEAK_BF16_FLOPS * n)
+    mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
+    mem = ", ".join(f"{k} {mib(v['device_peak_bytes'])} peak, {mib(v['param_bytes'] + v['optimizer_bytes'])} state"
+                    for k, v in memory.items())
+    RESULTS["grpo_qwen2_05b"] = {"params": params, "step_s": step_s, "tokens_per_s": tok_s, "mfu": mfu,
+                                 "memory": memory, "history": history}
+    return f"{params / 1e9:.2f}B, {tok_s:.0f} tok/s, step {step_s:.2f}s, MFU {100 * mfu:.1f}%; {mem}"
+
+def trl_grpo():
+    """TRL's GRPOTrainer on the same model and batch, for the ratio: only where TRL is installed (it cannot travel
+    in the kit: it needs datasets, and datasets pyarrow, a 55 MB wheel)."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise Skip("TRL is not installed here and cannot travel in .gpu-kit (datasets needs pyarrow, 55 MB); "
+                   "benchmarks/e2e.py compares with TRL where it is installed")
+    raise Skip(f"TRL {trl.__version__} is installed: run benchmarks/e2e.py for the comparison (not wired here)")
 
 def vllm_import():
     import vllm  # noqa: F401
@@ -155,6 +322,7 @@ def megatron_import():
 def megatron_tp1():
     """engines.training.megatron.engine on real CUDA, no shim: TP=1 log-probs vs transformers, one update, weights back to HF."""
     import os
+    needs_cuda()
     import torch.distributed as dist
     import transformers
     from engines.training.megatron.engine import MegatronEngine
@@ -203,6 +371,7 @@ def megatron_ppo():
     import json, subprocess, tempfile
     import megatron.core  # noqa: F401  (ImportError: skipped)
     from placement import ModelPlan, Plan
+    needs_cuda()
     n = torch.cuda.device_count()
     p = 2 if n >= 2 else 1
     d = tempfile.mkdtemp()
@@ -227,6 +396,7 @@ def megatron_fused_training():
     import json, subprocess, tempfile
     import megatron.core  # noqa: F401  (ImportError: skipped)
     from placement import ModelPlan, Plan
+    needs_cuda()
     if torch.cuda.device_count() < 2:
         raise Skip(f"needs 2 GPUs for a p = 2 pipeline on NCCL; this machine has {torch.cuda.device_count()}")
     d = tempfile.mkdtemp()
@@ -280,18 +450,35 @@ def vllm_grpo_step():
     rows_ = [json.loads(x) for x in open(f"{d}/m.jsonl")]
     return f"2 steps, reward {rows_[-1]['reward_mean']:.3f}, generate {rows_[-1]['generate_s']:.2f}s"
 
-check("flowactors NCCL group all_reduce", nccl_group)
-check("transformers model on CUDA", engine_cuda)
-check("vllm import", vllm_import)
-check("vllm engine TP=1 on CUDA vs transformers", vllm_engine)
-check("vllm rollout benchmark (actor)", vllm_rollout_benchmark)
-check("GRPO step, rollout_engine=vllm (CLI)", vllm_grpo_step)
-check("megatron-core import", megatron_import)
-check("megatron engine TP=1 on CUDA (no shim)", megatron_tp1)
-check("megatron PPO, plan with p=2 (CLI)", megatron_ppo)
-check("megatron PPO, fuse_train, p=2 (CLI)", megatron_fused_training)
-print(f"\n{'check':<36} {'result':<8} {'time':>6}  detail")
-for r in rows:
-    print(f"{r[0]:<36} {r[1]:<8} {r[2]:>6}  {r[3]}")
-sys.exit(1 if any(r[1] == "FAILED" for r in rows) else 0)
+def main():
+    check("flowactors group all_reduce" + (" (gloo, dry)" if DRY else " (NCCL)"), nccl_group)
+    check("transformers model on the device", engine_cuda)
+    check("torch engine bf16 train + generate", bf16_torch_engine)
+    check("3D-HybridEngine transition", hybrid_transition)
+    check("megatron-core import", megatron_import)
+    check("megatron engine TP=1 on CUDA (no shim)", megatron_tp1)
+    check("megatron PPO, plan with p=2 (CLI)", megatron_ppo)
+    check("megatron PPO, fuse_train, p=2 (CLI)", megatron_fused_training)
+    check("GRPO, Qwen2-0.5B shape" + (" (tiny, dry)" if DRY else ""), grpo_qwen2_05b)
+    check("TRL GRPOTrainer, same model", trl_grpo)
+    check("vllm import", vllm_import)
+    check("vllm engine TP=1 on CUDA vs transformers", vllm_engine)
+    check("vllm rollout benchmark (actor)", vllm_rollout_benchmark)
+    check("GRPO step, rollout_engine=vllm (CLI)", vllm_grpo_step)
+    print(f"\n{'check':<40} {'result':<8} {'time':>6}  detail")
+    for r in rows:
+        print(f"{r[0]:<40} {r[1]:<8} {r[2]:>6}  {r[3]}")
+    report = {"dry_run": DRY, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "python": sys.version.split()[0],
+              "checks": [dict(zip(("check", "result", "time", "detail"), r)) for r in rows], "results": RESULTS}
+    path = os.path.join(os.environ.get("OUT") or ".", "gpu_check.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    print(f"written: {path}")
+    sys.exit(1 if any(r[1] == "FAILED" for r in rows) else 0)
+
+
+if __name__ == "__main__":
+    main()
 PY
+python "$checks"
