@@ -80,12 +80,13 @@ def test_fsdp2_and_zero1_adapters_train_as_on_one_process(controller4, tmp_path,
     b = long_tailed(n=16, seed=3)
     spec = UpdateSpec(mini_batch_samples=8, epochs=2, shuffle_seed=1)
     optim = OptimConfig(lr=1e-2, lora_rank=4, lora_alpha=8.0, zero_stage=zero_stage)
-    merged = {}
+    merged, stats = {}, {}
     for dp in (1, 2):
         g = fa.ActorGroup(controller4, ActorWorker, name=f"lora_dp{dp}_z{zero_stage}", slots=controller4.slots[:dp],
                           layout=Layout(dp=dp), args=(CFG, optim))
         try:
             g.update_actor(b, pg_loss, spec).result()
+            stats[dp] = g.memory_stats().result()
             path = g.export_hf(str(tmp_path / f"dp{dp}")).result()
             merged[dp] = build_model(ModelConfig(path=path), "lm").state_dict()
         finally:
@@ -94,6 +95,12 @@ def test_fsdp2_and_zero1_adapters_train_as_on_one_process(controller4, tmp_path,
     assert any(not torch.allclose(merged[1][k], base[k]) for k in base)  # the export carries the adapters' change
     for k in merged[1]:
         torch.testing.assert_close(merged[2][k], merged[1][k], atol=2e-6, rtol=1e-5, msg=k)
+    # memory_stats: FSDP2 splits the parameters over the ranks, ZeRO-1 keeps them whole; both split Adam's state
+    one, two = stats[1][0], stats[2]
+    assert one["optimizer_bytes"] > 0 and one["device_peak_bytes"] == 0  # no CUDA here
+    assert sum(r["optimizer_bytes"] for r in two) == pytest.approx(one["optimizer_bytes"], rel=0.05)
+    shard = sum(r["param_bytes"] for r in two) if zero_stage == 3 else two[0]["param_bytes"]
+    assert shard == pytest.approx(one["param_bytes"], rel=0.02)
 
 
 def test_checkpoint_holds_the_adapters_and_resumes_exactly_on_the_reference_base(controller4, tmp_path):
