@@ -72,6 +72,7 @@ def test_the_staleness_is_fixed_at_a_run_s_start_and_older_checkpoints_resume_un
 
 # -- on a cluster ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_rollouts_run_k_versions_ahead_on_the_weights_the_trainer_sent(tmp_path):
     """K = 2: step j trains on samples of version max(0, j - 2), every token records it; the first step's samples
     come from the warm-started policy the trainer sent, so they equal the synchronous run's (same seeds)."""
@@ -113,6 +114,7 @@ def test_resume_with_rollouts_in_flight_reproduces_an_uninterrupted_run(tmp_path
     same(reference[2:], resumed)
 
 
+@pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_a_checkpoint_mid_run_holds_the_rollouts_in_flight(tmp_path, reference):
     ck = tmp_path / "ck"
     history = ppo(["--steps", "4", *COMMON, "--checkpoint-dir", str(ck), "--save-every", "2"])
@@ -152,6 +154,7 @@ def test_each_algorithm_learns_its_task_under_staleness(tmp_path, algo, stalenes
     assert h[-1]["async/staleness_mean"] == staleness
 
 
+@pytest.mark.e2e  # whole program runs: CI's second tier (.ci/run)
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_safe_rlhf_keeps_its_constraint_under_staleness(tmp_path, staleness):
     from algorithms.safe_rlhf import main

@@ -25,6 +25,7 @@ def reference(tmp_path_factory):
     return ppo(["--steps", "4", *COMMON, "--checkpoint-dir", str(d), "--save-every", "1"])
 
 
+@pytest.mark.e2e  # whole program runs: CI's second tier (.ci/run)
 @pytest.mark.parametrize("stop", [2, 3], ids=["epoch-boundary", "mid-epoch"])
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, reference, stop):
     ck = str(tmp_path / "ck")
@@ -100,6 +101,7 @@ def test_a_worker_lost_before_the_first_checkpoint_restarts_from_step_0(tmp_path
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1, 2, 3]
 
 
+@pytest.mark.e2e  # whole program runs: CI's second tier (.ci/run)
 def test_resume_applies_changed_settings_and_refuses_ones_fixed_at_the_start(tmp_path, capsys):
     ck = tmp_path / "ck"
     ppo(["--steps", "2", *COMMON, "--checkpoint-dir", str(ck), "--save-every", "2"])

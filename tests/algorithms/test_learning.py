@@ -18,6 +18,7 @@ def run(main, tmp_path, *overrides):
     return lines
 
 
+@pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_safe_rlhf_cost_ends_below_threshold_while_reward_rises(tmp_path):
     from algorithms.safe_rlhf import main
 
@@ -33,6 +34,7 @@ def test_safe_rlhf_cost_ends_below_threshold_while_reward_rises(tmp_path):
 
 @pytest.mark.parametrize("algo, margin", [("ppo", 0.05), ("grpo", 0.05), ("remax", 0.05), ("rloo", 0.05),
                                           ("reinforce_pp", 0.05), ("gspo", 0.05), ("dapo", 0.05)])
+@pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_algorithm_learns_its_task(tmp_path, algo, margin):
     import importlib
 
@@ -109,6 +111,7 @@ def test_grpo_on_policy_steps_skip_the_old_log_prob_pass_and_update_alike(tmp_pa
         assert a["actor/pg_clipfrac"] == b["actor/pg_clipfrac"] == 0.0
 
 
+@pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_plan_with_tensor_parallel_actor_matches_data_parallel(tmp_path):
     """A TP=2 actor generating through the 3D-HybridEngine at TP=1 (micro-DP 2), a TP=2 FSDP actor that gathers
     its weights, and a DP=2 actor: same metrics."""

@@ -74,6 +74,7 @@ def test_safe_rlhf_on_a_split_plan_with_pipeline_stages(tmp_path):
     _same_metrics(m, t)
 
 
+@pytest.mark.e2e  # whole program runs: CI's second tier (.ci/run)
 @pytest.mark.parametrize("p_g", [1, 2])
 def test_ppo_on_a_colocated_plan_with_pipeline_stages(tmp_path, p_g):
     """Every model on both slots; actor, reference and critic with two pipeline stages; the plan's actor generates
@@ -101,6 +102,7 @@ RESUME_KEYS = ("reward_mean", "kl", "entropy", "response_length_mean", "actor/pg
                "actor/grad_norm", "critic/grad_norm")
 
 
+@pytest.mark.e2e  # whole program runs: CI's second tier (.ci/run)
 def test_ppo_with_fused_actor_critic_training_gives_the_unfused_run(tmp_path):
     """fuse_train=true (RLHFuse's intra-stage fusion) on the colocated p = 2 plan: the critic's stages run down the
     slots and both models train in one fused pipeline; every step's metrics equal the unfused run's exactly."""

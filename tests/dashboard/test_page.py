@@ -212,6 +212,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_a_safe_rlhf_run_shows_each_step_live(tmp_path):
     """Polling data.json through a Safe-RLHF run (the default program, direct calls): calls are seen waiting and
     processing as well as done, and in every step's graph each call appeared before it finished (`late` 0)."""

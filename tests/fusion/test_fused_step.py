@@ -307,6 +307,7 @@ def test_share_tails_gives_each_tail_to_the_receiver_with_the_fewest_rows():
     assert share_tails([], 3) == [[], [], []]
 
 
+@pytest.mark.e2e  # CI's second tier (.ci/run)
 def test_two_receiving_ranks_finish_the_tails_of_the_other_two(data):
     """dp = 4, migrate_to = 2: ranks 2 and 3 pause (at steps 2 and 3) and their tails go one to rank 0, one to
     rank 1, which finish them beside their own rows; the rollout is generate_sequences' (tokens exactly, the
@@ -355,6 +356,7 @@ def test_migration_refuses_a_layout_it_cannot_run(ctl, data):
         migration_threshold(Layout(dp=2), 8, 0.25, 2)
 
 
+@pytest.mark.e2e  # CI's second tier (.ci/run)
 def test_the_ppo_program_migrates_on_the_fused_placement_and_changes_nothing(tmp_path):
     """`--placement fused fuse=true fuse_migrate=true`: actor and reference on both slots, critic and reward on
     the second; the run's metrics equal the unfused run's on the same placement, step by step."""
