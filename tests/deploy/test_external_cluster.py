@@ -39,7 +39,10 @@ def dask_cluster(tmp_path):
         log = open(tmp_path / "cluster.log", "ab")
         procs.append(_start([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                              "--port", "0", "--no-dashboard", "--scheduler-file", str(sched_file)], log))
-        while not sched_file.exists():
+        deadline = time.monotonic() + 60
+        while not sched_file.exists():  # a scheduler that cannot start fails the test, not hangs it
+            assert procs[-1].poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "cluster.log").read_text()[-2000:]
             time.sleep(0.2)
         procs.append(_start([sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
                              str(sched_file), "--nworkers", "2", "--nthreads", str(nthreads), "--resources",
