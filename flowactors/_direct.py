@@ -286,6 +286,17 @@ def _read_exactly(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
+def _later(seconds: float, fn: Any) -> None:
+    """Run `fn` on a daemon timer thread; at interpreter shutdown (a finalizer releasing a future) there is nothing
+    left to do it for, and Python refuses new threads."""
+    timer = threading.Timer(seconds, fn)
+    timer.daemon = True
+    try:
+        timer.start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown"
+        pass
+
+
 class DirectChannel:
     """The controller's end: sends items, keeps their futures, releases stored outputs nobody can ask for."""
 
@@ -404,9 +415,7 @@ class DirectChannel:
             self._issued.extend(reports)
             if len(self._issued) > len(reports):
                 return  # a send is already scheduled and will take these too
-        timer = threading.Timer(ISSUE_REPORT_S, self._send_issued)
-        timer.daemon = True
-        timer.start()
+        _later(ISSUE_REPORT_S, self._send_issued)
 
     def _send_issued(self) -> None:
         with self._cond:
@@ -487,9 +496,7 @@ class DirectChannel:
             if self._flush_pending:
                 return
             self._flush_pending = True
-        timer = threading.Timer(RELEASE_S, self._release)
-        timer.daemon = True
-        timer.start()
+        _later(RELEASE_S, self._release)
 
     def _release(self) -> None:
         with self._cond:
