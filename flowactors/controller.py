@@ -37,7 +37,7 @@ from distributed.client import FutureCancelledError, FuturesCancelledError
 from flowactors import _runtime, watchdog
 from flowactors import cluster as _cluster
 from flowactors._submit import scatter_to
-from flowactors.errors import PlacementError, WorkerLostError
+from flowactors.errors import PlacementError, RemoteError, WorkerLostError
 from flowactors.profiling import ComputeProfile, controller_share
 from flowactors.protocols import ONE_TO_ALL, Layout, Protocol
 from flowactors.transport import CallTimeout, Transport, WorkerGone, open_transport
@@ -77,7 +77,13 @@ class CallFuture:
         `HangError` reports the stack of every rank of this call."""
         ctl = self._controller
         outputs = ctl._resolve([self], ctl.call_timeout_s if timeout is None else timeout)[0]
-        return _runtime.collect(self.group, self.method, self.protocol, self.layout, *outputs)
+        try:
+            return _runtime.collect(self.group, self.method, self.protocol, self.layout, *outputs)
+        except RemoteError as e:
+            lost = ctl._input_lost_to(e, self.label)
+            if lost is not None:
+                raise lost from e
+            raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
@@ -290,6 +296,11 @@ class Controller:
                 if lost is not None:
                     raise lost from e
             raise
+        except RemoteError as e:  # a runtime function's, e.g. one that read an output of the dead worker
+            lost = self._input_lost_to(e, calls[0].label if calls else "call")
+            if lost is not None:
+                raise lost from e
+            raise
 
     def hang_report(self, calls: Sequence[CallFuture]) -> str:
         """What every rank of `calls` is doing: its task's stack if running, else what its worker runs instead
@@ -324,6 +335,22 @@ class Controller:
             self._lost[address] = self._hosted.get(address, [])
             futures = [f for c in self._calls.pop(address, ()) for f in c.futures]
         await self.transport.worker_lost(address, futures)
+
+    def _input_lost_to(self, error: RemoteError, label: str, grace_s: float = 10.0) -> WorkerLostError | None:
+        """A call that failed because an input could not be fetched from a worker that died (the direct path's
+        `InputLost`, possibly a few calls down the chain) failed for that death: its WorkerLostError, once the
+        scheduler has reported it (within `grace_s`), so the program recovers as from any lost worker."""
+        import re
+
+        found = re.findall(r"InputLost: input \S+ from (\S+) could not be fetched", str(error))
+        if not found:
+            return None
+        deadline = time.monotonic() + grace_s
+        while not any(a in self._lost for a in found):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        return self._lost_error(found, label)
 
     def _lost_error(self, addresses: Sequence[str], label: str) -> WorkerLostError | None:
         lost = [a for a in addresses if a in self._lost] or list(self._lost)
