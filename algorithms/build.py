@@ -19,7 +19,7 @@ from algorithms.config import ConfigError, PPOConfig, RLConfig
 from algorithms.core import SFTLoss
 from algorithms.data import PromptData
 from algorithms.tasks import Task
-from engines import ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
+from engines import AgentConfig, ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
 from engines.fields import CRITIC_FIELDS
 from algorithms.run_plan import RunPlan, place
 from flowactors import Controller
@@ -80,6 +80,18 @@ def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
                           ignore_eos=cfg.ignore_eos)
 
 
+def agent_config(cfg: RLConfig, task: Task) -> AgentConfig | None:
+    """How the actor samples a multi-turn task's episodes; None for single-response tasks."""
+    if task.environment is None:
+        if cfg.max_turns:
+            raise ConfigError(f"max_turns={cfg.max_turns} applies to multi-turn tasks (tool_arith, tool_arith_safe); "
+                              f"task {task.name!r} samples one response per prompt")
+        return None
+    return AgentConfig(task.environment, max_turns=cfg.max_turns or task.max_turns,
+                       max_turn_tokens=cfg.max_turn_tokens, tool_workers=cfg.tool_workers,
+                       tool_timeout_s=cfg.tool_timeout_s, overlap=cfg.tool_overlap)
+
+
 def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, export_dir: Path) -> ModelConfig:
     """SFT on the task's demonstrations, then export; returns the config that loads the SFT model."""
     if cfg.sft_steps:
@@ -104,6 +116,7 @@ def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptD
     if with_cost and task.cost is None and not cfg.cost_model:
         raise ConfigError(f"task {task.name!r} defines no cost; Safe-RLHF needs a cost: cost_model=DIR, or a task "
                           f"with a rule cost (digit_sum)")
+    agent = agent_config(cfg, task)
     pools = place(ctl, cfg, run_plan)
 
     def group(role: str, cls: type, *args: object) -> fa.ActorGroup:
@@ -112,7 +125,7 @@ def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptD
 
     def build_actor(model: ModelConfig, optim: OptimConfig) -> fa.ActorGroup:
         return group("actor", ActorWorker, model, optim, sampling(cfg, task), run_plan.rollout_tp,
-                     run_plan.rollout_engine, run_plan.rollout_pp)
+                     run_plan.rollout_engine, run_plan.rollout_pp, agent)
 
     if cfg.lora_rank and warm_start and cfg.sft_steps:
         # LoRA adapts a fine-tuned model: the warm start trains every parameter, then RL trains adapters on its
@@ -130,19 +143,19 @@ def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptD
     built = {}
     for key in critics:  # PPOConfig: checked above
         built[key] = group(key, CriticWorker, sft, critic_optim(cfg), CRITIC_FIELDS[key].values)
-    reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.zero_stage)
+    reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.zero_stage, task.success)
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)
     if cfg.async_rl.staleness:  # whole weights on every replica rank, on the torch engine, from the actor's policy
         optim = dataclasses.replace(actor_optim(cfg), zero_stage=1, lora_rank=0)  # they load merged weights
         built["rollout"] = group("rollout", ActorWorker, dataclasses.replace(cfg.model, engine="torch"), optim,
-                                 sampling(cfg, task), None, run_plan.rollout_engine)
+                                 sampling(cfg, task), None, run_plan.rollout_engine, 1, agent)
     return Roles(actor=actor, ref=ref, reward=reward, **built,
                  fused_critics=tuple(c for c in run_plan.fused_critics if c in critics))
 
 
 def _scorer(group: Callable[..., fa.ActorGroup], role: str, model_dir: str | None, rule: Callable,
-            policy: ModelConfig, zero_stage: int) -> fa.ActorGroup:
+            policy: ModelConfig, zero_stage: int, success: Callable | None = None) -> fa.ActorGroup:
     """A learned model (a score-head folder) when one is given, else the task's rule."""
     from engines import RewardModelWorker, RuleRewardWorker
 
@@ -150,4 +163,4 @@ def _scorer(group: Callable[..., fa.ActorGroup], role: str, model_dir: str | Non
         scorer = ModelConfig(path=model_dir, dtype=policy.dtype, engine=policy.engine,
                              pack_sequences=policy.pack_sequences)
         return group(role, RewardModelWorker, scorer, policy, None, zero_stage)
-    return group(role, RuleRewardWorker, rule, policy)
+    return group(role, RuleRewardWorker, rule, policy, success)

@@ -239,7 +239,8 @@ class RLConfig(RunConfig):
     steps: int = 40
     """RL steps (one generate → score → update round each)."""
     task: str = "digit_sum"
-    """Synthetic task (algorithms.tasks): digit_sum, add, reverse."""
+    """Synthetic task (algorithms.tasks): digit_sum, add, reverse; multi-turn with tools: tool_arith,
+    tool_arith_safe."""
     dataset_prompts: int = 512
     """Prompts in the task's dataset; epochs wrap around it."""
     train_files: list[str] = field(default_factory=list)
@@ -337,6 +338,18 @@ class RLConfig(RunConfig):
     """Longest response in tokens; 0: the task's default."""
     ignore_eos: bool = False
     """Always generate max_new_tokens (fixed token counts for benchmarks)."""
+    # -- multi-turn episodes (tasks with tools) --------------------------------------------------------------------
+    max_turns: int = 0
+    """Model turns per episode of a multi-turn task (0: the task's default); the response budget (max_new_tokens)
+    covers the whole episode, tool outputs included."""
+    max_turn_tokens: int = 0
+    """Tokens per model turn (0: what is left of the episode's budget)."""
+    tool_workers: int = 8
+    """Tool calls running at once on each actor rank."""
+    tool_timeout_s: float = 5.0
+    """A tool call not answered after this many seconds becomes an error the model reads."""
+    tool_overlap: bool = True
+    """Run tools while the rest of the batch decodes; false: turn by turn, waiting for each tool."""
     profile_controller: bool = False
     """Record each step's controller share: the fraction of step time in which no worker was computing."""
     # -- supervised warm start ------------------------------------------------------------------------------------
@@ -359,6 +372,10 @@ class RLConfig(RunConfig):
             raise ConfigError(f"rollout_engine must be hf or vllm (or a registered 'module:name'), got "
                               f"{self.rollout_engine!r}")
         check_zero_stage(self.zero_stage)
+        if self.max_turns < 0 or self.max_turn_tokens < 0 or self.tool_workers < 1 or not self.tool_timeout_s > 0:
+            raise ConfigError(f"max_turns and max_turn_tokens must be >= 0, tool_workers >= 1 and tool_timeout_s > 0; "
+                              f"got {self.max_turns}, {self.max_turn_tokens}, {self.tool_workers}, "
+                              f"{self.tool_timeout_s}")
         if self.pack_sequences or self.model.pack_sequences:
             if self.model.engine != "torch":
                 raise ConfigError(f"pack_sequences=true runs on the torch engine; the {self.model.engine} engine does "

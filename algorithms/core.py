@@ -63,9 +63,10 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
 
 def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor | None = None,
                   kl_coef: float = 0.0) -> torch.Tensor:
-    """Sequence score at the last response token, minus kl_coef · KL at every token (KL-in-reward PPO)."""
+    """Sequence score at the last response token (the model's last, in a multi-turn episode), minus kl_coef · KL at
+    every token (KL-in-reward PPO)."""
     mask = response_mask.to(torch.float32)
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    last = (mask * torch.arange(1, mask.shape[-1] + 1)).argmax(-1)  # last 1 (0 for an empty row)
     r = torch.zeros_like(mask)
     r[torch.arange(len(r)), last] = scores.to(torch.float32)
     if kl is not None and kl_coef:
@@ -75,17 +76,23 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.T
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over the response; returns (advantages, returns), both masked."""
+    """Generalised advantage estimation over the response; returns (advantages, returns), both masked.
+
+    Over the model's own tokens: in a multi-turn episode the masked-out tool outputs between turns are skipped (a
+    token's next value is the next model token's, and the advantage carries across the gap), as if the episode's
+    model tokens were one sequence; with a contiguous mask this is ordinary GAE."""
     mask = mask.to(torch.float32)
     values = values * mask
     adv = torch.zeros_like(rewards)
     last = torch.zeros(rewards.shape[0])
+    next_v = torch.zeros(rewards.shape[0])
     for t in reversed(range(rewards.shape[1])):
-        next_v = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(last)
+        m = mask[:, t]
         delta = rewards[:, t] + gamma * next_v - values[:, t]
-        last = delta + gamma * lam * last
-        last = last * mask[:, t]  # positions after the end carry nothing back
-        adv[:, t] = last
+        here = delta + gamma * lam * last
+        adv[:, t] = here * m
+        last = torch.where(m > 0, here, last)  # a masked position carries the later advantage through
+        next_v = torch.where(m > 0, values[:, t], next_v)
     return adv * mask, (adv + values) * mask
 
 

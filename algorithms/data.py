@@ -92,15 +92,30 @@ class PromptData:
 
     def demonstrations(self, examples: list[Example], max_new_tokens: int) -> Batch:
         """`examples` with their demonstrations as responses (cut to `max_new_tokens`, EOS included), laid out
-        like generated samples: prompts left-padded to the dataset's width, responses right-padded."""
+        like generated samples: prompts left-padded to the dataset's width, responses right-padded. A multi-turn
+        demonstration (segments, algorithms.tasks) is laid out as an episode: tool outputs are context, not loss."""
         ids, mask = self.encode(examples)
-        eos = self.tokenizer.eos_token_id
-        resp = torch.full((len(examples), max_new_tokens), self.tokenizer.pad_token_id, dtype=torch.long)
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        if any(isinstance(demo, tuple) for _, demo, _ in examples):
+            from engines.rollout.agent import episode_samples
+
+            tokens, owned = [], []
+            for _, demo, _ in examples:
+                segments = demo if isinstance(demo, tuple) else ((demo, True),)
+                toks, own = [], []
+                for text, model in segments:
+                    piece = self.tokenizer(text, add_special_tokens=False).input_ids
+                    toks, own = toks + piece, own + [int(model)] * len(piece)
+                tokens.append(toks + [eos])
+                owned.append(own + [1])
+            return episode_samples(Batch({"input_ids": ids, "attention_mask": mask}), tokens, owned,
+                                   [[0.0] * len(t) for t in tokens], max_new_tokens, pad=pad)
+        resp = torch.full((len(examples), max_new_tokens), pad, dtype=torch.long)
         for r, (_, demo, _) in enumerate(examples):
             toks = (self.tokenizer(demo, add_special_tokens=False).input_ids + [eos])[:max_new_tokens]
             resp[r, :len(toks)] = torch.tensor(toks)
         return assemble_samples(Batch({"input_ids": ids, "attention_mask": mask}), resp, torch.zeros(resp.shape),
-                                eos=eos, pad=self.tokenizer.pad_token_id)
+                                eos=eos, pad=pad)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}

@@ -61,7 +61,15 @@ class Algorithm:
     generate them ahead too (`Generated.greedy`)."""
 
     def __init__(self, cfg: RLConfig) -> None:
+        from algorithms.metrics import EPISODE_METRICS
+        from algorithms.tasks import TASKS
+
         self.cfg = cfg
+        task = TASKS.get(cfg.task)
+        if task is not None and task.environment is not None:  # a multi-turn task: its episodes' metrics too
+            self.key_metrics = (*self.key_metrics, *(k for k in EPISODE_METRICS if k not in self.key_metrics))
+        elif task is not None and task.success is not None:
+            self.key_metrics = (*self.key_metrics, "success_mean")
         self.stage: Callable[..., None] = lambda name, *calls: None
 
     def setup(self, ctl: fa.Controller, roles: Roles, data: PromptData) -> None:

@@ -15,10 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from algorithms.core import masked_mean
-from engines.fields import POLICY_VERSIONS, RESPONSE_MASK
+from engines.fields import POLICY_VERSIONS, RESPONSE_MASK, SUCCESS
+from engines.rollout.agent import EPISODE_FIELDS
 from flowactors import Batch
 
-__all__ = ["summarize", "staleness_metrics", "update_metrics", "AS_REPORTED", "MetricsFile", "print_summary"]
+__all__ = ["EPISODE_METRICS", "summarize", "staleness_metrics", "update_metrics", "AS_REPORTED", "MetricsFile", "print_summary"]
+
+EPISODE_METRICS = ("success_mean", *(f"{k}_mean" for k in EPISODE_FIELDS))
+"""What a multi-turn task's steps report beyond an algorithm's own metrics (and the dashboard charts)."""
 
 AS_REPORTED = ""
 """The name of an update whose metrics already carry their roles' names (a fused actor-and-critics pipeline's)."""
@@ -49,6 +53,11 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
         out["kl"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
     if "costs" in batch:
         out["cost_mean"] = float(batch["costs"].float().mean())
+    if SUCCESS in batch:
+        out["success_mean"] = float(batch[SUCCESS].float().mean())
+    for k in EPISODE_FIELDS:  # multi-turn episodes (engines.rollout.agent)
+        if k in batch:
+            out[f"{k}_mean"] = float(batch[k].float().mean())
     for k in extra_keys:
         if k in batch:
             out[k] = float(batch[k].float().mean())

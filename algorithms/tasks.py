@@ -11,6 +11,18 @@ picklable (module-level), so they run inside a `RuleRewardWorker`.
   conflicts with the reward: the policy must drop 9s where they are free and trade reward where they are not.
 - `add` (PPO, ReMax): "12+7=" → "19"; partial credit by digit distance.
 - `reverse` (GRPO): "rev abc:" → "cba"; credit per matching position.
+- `tool_arith` (multi-turn, with a tool): "mul 23*47:" → a product of two 2-digit numbers, which the tiny model
+  cannot compute; it may call `calc:23*47!`, read `=1081.` and answer `1081`. Half the demonstrations call the tool,
+  half answer directly (wrongly, mostly): RL has to find that the tool pays. Reward: 1 for the exact product, partial
+  credit by digits otherwise; success: the exact product.
+- `tool_arith_safe`: the same with operands 10..69 and two tools: `calc` answers only for operands below 50, `exec`
+  always answers but is unsafe: the cost is its use. Reward alone would call `exec` everywhere; Safe-RLHF's
+  constraint must keep its use under the threshold, using `calc` where it suffices. A third of the demonstrations
+  answer directly, a third call each tool.
+
+A multi-turn task's `environment` builds each episode's environment (algorithms.tools); its demonstrations are
+segments (text, the model's own?), and its reward and cost read the episode's whole text after the prompt (the
+model's turns and the tool outputs).
 """
 
 from __future__ import annotations
@@ -20,17 +32,27 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Task", "TASKS", "get_task", "digit_sum_reward", "digit_sum_cost", "add_reward", "reverse_reward"]
+__all__ = ["Task", "TASKS", "get_task", "digit_sum_reward", "digit_sum_cost", "add_reward", "reverse_reward",
+           "tool_arith_reward", "tool_arith_success", "unsafe_tool_cost"]
+
+Demonstration = str | tuple[tuple[str, bool], ...]
+"""A response, or a multi-turn episode as segments (text, written by the model?): tool outputs are False."""
 
 
 @dataclass(frozen=True)
 class Task:
     name: str
-    make_example: Callable[[random.Random], tuple[str, str, dict[str, Any]]]
+    make_example: Callable[[random.Random], tuple[str, Demonstration, dict[str, Any]]]
     """rng -> (prompt, demonstration, per-row values such as the target)."""
     reward: Callable[[str, str, dict[str, Any]], float]
     cost: Callable[[str, str, dict[str, Any]], float] | None = None
     max_new_tokens: int = 6
+    """Response tokens (a multi-turn task's: the whole episode's after the prompt)."""
+    environment: Callable[[Any], Any] | None = None
+    """tokenizer -> a fresh episode environment (engines.rollout.agent.Environment): a multi-turn task."""
+    success: Callable[[str, str, dict[str, Any]], bool] | None = None
+    """Whether a response solved the prompt (reported as success_mean), where the reward is shaped."""
+    max_turns: int = 3
 
 
 def _digits(text: str) -> list[int]:
@@ -109,11 +131,82 @@ def digits_reward(prompt: str, response: str, row: dict) -> float:
     return sum(c.isdigit() for c in response) / max(1, len(response))
 
 
+# -- tool_arith, tool_arith_safe (multi-turn) ------------------------------------------------------------------
+
+def _answer(response: str) -> str:
+    """The final answer of an episode's text: what follows the last tool output (`=...`), or the whole text."""
+    return response.rsplit(".", 1)[-1].strip() if "!" in response else response.strip()
+
+
+def tool_arith_success(prompt: str, response: str, row: dict) -> bool:
+    return _answer(response) == str(int(row["target"]))
+
+
+def tool_arith_reward(prompt: str, response: str, row: dict) -> float:
+    """1 for the exact product; else 0.3 for its length and up to 0.5 for digits in place; -0.5 for no number."""
+    answer, target = _answer(response), str(int(row["target"]))
+    if answer == target:
+        return 1.0
+    if not answer.isdigit():
+        return -0.5
+    return (0.3 if len(answer) == len(target) else 0.0) + 0.5 * sum(a == b for a, b in zip(answer, target)) / len(target)
+
+
+def unsafe_tool_cost(prompt: str, response: str, row: dict) -> float:
+    """The number of calls to the unsafe tool (`exec`)."""
+    return float(response.count("exec:"))
+
+
+def _tool_demo(name: str, a: int, b: int, output: str, answer: str) -> tuple[tuple[str, bool], ...]:
+    return ((f"{name}:{a}*{b}!", True), (f"={output}.", False), (answer, True))
+
+
+def _tool_arith_example(rng: random.Random) -> tuple[str, Demonstration, dict]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    answer = str(a * b)
+    demo = _tool_demo("calc", a, b, answer, answer) if rng.random() < 0.5 else ((answer, True),)
+    return f"mul {a}*{b}:", demo, {"target": a * b}
+
+
+def _tool_arith_safe_example(rng: random.Random) -> tuple[str, Demonstration, dict]:
+    from algorithms.tools import small_calculator
+
+    a, b = rng.randint(10, 69), rng.randint(10, 69)
+    answer, u = str(a * b), rng.random()
+    if u < 1 / 3:
+        demo: Demonstration = ((answer, True),)
+    elif u < 2 / 3:
+        try:
+            demo = _tool_demo("calc", a, b, small_calculator(f"{a}*{b}"), answer)
+        except ValueError as e:  # what the model reads when calc refuses: then it answers as best it can
+            demo = _tool_demo("calc", a, b, f"error valueerror: {e}", answer)
+    else:
+        demo = _tool_demo("exec", a, b, answer, answer)
+    return f"mul {a}*{b}:", demo, {"target": a * b}
+
+
+def _tool_arith_env(tokenizer: Any) -> Any:
+    from algorithms.tools import CompactFormat, Tool, ToolEnvironment, calculator
+
+    return ToolEnvironment([Tool(calculator, name_="calc")], CompactFormat(), tokenizer)
+
+
+def _tool_arith_safe_env(tokenizer: Any) -> Any:
+    from algorithms.tools import CompactFormat, Tool, ToolEnvironment, calculator, small_calculator
+
+    return ToolEnvironment([Tool(small_calculator, name_="calc"), Tool(calculator, unsafe=True, name_="exec")],
+                           CompactFormat(), tokenizer)
+
+
 TASKS = {
     "digit_sum": Task("digit_sum", _digit_sum_example, digit_sum_reward, digit_sum_cost, max_new_tokens=4),
     "add": Task("add", _add_example, add_reward, max_new_tokens=4),
     "reverse": Task("reverse", _reverse_example, reverse_reward, max_new_tokens=6),
     "digits": Task("digits", _digits_example, digits_reward, max_new_tokens=32),
+    "tool_arith": Task("tool_arith", _tool_arith_example, tool_arith_reward, max_new_tokens=24,
+                       environment=_tool_arith_env, success=tool_arith_success),
+    "tool_arith_safe": Task("tool_arith_safe", _tool_arith_safe_example, tool_arith_reward, unsafe_tool_cost,
+                            max_new_tokens=24, environment=_tool_arith_safe_env, success=tool_arith_success),
 }
 
 

@@ -23,6 +23,7 @@ _EXPORTS = {
     "register_generation_engine": "engines.registry", "register_training_engine": "engines.registry",
     "GenerationSpec": "engines.specs", "UpdateSpec": "engines.specs",
     "char_tokenizer": "engines.models.tokenizer",
+    "AgentConfig": "engines.rollout.agent",
     "LossFn": "engines.training.common", "OptimConfig": "engines.training.common",
     "TrainEngine": "engines.training.torch_native",
 }

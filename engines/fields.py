@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OLD_LOG_PROBS", "ENTROPY", "REF_LOG_PROBS", "REWARDS", "COSTS", "ADVANTAGES", "RESPONSE_MASK",
-           "ROLLOUT_LOG_PROBS", "POLICY_VERSIONS", "ValueFields", "REWARD_VALUES", "COST_VALUES", "CRITIC_FIELDS"]
+__all__ = ["OLD_LOG_PROBS", "ENTROPY", "REF_LOG_PROBS", "REWARDS", "SUCCESS", "COSTS", "ADVANTAGES",
+           "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "POLICY_VERSIONS", "ValueFields", "REWARD_VALUES", "COST_VALUES", "CRITIC_FIELDS"]
 
 OLD_LOG_PROBS = "old_log_probs"
 """The actor's log-probs of the sampled tokens before the update (compute_log_prob)."""
@@ -20,6 +20,8 @@ REF_LOG_PROBS = "ref_log_probs"
 """The reference policy's log-probs of the sampled tokens (compute_ref_log_prob)."""
 REWARDS = "rewards"
 """One score per sample: a reward model's or a rule's (compute_reward)."""
+SUCCESS = "success"
+"""1.0 where a rule judged the response a solution (compute_reward, for tasks whose reward is shaped)."""
 COSTS = "costs"
 """One cost per sample: Safe-RLHF's cost model or rule (compute_cost)."""
 ADVANTAGES = "advantages"

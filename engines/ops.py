@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["compute_precision", "position_ids_from_mask", "response_logits", "token_log_probs", "entropy_from_logits",
-           "response_mask_from_tokens"]
+           "response_mask_from_tokens", "stop_sequence_ends"]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -38,11 +38,25 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return -(logp.exp() * logp).sum(-1)
 
 
-def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 for every response token up to and including the first EOS, 0 after it."""
-    is_eos = responses == eos_token_id
-    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-    return (~after_eos).long()
+def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int,
+                              stop_sequences: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
+    """1 for every response token up to and including the first EOS, or the last token of the first completed
+    stop sequence (token ids; a multi-turn rollout's tool call ends with one), 0 after it."""
+    is_end = (responses == eos_token_id) | stop_sequence_ends(responses, stop_sequences)
+    after_end = (is_end.long().cumsum(-1) - is_end.long()) > 0
+    return (~after_end).long()
+
+
+def stop_sequence_ends(tokens: torch.Tensor, stop_sequences: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """(B, T) bool: True where one of `stop_sequences` (token ids) ends at that position."""
+    ends = torch.zeros(tokens.shape, dtype=torch.bool)
+    for seq in stop_sequences:
+        n = len(seq)
+        if n == 0 or n > tokens.shape[-1]:
+            continue
+        hits = (tokens.unfold(-1, n, 1) == torch.tensor(seq, dtype=tokens.dtype)).all(-1)
+        ends[..., n - 1:] |= hits
+    return ends
 
 
 def compute_precision(model: torch.nn.Module, dtype: torch.dtype | None) -> Any:

@@ -34,12 +34,13 @@ import torch
 
 from engines.rollout.stream import GenerationStream, is_tail, SamplingConfig, share_tails
 from engines.fields import (COSTS, ENTROPY, OLD_LOG_PROBS, POLICY_VERSIONS, REF_LOG_PROBS, RESPONSE_MASK,
-                            REWARD_VALUES, REWARDS)
+                            REWARD_VALUES, REWARDS, SUCCESS)
 from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
 from engines.models.config import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
 from engines.protocols import MINIBATCH
 from engines.registry import check_training_layout, generation_engine, training_engine
 from engines.specs import GenerationSpec, UpdateSpec
+from engines.rollout.agent import AgentConfig
 from engines.training.common import LossFn, OptimConfig
 from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Layout, Worker, endpoint
 
@@ -182,13 +183,14 @@ class ActorWorker(ModelWorker):
 
     def __init__(self, model: ModelConfig, optim: OptimConfig | None = None,
                  sampling: SamplingConfig | None = None, rollout_tp: int | None = None,
-                 rollout_engine: str = "hf", rollout_pp: int = 1) -> None:
+                 rollout_engine: str = "hf", rollout_pp: int = 1, agent: "AgentConfig | None" = None) -> None:
         """`rollout_tp`: generation tensor-parallel size t_g (dividing the group's tp) for the 3D-HybridEngine;
         None keeps the FSDP2 training layout and gathers whole weights to generate. `rollout_pp`: generation
         pipeline stages p_g (dividing the group's pp; with rollout_tp, on a pipeline-parallel engine: megatron).
         `rollout_engine`: the
         generation engine by name (engines.registry; "hf": transformers with a KV cache, "vllm": an in-process
-        vLLM engine per generation replica, fed in memory after each update)."""
+        vLLM engine per generation replica, fed in memory after each update). `agent`: sample multi-turn,
+        tool-using episodes instead of single responses (engines.rollout.agent), on every path that samples."""
         build_generator = generation_engine(rollout_engine)  # an unknown name fails before the model is built
         self._setup(model, optim or OptimConfig(), trainable=True, rollout_tp=rollout_tp, rollout_pp=rollout_pp)
         self.sampling = sampling or SamplingConfig()
@@ -200,6 +202,15 @@ class ActorWorker(ModelWorker):
             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
             max_context=self.hf_config.max_position_embeddings, compute_dtype=self.engine.compute_dtype,
             config=model, rollout_tp=rollout_tp, hf_config=hf_config, group=self._replica_group()))
+        if agent is not None:
+            if self.hybrid is not None and self.hybrid.gen_tp > 1:
+                raise ValueError(f"multi-turn episodes with generation tensor parallelism (rollout_tp="
+                                 f"{rollout_tp}) are not built: the ranks of a generation TP group would have to "
+                                 f"decode every turn in lockstep while tools answer at different times; use "
+                                 f"rollout_tp=1 or 0")
+            from engines.rollout.agent import EpisodeEngine
+
+            self.generator = EpisodeEngine(self.generator, self.tokenizer, agent)
         self._loaded_version = -1  # the weights_version the generator holds (engines that hold weights)
         self.handover: dict[str, Any] = {}
         self._gen_model: torch.nn.Module | None = None
@@ -632,20 +643,26 @@ class RuleRewardWorker(Worker):
     `row` holds the batch's per-row values (e.g. the task's target) for that sample.
     """
 
-    def __init__(self, fn: Callable[[str, str, dict[str, Any]], float], model: ModelConfig | None = None) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[str, str, dict[str, Any]], float], model: ModelConfig | None = None,
+                 success: Callable[[str, str, dict[str, Any]], bool] | None = None) -> None:
+        """`success`: whether a response solved its prompt, reported beside the reward (a `success` field) where
+        the reward is shaped."""
+        self.fn, self.success = fn, success
         self.tokenizer = build_tokenizer(model or ModelConfig())
 
-    def _score(self, batch: Batch) -> torch.Tensor:
+    def _score(self, batch: Batch, fn: Callable[[str, str, dict[str, Any]], float]) -> torch.Tensor:
         prompts = self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True)
         responses = self.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
         rows = [{k: v[i] for k, v in batch.rows.items()} for i in range(len(batch))]
-        return torch.tensor([float(self.fn(p, r, row)) for p, r, row in zip(prompts, responses, rows)])
+        return torch.tensor([float(fn(p, r, row)) for p, r, row in zip(prompts, responses, rows)])
 
     @endpoint(protocol=MESH)
     def compute_reward(self, batch: Batch) -> Batch:
-        return Batch({REWARDS: self._score(batch)})
+        out = {REWARDS: self._score(batch, self.fn)}
+        if self.success is not None:
+            out[SUCCESS] = self._score(batch, self.success)
+        return Batch(out)
 
     @endpoint(protocol=MESH)
     def compute_cost(self, batch: Batch) -> Batch:
-        return Batch({COSTS: self._score(batch)})
+        return Batch({COSTS: self._score(batch, self.fn)})

@@ -152,6 +152,10 @@ class HFGenerationEngine:
             now_done = was_done
             if not cfg.ignore_eos:
                 now_done = now_done | (tok == self.eos)
+                for seq in cfg.stop_sequences:
+                    if t + 1 >= len(seq):
+                        window = loop.tokens[live, t + 1 - len(seq):t + 1]
+                        now_done = now_done | (window == torch.tensor(seq)).all(-1)
             if loop.stop is not None:
                 now_done = now_done | (loop.stop[live] <= t + 1)
             done[live] = now_done
@@ -212,7 +216,8 @@ class HFGenerationEngine:
 
     def _assemble(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor,
                   cfg: SamplingConfig) -> Batch:
-        return assemble_samples(prompts, out_tokens, out_logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
+        return assemble_samples(prompts, out_tokens, out_logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos,
+                                stop_sequences=cfg.stop_sequences)
 
     def _chunk(self, loop: "_Loop", rows: list[int], cfg: SamplingConfig) -> Batch:
         return chunk_of(loop.prompts, loop.tokens, loop.logp, loop.index, rows, cfg, eos=self.eos, pad=self.pad)

@@ -61,6 +61,9 @@ class SamplingConfig:
     """0 disables top-k."""
     ignore_eos: bool = False
     """Generate exactly max_new_tokens (benchmarks with fixed token counts, as vLLM's ignore_eos)."""
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    """Token-id sequences that end a row like EOS, included in the response (a multi-turn rollout's end of a tool
+    call: engines.rollout.agent)."""
     evict_finished: bool = False
     """Drop finished rows from the running batch and KV cache (fast long tails; log-probs may differ in the last
     bit from the full-batch loop, see the module docstring)."""
@@ -73,6 +76,9 @@ class SamplingConfig:
                              f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        self.stop_sequences = tuple(tuple(int(t) for t in seq) for seq in self.stop_sequences)
+        if any(not seq for seq in self.stop_sequences):
+            raise ValueError("SamplingConfig.stop_sequences: an empty stop sequence would end every row at once")
 
 
 def row_seeds(prompts: Batch, seed: int, seed_offset: int) -> list[int]:
@@ -112,7 +118,8 @@ def chunk_of(prompts: Batch, tokens: torch.Tensor, logp: torch.Tensor, index: to
              cfg: SamplingConfig, *, eos: int, pad: int) -> Batch:
     """Buffer rows `rows` of a decode loop as a streamed chunk: samples in the output layout plus `row_index`."""
     idx = torch.tensor(rows, dtype=torch.long)
-    out = assemble_samples(prompts.take(idx), tokens[idx], logp[idx], eos=eos, pad=pad, ignore_eos=cfg.ignore_eos)
+    out = assemble_samples(prompts.take(idx), tokens[idx], logp[idx], eos=eos, pad=pad, ignore_eos=cfg.ignore_eos,
+                           stop_sequences=cfg.stop_sequences)
     return Batch({**out.tensors, ROW_INDEX: index[idx]}, out.rows, out.meta)
 
 
@@ -137,14 +144,14 @@ def chunk_finished(finished: Generator[list[int], None, Any], chunk_rows: int) -
 
 
 def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tensor, *, eos: int, pad: int,
-                     ignore_eos: bool = False) -> Batch:
+                     ignore_eos: bool = False, stop_sequences: tuple[tuple[int, ...], ...] = ()) -> Batch:
     """Prompts plus sampled (or demonstrated) response tokens in the module's output layout.
 
-    The response mask runs up to and including the first EOS (or over every token with `ignore_eos`, or up to a
-    row's `stop_at`); tokens after it become `pad`. Row-wise ops only: a subset of rows assembles to the same
+    The response mask runs up to and including the first EOS or completed stop sequence (or over every token with
+    `ignore_eos`, or up to a row's `stop_at`); tokens after it become `pad`. Row-wise ops only: a subset of rows assembles to the same
     values. Shared by every generation engine and by demonstrations for supervised warm starts."""
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
-    resp_mask = torch.ones_like(tokens) if ignore_eos else response_mask_from_tokens(tokens, eos)
+    resp_mask = torch.ones_like(tokens) if ignore_eos else response_mask_from_tokens(tokens, eos, stop_sequences)
     stop = stop_lengths(prompts)
     if stop is not None:
         resp_mask = resp_mask * (torch.arange(tokens.shape[1]) < stop[:, None])

@@ -303,7 +303,8 @@ class VLLMGenerationEngine:
         rows = _Rows.of(prompts, cfg, self.pad, greedy=greedy, seed=seed, seed_offset=seed_offset)
         for _ in self._run(rows, cfg):
             pass
-        return assemble_samples(prompts, rows.tokens, rows.logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos)
+        return assemble_samples(prompts, rows.tokens, rows.logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos,
+                                stop_sequences=cfg.stop_sequences)
 
     def stream(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
                greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0,
@@ -377,6 +378,11 @@ class VLLMGenerationEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if any(len(seq) > 1 for seq in cfg.stop_sequences):
+            raise ValueError(f"the vllm engine stops on single tokens (stop_token_ids, without detokenizing); the "
+                             f"stop sequences {[s for s in cfg.stop_sequences if len(s) > 1]} are longer: use a tool "
+                             f"format whose call ends in one token, or rollout_engine=hf")
+        stops = [self.eos, *(seq[0] for seq in cfg.stop_sequences)]
         self._wake()
         engine = self.llm.llm_engine
         call = next(_REQUESTS)
@@ -387,7 +393,7 @@ class VLLMGenerationEngine:
             params = SamplingParams(max_tokens=rows.stop[i] - rows.start[i],
                                     temperature=0.0 if rows.greedy else cfg.temperature, top_p=cfg.top_p,
                                     top_k=cfg.top_k, seed=rows.seeds[i], logprobs=0, ignore_eos=cfg.ignore_eos,
-                                    stop_token_ids=None if cfg.ignore_eos else [self.eos], detokenize=False)
+                                    stop_token_ids=None if cfg.ignore_eos else stops, detokenize=False)
             if state is not None and state.numel():
                 self._check_generator_state(state, rows.greedy)
                 self._restored_generators()[f"{call}-{i}"] = state
