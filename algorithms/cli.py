@@ -93,7 +93,21 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RunConfig], desc
         if value is not None:
             setattr(cfg, name, value)
     overrides = list(args.overrides) + (["log_level=debug"] if args.debug else [])
-    return apply_overrides(cfg, overrides)
+    cfg = apply_overrides(cfg, overrides)
+    return _task_settings(cfg, {o.split("=", 1)[0] for o in overrides} | {n for n in _FLAGS if getattr(args, n, None)
+                                                                           is not None})
+
+
+def _task_settings(cfg: RunConfig, given: set[str]) -> RunConfig:
+    """The settings the run's task asks for (algorithms.tasks.Task.settings), except those given."""
+    from algorithms.tasks import TASKS
+
+    task = TASKS.get(getattr(cfg, "task", None))
+    extra = [f"{k}={v}" for k, v in (task.settings if task else ()) if k not in given and hasattr(cfg, k)]
+    if not extra:
+        return cfg
+    print(f"[{task.name}] the task's settings: {' '.join(extra)} (give them to change them)", file=sys.stderr)
+    return apply_overrides(cfg, extra)
 
 
 @contextlib.contextmanager

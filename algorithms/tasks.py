@@ -53,6 +53,8 @@ class Task:
     success: Callable[[str, str, dict[str, Any]], bool] | None = None
     """Whether a response solved the prompt (reported as success_mean), where the reward is shaped."""
     max_turns: int = 3
+    settings: tuple[tuple[str, str], ...] = ()
+    """Run settings this task needs unless given on the command line (key, value), e.g. a longer warm start."""
 
 
 def _digits(text: str) -> list[int]:
@@ -204,9 +206,11 @@ TASKS = {
     "reverse": Task("reverse", _reverse_example, reverse_reward, max_new_tokens=6),
     "digits": Task("digits", _digits_example, digits_reward, max_new_tokens=32),
     "tool_arith": Task("tool_arith", _tool_arith_example, tool_arith_reward, max_new_tokens=24,
-                       environment=_tool_arith_env, success=tool_arith_success),
+                       environment=_tool_arith_env, success=tool_arith_success,
+                       settings=(("sft_steps", "300"), ("steps", "80"))),
     "tool_arith_safe": Task("tool_arith_safe", _tool_arith_safe_example, tool_arith_reward, unsafe_tool_cost,
-                            max_new_tokens=24, environment=_tool_arith_safe_env, success=tool_arith_success),
+                            max_new_tokens=24, environment=_tool_arith_safe_env, success=tool_arith_success,
+                            settings=(("sft_steps", "300"),)),
 }
 
 

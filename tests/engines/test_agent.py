@@ -1,0 +1,322 @@
+"""Multi-turn, tool-using episodes (engines.rollout.agent, algorithms.tools): stop sequences, the episode layout and
+its loss mask, tool errors of every kind counted without ending the episode, turn and token limits, tools running
+while the batch decodes, and code execution under limits.
+
+The model that writes tool calls here is a real transformers Llama whose weights are set to follow a fixed chain of
+characters (each token's successor: one-hot embeddings, identity layers, a permutation in the head), so episodes
+are known in advance without training one.
+"""
+
+import copy
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from algorithms.tools import CompactFormat, Tool, ToolEnvironment, calculator, run_python
+from engines import ModelConfig, SamplingConfig, build_model, build_tokenizer
+from engines.rollout.agent import AgentConfig, EpisodeEngine, ToolCall, episode_samples
+from engines.rollout.hf import HFGenerationEngine
+from engines.training.common import OptimConfig
+from engines.training.torch_native import TrainEngine
+from flowactors import Batch
+
+CFG = ModelConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=3)
+TOK = build_tokenizer(CFG)
+
+
+def chain_model(chain: dict[str, str]) -> torch.nn.Module:
+    """A Llama that, greedily, writes `chain[c]` after character c (and EOS after '$')."""
+    model = build_model(CFG, "lm", TOK)
+    vocab, hidden = model.lm_head.weight.shape
+    assert hidden >= vocab
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab, hidden))
+        for layer in model.model.layers:  # every layer adds nothing to the residual stream
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.zeros(vocab, hidden)
+        for a, b in chain.items():
+            src = TOK.convert_tokens_to_ids(a)
+            dst = TOK.eos_token_id if b == "$" else TOK.convert_tokens_to_ids(b)
+            head[dst, src] = 1.0
+        model.lm_head.weight.copy_(head)
+    return model.eval()
+
+
+def chain(text: str) -> dict[str, str]:
+    """Successors that write `text` (distinct characters) after '?'; '$' stands for EOS."""
+    return dict(zip("?" + text[:-1], text))
+
+
+# "?" -> "sum:2+3!"  (a call; the tool answers "=5.") then "." -> "ok" EOS
+CALL_THEN_ANSWER = {**chain("sum:2+3!"), ".": "o", "o": "k", "k": "$"}
+
+
+def prompts(n: int = 2) -> Batch:
+    enc = TOK(["go?"] * n, return_tensors="pt")
+    return Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask},
+                 {"target": [5] * n})
+
+
+def engine(env_tools, **agent) -> EpisodeEngine:
+    def environment(tokenizer):
+        return ToolEnvironment(env_tools, CompactFormat(), tokenizer)
+
+    inner = HFGenerationEngine(TOK.eos_token_id, TOK.pad_token_id, CFG.max_position_embeddings)
+    return EpisodeEngine(inner, TOK, AgentConfig(environment, **agent))
+
+
+def text(ids: torch.Tensor) -> str:
+    return TOK.decode(ids, skip_special_tokens=False).replace("<pad>", "")
+
+
+def slow_calc(expression: str) -> str:
+    time.sleep(0.05)
+    return calculator(expression)
+
+
+# -- stop sequences ------------------------------------------------------------------------------------------------
+
+def test_stop_sequence_ends_a_row_and_stays_in_its_response():
+    model = chain_model(CALL_THEN_ANSWER)
+    gen = HFGenerationEngine(TOK.eos_token_id, TOK.pad_token_id)
+    plain = gen.generate(model, prompts(1), SamplingConfig(max_new_tokens=12), greedy=True)
+    stop = (tuple(TOK("3!", add_special_tokens=False).input_ids),)  # a two-token stop sequence
+    stopped = gen.generate(model, prompts(1), SamplingConfig(max_new_tokens=12, stop_sequences=stop), greedy=True)
+    assert text(plain["responses"][0]).startswith("sum:2+3!")
+    assert text(stopped["responses"][0]) == "sum:2+3!"
+    assert stopped["response_mask"][0].tolist() == [1] * 8 + [0] * 4
+    assert torch.equal(stopped["rollout_log_probs"][0, :8], plain["rollout_log_probs"][0, :8])
+
+
+# -- episodes ------------------------------------------------------------------------------------------------------
+
+def test_episode_layout_tool_output_is_context_not_loss():
+    model = chain_model(CALL_THEN_ANSWER)
+    out = engine([Tool(calculator, name_="sum")]).generate(model, prompts(2), SamplingConfig(max_new_tokens=20),
+                                                           greedy=True)
+    resp = out["responses"][0]
+    assert text(resp) == "sum:2+3!=5.ok<eos>"
+    n_call, n_obs, n_answer = 8, 3, 3
+    assert out["response_mask"][0].tolist() == [1] * n_call + [0] * n_obs + [1] * n_answer + [0] * 6
+    p = out["prompts"].shape[1]
+    assert out["attention_mask"][0, p:].tolist() == [1] * 14 + [0] * 6  # every episode token is attended
+    assert torch.equal(out["input_ids"][:, p:], out["responses"])
+    lp = out["rollout_log_probs"][0]
+    assert (lp[n_call:n_call + n_obs] == 0).all() and (lp[:n_call] < 0).all()
+    assert out["turns"].tolist() == [2, 2] and out["tool_calls"].tolist() == [1, 1]
+    assert out["tool_errors"].tolist() == [0, 0]
+    assert out["model_tokens"].tolist() == [11, 11] and out["tool_tokens"].tolist() == [3, 3]
+
+
+def test_rollout_log_probs_of_model_tokens_equal_a_forward_over_the_episode():
+    model = chain_model(CALL_THEN_ANSWER)
+    out = engine([Tool(calculator, name_="sum")]).generate(model, prompts(1), SamplingConfig(max_new_tokens=20))
+    from engines.ops import response_logits, token_log_probs
+
+    with torch.no_grad():
+        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
+                       position_ids=out["position_ids"]).logits
+    lp = token_log_probs(response_logits(logits, out["responses"].shape[1]), out["responses"])
+    mask = out["response_mask"].bool()
+    assert torch.allclose(lp[mask], out["rollout_log_probs"][mask], atol=1e-5)
+
+
+def boom(expression: str) -> str:
+    raise ValueError("boom")
+
+
+def hang(expression: str) -> str:
+    time.sleep(30)
+    return "never"
+
+
+@pytest.mark.parametrize("case", ["raises", "hangs", "malformed", "unknown"])
+def test_a_bad_call_becomes_an_error_observation_and_the_episode_goes_on(case):
+    calls = {"raises": "sum:2+3!", "hangs": "sum:2+3!", "malformed": "sum2+3!", "unknown": "sum:2+3!"}[case]
+    model = chain_model({**chain(calls), ".": "o", "o": "k", "k": "$"})
+    tools = {"raises": [Tool(boom, name_="sum")], "hangs": [Tool(hang, name_="sum")],
+             "malformed": [Tool(calculator, name_="sum")], "unknown": [Tool(calculator, name_="add")]}[case]
+    t0 = time.perf_counter()
+    out = engine(tools, tool_timeout_s=0.5).generate(model, prompts(2), SamplingConfig(max_new_tokens=48),
+                                                      greedy=True)
+    seconds = time.perf_counter() - t0
+    expected = {"raises": "=error valueerror: boom.", "hangs": "=error timed out after 05 s.",
+                "malformed": "=error bad call.", "unknown": "=error no tool sum."}[case]
+    assert text(out["responses"][0]) == f"{calls}{expected}ok<eos>"
+    assert out["tool_errors"].tolist() == [1, 1] and out["tool_calls"].tolist() == [1, 1]
+    assert out["turns"].tolist() == [2, 2]
+    if case == "hangs":
+        assert seconds < 5 and out["tool_seconds"].min() >= 0.5  # both timed out together, not one after another
+
+
+def test_max_turns_ends_an_episode_that_keeps_calling():
+    model = chain_model({**chain("sum:2+3!"), ".": "s"})  # after each answer, another call
+    out = engine([Tool(calculator, name_="sum")], max_turns=3).generate(model, prompts(1),
+                                                                         SamplingConfig(max_new_tokens=64),
+                                                                         greedy=True)
+    assert text(out["responses"][0]) == "sum:2+3!=5.sum:2+3!=5.sum:2+3!"
+    assert out["turns"].tolist() == [3] and out["tool_calls"].tolist() == [2]
+
+
+def test_the_token_budget_covers_the_whole_episode():
+    model = chain_model({**chain("sum:2+3!"), ".": "s"})
+    out = engine([Tool(calculator, name_="sum")], max_turns=10).generate(model, prompts(1),
+                                                                          SamplingConfig(max_new_tokens=15),
+                                                                          greedy=True)
+    assert text(out["responses"][0]) == "sum:2+3!=5.sum:"  # cut at 15 tokens, mid-turn
+    assert out["response_mask"][0].tolist() == [1] * 8 + [0] * 3 + [1] * 4
+
+
+def test_streamed_episodes_are_the_generated_ones():
+    model = chain_model(CALL_THEN_ANSWER)
+    eng = engine([Tool(slow_calc, name_="sum")])
+    whole = eng.generate(model, prompts(5), SamplingConfig(max_new_tokens=20))
+    chunks = list(eng.stream(model, prompts(5), SamplingConfig(max_new_tokens=20), 2, row_offset=10))
+    assert [len(c) for c in chunks] == [2, 2, 1]
+    got = Batch.concat(chunks)
+    order = torch.argsort(got["row_index"])
+    assert got["row_index"][order].tolist() == [10, 11, 12, 13, 14]
+    for key in ("responses", "response_mask", "attention_mask", "turns", "tool_calls"):
+        assert torch.equal(got[key][order], whole[key]), key
+
+
+def test_tools_run_while_the_batch_decodes():
+    """8 episodes, one 50 ms tool call each: overlapped, the calls run together (one wait); turn by turn, one
+    after another (eight waits)."""
+    model = chain_model(CALL_THEN_ANSWER)
+    cfg = SamplingConfig(max_new_tokens=20)
+    times = {}
+    for overlap in (True, False):
+        eng = engine([Tool(slow_calc, name_="sum")], overlap=overlap)
+        t0 = time.perf_counter()
+        out = eng.generate(model, prompts(8), cfg, greedy=True)
+        times[overlap] = time.perf_counter() - t0
+        assert out["tool_calls"].tolist() == [1] * 8 and text(out["responses"][3]) == "sum:2+3!=5.ok<eos>"
+    assert times[False] > 8 * 0.05 and times[True] < times[False] - 4 * 0.05
+
+
+def test_a_call_is_bound_to_the_tools_signature():
+    env = ToolEnvironment([Tool(calculator, name_="calc")], CompactFormat())
+    ok, = env.step("calc:2*21!")
+    assert ok.error is None and ok.run() == "42"
+    bad, = env.step("nothing here")
+    assert bad.run is None and bad.error == "bad call"
+    assert Tool(calculator).schema["function"]["parameters"]["required"] == ["expression"]
+
+
+# -- training on episodes ------------------------------------------------------------------------------------------
+
+def episode_batch() -> Batch:
+    model = chain_model(CALL_THEN_ANSWER)
+    out = engine([Tool(calculator, name_="sum")]).generate(model, prompts(4), SamplingConfig(max_new_tokens=20),
+                                                           greedy=True)
+    return Batch({**out.tensors, "advantages": torch.ones(out["responses"].shape)}, out.rows)
+
+
+def loss_fn(outputs, mb):
+    return -(outputs["log_probs"] * mb["advantages"]), mb["response_mask"].float(), {}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_tool_tokens_get_no_gradient(packed):
+    """The loss mask: anything at the tool outputs' positions (here huge advantages) changes no gradient."""
+    batch = episode_batch()
+    tool = (batch["attention_mask"][:, batch["prompts"].shape[1]:] == 1) & (batch["response_mask"] == 0)
+    assert tool.sum() == 12
+    poisoned = Batch({**batch.tensors, "advantages": torch.where(tool, 1e6, batch["advantages"])}, batch.rows)
+    base = build_model(CFG, "lm", TOK)
+    grads = []
+    for b in (batch, poisoned):
+        eng = TrainEngine(copy.deepcopy(base), OptimConfig(lr=1e-3, micro_batch_tokens=4096, grad_clip=0.0),
+                          pack_sequences=packed, pad_token_id=TOK.pad_token_id)
+        eng.update([b], loss_fn, lambda mb, e=eng: e.policy_outputs(mb, 1.0, with_entropy=False))
+        grads.append({k: p.detach().clone() for k, p in eng.model.named_parameters()})
+    for k in grads[0]:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+    # and the control: the same poison on the model's own tokens does change the update
+    poisoned_model = Batch({**batch.tensors, "advantages": torch.where(batch["response_mask"].bool(), 1e6, 1.0)},
+                           batch.rows)
+    eng = TrainEngine(copy.deepcopy(base), OptimConfig(lr=1e-3, micro_batch_tokens=4096, grad_clip=0.0))
+    eng.update([poisoned_model], loss_fn, lambda mb: eng.policy_outputs(mb, 1.0, with_entropy=False))
+    assert any(not torch.equal(p, grads[0][k]) for k, p in eng.model.named_parameters())
+
+
+def test_gae_carries_the_final_reward_across_tool_outputs():
+    from algorithms.core import gae, token_rewards
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]], dtype=torch.float32)
+    values = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.3, 0.4, 9.0]])
+    rewards = token_rewards(torch.tensor([1.0]), mask)
+    assert rewards.tolist() == [[0, 0, 0, 0, 0, 1.0, 0]]  # at the model's last token
+    adv, ret = gae(rewards, values, mask, 1.0, 1.0)
+    compact, _ = gae(rewards[:, [0, 1, 4, 5]], values[:, [0, 1, 4, 5]], torch.ones(1, 4), 1.0, 1.0)
+    assert torch.allclose(adv[:, [0, 1, 4, 5]], compact) and adv[0, 2] == adv[0, 3] == adv[0, 6] == 0
+    assert torch.allclose(ret[0, [0, 1, 4, 5]], torch.ones(4))  # γ = λ = 1: every model token's return is 1
+
+
+def test_multi_turn_demonstrations_train_only_the_models_segments():
+    from algorithms.data import PromptData
+    from algorithms.tasks import get_task
+
+    data = PromptData(get_task("tool_arith"), TOK, 64, 0)
+    with_tool = next(ex for ex in data.examples if len(ex[1]) == 3)
+    b = data.demonstrations([with_tool], 24)
+    call, obs, answer = (seg for seg, _ in with_tool[1])
+    assert text(b["responses"][0]) == f"{call}{obs}{answer}<eos>"
+    n = len(call), len(obs), len(answer) + 1
+    assert b["response_mask"][0].tolist() == [1] * n[0] + [0] * n[1] + [1] * n[2] + [0] * (24 - sum(n))
+
+
+def test_episode_samples_keep_prompt_fields():
+    p = prompts(2)
+    p = Batch({**p.tensors, "seed": torch.tensor([4, 5])}, p.rows)
+    out = episode_samples(p, [[5, 6], [7]], [[1, 0], [1]], [[-0.5, 0.0], [-0.1]], 4, pad=TOK.pad_token_id)
+    assert out["seed"].tolist() == [4, 5] and out.rows["target"] == [5, 5]
+    assert out["response_mask"].tolist() == [[1, 0, 0, 0], [1, 0, 0, 0]]
+    assert out["tool_tokens"].tolist() == [1, 0]
+
+
+# -- code execution ------------------------------------------------------------------------------------------------
+
+def test_run_python_returns_output_and_removes_its_directory(tmp_path):
+    out = run_python("import os; print(6 * 7); print(os.getcwd())")
+    value, cwd = out.split()
+    assert value == "42" and "flowactors-exec-" in cwd
+    import os
+
+    assert not os.path.exists(cwd)
+
+
+def test_run_python_has_no_network():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        out = run_python(f"import socket; s = socket.socket(); s.settimeout(2); s.connect(('127.0.0.1', {port})); "
+                         f"print('connected')")
+    finally:
+        server.close()
+    assert "connected" not in out and ("Error" in out or "refused" in out.lower() or "unreachable" in out.lower())
+
+
+def test_run_python_limits_cpu_memory_wall_clock_and_output():
+    assert "killed by SIGXCPU" in run_python("while True: pass", cpu_s=1, wall_s=10) or \
+        "killed by SIGKILL" in run_python("while True: pass", cpu_s=1, wall_s=10)
+    assert "MemoryError" in run_python("x = bytearray(2 * 1024 ** 3)", memory_mb=256)
+    with pytest.raises(TimeoutError, match="wall-clock"):
+        run_python("import time; time.sleep(10)", wall_s=0.5)
+    out = run_python("print('x' * 100000)", max_output=100)
+    assert out.startswith("x" * 100) and "more characters" in out and len(out) < 200
+
+
+def test_a_code_tool_that_times_out_is_an_error_observation():
+    call = ToolCall("run_python", run=lambda: run_python("import time; time.sleep(10)", wall_s=0.3))
+    from engines.rollout.agent import _Tools
+
+    out, err, seconds = _Tools(1, 5.0).run(call)
+    assert out is None and err.startswith("TimeoutError") and seconds < 3
