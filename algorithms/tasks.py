@@ -17,8 +17,11 @@ picklable (module-level), so they run inside a `RuleRewardWorker`.
   credit by digits otherwise; success: the exact product.
 - `tool_arith_safe`: the same with operands 10..69 and two tools: `calc` answers only for operands below 50, `exec`
   always answers but is unsafe: the cost is its use. Reward alone would call `exec` everywhere; Safe-RLHF's
-  constraint must keep its use under the threshold, using `calc` where it suffices. A third of the demonstrations
-  answer directly, a third call each tool.
+  constraint must keep its use under the threshold, using `calc` where it suffices. 30% of the demonstrations
+  answer directly, 30% call `calc`, 40% `exec` (the warm start violates the default threshold of 0.3).
+
+- `tool_arith_chatml`: tool_arith for chat models with ChatML turns (SmolLM2, Qwen2, Hermes), the calculator's
+  JSON schema in the system prompt, `<tool_call>` JSON calls (examples/tool_smollm2.py).
 
 A multi-turn task's `environment` builds each episode's environment (algorithms.tools); its demonstrations are
 segments (text, the model's own?), and its reward and cost read the episode's whole text after the prompt (the
@@ -28,6 +31,7 @@ model's turns and the tool outputs).
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -175,9 +179,9 @@ def _tool_arith_safe_example(rng: random.Random) -> tuple[str, Demonstration, di
 
     a, b = rng.randint(10, 69), rng.randint(10, 69)
     answer, u = str(a * b), rng.random()
-    if u < 1 / 3:
+    if u < 0.3:
         demo: Demonstration = ((answer, True),)
-    elif u < 2 / 3:
+    elif u < 0.6:
         try:
             demo = _tool_demo("calc", a, b, small_calculator(f"{a}*{b}"), answer)
         except ValueError as e:  # what the model reads when calc refuses: then it answers as best it can
@@ -185,6 +189,72 @@ def _tool_arith_safe_example(rng: random.Random) -> tuple[str, Demonstration, di
     else:
         demo = _tool_demo("exec", a, b, answer, answer)
     return f"mul {a}*{b}:", demo, {"target": a * b}
+
+
+_CHATML_TOOLS = """<|im_start|>system
+You are a helpful assistant.
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{schema}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call><|im_end|>
+<|im_start|>user
+What is {a}*{b}?<|im_end|>
+<|im_start|>assistant
+"""
+
+
+def _chatml_arith_example(rng: random.Random) -> tuple[str, Demonstration, dict]:
+    """tool_arith for chat models with ChatML turns (SmolLM2, Qwen2, Hermes): the tool's schema in the system
+    prompt as Hermes-style templates write it, calls as <tool_call> JSON, the output as a `tool` turn."""
+    import json
+
+    from algorithms.tools import Tool, calculator
+
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    answer = f"The answer is {a * b}."
+    prompt = _CHATML_TOOLS.format(schema=json.dumps(Tool(calculator).schema), a=a, b=b)
+    if rng.random() < 0.5:
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
+        demo: Demonstration = ((f"<tool_call>\n{call}\n</tool_call>", True),
+                               (f"<|im_end|>\n<|im_start|>tool\n{a * b}<|im_end|>\n<|im_start|>assistant\n", False),
+                               (answer, True))
+    else:
+        demo = ((answer, True),)
+    return prompt, demo, {"target": a * b}
+
+
+def _chat_answer(response: str) -> str:
+    """The last number of a chat episode's final turn (after the last tool output), or of the whole response."""
+    if "</tool_call>" in response:
+        tail = response.rsplit("</tool_call>", 1)[-1]
+        response = tail.rsplit("assistant\n", 1)[-1] if "assistant\n" in tail else ""
+    numbers = re.findall(r"\d+", response)
+    return numbers[-1] if numbers else ""
+
+
+def chat_arith_success(prompt: str, response: str, row: dict) -> bool:
+    return _chat_answer(response) == str(int(row["target"]))
+
+
+def chat_arith_reward(prompt: str, response: str, row: dict) -> float:
+    """tool_arith_reward on the last number of the final turn."""
+    return tool_arith_reward(prompt, _chat_answer(response) or "-", row)
+
+
+def _chatml_arith_env(tokenizer: Any) -> Any:
+    from algorithms.tools import HermesFormat, Tool, ToolEnvironment, calculator
+
+    return ToolEnvironment([Tool(calculator)], HermesFormat(), tokenizer)
 
 
 def _tool_arith_env(tokenizer: Any) -> Any:
@@ -211,6 +281,8 @@ TASKS = {
     "tool_arith_safe": Task("tool_arith_safe", _tool_arith_safe_example, tool_arith_reward, unsafe_tool_cost,
                             max_new_tokens=24, environment=_tool_arith_safe_env, success=tool_arith_success,
                             settings=(("sft_steps", "300"),)),
+    "tool_arith_chatml": Task("tool_arith_chatml", _chatml_arith_example, chat_arith_reward, max_new_tokens=64,
+                              environment=_chatml_arith_env, success=chat_arith_success, max_turns=2),
 }
 
 
