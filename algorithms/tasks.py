@@ -15,10 +15,10 @@ picklable (module-level), so they run inside a `RuleRewardWorker`.
   cannot compute; it may call `calc:23*47!`, read `=1081.` and answer `1081`. Half the demonstrations call the tool,
   half answer directly (wrongly, mostly): RL has to find that the tool pays. Reward: 1 for the exact product, partial
   credit by digits otherwise; success: the exact product.
-- `tool_arith_safe`: the same with operands 10..69 and two tools: `calc` answers only for operands below 50, `exec`
-  always answers but is unsafe: the cost is its use. Reward alone would call `exec` everywhere; Safe-RLHF's
+- `tool_arith_safe`: the same with operands 10..59 and two tools: `calc` answers only for operands below 50 (64% of
+  the prompts), `exec` always answers but is unsafe: the cost is its use. Reward alone would call `exec` everywhere; Safe-RLHF's
   constraint must keep its use under the threshold, using `calc` where it suffices. 30% of the demonstrations
-  answer directly, 30% call `calc`, 40% `exec` (the warm start violates the default threshold of 0.3).
+  answer directly, 30% call `calc`, 40% `exec`.
 
 - `tool_arith_chatml`: tool_arith for chat models with ChatML turns (SmolLM2, Qwen2, Hermes), the calculator's
   JSON schema in the system prompt, `<tool_call>` JSON calls (examples/tool_smollm2.py).
@@ -177,7 +177,7 @@ def _tool_arith_example(rng: random.Random) -> tuple[str, Demonstration, dict]:
 def _tool_arith_safe_example(rng: random.Random) -> tuple[str, Demonstration, dict]:
     from algorithms.tools import small_calculator
 
-    a, b = rng.randint(10, 69), rng.randint(10, 69)
+    a, b = rng.randint(10, 59), rng.randint(10, 59)
     answer, u = str(a * b), rng.random()
     if u < 0.3:
         demo: Demonstration = ((answer, True),)
@@ -280,7 +280,7 @@ TASKS = {
                        settings=(("sft_steps", "300"), ("steps", "80"))),
     "tool_arith_safe": Task("tool_arith_safe", _tool_arith_safe_example, tool_arith_reward, unsafe_tool_cost,
                             max_new_tokens=24, environment=_tool_arith_safe_env, success=tool_arith_success,
-                            settings=(("sft_steps", "300"),)),
+                            settings=(("sft_steps", "300"), ("steps", "100"), ("lambda_lr", "0.2"))),
     "tool_arith_chatml": Task("tool_arith_chatml", _chatml_arith_example, chat_arith_reward, max_new_tokens=64,
                               environment=_chatml_arith_env, success=chat_arith_success, max_turns=2),
 }

@@ -122,6 +122,9 @@ def _tool_message_frame(tokenizer: Any) -> tuple[str, str]:
     """What the chat template writes before and after a tool message's content, after an assistant turn (the
     text between the end of the call and the content; after it, through the next assistant header)."""
     call, out = "\x00CALL\x00", "\x00OUT\x00"
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the policy's tokenizer has no chat template, so it does not render tool messages; use a "
+                         "model whose template takes tools (Qwen2.5, Hermes, SmolLM2 ...) or the compact format")
     text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
                                           {"role": "assistant", "content": call},
                                           {"role": "tool", "content": out}],

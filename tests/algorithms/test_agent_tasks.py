@@ -67,8 +67,9 @@ def test_grpo_learns_tool_arith_with_the_tool_and_not_without(tmp_path):
 def test_safe_rlhf_keeps_unsafe_tool_use_under_the_threshold_while_success_rises(tmp_path):
     from algorithms.safe_rlhf import main
 
-    h = run(main, tmp_path, "task=tool_arith_safe")
-    assert window(h, "cost_mean", 0, 10) > 0.3                # the warm start calls `exec` too often
-    assert window(h, "cost_mean", -20, None) <= 0.3          # the constraint holds at the end
-    assert window(h, "success_mean", -20, None) > window(h, "success_mean", 0, 20) + 0.1
-    assert window(h, "tool_calls_mean", -20, None) > 0.5     # ... using the safe tool where it answers
+    h = run(main, tmp_path, "task=tool_arith_safe")  # the task's settings: 100 steps, λ step 0.2
+    windows = [window(h, "cost_mean", i, i + 10) for i in range(0, len(h), 10)]
+    assert max(windows) > 0.3                                  # the reward pulls towards `exec` past the threshold
+    assert window(h, "cost_mean", -20, None) <= 0.3           # ... and λ holds it at or under at the end
+    assert window(h, "success_mean", -20, None) > window(h, "success_mean", 0, 20) + 0.2
+    assert window(h, "tool_calls_mean", -20, None) > 0.8      # ... by calling `calc` where it answers

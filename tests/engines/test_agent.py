@@ -325,3 +325,40 @@ def test_a_code_tool_that_times_out_is_an_error_observation():
 
     out, err, seconds = _Tools(1, 5.0).run(call)
     assert out is None and err.startswith("TimeoutError") and seconds < 3
+
+
+# -- the Hermes call format ----------------------------------------------------------------------------------------
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_hermes_calls_parse_with_every_kind_of_mistake_an_observation():
+    from algorithms.tools import HermesFormat
+
+    env = ToolEnvironment([Tool(calculator)], HermesFormat())
+    two = env.step('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+                   '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>')
+    assert [c.run() for c in two] == ["42", "2"]
+    bad_json, = env.step("<tool_call>{name: calculator}</tool_call>")
+    unknown, = env.step('<tool_call>{"name": "search", "arguments": {}}</tool_call>')
+    bad_args, = env.step('<tool_call>{"name": "calculator", "arguments": {"expr": "1+1"}}</tool_call>')
+    nothing, = env.step("I will just answer.")
+    assert bad_json.error.startswith("the call is not JSON") and "unknown tool 'search'" in unknown.error
+    assert "bad arguments for calculator" in bad_args.error and "no <tool_call>" in nothing.error
+    assert all(c.run is None for c in (bad_json, unknown, bad_args, nothing))
+
+
+def test_hermes_outputs_are_rendered_as_the_chat_template_renders_a_tool_turn():
+    from algorithms.tools import HermesFormat
+
+    tok = build_tokenizer(CFG)
+    tok.chat_template = CHATML
+    env = ToolEnvironment([Tool(calculator)], HermesFormat(), tok)
+    call, = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>')
+    text = env.observe([(call, "42", None), (call, None, "timed out after 5 s")])
+    assert text == ("<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+                    "<|im_end|>\n<|im_start|>tool\nerror: timed out after 5 s<|im_end|>\n<|im_start|>assistant\n")
+    plain = build_tokenizer(CFG)  # no chat template: refused, naming why
+    with pytest.raises(ValueError, match="does not render tool messages"):
+        ToolEnvironment([Tool(calculator)], HermesFormat(), plain).observe([(call, "42", None)])
