@@ -152,6 +152,8 @@ class _Episode:
     model: list[int] = field(default_factory=list)
     logp: list[float] = field(default_factory=list)
     turns: int = 0
+    turn_start: int = 0
+    """Where the model's current (last) turn begins in `tokens`."""
     calls: list[ToolCall] = field(default_factory=list)
     results: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
     tool_calls: int = 0
@@ -304,6 +306,7 @@ class _Run:
             for j, r in enumerate(rows):
                 keep = chunk["response_mask"][j].bool()
                 ep = self.episodes_[ready[r]]
+                ep.turn_start = len(ep.tokens)
                 ep.tokens += chunk["responses"][j][keep].tolist()
                 ep.logp += chunk["rollout_log_probs"][j][keep].tolist()
                 ep.model += [1] * int(keep.sum())
@@ -314,7 +317,7 @@ class _Run:
         """After episode i's turn: its calls, or None when the episode ended (EOS, no stop text, out of turns or
         tokens)."""
         ep = self.episodes_[i]
-        turn = ep.tokens[len(ep.tokens) - _last_turn_length(ep):]
+        turn = ep.tokens[ep.turn_start:]
         called = any(tuple(turn[-len(s):]) == s for s in self.stops) if turn else False
         if not called or ep.turns >= self.agent.max_turns or len(ep.tokens) >= self.cfg.max_new_tokens:
             ep.done = True
@@ -359,15 +362,6 @@ class _Run:
                                        "tool_calls": [ep.tool_calls for ep in eps],
                                        "tool_errors": [ep.tool_errors for ep in eps],
                                        "tool_seconds": [ep.tool_seconds for ep in eps]})
-
-
-def _last_turn_length(ep: _Episode) -> int:
-    n = 0
-    for m in reversed(ep.model):
-        if not m:
-            break
-        n += 1
-    return n
 
 
 def episode_samples(prompts: Batch, tokens: list[list[int]], model_mask: list[list[int]], logp: list[list[float]],

@@ -362,3 +362,24 @@ def test_hermes_outputs_are_rendered_as_the_chat_template_renders_a_tool_turn():
     plain = build_tokenizer(CFG)  # no chat template: refused, naming why
     with pytest.raises(ValueError, match="does not render tool messages"):
         ToolEnvironment([Tool(calculator)], HermesFormat(), plain).observe([(call, "42", None)])
+
+
+def test_chatml_task_demonstrations_are_calls_the_environment_runs_and_the_reward_reads():
+    import random
+
+    from algorithms.tasks import get_task
+
+    task = get_task("tool_arith_chatml")
+    rng = random.Random(0)
+    prompt, demo, row = next(ex for ex in (task.make_example(rng) for _ in range(20)) if len(ex[1]) == 3)
+    tok = build_tokenizer(CFG)
+    tok.chat_template = CHATML
+    env = task.environment(tok)
+    env.reset(prompt, row)
+    (call_text, _), (output, _), (answer, _) = demo
+    call, = env.step(call_text)
+    assert call.run() == str(row["target"]) and output == env.observe([(call, call.run(), None)])
+    transcript = f"{call_text}\ntool\n{row['target']}\nassistant\n{answer}"  # as decoded without special tokens
+    assert task.success(prompt, transcript, row) and task.reward(prompt, transcript, row) == 1.0
+    wrong = f"{call_text}\ntool\n{row['target']}\nassistant\nThe answer is 12."
+    assert not task.success(prompt, wrong, row) and task.reward(prompt, wrong, row) < 1.0
