@@ -40,7 +40,7 @@ from engines.models.config import ModelConfig, build_model, build_tokenizer, sam
 from engines.protocols import MINIBATCH
 from engines.registry import check_training_layout, generation_engine, training_engine
 from engines.specs import GenerationSpec, UpdateSpec
-from engines.rollout.agent import AgentConfig
+from engines.rollout.agent import AgentConfig, EpisodeEngine
 from engines.training.common import LossFn, OptimConfig
 from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Layout, Worker, endpoint
 
@@ -183,7 +183,7 @@ class ActorWorker(ModelWorker):
 
     def __init__(self, model: ModelConfig, optim: OptimConfig | None = None,
                  sampling: SamplingConfig | None = None, rollout_tp: int | None = None,
-                 rollout_engine: str = "hf", rollout_pp: int = 1, agent: "AgentConfig | None" = None) -> None:
+                 rollout_engine: str = "hf", rollout_pp: int = 1, agent: AgentConfig | None = None) -> None:
         """`rollout_tp`: generation tensor-parallel size t_g (dividing the group's tp) for the 3D-HybridEngine;
         None keeps the FSDP2 training layout and gathers whole weights to generate. `rollout_pp`: generation
         pipeline stages p_g (dividing the group's pp; with rollout_tp, on a pipeline-parallel engine: megatron).
@@ -208,8 +208,6 @@ class ActorWorker(ModelWorker):
                                  f"{rollout_tp}) are not built: the ranks of a generation TP group would have to "
                                  f"decode every turn in lockstep while tools answer at different times; use "
                                  f"rollout_tp=1 or 0")
-            from engines.rollout.agent import EpisodeEngine
-
             self.generator = EpisodeEngine(self.generator, self.tokenizer, agent)
         self._loaded_version = -1  # the weights_version the generator holds (engines that hold weights)
         self.handover: dict[str, Any] = {}
@@ -650,19 +648,18 @@ class RuleRewardWorker(Worker):
         self.fn, self.success = fn, success
         self.tokenizer = build_tokenizer(model or ModelConfig())
 
-    def _score(self, batch: Batch, fn: Callable[[str, str, dict[str, Any]], float]) -> torch.Tensor:
+    def _score(self, batch: Batch, **fns: Callable[[str, str, dict[str, Any]], float] | None) -> Batch:
+        """Each named rule over the decoded texts (decoded once), as a field; None rules are left out."""
         prompts = self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True)
         responses = self.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
         rows = [{k: v[i] for k, v in batch.rows.items()} for i in range(len(batch))]
-        return torch.tensor([float(fn(p, r, row)) for p, r, row in zip(prompts, responses, rows)])
+        return Batch({name: torch.tensor([float(fn(p, r, row)) for p, r, row in zip(prompts, responses, rows)])
+                      for name, fn in fns.items() if fn is not None})
 
     @endpoint(protocol=MESH)
     def compute_reward(self, batch: Batch) -> Batch:
-        out = {REWARDS: self._score(batch, self.fn)}
-        if self.success is not None:
-            out[SUCCESS] = self._score(batch, self.success)
-        return Batch(out)
+        return self._score(batch, **{REWARDS: self.fn, SUCCESS: self.success})
 
     @endpoint(protocol=MESH)
     def compute_cost(self, batch: Batch) -> Batch:
-        return Batch({COSTS: self._score(batch, self.fn)})
+        return self._score(batch, **{COSTS: self.fn})
