@@ -83,9 +83,6 @@ def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
 def agent_config(cfg: RLConfig, task: Task) -> AgentConfig | None:
     """How the actor samples a multi-turn task's episodes; None for single-response tasks."""
     if task.environment is None:
-        if cfg.max_turns:
-            raise ConfigError(f"max_turns={cfg.max_turns} applies to multi-turn tasks (tool_arith, tool_arith_safe); "
-                              f"task {task.name!r} samples one response per prompt")
         return None
     return AgentConfig(task.environment, max_turns=cfg.max_turns or task.max_turns,
                        max_turn_tokens=cfg.max_turn_tokens, tool_workers=cfg.tool_workers,

@@ -135,6 +135,9 @@ def prompt_data(cfg: RLConfig) -> tuple[PromptData, PromptData | None]:
     from engines import build_tokenizer
 
     task, tokenizer = get_task(cfg.task), build_tokenizer(cfg.model)
+    if cfg.max_turns and task.environment is None:
+        raise ConfigError(f"max_turns={cfg.max_turns} applies to multi-turn tasks (tool_arith, tool_arith_safe, "
+                          f"tool_arith_chatml); task {task.name!r} samples one response per prompt")
     examples = load_examples(cfg.train_files, tokenizer, "train_files") if cfg.train_files else None
     data = PromptData(task, tokenizer, cfg.dataset_prompts, cfg.seed, examples=examples)
     if cfg.sft_steps and not data.has_demonstrations:

@@ -110,6 +110,8 @@ def _plan(tmp_path, actor_train) -> str:
     (["recovery_wait_s=nan"], r"recovery_wait_s=nan is not a finite number"),
     (["slurm.startup_timeout_s=-5"], r"slurm.startup_timeout_s=-5.0 is outside \(0, inf\)"),
     (["rollout_engine=sglang"], r"rollout_engine must be hf or vllm"),
+    (["max_turns=2"], r"max_turns=2 applies to multi-turn tasks .*; task 'digit_sum' samples one response"),
+    (["tool_workers=0"], r"tool_workers >= 1 and tool_timeout_s > 0; got 0, 0, 0, 5.0$"),
     *([(["rollout_engine=vllm"], r"rollout_engine: vLLM's CPU attention needs head_dim >= 32, the model has 16 "
                                  r".*or rollout_engine='hf' \(the tiny default with model.hidden_size=128 "
                                  r"model.intermediate_size=256\)$")] if not torch.cuda.is_available() else []),
