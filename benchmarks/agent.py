@@ -4,11 +4,14 @@
 
 One embedded cluster, one slot, one actor (ActorWorker, the hf engine) warm-started on tool_arith's demonstrations
 that call the calculator (so most episodes are: a call, the tool's output, the answer). The calculator sleeps
-`--tool-ms` first. Two modes sample the same episodes (same seeds; the table checks the tokens are identical):
+`--tool-ms` first. Three modes sample the same episodes (same seeds; the table checks the tokens are identical):
 
 - `overlap`: as each episode's turn ends, its call goes to a pool of `--tool-workers` threads while the rest of the
   batch decodes; episodes whose tool has answered form the next turn's batch (engines.rollout.agent).
-- `turn-by-turn`: the whole batch decodes a turn, then each call runs in turn and is waited for, then the next turn.
+- `turn-by-turn`: the whole batch decodes a turn, then each call runs in turn and is waited for (one tool thread),
+  then the next turn.
+- `turn-by-turn-pool`: the same, the turn's calls running `--tool-workers` at a time (a synchronous loop with a
+  pool: what overlapping adds beyond running tools concurrently).
 
 episodes/s and tokens/s (the model's and the tools' tokens) over the `generate_sequences` call, median of
 `--repeats` after one warm-up. JSON lines with --json, then a table.
@@ -76,9 +79,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ctl = fa.Controller.local(1, dashboard=None, collective_timeout_s=1200, call_timeout_s=3600)
     rows, tokens = [], {}
     try:
-        for mode, overlap in (("turn-by-turn", False), ("overlap", True)):
-            agent = AgentConfig(slow_environment, max_turns=task.max_turns, tool_workers=args.tool_workers,
-                                overlap=overlap)
+        for mode, overlap, workers in (("turn-by-turn", False, 1), ("turn-by-turn-pool", False, args.tool_workers),
+                                       ("overlap", True, args.tool_workers)):
+            agent = AgentConfig(slow_environment, max_turns=task.max_turns, tool_workers=workers, overlap=overlap)
             actor = fa.ActorGroup(ctl, ActorWorker, name=f"actor_{mode.replace('-', '_')}", slots=ctl.slots[:1],
                                   args=(model, OptimConfig(lr=3e-3), sampling), kwargs={"agent": agent})
             try:
@@ -100,20 +103,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append({"mode": mode, "episodes_per_s": args.episodes / seconds,
                          "tokens_per_s": episode_tokens / seconds, "seconds": seconds,
                          "tool_calls_mean": float(out["tool_calls"].mean()), "turns_mean": float(out["turns"].mean()),
-                         "tool_ms": args.tool_ms, "tool_workers": args.tool_workers})
+                         "tool_ms": args.tool_ms, "tool_workers": workers})
     finally:
         ctl.close()
-    same = bool(torch.equal(tokens["overlap"], tokens["turn-by-turn"]))
+    same = all(torch.equal(tokens["overlap"], t) for t in tokens.values())
     base = rows[0]["episodes_per_s"]
     for r in rows:
         r["speedup"], r["same_episodes"] = r["episodes_per_s"] / base, same
     if args.json:
         for r in rows:
             print(json.dumps(r))
-    print(f"\n{'mode':13} {'episodes/s':>11} {'tokens/s':>9} {'x turn-by-turn':>15} {'s/gen':>7} "
+    print(f"\n{'mode':17} {'workers':>7} {'episodes/s':>11} {'tokens/s':>9} {'x turn-by-turn':>15} {'s/gen':>7} "
           f"{'calls/ep':>9} {'turns/ep':>9} {'same episodes':>14}")
     for r in rows:
-        print(f"{r['mode']:13} {r['episodes_per_s']:11.1f} {r['tokens_per_s']:9.0f} {r['speedup']:15.2f} "
+        print(f"{r['mode']:17} {r['tool_workers']:7d} {r['episodes_per_s']:11.1f} {r['tokens_per_s']:9.0f} {r['speedup']:15.2f} "
               f"{r['seconds']:7.2f} {r['tool_calls_mean']:9.2f} {r['turns_mean']:9.2f} {str(r['same_episodes']):>14}")
     return rows
 

@@ -10,7 +10,8 @@ steps, stage fusion's streams, asynchronous rollout replicas) samples episodes i
 turn of every ready episode decodes as one batch on the wrapped engine, streamed: as each row finishes, its calls
 go to a pool of `tool_workers` threads, so tools run while the rest of the batch decodes, and the episodes whose
 tools have answered form the next turn's batch (when none has, it waits for the first). `overlap=False` is the
-turn-by-turn loop instead: the whole turn decodes, then each tool runs in turn and is waited for.
+turn-by-turn loop instead: the whole turn decodes, then its calls run on the pool and all are waited for (with
+`tool_workers=1`, one after another).
 
 A tool that raises, hangs past `tool_timeout_s`, a call that does not parse and a call to an unknown tool each
 become an error observation the model reads, counted in `tool_errors`; the episode goes on. A hung tool's thread
@@ -96,7 +97,8 @@ class AgentConfig:
     tool_timeout_s: float = 5.0
     """A tool call that has not answered after this many seconds becomes an error observation."""
     overlap: bool = True
-    """Run tools while the batch goes on decoding; False: turn by turn, waiting for each tool (a baseline)."""
+    """Run tools while the batch goes on decoding; False: turn by turn, the turn's calls run (tool_workers at a
+    time) once the whole batch has decoded its turn, and all are waited for (a baseline)."""
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.tool_workers < 1 or self.max_turn_tokens < 0:
@@ -250,15 +252,16 @@ class _Run:
                         ended += self._collect(tools, waiting, nxt, block=False)
                         if ended:
                             yield ended
-                    if not self.agent.overlap:  # turn by turn: every tool in turn, each waited for
-                        ended = []
+                    if not self.agent.overlap:  # turn by turn: the turn's calls on the pool, all waited for
                         for i in ready:
                             ep = self.episodes_[i]
-                            if ep.done:
-                                continue
-                            for k, call in enumerate(ep.calls):
-                                self._result(i, k, *tools.run(call))
-                            (nxt if self._observe(i) else ended).append(i)
+                            if not ep.done:
+                                waiting.add(i)
+                                for k, call in enumerate(ep.calls):
+                                    tools.submit(i, k, call)
+                        ended = []
+                        while waiting:
+                            ended += self._collect(tools, waiting, nxt, block=True)
                         if ended:
                             yield ended
                 if waiting and not nxt:

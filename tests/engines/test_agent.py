@@ -190,13 +190,13 @@ def slower_calc(expression: str) -> str:
 
 
 def test_tools_run_while_the_batch_decodes():
-    """8 episodes, one 200 ms tool call each: overlapped, the calls run together (about one wait); turn by turn,
-    one after another (eight waits)."""
+    """8 episodes, one 200 ms tool call each: overlapped on 8 threads, the calls run together (about one wait);
+    turn by turn on one thread, one after another (eight waits)."""
     model = chain_model(CALL_THEN_ANSWER)
     cfg = SamplingConfig(max_new_tokens=20)
     times = {}
     for overlap in (True, False):
-        eng = engine([Tool(slower_calc, name_="sum")], overlap=overlap)
+        eng = engine([Tool(slower_calc, name_="sum")], overlap=overlap, tool_workers=8 if overlap else 1)
         t0 = time.perf_counter()
         out = eng.generate(model, prompts(8), cfg, greedy=True)
         times[overlap] = time.perf_counter() - t0
