@@ -13,6 +13,7 @@ EPISODE_KEYS = ("success_mean", "turns_mean", "tool_calls_mean", "tool_errors_me
 
 
 @pytest.mark.parametrize("algo", ["ppo", "remax", "safe_rlhf"])
+@pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_algorithms_train_on_episodes(tmp_path, algo):
     """Two steps on episodes from a warm start that calls the tool about half the time: the step metrics report
     the episodes (calls made, their outputs as context tokens, turns = calls + 1 answer)."""
@@ -31,6 +32,7 @@ def test_algorithms_train_on_episodes(tmp_path, algo):
         assert h[0]["cost_mean"] > 0  # some episodes used the unsafe tool
 
 
+@pytest.mark.e2e  # three whole program runs: CI's second tier (.ci/run)
 def test_fused_and_asynchronous_steps_sample_the_same_episodes(tmp_path):
     """Episodes streamed to the scorers in chunks (stage fusion) and episodes sampled by rollout replicas
     (asynchronous RL) are the plain step's episodes: the first step's metrics agree exactly."""
