@@ -246,19 +246,14 @@ class _Run:
                             if calls is None:
                                 ended.append(i)
                             elif self.agent.overlap:
-                                waiting.add(i)
-                                for k, call in enumerate(calls):
-                                    tools.submit(i, k, call)
+                                self._submit(tools, waiting, i)
                         ended += self._collect(tools, waiting, nxt, block=False)
                         if ended:
                             yield ended
                     if not self.agent.overlap:  # turn by turn: the turn's calls on the pool, all waited for
                         for i in ready:
-                            ep = self.episodes_[i]
-                            if not ep.done:
-                                waiting.add(i)
-                                for k, call in enumerate(ep.calls):
-                                    tools.submit(i, k, call)
+                            if not self.episodes_[i].done:
+                                self._submit(tools, waiting, i)
                         ended = []
                         while waiting:
                             ended += self._collect(tools, waiting, nxt, block=True)
@@ -271,6 +266,11 @@ class _Run:
                 ready = nxt
         finally:
             tools.close()
+
+    def _submit(self, tools: _Tools, waiting: set[int], i: int) -> None:
+        waiting.add(i)
+        for k, call in enumerate(self.episodes_[i].calls):
+            tools.submit(i, k, call)
 
     def _collect(self, tools: _Tools, waiting: set[int], ready: list[int], *, block: bool) -> list[int]:
         """Take the tool results that have arrived (with `block`, wait until one episode's calls have all
