@@ -30,6 +30,7 @@ model's turns and the tool outputs).
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections.abc import Callable
@@ -213,16 +214,24 @@ What is {a}*{b}?<|im_end|>
 """
 
 
+@functools.cache
+def _calculator_schema() -> str:
+    """The calculator's JSON schema as the system prompt shows it (read from its docstring once, not per prompt)."""
+    import json
+
+    from algorithms.tools import Tool, calculator
+
+    return json.dumps(Tool(calculator).schema)
+
+
 def _chatml_arith_example(rng: random.Random) -> tuple[str, Demonstration, dict]:
     """tool_arith for chat models with ChatML turns (SmolLM2, Qwen2, Hermes): the tool's schema in the system
     prompt as Hermes-style templates write it, calls as <tool_call> JSON, the output as a `tool` turn."""
     import json
 
-    from algorithms.tools import Tool, calculator
-
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     answer = f"The answer is {a * b}."
-    prompt = _CHATML_TOOLS.format(schema=json.dumps(Tool(calculator).schema), a=a, b=b)
+    prompt = _CHATML_TOOLS.format(schema=_calculator_schema(), a=a, b=b)
     if rng.random() < 0.5:
         call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
         demo: Demonstration = ((f"<tool_call>\n{call}\n</tool_call>", True),
