@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from algorithms.advantages import fill_groups, grpo_step_advantages, join, varied_groups
-from algorithms.asynchronous import loss_terms
-from algorithms.build import Roles
-from algorithms.config import ConfigError, DAPOConfig
-from algorithms.core import PolicyLoss
-from algorithms.data import PromptData
-from algorithms.fusion import rollout
+from algorithms.data.prompts import PromptData
 from algorithms.grpo import GRPO
-from algorithms.loop import run_program
-from algorithms.metrics import summarize, update_metrics
+from algorithms.objectives.advantages import fill_groups, grpo_step_advantages, join, varied_groups
+from algorithms.objectives.losses import PolicyLoss
+from algorithms.rollout.asynchronous import loss_terms
+from algorithms.rollout.fusion import rollout
+from algorithms.run.build import Roles
+from algorithms.run.config import ConfigError, DAPOConfig
+from algorithms.run.loop import run_program
+from algorithms.run.metrics import summarize, update_metrics
 from engines.fields import REWARDS
 from flowactors import Batch, Controller
 
@@ -47,8 +47,15 @@ class DAPO(GRPO):
 
     def __init__(self, cfg: DAPOConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, None, cfg.entropy_coef, kl_coef=cfg.kl_coef,
-                                      kl_estimator="k3", clip_ratio_high=cfg.clip_ratio_high, **loss_terms(cfg))
+        self.policy_loss = PolicyLoss(
+            cfg.clip_ratio,
+            None,
+            cfg.entropy_coef,
+            kl_coef=cfg.kl_coef,
+            kl_estimator="k3",
+            clip_ratio_high=cfg.clip_ratio_high,
+            **loss_terms(cfg),
+        )
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         super().setup(ctl, roles, data)
@@ -65,16 +72,17 @@ class DAPO(GRPO):
             drawn += need
             if not rounds:  # the step's reward is its own prompts' samples', as in every program (not the kept)
                 sampled = ctl.apply(_reward_mean, *scored.parts)
-            part = ctl.apply(varied_groups, *scored.parts, offset=kept, keep_all=not cfg.dynamic_sampling,
-                             **shaping)
+            part = ctl.apply(varied_groups, *scored.parts, offset=kept, keep_all=not cfg.dynamic_sampling, **shaping)
             rounds.append(part)
             kept += ctl.apply(_rows, part).result() // per_group
             if kept >= need or not cfg.dynamic_sampling:
                 break
             if len(rounds) == cfg.max_gen_rounds:
-                raise ConfigError(f"dynamic sampling kept {kept} of the {need} groups a step needs after "
-                                  f"{len(rounds)} generation rounds at step {i} (the others' rewards were all "
-                                  f"equal); raise max_gen_rounds or samples_per_prompt, or dynamic_sampling=false")
+                raise ConfigError(
+                    f"dynamic sampling kept {kept} of the {need} groups a step needs after "
+                    f"{len(rounds)} generation rounds at step {i} (the others' rewards were all "
+                    f"equal); raise max_gen_rounds or samples_per_prompt, or dynamic_sampling=false"
+                )
             prompts = self.data.next_batch(need, per_group)
         batch = ctl.apply(fill_groups, *rounds, groups=need)
         old = [] if self.on_policy else [actor.compute_log_prob(batch)]
@@ -86,8 +94,12 @@ class DAPO(GRPO):
         if self.on_policy:
             m.setdefault("entropy", u["entropy"])
         m["kept_reward_mean"], m["reward_mean"] = m["reward_mean"], sampled.result()
-        return {**m, **update_metrics({"actor": u}), "dapo/kept_groups_frac": kept / drawn,
-                "dapo/gen_rounds": float(len(rounds))}
+        return {
+            **m,
+            **update_metrics({"actor": u}),
+            "dapo/kept_groups_frac": kept / drawn,
+            "dapo/gen_rounds": float(len(rounds)),
+        }
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from algorithms.advantages import grpo_step_advantages
-from algorithms.asynchronous import loss_terms
-from algorithms.config import GRPOConfig
-from algorithms.core import PolicyLoss
-from algorithms.fusion import rollout
-from algorithms.loop import Algorithm, run_program
-from algorithms.metrics import summarize, update_metrics
-from algorithms.data import PromptData
-from algorithms.build import Roles
+from algorithms.data.prompts import PromptData
+from algorithms.objectives.advantages import grpo_step_advantages
+from algorithms.objectives.losses import PolicyLoss
+from algorithms.rollout.asynchronous import loss_terms
+from algorithms.rollout.fusion import rollout
+from algorithms.run.build import Roles
+from algorithms.run.config import GRPOConfig
+from algorithms.run.loop import Algorithm, run_program
+from algorithms.run.metrics import summarize, update_metrics
 from flowactors import Batch, Controller
 
 
@@ -35,8 +35,9 @@ class GRPO(Algorithm):
 
     def __init__(self, cfg: GRPOConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, None, cfg.entropy_coef, kl_coef=cfg.kl_coef, kl_estimator="k3",
-                                      **loss_terms(cfg))
+        self.policy_loss = PolicyLoss(
+            cfg.clip_ratio, None, cfg.entropy_coef, kl_coef=cfg.kl_coef, kl_estimator="k3", **loss_terms(cfg)
+        )
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward
@@ -52,8 +53,9 @@ class GRPO(Algorithm):
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         ctl, actor = self.ctl, self.actor
         old = [] if self.on_policy else [actor.compute_log_prob]
-        scored = rollout(ctl, actor, prompts, [*old, self.ref.compute_ref_log_prob, self.reward.compute_reward],
-                         self.cfg.fusion)
+        scored = rollout(
+            ctl, actor, prompts, [*old, self.ref.compute_ref_log_prob, self.reward.compute_reward], self.cfg.fusion
+        )
         batch = ctl.apply(grpo_step_advantages, *scored.parts)
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch)

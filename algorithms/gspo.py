@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from algorithms.asynchronous import loss_terms
-from algorithms.config import GSPOConfig
-from algorithms.core import PolicyLoss
 from algorithms.grpo import GRPO
-from algorithms.loop import run_program
+from algorithms.objectives.losses import PolicyLoss
+from algorithms.rollout.asynchronous import loss_terms
+from algorithms.run.config import GSPOConfig
+from algorithms.run.loop import run_program
 
 
 def gspo_tiny_cpu() -> GSPOConfig:
@@ -30,9 +30,16 @@ class GSPO(GRPO):
 
     def __init__(self, cfg: GSPOConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, None, cfg.entropy_coef, kl_coef=cfg.kl_coef,
-                                      kl_estimator="k3", clip_ratio_high=cfg.clip_ratio_high, sequence_level=True,
-                                      **loss_terms(cfg))
+        self.policy_loss = PolicyLoss(
+            cfg.clip_ratio,
+            None,
+            cfg.entropy_coef,
+            kl_coef=cfg.kl_coef,
+            kl_estimator="k3",
+            clip_ratio_high=cfg.clip_ratio_high,
+            sequence_level=True,
+            **loss_terms(cfg),
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

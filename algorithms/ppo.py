@@ -5,7 +5,7 @@ reward (fixed or adaptive coefficient, k1/k2/k3 estimator); GAE; clipped surroga
 loss; optional entropy bonus; several epochs over shuffled mini-batches per step. Default task: `digit_sum`
 (reward only).
 
-`fuse=true` runs generation and scoring as one fused stage (RLHFuse, `algorithms.fusion`): the scorers that do not
+`fuse=true` runs generation and scoring as one fused stage (RLHFuse, `algorithms.rollout.fusion`): the scorers that do not
 share the actor's slots score finished samples in chunks while the long tail is still generating; with
 `fuse_migrate=true` (and `--placement fused`) the long tail moves to the first actor rank(s) and the freed slots
 score too.
@@ -16,16 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from algorithms.advantages import ppo_advantages
-from algorithms.asynchronous import loss_terms
-from algorithms.config import PPOConfig
-from algorithms.core import AdaptiveKL, FixedKL, PolicyLoss, ValueLoss
-from algorithms.fusion import rollout
-from algorithms.loop import Algorithm, run_program
-from algorithms.resume import Change
-from algorithms.metrics import AS_REPORTED, summarize, update_metrics
-from algorithms.data import PromptData
-from algorithms.build import Roles
+from algorithms.data.prompts import PromptData
+from algorithms.objectives.advantages import ppo_advantages
+from algorithms.objectives.losses import AdaptiveKL, FixedKL, PolicyLoss, ValueLoss
+from algorithms.rollout.asynchronous import loss_terms
+from algorithms.rollout.fusion import rollout
+from algorithms.run.build import Roles
+from algorithms.run.config import PPOConfig
+from algorithms.run.loop import Algorithm, run_program
+from algorithms.run.metrics import AS_REPORTED, summarize, update_metrics
+from algorithms.run.resume import Change
 from flowactors import Batch, Controller
 
 
@@ -40,8 +40,9 @@ class PPO(Algorithm):
 
     def __init__(self, cfg: PPOConfig) -> None:
         super().__init__(cfg)
-        self.kl_ctl = AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl \
-            else FixedKL(cfg.kl_coef)
+        self.kl_ctl = (
+            AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKL(cfg.kl_coef)
+        )
         self.policy_loss = PolicyLoss(cfg.clip_ratio, cfg.dual_clip, cfg.entropy_coef, **loss_terms(cfg))
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
@@ -50,19 +51,40 @@ class PPO(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        scored = rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
-                                               self.critic.compute_values, self.reward.compute_reward],
-                         cfg.fusion)
-        batch = ctl.apply(ppo_advantages, *scored.parts, gamma=cfg.gamma, lam=cfg.lam,
-                          kl_coef=self.kl_ctl.value, kl_estimator=cfg.kl_estimator, whiten=cfg.whiten_advantages,
-                          whiten_rewards=cfg.whiten_rewards)
+        scored = rollout(
+            ctl,
+            actor,
+            prompts,
+            [
+                actor.compute_log_prob,
+                self.ref.compute_ref_log_prob,
+                self.critic.compute_values,
+                self.reward.compute_reward,
+            ],
+            cfg.fusion,
+        )
+        batch = ctl.apply(
+            ppo_advantages,
+            *scored.parts,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            kl_coef=self.kl_ctl.value,
+            kl_estimator=cfg.kl_estimator,
+            whiten=cfg.whiten_advantages,
+            whiten_rewards=cfg.whiten_rewards,
+        )
         value_loss, spec = ValueLoss(cfg.value_clip), self.update_spec(i)
         if cfg.fusion.train:  # one fused pipeline for both updates (engines.training.megatron.pipeline_fusion)
-            updates = {AS_REPORTED: actor.update_actor_and_critics(batch, self.policy_loss, spec,
-                                                                   critics={self.critic.name: value_loss})}
+            updates = {
+                AS_REPORTED: actor.update_actor_and_critics(
+                    batch, self.policy_loss, spec, critics={self.critic.name: value_loss}
+                )
+            }
         else:
-            updates = {"critic": self.critic.update_critic(batch, value_loss, spec),
-                       "actor": actor.update_actor(batch, self.policy_loss, spec)}
+            updates = {
+                "critic": self.critic.update_critic(batch, value_loss, spec),
+                "actor": actor.update_actor(batch, self.policy_loss, spec),
+            }
         metrics = ctl.apply(summarize, batch)
         self.last_batch = batch  # the step's scored batch, for tests and benchmarks
         self.stage("generate", *scored.generated)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from algorithms.advantages import reinforce_pp_step_advantages
-from algorithms.config import ReinforcePPConfig
-from algorithms.loop import run_program
+from algorithms.objectives.advantages import reinforce_pp_step_advantages
 from algorithms.rloo import RLOO
+from algorithms.run.config import ReinforcePPConfig
+from algorithms.run.loop import run_program
 
 
 def reinforce_pp_tiny_cpu() -> ReinforcePPConfig:

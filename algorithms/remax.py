@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from algorithms.advantages import remax_step_advantages
-from algorithms.asynchronous import generate_greedy, loss_terms
-from algorithms.config import ReMaxConfig
-from algorithms.core import PolicyLoss
-from algorithms.fusion import rollout
-from algorithms.loop import Algorithm, run_program
-from algorithms.metrics import summarize, update_metrics
-from algorithms.data import PromptData
-from algorithms.build import Roles
+from algorithms.data.prompts import PromptData
+from algorithms.objectives.advantages import remax_step_advantages
+from algorithms.objectives.losses import PolicyLoss
+from algorithms.rollout.asynchronous import generate_greedy, loss_terms
+from algorithms.rollout.fusion import rollout
+from algorithms.run.build import Roles
+from algorithms.run.config import ReMaxConfig
+from algorithms.run.loop import Algorithm, run_program
+from algorithms.run.metrics import summarize, update_metrics
 from flowactors import Batch, Controller
 
 
@@ -39,11 +39,17 @@ class ReMax(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        scored = rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
-                                               self.reward.compute_reward], cfg.fusion)
+        scored = rollout(
+            ctl,
+            actor,
+            prompts,
+            [actor.compute_log_prob, self.ref.compute_ref_log_prob, self.reward.compute_reward],
+            cfg.fusion,
+        )
         greedy = generate_greedy(actor, prompts)  # the baseline, unfused
-        batch = ctl.apply(remax_step_advantages, *scored.parts, greedy_rewards=self.reward.compute_reward(greedy),
-                          kl_coef=cfg.kl_coef)
+        batch = ctl.apply(
+            remax_step_advantages, *scored.parts, greedy_rewards=self.reward.compute_reward(greedy), kl_coef=cfg.kl_coef
+        )
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch, ("baseline_rewards",))
         self.stage("generate", *scored.generated, greedy), self.stage("score", batch), self.stage("update", update)

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from algorithms.advantages import rloo_step_advantages
-from algorithms.asynchronous import loss_terms
-from algorithms.build import Roles
-from algorithms.config import ReinforcePPConfig, RLOOConfig
-from algorithms.core import PolicyLoss
-from algorithms.data import PromptData
-from algorithms.fusion import rollout
-from algorithms.loop import Algorithm, run_program
-from algorithms.metrics import summarize, update_metrics
+from algorithms.data.prompts import PromptData
+from algorithms.objectives.advantages import rloo_step_advantages
+from algorithms.objectives.losses import PolicyLoss
+from algorithms.rollout.asynchronous import loss_terms
+from algorithms.rollout.fusion import rollout
+from algorithms.run.build import Roles
+from algorithms.run.config import ReinforcePPConfig, RLOOConfig
+from algorithms.run.loop import Algorithm, run_program
+from algorithms.run.metrics import summarize, update_metrics
 from flowactors import Batch, Controller
 
 
@@ -43,8 +43,13 @@ class RLOO(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        scored = rollout(ctl, actor, prompts, [actor.compute_log_prob, self.ref.compute_ref_log_prob,
-                                               self.reward.compute_reward], cfg.fusion)
+        scored = rollout(
+            ctl,
+            actor,
+            prompts,
+            [actor.compute_log_prob, self.ref.compute_ref_log_prob, self.reward.compute_reward],
+            cfg.fusion,
+        )
         batch = ctl.apply(self.advantages, *scored.parts, kl_coef=cfg.kl_coef)
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch)

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from algorithms.advantages import safe_rlhf_advantages
-from algorithms.asynchronous import loss_terms
-from algorithms.config import SafeRLHFConfig
-from algorithms.core import LagrangeMultiplier, PolicyLoss, SFTLoss, ValueLoss
-from algorithms.fusion import rollout
-from algorithms.loop import Algorithm, run_program
-from algorithms.metrics import AS_REPORTED, summarize, update_metrics
-from algorithms.data import PromptData
-from algorithms.build import Roles
+from algorithms.data.prompts import PromptData
+from algorithms.objectives.advantages import safe_rlhf_advantages
+from algorithms.objectives.losses import LagrangeMultiplier, PolicyLoss, SFTLoss, ValueLoss
+from algorithms.rollout.asynchronous import loss_terms
+from algorithms.rollout.fusion import rollout
+from algorithms.run.build import Roles
+from algorithms.run.config import SafeRLHFConfig
+from algorithms.run.loop import Algorithm, run_program
+from algorithms.run.metrics import AS_REPORTED, summarize, update_metrics
 from engines import UpdateSpec
 from engines.fields import COST_VALUES
 from flowactors import Batch, Controller
@@ -50,8 +50,18 @@ def safe_rlhf_smollm2(model_dir: str | None = None) -> SafeRLHFConfig:
         from engines.models.pretrained import smollm2_dir
 
         model_dir = str(smollm2_dir())
-    cfg = SafeRLHFConfig(steps=10, prompts_per_step=8, mini_batch_samples=8, max_new_tokens=6, actor_lr=1e-6,
-                         critic_lr=5e-6, sft_steps=10, sft_samples_per_step=8, sft_lr=1e-5, micro_batch_tokens=1024)
+    cfg = SafeRLHFConfig(
+        steps=10,
+        prompts_per_step=8,
+        mini_batch_samples=8,
+        max_new_tokens=6,
+        actor_lr=1e-6,
+        critic_lr=5e-6,
+        sft_steps=10,
+        sft_samples_per_step=8,
+        sft_lr=1e-5,
+        micro_batch_tokens=1024,
+    )
     cfg.model = ModelConfig(path=model_dir)
     return cfg
 
@@ -75,21 +85,40 @@ class SafeRLHF(Algorithm):
 
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
-        scorers = [actor.compute_log_prob, self.ref.compute_ref_log_prob, self.critic.compute_values,
-                   self.cost_critic.compute_values, self.reward.compute_reward, self.cost.compute_cost]
+        scorers = [
+            actor.compute_log_prob,
+            self.ref.compute_ref_log_prob,
+            self.critic.compute_values,
+            self.cost_critic.compute_values,
+            self.reward.compute_reward,
+            self.cost.compute_cost,
+        ]
         scored = rollout(ctl, actor, prompts, scorers, cfg.fusion)  # fused: scoring while the tail generates
-        batch = ctl.apply(safe_rlhf_advantages, *scored.parts, lagrange_lambda=self.lagrange.value, gamma=cfg.gamma,
-                          lam=cfg.lam, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
-                          whiten_rewards=cfg.whiten_rewards)
+        batch = ctl.apply(
+            safe_rlhf_advantages,
+            *scored.parts,
+            lagrange_lambda=self.lagrange.value,
+            gamma=cfg.gamma,
+            lam=cfg.lam,
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            whiten_rewards=cfg.whiten_rewards,
+        )
         spec = self.update_spec(i)
         losses = {"critic": ValueLoss(cfg.value_clip), "cost_critic": ValueLoss(cfg.value_clip, COST_VALUES)}
         critics = {"critic": self.critic, "cost_critic": self.cost_critic}
         updates = {}
         if self.fused:  # the actor and its critics in one fused pipeline (engines.training.megatron.pipeline_fusion)
-            updates[AS_REPORTED] = actor.update_actor_and_critics(batch, self.policy_loss, spec,
-                                                                  critics={name: losses[name] for name in self.fused})
-        updates.update({name: critic.update_critic(batch, losses[name], spec)
-                        for name, critic in critics.items() if name not in self.fused})
+            updates[AS_REPORTED] = actor.update_actor_and_critics(
+                batch, self.policy_loss, spec, critics={name: losses[name] for name in self.fused}
+            )
+        updates.update(
+            {
+                name: critic.update_critic(batch, losses[name], spec)
+                for name, critic in critics.items()
+                if name not in self.fused
+            }
+        )
         if not self.fused:
             updates["actor"] = actor.update_actor(batch, self.policy_loss, spec)
         if cfg.ptx_coef:
@@ -109,7 +138,7 @@ class SafeRLHF(Algorithm):
         """The constraint next to cost_mean: its threshold and whether the last quarter of the run meets it."""
         if not history or "cost_mean" not in history[0]:
             return {}
-        last = history[-max(1, len(history) // 4):]
+        last = history[-max(1, len(history) // 4) :]
         cost = sum(r["cost_mean"] for r in last) / len(last)
         held = "holds" if cost <= self.cfg.cost_threshold else "violated"
         return {"cost_mean": f"(threshold {self.cfg.cost_threshold:g}: constraint {held} at the end)"}

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import flowactors as fa
-from algorithms.config import ConfigError
-from algorithms.core import SFTLoss
-from algorithms.data import PromptData
-from algorithms.datasets import load_examples
-from algorithms.stage import Stage, StageConfig, pad_rows, run_stage
+from algorithms.data.datasets import load_examples
+from algorithms.data.prompts import PromptData
+from algorithms.objectives.losses import SFTLoss
+from algorithms.run.config import ConfigError
+from algorithms.run.stage import Stage, StageConfig, pad_rows, run_stage
 from engines import ActorWorker, OptimConfig, SamplingConfig, UpdateSpec, build_tokenizer
 
 __all__ = ["SFT", "sft_tiny_cpu", "main"]
@@ -38,17 +38,26 @@ class SFT(Stage):
             examples = load_examples(files, tokenizer, setting) if files else []
             missing = next((e for e in examples if e[1] is None), None)
             if missing is not None:
-                raise ConfigError(f"{setting}: every row needs a response (a `response` column or a final assistant "
-                                  f"message); the prompt {missing[0][:60]!r} has none")
+                raise ConfigError(
+                    f"{setting}: every row needs a response (a `response` column or a final assistant "
+                    f"message); the prompt {missing[0][:60]!r} has none"
+                )
             setattr(self, "examples" if setting == "train_files" else "eval_examples", examples)
         self.data = PromptData(None, tokenizer, 0, self.cfg.seed, examples=self.examples)
-        self.eval_data = PromptData(None, tokenizer, 0, self.cfg.seed, examples=self.eval_examples) \
-            if self.eval_examples else None
+        self.eval_data = (
+            PromptData(None, tokenizer, 0, self.cfg.seed, examples=self.eval_examples) if self.eval_examples else None
+        )
 
     def build(self, ctl: fa.Controller, optim: OptimConfig) -> fa.ActorGroup:
         slots, layout = self.place(ctl)
-        return fa.ActorGroup(ctl, ActorWorker, name="actor", slots=slots, layout=layout,
-                             args=(self.cfg.model, optim, SamplingConfig(max_new_tokens=self.cfg.max_response_tokens)))
+        return fa.ActorGroup(
+            ctl,
+            ActorWorker,
+            name="actor",
+            slots=slots,
+            layout=layout,
+            args=(self.cfg.model, optim, SamplingConfig(max_new_tokens=self.cfg.max_response_tokens)),
+        )
 
     def update(self, group: fa.ActorGroup, examples: list[Any]) -> fa.CallFuture:
         batch = self.data.demonstrations(examples, self.cfg.max_response_tokens)

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 import flowactors as fa
-from algorithms.config import ConfigError
-from algorithms.core import PairwiseLoss, SafetyCostLoss
-from algorithms.data import PromptData
-from algorithms.datasets import load_pairs
-from algorithms.stage import Stage, StageConfig, pad_rows, run_stage
+from algorithms.data.datasets import load_pairs
+from algorithms.data.prompts import PromptData
+from algorithms.objectives.losses import PairwiseLoss, SafetyCostLoss
+from algorithms.run.config import ConfigError
+from algorithms.run.stage import Stage, StageConfig, pad_rows, run_stage
 from engines import OptimConfig, RewardModelWorker, UpdateSpec, build_tokenizer
 from flowactors import Batch
 
@@ -62,28 +62,34 @@ class RewardModelTraining(Stage):
         if cfg.kind == "cost":
             for prompt, _, _, values in self.examples + self.eval_examples:
                 if not all(isinstance(values.get(k), (bool, int)) for k in ("chosen_safe", "rejected_safe")):
-                    raise ConfigError(f"kind=cost needs `chosen_safe` and `rejected_safe` (true/false) in every row; "
-                                      f"the pair of prompt {prompt[:60]!r} has {sorted(values)}")
+                    raise ConfigError(
+                        f"kind=cost needs `chosen_safe` and `rejected_safe` (true/false) in every row; "
+                        f"the pair of prompt {prompt[:60]!r} has {sorted(values)}"
+                    )
 
     def build(self, ctl: fa.Controller, optim: OptimConfig) -> fa.ActorGroup:
         slots, layout = self.place(ctl)
-        return fa.ActorGroup(ctl, RewardModelWorker, name=self.cfg.kind, slots=slots, layout=layout,
-                             args=(self.cfg.model, None, optim))
+        return fa.ActorGroup(
+            ctl, RewardModelWorker, name=self.cfg.kind, slots=slots, layout=layout, args=(self.cfg.model, None, optim)
+        )
 
     def _sides(self, pairs: list[Any]) -> tuple[Batch, Batch]:
         """The chosen and the rejected sequences, laid out as generated samples (prompt | response + EOS) with a
         common prompt width, which is what the RL programs' samples look like when the model scores them."""
-        width_of = PromptData(None, self.tokenizer, 0, self.cfg.seed,
-                              examples=[(p, c, {}) for p, c, _, _ in pairs])
+        width_of = PromptData(None, self.tokenizer, 0, self.cfg.seed, examples=[(p, c, {}) for p, c, _, _ in pairs])
         chosen = width_of.demonstrations([(p, c, {}) for p, c, _, _ in pairs], self.cfg.max_response_tokens)
         rejected = width_of.demonstrations([(p, r, {}) for p, _, r, _ in pairs], self.cfg.max_response_tokens)
         return chosen, rejected
 
     def update(self, group: fa.ActorGroup, pairs: list[Any]) -> fa.CallFuture:
         chosen, rejected = self._sides(pairs)
-        fields = {"input_ids": chosen["input_ids"], "attention_mask": chosen["attention_mask"],
-                  "rejected_input_ids": rejected["input_ids"], "rejected_attention_mask": rejected["attention_mask"],
-                  "response_mask": torch.ones(len(pairs), 1)}
+        fields = {
+            "input_ids": chosen["input_ids"],
+            "attention_mask": chosen["attention_mask"],
+            "rejected_input_ids": rejected["input_ids"],
+            "rejected_attention_mask": rejected["attention_mask"],
+            "response_mask": torch.ones(len(pairs), 1),
+        }
         if self.cfg.kind == "cost":
             fields["chosen_safe"] = torch.tensor([float(v["chosen_safe"]) for *_, v in pairs])
             fields["rejected_safe"] = torch.tensor([float(v["rejected_safe"]) for *_, v in pairs])

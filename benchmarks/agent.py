@@ -38,14 +38,14 @@ def slow_calculator(expression: str) -> str:
     Args:
         expression: two integers and one of + - * /.
     """
-    from algorithms.tools import calculator
+    from algorithms.data.tasks import calculator
 
     time.sleep(TOOL_SECONDS)
     return calculator(expression)
 
 
 def slow_environment(tokenizer):
-    from algorithms.tools import CompactFormat, Tool, ToolEnvironment
+    from engines.rollout.tools import CompactFormat, Tool, ToolEnvironment
 
     return ToolEnvironment([Tool(slow_calculator, name_="calc")], CompactFormat(), tokenizer)
 
@@ -65,11 +65,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import torch
 
     import flowactors as fa
-    from algorithms.core import SFTLoss
-    from algorithms.data import PromptData
-    from algorithms.tasks import get_task
-    from engines import ActorWorker, GenerationSpec, ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
-    from engines import build_tokenizer
+    from algorithms.data.prompts import PromptData
+    from algorithms.data.tasks import get_task
+    from algorithms.objectives.losses import SFTLoss
+    from engines import (
+        ActorWorker,
+        GenerationSpec,
+        ModelConfig,
+        OptimConfig,
+        SamplingConfig,
+        UpdateSpec,
+        build_tokenizer,
+    )
     from engines.rollout.agent import AgentConfig
 
     task, model = get_task("tool_arith"), ModelConfig()
@@ -79,14 +86,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ctl = fa.Controller.local(1, dashboard=None, collective_timeout_s=1200, call_timeout_s=3600)
     rows, tokens = [], {}
     try:
-        for mode, overlap, workers in (("turn-by-turn", False, 1), ("turn-by-turn-pool", False, args.tool_workers),
-                                       ("overlap", True, args.tool_workers)):
+        for mode, overlap, workers in (
+            ("turn-by-turn", False, 1),
+            ("turn-by-turn-pool", False, args.tool_workers),
+            ("overlap", True, args.tool_workers),
+        ):
             agent = AgentConfig(slow_environment, max_turns=task.max_turns, tool_workers=workers, overlap=overlap)
-            actor = fa.ActorGroup(ctl, ActorWorker, name=f"actor_{mode.replace('-', '_')}", slots=ctl.slots[:1],
-                                  args=(model, OptimConfig(lr=3e-3), sampling), kwargs={"agent": agent})
+            actor = fa.ActorGroup(
+                ctl,
+                ActorWorker,
+                name=f"actor_{mode.replace('-', '_')}",
+                slots=ctl.slots[:1],
+                args=(model, OptimConfig(lr=3e-3), sampling),
+                kwargs={"agent": agent},
+            )
             try:
-                sft = data.demonstrations([calls[i % len(calls)] for i in range(args.sft_steps * 32)],
-                                          task.max_new_tokens)
+                sft = data.demonstrations(
+                    [calls[i % len(calls)] for i in range(args.sft_steps * 32)], task.max_new_tokens
+                )
                 actor.update_actor(sft, SFTLoss(), UpdateSpec(32, shuffle_seed=0)).result()
                 prompts = data.next_batch(args.episodes, 1)
                 data.epoch = data.index = 0
@@ -98,12 +115,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             finally:
                 actor.close()
             seconds = statistics.median(times[1:])
-            episode_tokens = int(out["attention_mask"][:, out["prompts"].shape[1]:].sum())
+            episode_tokens = int(out["attention_mask"][:, out["prompts"].shape[1] :].sum())
             tokens[mode] = out["responses"]
-            rows.append({"mode": mode, "episodes_per_s": args.episodes / seconds,
-                         "tokens_per_s": episode_tokens / seconds, "seconds": seconds,
-                         "tool_calls_mean": float(out["tool_calls"].mean()), "turns_mean": float(out["turns"].mean()),
-                         "tool_ms": args.tool_ms, "tool_workers": workers})
+            rows.append(
+                {
+                    "mode": mode,
+                    "episodes_per_s": args.episodes / seconds,
+                    "tokens_per_s": episode_tokens / seconds,
+                    "seconds": seconds,
+                    "tool_calls_mean": float(out["tool_calls"].mean()),
+                    "turns_mean": float(out["turns"].mean()),
+                    "tool_ms": args.tool_ms,
+                    "tool_workers": workers,
+                }
+            )
     finally:
         ctl.close()
     same = all(torch.equal(tokens["overlap"], t) for t in tokens.values())
@@ -113,11 +138,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         for r in rows:
             print(json.dumps(r))
-    print(f"\n{'mode':17} {'workers':>7} {'episodes/s':>11} {'tokens/s':>9} {'x turn-by-turn':>15} {'s/gen':>7} "
-          f"{'calls/ep':>9} {'turns/ep':>9} {'same episodes':>14}")
+    print(
+        f"\n{'mode':17} {'workers':>7} {'episodes/s':>11} {'tokens/s':>9} {'x turn-by-turn':>15} {'s/gen':>7} "
+        f"{'calls/ep':>9} {'turns/ep':>9} {'same episodes':>14}"
+    )
     for r in rows:
-        print(f"{r['mode']:17} {r['tool_workers']:7d} {r['episodes_per_s']:11.1f} {r['tokens_per_s']:9.0f} {r['speedup']:15.2f} "
-              f"{r['seconds']:7.2f} {r['tool_calls_mean']:9.2f} {r['turns_mean']:9.2f} {str(r['same_episodes']):>14}")
+        print(
+            f"{r['mode']:17} {r['tool_workers']:7d} {r['episodes_per_s']:11.1f} {r['tokens_per_s']:9.0f} {r['speedup']:15.2f} "
+            f"{r['seconds']:7.2f} {r['tool_calls_mean']:9.2f} {r['turns_mean']:9.2f} {str(r['same_episodes']):>14}"
+        )
     return rows
 
 

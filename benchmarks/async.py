@@ -8,7 +8,7 @@ Modes, each on its own 2-slot embedded cluster with the same seeds and workload:
 - `sync_colocated`: today's default, every model on both slots (data-parallel 2), generate -> score -> update;
 - `sync_split`: `--placement split`, actor and reference on slot 0, the reward on slot 1, synchronous;
 - `async_split`: `async_staleness=K` (K = 1 and 2), the rollout replica on slot 1, actor, reference and reward on
-  slot 0; rollouts run K versions ahead of the trainer (algorithms/asynchronous.py). Also K = 1 with
+  slot 0; rollouts run K versions ahead of the trainer (algorithms/rollout/asynchronous.py). Also K = 1 with
   `async_correction=none` (no proximal log-prob pass).
 
 Workload. Response lengths per step from a Pareto distribution (seeded by step, the same in every mode): most are
@@ -40,13 +40,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import flowactors as fa  # noqa: E402
-from algorithms.config import AsyncConfig, GRPOConfig  # noqa: E402
-from algorithms.data import prompt_data  # noqa: E402
+from algorithms.data.prompts import prompt_data  # noqa: E402
 from algorithms.grpo import GRPO  # noqa: E402
-from algorithms.loop import Runner  # noqa: E402
+from algorithms.run.config import AsyncConfig, GRPOConfig  # noqa: E402
+from algorithms.run.loop import Runner  # noqa: E402
+from benchmarks.stages import stage_of  # noqa: E402
 from engines import ModelConfig  # noqa: E402
 from engines.rollout.stream import STOP_AT  # noqa: E402
-from benchmarks.stages import stage_of  # noqa: E402
 from flowactors import Batch  # noqa: E402
 
 
@@ -68,7 +68,7 @@ class Workload:
 class LongTailed:
     """The run's prompts with a forced, long-tailed response length per row (drawn per batch, in draw order)."""
 
-    def __init__(self, inner, w: Workload) -> None:  # noqa: ANN001 - algorithms.data.PromptData
+    def __init__(self, inner, w: Workload) -> None:
         self.inner, self.w, self.draws = inner, w, 0
 
     def next_batch(self, prompts: int, samples_per_prompt: int) -> Batch:
@@ -76,23 +76,43 @@ class LongTailed:
         self.draws += 1
         return Batch({**b.tensors, STOP_AT: self.w.lengths(self.draws, len(b))}, b.rows, b.meta)
 
-    def __getattr__(self, name: str):  # noqa: ANN204
+    def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
 
-MODES = {"sync_colocated": ("colocated", 0, "tis"), "sync_split": ("split", 0, "tis"),
-         "async_split": ("split", 1, "tis"), "async_split_k2": ("split", 2, "tis"),
-         "async_split_none": ("split", 1, "none")}
+MODES = {
+    "sync_colocated": ("colocated", 0, "tis"),
+    "sync_split": ("split", 0, "tis"),
+    "async_split": ("split", 1, "tis"),
+    "async_split_k2": ("split", 2, "tis"),
+    "async_split_none": ("split", 1, "none"),
+}
 
 
 def config(w: Workload, placement: str, staleness: int, correction: str, steps: int) -> GRPOConfig:
-    model = ModelConfig(hidden_size=w.hidden_size, num_layers=w.num_layers, num_heads=8, num_kv_heads=4,
-                        intermediate_size=3 * w.hidden_size, max_position_embeddings=512)
+    model = ModelConfig(
+        hidden_size=w.hidden_size,
+        num_layers=w.num_layers,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=3 * w.hidden_size,
+        max_position_embeddings=512,
+    )
     samples = w.prompts * w.samples_per_prompt
-    return GRPOConfig(steps=steps, prompts_per_step=w.prompts, samples_per_prompt=w.samples_per_prompt,
-                      mini_batch_samples=samples, micro_batch_tokens=samples * 128, max_new_tokens=w.max_new_tokens,
-                      ignore_eos=True, sft_steps=0, model=model, placement=placement, dashboard="none",
-                      async_rl=AsyncConfig(staleness=staleness, correction=correction))
+    return GRPOConfig(
+        steps=steps,
+        prompts_per_step=w.prompts,
+        samples_per_prompt=w.samples_per_prompt,
+        mini_batch_samples=samples,
+        micro_batch_tokens=samples * 128,
+        max_new_tokens=w.max_new_tokens,
+        ignore_eos=True,
+        sft_steps=0,
+        model=model,
+        placement=placement,
+        dashboard="none",
+        async_rl=AsyncConfig(staleness=staleness, correction=correction),
+    )
 
 
 def run_mode(name: str, w: Workload, steps: int, warmup: int) -> dict:
@@ -123,19 +143,38 @@ def run_mode(name: str, w: Workload, steps: int, warmup: int) -> dict:
     wall = sum(r["step_s"] for r in measured)
     tokens = sum(r["tokens_per_s"] * r["step_s"] for r in measured)
     busy = _busy(spans, slots, wall0, wall1)
-    kinds = [{k: round(_busy([t for t in spans if _kind(t["key"]) == k], [slot], wall0, wall1)[0], 2)
-              for k in "GSUWa"} for slot in slots]
-    hist = {k.rsplit("_", 1)[-1]: round(statistics.mean(r[k] for r in measured), 3)
-            for k in measured[0] if k.startswith("async/staleness_frac_")}
-    return {"mode": name, "staleness": staleness, "partial_rollout": False, "correction": correction if staleness
-            else None, "tokens_per_s": round(tokens / wall, 1), "step_s": round(wall / len(measured), 4),
-            "slot_busy_s": [round(b, 3) for b in busy], "slot_idle_s": [round(wall1 - wall0 - b, 3) for b in busy],
-            "window_s": round(wall1 - wall0, 3), "slot_busy_by_stage_s": kinds, "staleness_hist": hist or {"0": 1.0},
-            "reward_mean_last": round(statistics.mean(r["reward_mean"] for r in measured), 4)}
+    kinds = [
+        {k: round(_busy([t for t in spans if _kind(t["key"]) == k], [slot], wall0, wall1)[0], 2) for k in "GSUWa"}
+        for slot in slots
+    ]
+    hist = {
+        k.rsplit("_", 1)[-1]: round(statistics.mean(r[k] for r in measured), 3)
+        for k in measured[0]
+        if k.startswith("async/staleness_frac_")
+    }
+    return {
+        "mode": name,
+        "staleness": staleness,
+        "partial_rollout": False,
+        "correction": correction if staleness else None,
+        "tokens_per_s": round(tokens / wall, 1),
+        "step_s": round(wall / len(measured), 4),
+        "slot_busy_s": [round(b, 3) for b in busy],
+        "slot_idle_s": [round(wall1 - wall0 - b, 3) for b in busy],
+        "window_s": round(wall1 - wall0, 3),
+        "slot_busy_by_stage_s": kinds,
+        "staleness_hist": hist or {"0": 1.0},
+        "reward_mean_last": round(statistics.mean(r["reward_mean"] for r in measured), 4),
+    }
 
 
-_KIND = {"generate_sequences": "G", "update_actor": "U", "update_critic": "U", "policy_weights": "W",
-         "load_policy": "W"}
+_KIND = {
+    "generate_sequences": "G",
+    "update_actor": "U",
+    "update_critic": "U",
+    "policy_weights": "W",
+    "load_policy": "W",
+}
 
 
 def _kind(key: str) -> str:
@@ -147,8 +186,13 @@ def _busy(tasks: list[dict], slots: list[str], t0: float, t1: float) -> list[flo
     """Seconds each slot's worker computed inside [t0, t1] (overlapping spans on a slot counted once)."""
     out = []
     for slot in slots:
-        spans = sorted((max(t0, s["start"]), min(t1, s["stop"])) for t in tasks if t.get("worker") == slot
-                       for s in t.get("startstops", ()) if s.get("action") == "compute")
+        spans = sorted(
+            (max(t0, s["start"]), min(t1, s["stop"]))
+            for t in tasks
+            if t.get("worker") == slot
+            for s in t.get("startstops", ())
+            if s.get("action") == "compute"
+        )
         total, end = 0.0, t0
         for a, b in spans:
             a = max(a, end)
@@ -161,11 +205,14 @@ def _busy(tasks: list[dict], slots: list[str], t0: float, t1: float) -> list[flo
 def measure(w: Workload, modes: list[str], steps: int, warmup: int, rounds: int) -> list[dict]:
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(rounds):
-        for m in (modes if r % 2 == 0 else modes[::-1]):
+        for m in modes if r % 2 == 0 else modes[::-1]:
             t0 = time.perf_counter()
             runs[m].append(run_mode(m, w, steps, warmup))
-            print(f"  round {r + 1}: {m} {runs[m][-1]['tokens_per_s']:.0f} tokens/s ({time.perf_counter() - t0:.0f} s "
-                  f"with start-up)", file=sys.stderr)
+            print(
+                f"  round {r + 1}: {m} {runs[m][-1]['tokens_per_s']:.0f} tokens/s ({time.perf_counter() - t0:.0f} s "
+                f"with start-up)",
+                file=sys.stderr,
+            )
     rows = []
     for m, rs in runs.items():
         row = dict(rs[0])
@@ -174,8 +221,10 @@ def measure(w: Workload, modes: list[str], steps: int, warmup: int, rounds: int)
         row["rounds_tokens_per_s"] = [x["tokens_per_s"] for x in rs]
         for k in ("slot_busy_s", "slot_idle_s"):
             row[k] = [round(statistics.mean(x[k][i] for x in rs), 3) for i in range(2)]
-        row["slot_busy_by_stage_s"] = [{k: round(statistics.mean(x["slot_busy_by_stage_s"][i][k] for x in rs), 2)
-                                        for k in "GSUWa"} for i in range(2)]
+        row["slot_busy_by_stage_s"] = [
+            {k: round(statistics.mean(x["slot_busy_by_stage_s"][i][k] for x in rs), 2) for k in "GSUWa"}
+            for i in range(2)
+        ]
         rows.append(row)
     return rows
 
@@ -189,28 +238,36 @@ def cluster_estimate() -> None:
     from placement.simulator import Simulator
     from placement.simulator import Workload as SimWorkload
 
-    print("cluster estimate: GRPO, Llama-7B actor (reference and reward the same size), 64 H100; 128 prompts of "
-          "512 tokens x 8 samples; response lengths Pareto(alpha=1, min=max/32) capped at max (seeded)")
-    print(f"{'max resp':>8} {'gen s':>7} {'score s':>8} {'train s':>8} {'sync it s':>10} {'rollout gpus':>13} "
-          f"{'async gen s':>12} {'async train s':>14} {'weight sync s':>14} {'async it s':>11} {'speed-up':>9}")
+    print(
+        "cluster estimate: GRPO, Llama-7B actor (reference and reward the same size), 64 H100; 128 prompts of "
+        "512 tokens x 8 samples; response lengths Pareto(alpha=1, min=max/32) capped at max (seeded)"
+    )
+    print(
+        f"{'max resp':>8} {'gen s':>7} {'score s':>8} {'train s':>8} {'sync it s':>10} {'rollout gpus':>13} "
+        f"{'async gen s':>12} {'async train s':>14} {'weight sync s':>14} {'async it s':>11} {'speed-up':>9}"
+    )
     for resp in (2048, 8192, 28672):
         wl = SimWorkload(prompts_per_step=128, prompt_tokens=512, response_tokens=resp, samples_per_prompt=8)
         sim = Simulator(h100(), wl)
         u = torch.rand(wl.generated_sequences, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         lengths = ((resp // 32) * (1 - u) ** -1.0).long().clamp(1, resp).tolist()
         e = estimate_async(sim, llama_7b(), lengths)
-        print(f"{resp:>8} {e.generate_s:>7.1f} {e.score_s:>8.1f} {e.train_s:>8.1f} {e.sync_iteration_s:>10.1f} "
-              f"{e.rollout_gpus:>13} {e.async_generate_s:>12.1f} {e.async_train_s:>14.1f} {e.sync_s:>14.2f} "
-              f"{e.async_iteration_s:>11.1f} {e.speedup:>8.2f}x")
-    print("Reported: verl fully-async 2.35-2.67x over colocated synchronous training (Qwen2.5-7B, 128 H20, 28K-token "
-          "responses); NeMo-RL 1.28x with one step off-policy (Qwen3-30B-A3B GRPO, 32 H100).\n"
-          "Why they differ (our reading, not measured): the overlap alone is bounded by (generate + score + "
-          "train) / max(generate, score + train) on split devices, 2x when the two sides balance, less as either "
-          "dominates. verl's figure includes partial rollouts (the tail no longer holds a step back, which the "
-          "overlap alone cannot give) and H20s, whose low compute makes training slow next to bandwidth-bound "
-          "decoding, so the sides balance; an MoE model as NeMo-RL's trains cheaply per token, so generation "
-          "dominates and the overlap hides less. "
-          "This estimate has no partial rollouts, so it is an overlap-only bound.")
+        print(
+            f"{resp:>8} {e.generate_s:>7.1f} {e.score_s:>8.1f} {e.train_s:>8.1f} {e.sync_iteration_s:>10.1f} "
+            f"{e.rollout_gpus:>13} {e.async_generate_s:>12.1f} {e.async_train_s:>14.1f} {e.sync_s:>14.2f} "
+            f"{e.async_iteration_s:>11.1f} {e.speedup:>8.2f}x"
+        )
+    print(
+        "Reported: verl fully-async 2.35-2.67x over colocated synchronous training (Qwen2.5-7B, 128 H20, 28K-token "
+        "responses); NeMo-RL 1.28x with one step off-policy (Qwen3-30B-A3B GRPO, 32 H100).\n"
+        "Why they differ (our reading, not measured): the overlap alone is bounded by (generate + score + "
+        "train) / max(generate, score + train) on split devices, 2x when the two sides balance, less as either "
+        "dominates. verl's figure includes partial rollouts (the tail no longer holds a step back, which the "
+        "overlap alone cannot give) and H20s, whose low compute makes training slow next to bandwidth-bound "
+        "decoding, so the sides balance; an MoE model as NeMo-RL's trains cheaply per token, so generation "
+        "dominates and the overlap hides less. "
+        "This estimate has no partial rollouts, so it is an overlap-only bound."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,8 +288,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.cluster:
         cluster_estimate()
         return
-    w = Workload(prompts=args.prompts, max_new_tokens=args.max_new_tokens, pareto_alpha=args.alpha,
-                 hidden_size=args.hidden_size, num_layers=args.num_layers)
+    w = Workload(
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        pareto_alpha=args.alpha,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+    )
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -242,30 +304,44 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(json.dumps(r))
     lengths = torch.cat([w.lengths(i, w.prompts * w.samples_per_prompt) for i in range(1, 20)]).float()
-    print(f"\nGRPO, {w.prompts} prompts x {w.samples_per_prompt} samples per step; response lengths Pareto(alpha="
-          f"{w.pareto_alpha}, min={w.min_tokens}) capped at {w.max_new_tokens}: median {lengths.median():.0f}, mean "
-          f"{lengths.mean():.1f}, {(lengths >= w.max_new_tokens).float().mean():.0%} at the cap. Llama "
-          f"{w.hidden_size} wide, {w.num_layers} layers; 2 slots; {args.steps} measured steps x {args.rounds} rounds.")
+    print(
+        f"\nGRPO, {w.prompts} prompts x {w.samples_per_prompt} samples per step; response lengths Pareto(alpha="
+        f"{w.pareto_alpha}, min={w.min_tokens}) capped at {w.max_new_tokens}: median {lengths.median():.0f}, mean "
+        f"{lengths.mean():.1f}, {(lengths >= w.max_new_tokens).float().mean():.0%} at the cap. Llama "
+        f"{w.hidden_size} wide, {w.num_layers} layers; 2 slots; {args.steps} measured steps x {args.rounds} rounds."
+    )
     by = {r["mode"]: r for r in rows}
-    print(f"\n{'mode':<17} {'K':>2} {'tokens/s':>9} {'step s':>7} {'busy s (slot 0, 1)':>20} "
-          f"{'idle s (slot 0, 1)':>20} {'staleness (frac at k)':>24}")
+    print(
+        f"\n{'mode':<17} {'K':>2} {'tokens/s':>9} {'step s':>7} {'busy s (slot 0, 1)':>20} "
+        f"{'idle s (slot 0, 1)':>20} {'staleness (frac at k)':>24}"
+    )
     for r in rows:
         hist = " ".join(f"{k}:{v:.2f}" for k, v in r["staleness_hist"].items())
-        print(f"{r['mode']:<17} {r['staleness']:>2} {r['tokens_per_s']:>9.1f} {r['step_s']:>7.3f} "
-              f"{r['slot_busy_s'][0]:>9.2f} {r['slot_busy_s'][1]:>9.2f}  {r['slot_idle_s'][0]:>9.2f} "
-              f"{r['slot_idle_s'][1]:>9.2f}  {hist:>24}")
+        print(
+            f"{r['mode']:<17} {r['staleness']:>2} {r['tokens_per_s']:>9.1f} {r['step_s']:>7.3f} "
+            f"{r['slot_busy_s'][0]:>9.2f} {r['slot_busy_s'][1]:>9.2f}  {r['slot_idle_s'][0]:>9.2f} "
+            f"{r['slot_idle_s'][1]:>9.2f}  {hist:>24}"
+        )
     print("\nbusy seconds by stage (G generation, S scoring, U update, W weight sync, a advantages and metrics):")
     for r in rows:
-        print(f"  {r['mode']:<17} " + " | ".join(
-            f"slot {i}: " + " ".join(f"{k} {v:.2f}" for k, v in d.items() if v) for i, d in
-            enumerate(r["slot_busy_by_stage_s"])))
+        print(
+            f"  {r['mode']:<17} "
+            + " | ".join(
+                f"slot {i}: " + " ".join(f"{k} {v:.2f}" for k, v in d.items() if v)
+                for i, d in enumerate(r["slot_busy_by_stage_s"])
+            )
+        )
     best = max((r for r in rows if r["staleness"]), key=lambda r: r["tokens_per_s"], default=None)
     if "async_split" in by and "sync_split" in by:
-        print(f"\nasync_split (K=1) / sync_split: {by['async_split']['tokens_per_s'] / by['sync_split']['tokens_per_s']:.2f}x"
-              f" (target >= 1.6x)")
+        print(
+            f"\nasync_split (K=1) / sync_split: {by['async_split']['tokens_per_s'] / by['sync_split']['tokens_per_s']:.2f}x"
+            f" (target >= 1.6x)"
+        )
     if best is not None and "sync_colocated" in by:
-        print(f"best asynchronous ({best['mode']}) / sync_colocated: "
-              f"{best['tokens_per_s'] / by['sync_colocated']['tokens_per_s']:.2f}x (target >= 1.15x)")
+        print(
+            f"best asynchronous ({best['mode']}) / sync_colocated: "
+            f"{best['tokens_per_s'] / by['sync_colocated']['tokens_per_s']:.2f}x (target >= 1.15x)"
+        )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from placement import ALGORITHMS, AutoMapper, Workload, get_hardware, iteration_cost, parse_model  # noqa: E402
-from placement.search import SearchResult, set_partitions  # noqa: E402
+from placement import ALGORITHMS, AutoMapper, Workload, get_hardware, iteration_cost, parse_model
+from placement.search import SearchResult, set_partitions
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
 TABLE_SIZES = (8, 16, 32, 64, 96, 128)
@@ -48,12 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithm", default="ppo", choices=sorted(ALGORITHMS))
     ap.add_argument("--size", default="7b", help="model size for every role")
     ap.add_argument("--gpu", default="a100-80gb")
-    ap.add_argument("--gpus", type=int, nargs="+", help=f"cluster sizes (default {SIZES}, {TABLE_SIZES} with "
-                                                       "--table)")
+    ap.add_argument("--gpus", type=int, nargs="+", help=f"cluster sizes (default {SIZES}, {TABLE_SIZES} with --table)")
     ap.add_argument("--repeat", type=int, default=3, help="searches per size; the fastest is reported")
     ap.add_argument("--json", action="store_true", help="print only the JSON lines")
-    ap.add_argument("--stages", action="store_true", help="stage seconds of the 13B/70B case's colocated and split "
-                                                          "plans (default 64, 96 and 128 GPUs)")
+    ap.add_argument(
+        "--stages",
+        action="store_true",
+        help="stage seconds of the 13B/70B case's colocated and split plans (default 64, 96 and 128 GPUs)",
+    )
     args = ap.parse_args(argv)
     hardware = get_hardware(args.gpu)
     if args.stages:
@@ -70,15 +72,22 @@ def main(argv: list[str] | None = None) -> int:
         models = {role: parse_model(args.size) for role in ALGORITHMS[args.algorithm]}
         row = {"algorithm": args.algorithm, "size": args.size, "gpu": hardware.name, "gpus": gpus}
         try:
-            result = min((AutoMapper(models, hardware, workload).search(gpus) for _ in range(args.repeat)),
-                         key=lambda r: r.search_s)
+            result = min(
+                (AutoMapper(models, hardware, workload).search(gpus) for _ in range(args.repeat)),
+                key=lambda r: r.search_s,
+            )
         except ValueError as e:
             row["error"] = str(e)
         else:
-            row.update(search_s=round(result.search_s, 4), repeats=args.repeat, placements=result.placements,
-                       allocations_evaluated=result.allocations_evaluated,
-                       estimated_iteration_s=round(result.estimated_iteration_s, 2),
-                       placement=[list(s) for s in result.plan.placement], pools=result.plan.pools())
+            row.update(
+                search_s=round(result.search_s, 4),
+                repeats=args.repeat,
+                placements=result.placements,
+                allocations_evaluated=result.allocations_evaluated,
+                estimated_iteration_s=round(result.estimated_iteration_s, 2),
+                placement=[list(s) for s in result.plan.placement],
+                pools=result.plan.pools(),
+            )
         rows.append(row)
         print(json.dumps(row), flush=True)
     if not args.json:
@@ -89,10 +98,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def placement_table(hardware, sizes) -> str:
     """The chosen plan and the runner-up for every case of `TABLE_CASES` on every cluster size."""
-    lines = [f"PPO, 1024 prompts x (1024 + 1024) tokens, {hardware.name}, {hardware.gpus_per_node} per node. "
-             "p,t,d per model (actor: /gen p_g,t_g); pools are colocated sets.", ""]
-    header = ["case", "gpus", "chosen placement (gpus)", "p,t,d per model", "engine", "iter s",
-              "runner-up placement (gpus)", "iter s", "x"]
+    lines = [
+        f"PPO, 1024 prompts x (1024 + 1024) tokens, {hardware.name}, {hardware.gpus_per_node} per node. "
+        "p,t,d per model (actor: /gen p_g,t_g); pools are colocated sets.",
+        "",
+    ]
+    header = [
+        "case",
+        "gpus",
+        "chosen placement (gpus)",
+        "p,t,d per model",
+        "engine",
+        "iter s",
+        "runner-up placement (gpus)",
+        "iter s",
+        "x",
+    ]
     rows = []
     start = time.perf_counter()
     for case, sizes_by_role in TABLE_CASES.items():
@@ -107,30 +128,48 @@ def placement_table(hardware, sizes) -> str:
             up = result.runner_up
             up_cost = f"{up[1]:.1f}" if up else "-"
             ratio = f"{up[1] / result.estimated_iteration_s:.2f}" if up else "-"
-            rows.append([case, str(gpus), _pools(result), _sizes(result), result.engine,
-                         f"{result.estimated_iteration_s:.1f}", _runner_up(result), up_cost, ratio])
+            rows.append(
+                [
+                    case,
+                    str(gpus),
+                    _pools(result),
+                    _sizes(result),
+                    result.engine,
+                    f"{result.estimated_iteration_s:.1f}",
+                    _runner_up(result),
+                    up_cost,
+                    ratio,
+                ]
+            )
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     right = {1, 5, 7, 8}
     for row in [header, *rows]:
-        lines.append("  ".join(f"{cell:{'>' if c in right else '<'}{w}}" for c, (cell, w) in
-                               enumerate(zip(row, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                f"{cell:{'>' if c in right else '<'}{w}}" for c, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
     lines += ["", f"x: runner-up time / chosen time. {len(rows)} searches in {time.perf_counter() - start:.1f} s."]
     return "\n".join(lines)
 
 
 PAPER = {  # HybridFlow §8.4, 13B actor and reference with 70B critic and reward (the Korean summary in the seeds)
-    32: "colocate ahead (up to 64 GPUs)", 64: "colocate ahead (44.8% more throughput on average up to 64)",
+    32: "colocate ahead (up to 64 GPUs)",
+    64: "colocate ahead (44.8% more throughput on average up to 64)",
     96: "split ahead",
-    128: "split ahead; best: [actor+ref+reward]=64 [critic]=64"}
+    128: "split ahead; best: [actor+ref+reward]=64 [critic]=64",
+}
 
 
 def paper_placements(hardware, sizes) -> str:
     """The heterogeneous case's named placements, each at its best allocation, against what the paper measured."""
     case = TABLE_CASES["ppo 13b/70b"]
     mapper = AutoMapper({role: parse_model(size) for role, size in case.items()}, hardware)
-    named = {"colocate": [("actor", "critic", "ref", "reward")],
-             "split [actor+ref][critic+reward]": [("actor", "ref"), ("critic", "reward")],
-             "[actor+ref+reward][critic]": [("actor", "ref", "reward"), ("critic",)]}
+    named = {
+        "colocate": [("actor", "critic", "ref", "reward")],
+        "split [actor+ref][critic+reward]": [("actor", "ref"), ("critic", "reward")],
+        "[actor+ref+reward][critic]": [("actor", "ref", "reward"), ("critic",)],
+    }
     header = ["gpus", *named, "[a+ref+rw]=N/2 [critic]=N/2", "paper (measured)"]
     rows = []
     for gpus in sizes:
@@ -142,10 +181,17 @@ def paper_placements(hardware, sizes) -> str:
         row.append("does not fit" if None in halves else f"{iteration_cost([h.stages for h in halves]):.1f}")
         rows.append(row + [PAPER.get(gpus, "")])
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    lines = ["13B actor+ref / 70B critic+reward: the paper's placements, iteration s at each one's best allocation "
-             "(devices per pool)", ""]
-    lines += ["  ".join(f"{cell:{'<' if c == len(header) - 1 else '>'}{w}}" for c, (cell, w) in
-                        enumerate(zip(row, widths))).rstrip() for row in [header, *rows]]
+    lines = [
+        "13B actor+ref / 70B critic+reward: the paper's placements, iteration s at each one's best allocation "
+        "(devices per pool)",
+        "",
+    ]
+    lines += [
+        "  ".join(
+            f"{cell:{'<' if c == len(header) - 1 else '>'}{w}}" for c, (cell, w) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in [header, *rows]
+    ]
     return "\n".join(lines)
 
 
@@ -159,11 +205,16 @@ def stage_breakdown(hardware, sizes) -> str:
     case = TABLE_CASES["ppo 13b/70b"]
     mapper = AutoMapper({role: parse_model(size) for role, size in case.items()}, hardware)
     every = tuple(mapper.models)
-    apart = [p for p in set_partitions(list(every)) if len(p) > 1
-             and next(s for s in p if "actor" in s) != next(s for s in p if "critic" in s)]
-    lines = ["13B actor+ref / 70B critic+reward, PPO: seconds per stage (gen = the actor's transition and generation, "
-             "inf = every scoring pass, train = the updates). Models in a pool add up; pools take the max per stage.",
-             ""]
+    apart = [
+        p
+        for p in set_partitions(list(every))
+        if len(p) > 1 and next(s for s in p if "actor" in s) != next(s for s in p if "critic" in s)
+    ]
+    lines = [
+        "13B actor+ref / 70B critic+reward, PPO: seconds per stage (gen = the actor's transition and generation, "
+        "inf = every scoring pass, train = the updates). Models in a pool add up; pools take the max per stage.",
+        "",
+    ]
     base = None
     for gpus in sizes:
         plans = [("colocate", [every], None)]
@@ -182,31 +233,42 @@ def stage_breakdown(hardware, sizes) -> str:
             if alloc is None:
                 found = mapper.cost_placement(placement, gpus)
                 alloc = found[1] if found else None
-            sets = None if alloc is None else [mapper.solve_set(tuple(r for r in every if r in s), c)
-                                               for s, c in zip(placement, alloc)]
+            sets = (
+                None
+                if alloc is None
+                else [mapper.solve_set(tuple(r for r in every if r in s), c) for s, c in zip(placement, alloc)]
+            )
             if sets is None or None in sets:
                 lines.append(f"  {name}: does not fit")
                 continue
             stage_max = [max(s.stages[i] for s in sets) for i in range(3)]
             costs[name] = sum(stage_max)
-            lines.append(f"  {name}: {sum(stage_max):.1f} s = gen {stage_max[0]:.1f} + inf {stage_max[1]:.1f} "
-                         f"+ train {stage_max[2]:.1f}")
+            lines.append(
+                f"  {name}: {sum(stage_max):.1f} s = gen {stage_max[0]:.1f} + inf {stage_max[1]:.1f} "
+                f"+ train {stage_max[2]:.1f}"
+            )
             for s in sets:
-                lines.append(f"    [{'+'.join(s.roles)}]={s.gpus}: gen {s.stages[0]:.1f}  inf {s.stages[1]:.1f}  "
-                             f"train {s.stages[2]:.1f}  (peak {s.peak_bytes / 2**30:.1f} GiB)")
+                lines.append(
+                    f"    [{'+'.join(s.roles)}]={s.gpus}: gen {s.stages[0]:.1f}  inf {s.stages[1]:.1f}  "
+                    f"train {s.stages[2]:.1f}  (peak {s.peak_bytes / 2**30:.1f} GiB)"
+                )
                 for m in s.models:
                     gen = f"/{m.parallel.p_g},{m.parallel.t_g}" if m.parallel.generate else ""
                     batch = f" batch {m.generation_batch}" if m.generation_batch else ""
-                    lines.append(f"      {m.role:7s} {','.join(map(str, m.parallel.train)) + gen:11s} "
-                                 f"gen {m.generate_s + m.transition_s:6.1f}  inf {m.inference_s:6.1f}  "
-                                 f"train {m.train_s:6.1f}{batch}")
+                    lines.append(
+                        f"      {m.role:7s} {','.join(map(str, m.parallel.train)) + gen:11s} "
+                        f"gen {m.generate_s + m.transition_s:6.1f}  inf {m.inference_s:6.1f}  "
+                        f"train {m.train_s:6.1f}{batch}"
+                    )
         if base is None and "colocate" in costs:
             base = (gpus, costs["colocate"])
         elif base and "colocate" in costs and "best split (actor, critic apart)" in costs:
             g0, c0 = base
             need = c0 / costs["best split (actor, critic apart)"]
-            lines.append(f"  colocation {g0} -> {gpus} GPUs: ideal speedup {gpus / g0:.2f}x, modelled "
-                         f"{c0 / costs['colocate']:.2f}x; the best split ties only if it is at most {need:.2f}x")
+            lines.append(
+                f"  colocation {g0} -> {gpus} GPUs: ideal speedup {gpus / g0:.2f}x, modelled "
+                f"{c0 / costs['colocate']:.2f}x; the best split ties only if it is at most {need:.2f}x"
+            )
         lines.append("")
     return "\n".join(lines).rstrip()
 
@@ -238,15 +300,19 @@ def _table(rows: list[dict]) -> str:
             continue
         growth = f"{r['search_s'] / prev:.2f}" if prev else "-"
         pools = " ".join(f"[{p}]={n}" for p, n in r["pools"].items())
-        lines.append(f"{r['gpus']:>5} {r['search_s']:>9.3f} {growth:>7} {r['allocations_evaluated']:>7} "
-                     f"{r['estimated_iteration_s']:>8.1f}  {pools}")
+        lines.append(
+            f"{r['gpus']:>5} {r['search_s']:>9.3f} {growth:>7} {r['allocations_evaluated']:>7} "
+            f"{r['estimated_iteration_s']:>8.1f}  {pools}"
+        )
         prev = r["search_s"]
     ok = [r for r in rows if "error" not in r]
     if len(ok) >= 2 and ok[0]["search_s"] > 0:
         slope = math.log(ok[-1]["search_s"] / ok[0]["search_s"]) / math.log(ok[-1]["gpus"] / ok[0]["gpus"])
-        lines.append(f"search time grows as gpus^{slope:.2f} from {ok[0]['gpus']} to {ok[-1]['gpus']} GPUs "
-                     f"({ok[0]['algorithm']}, {len(ALGORITHMS[ok[0]['algorithm']])} models of "
-                     f"{ok[0]['size']}, {ok[0]['gpu']})")
+        lines.append(
+            f"search time grows as gpus^{slope:.2f} from {ok[0]['gpus']} to {ok[-1]['gpus']} GPUs "
+            f"({ok[0]['algorithm']}, {len(ALGORITHMS[ok[0]['algorithm']])} models of "
+            f"{ok[0]['size']}, {ok[0]['gpu']})"
+        )
     return "\n".join(lines)
 
 

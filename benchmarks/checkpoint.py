@@ -96,7 +96,7 @@ def copy_read(target: dict, path: Path) -> float:
         for tensor in tensors_of(target):
             view = tensor.numpy().data.cast("B")
             while view:
-                view = view[f.readinto(view):]
+                view = view[f.readinto(view) :]
     return time.perf_counter() - started
 
 
@@ -133,10 +133,12 @@ def main() -> None:
     store = CheckpointStore(work / "ckpt", keep_last=1)
     plain = work / "plain.bin"
     load_before = f"{os.getloadavg()[0]:.2f}"
-    print(f"# {nbytes / 1e6:.0f} MB in {len(tensors_of(state))} float32 tensors; dir {work}; {os.cpu_count()} CPUs; "
-          f"torch {torch.__version__}; Python {platform.python_version()}; io_threads {store.io_threads}; "
-          f"DCP threads {args.threads}; "
-          "reads start from an evicted page cache (posix_fadvise DONTNEED)")
+    print(
+        f"# {nbytes / 1e6:.0f} MB in {len(tensors_of(state))} float32 tensors; dir {work}; {os.cpu_count()} CPUs; "
+        f"torch {torch.__version__}; Python {platform.python_version()}; io_threads {store.io_threads}; "
+        f"DCP threads {args.threads}; "
+        "reads start from an evicted page cache (posix_fadvise DONTNEED)"
+    )
 
     times: dict[str, list[float]] = {"copy-write": [], "save": [], "copy-read": [], "load": []}
     extra: dict[str, list[float]] = {"commit": [], "verify": []}
@@ -172,8 +174,12 @@ def main() -> None:
                 step(repeat)
             commit, verify = extra["commit"][-1], extra["verify"][-1]
             for op in times:
-                record = {"op": op, "bytes": nbytes, "seconds": round(times[op][-1], 4),
-                          "MBps": round(nbytes / 1e6 / times[op][-1], 1)}
+                record = {
+                    "op": op,
+                    "bytes": nbytes,
+                    "seconds": round(times[op][-1], 4),
+                    "MBps": round(nbytes / 1e6 / times[op][-1], 1),
+                }
                 if op == "save":
                     record["commit_seconds"] = round(commit, 4)
                 if op == "load":
@@ -188,8 +194,10 @@ def main() -> None:
     baseline = {"save": "copy-write", "load": "copy-read"}
     print()
     print(f"# load average {load_before} before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} CPUs)")
-    print(f"{'op':<11} {'MB':>5} {'median s':>9} {'MB/s':>6} {'best s':>7} {'MB/s':>6}  "
-          f"ratio vs plain copy: median, best (target >= {TARGET})")
+    print(
+        f"{'op':<11} {'MB':>5} {'median s':>9} {'MB/s':>6} {'best s':>7} {'MB/s':>6}  "
+        f"ratio vs plain copy: median, best (target >= {TARGET})"
+    )
     for op in ("copy-write", "save", "copy-read", "load"):
         mb = nbytes / 1e6
         line = f"{op:<11} {mb:>5.0f} {median[op]:>9.3f} {mb / median[op]:>6.0f} {best[op]:>7.3f} {mb / best[op]:>6.0f}"
@@ -199,8 +207,10 @@ def main() -> None:
             verdict = "ok" if ratio >= TARGET else "BELOW TARGET"
             line += f"  {ratio:.2f}x, {ratio_best:.2f}x of {baseline[op]}  {verdict}"
         print(line)
-    print(f"# of which: commit (checksum + manifest + rename) {statistics.median(extra['commit']):.3f} s; "
-          f"verify (CRC-32 of every byte) {statistics.median(extra['verify']):.3f} s")
+    print(
+        f"# of which: commit (checksum + manifest + rename) {statistics.median(extra['commit']):.3f} s; "
+        f"verify (CRC-32 of every byte) {statistics.median(extra['verify']):.3f} s"
+    )
 
 
 if __name__ == "__main__":

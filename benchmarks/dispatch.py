@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-import flowactors as fa  # noqa: E402
-from flowactors import ONE_TO_ALL, Batch, Worker, endpoint  # noqa: E402
-from flowactors import serialization as ser  # noqa: E402
+import flowactors as fa
+from flowactors import ONE_TO_ALL, Batch, Worker, endpoint
+from flowactors import serialization as ser
 
 
 class Echo(Worker):
@@ -71,8 +71,14 @@ def _timed(fn, repeats: int) -> tuple[list[float], int]:
 
 def _row(system: str, case: str, times: list[float], controller_bytes: int) -> dict:
     q = statistics.quantiles(times, n=10)
-    return {"system": system, "case": case, "ranks": 2, "median_ms": round(statistics.median(times), 3),
-            "p90_ms": round(q[-1], 3), "controller_bytes": controller_bytes}
+    return {
+        "system": system,
+        "case": case,
+        "ranks": 2,
+        "median_ms": round(statistics.median(times), 3),
+        "p90_ms": round(q[-1], 3),
+        "controller_bytes": controller_bytes,
+    }
 
 
 def batch4mib() -> Batch:
@@ -95,23 +101,31 @@ def run(repeats: int, secure: bool = True, only_flowactors: bool = False) -> lis
 
         def raw_split():
             parts = data.split(2)
-            futs = [client.submit(_touch, p, workers=[a], allow_other_workers=False, pure=False)
-                    for p, a in zip(parts, slots)]
+            futs = [
+                client.submit(_touch, p, workers=[a], allow_other_workers=False, pure=False)
+                for p, a in zip(parts, slots)
+            ]
             Batch.concat(client.gather(futs))
 
         def raw_chain3():
             parts = data.split(2)
-            futs = [client.submit(_touch, p, workers=[a], allow_other_workers=False, pure=False)
-                    for p, a in zip(parts, slots)]
+            futs = [
+                client.submit(_touch, p, workers=[a], allow_other_workers=False, pure=False)
+                for p, a in zip(parts, slots)
+            ]
             for _ in range(2):
-                futs = [client.submit(_touch, f, workers=[a], allow_other_workers=False, pure=False)
-                        for f, a in zip(futs, slots)]
+                futs = [
+                    client.submit(_touch, f, workers=[a], allow_other_workers=False, pure=False)
+                    for f, a in zip(futs, slots)
+                ]
             Batch.concat(client.gather(futs))
 
         def raw_resplit():
             whole = client.submit(_touch, data, workers=[slots[0]], allow_other_workers=False, pure=False)
-            futs = [client.submit(_take, whole, 2, i, workers=[a], allow_other_workers=False, pure=False)
-                    for i, a in enumerate(slots)]
+            futs = [
+                client.submit(_take, whole, 2, i, workers=[a], allow_other_workers=False, pure=False)
+                for i, a in enumerate(slots)
+            ]
             Batch.concat(client.gather(futs))
 
         cases = {
@@ -120,7 +134,8 @@ def run(repeats: int, secure: bool = True, only_flowactors: bool = False) -> lis
             ("flowactors", "chain3"): fa_chain3,
             ("flowactors", "resplit"): lambda: g.touch(solo.touch(data)).result(),
             ("dask-pinned", "noop"): lambda: client.gather(
-                [client.submit(_noop, workers=[a], allow_other_workers=False, pure=False) for a in slots]),
+                [client.submit(_noop, workers=[a], allow_other_workers=False, pure=False) for a in slots]
+            ),
             ("dask-pinned", "split4MiB"): raw_split,
             ("dask-pinned", "chain3"): raw_chain3,
             ("dask-pinned", "resplit"): raw_resplit,
@@ -139,12 +154,20 @@ def verl_rows(python: str, repeats: int) -> list[dict] | None:
     """verl's rows from `python` (benchmarks/verl_peer.py), or None with the reason on stderr."""
     probe = subprocess.run([python, "-c", "import verl, ray"], capture_output=True, text=True)
     if probe.returncode:
-        print(f"# verl not importable by {python}: no verl rows (scripts/verl_venv.sh builds an environment)",
-              file=sys.stderr)
+        print(
+            f"# verl not importable by {python}: no verl rows (scripts/verl_venv.sh builds an environment)",
+            file=sys.stderr,
+        )
         return None
     script = Path(__file__).resolve().parent / "verl_peer.py"
-    out = subprocess.run([python, str(script), "--repeats", str(repeats)], capture_output=True, text=True,
-                         env={**os.environ, "RAY_AUTH_MODE": "disabled"}, check=True, timeout=900).stdout
+    out = subprocess.run(
+        [python, str(script), "--repeats", str(repeats)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        check=True,
+        timeout=900,
+    ).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
@@ -153,25 +176,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per line before the table")
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--verl-python", default=None, help="interpreter of an environment with verl 0.9.1 installed")
-    p.add_argument("--compare-open", action="store_true",
-                   help="also flowactors on an embedded cluster without credentials (secure=False): the cost of TLS "
-                        "and the direct-path handshake, measured before and after the secured rows")
+    p.add_argument(
+        "--compare-open",
+        action="store_true",
+        help="also flowactors on an embedded cluster without credentials (secure=False): the cost of TLS "
+        "and the direct-path handshake, measured before and after the secured rows",
+    )
     args = p.parse_args(argv)
     before = verl_rows(args.verl_python, args.repeats) if args.verl_python else None
     opened = run(args.repeats, secure=False, only_flowactors=True) if args.compare_open else []
     rows = run(args.repeats)
     if opened:
         again = run(args.repeats, secure=False, only_flowactors=True)
-        rows += [{**a, "median_ms": (a["median_ms"] + b["median_ms"]) / 2, "p90_ms": max(a["p90_ms"], b["p90_ms"])}
-                 for a, b in zip(opened, again)]
+        rows += [
+            {**a, "median_ms": (a["median_ms"] + b["median_ms"]) / 2, "p90_ms": max(a["p90_ms"], b["p90_ms"])}
+            for a, b in zip(opened, again)
+        ]
     after = verl_rows(args.verl_python, args.repeats) if before else None
     verl = {}
     if before and after:
         for b, a in zip(before, after):
-            verl[b["case"]] = {**b, "median_ms": (b["median_ms"] + a["median_ms"]) / 2,
-                               "p90_ms": max(b["p90_ms"], a["p90_ms"])}
-            print(f"# verl {b['case']}: median {b['median_ms']:.2f} ms before, {a['median_ms']:.2f} ms after the "
-                  f"Dask rows", file=sys.stderr)
+            verl[b["case"]] = {
+                **b,
+                "median_ms": (b["median_ms"] + a["median_ms"]) / 2,
+                "p90_ms": max(b["p90_ms"], a["p90_ms"]),
+            }
+            print(
+                f"# verl {b['case']}: median {b['median_ms']:.2f} ms before, {a['median_ms']:.2f} ms after the "
+                f"Dask rows",
+                file=sys.stderr,
+            )
         rows += list(verl.values())
     elif not args.verl_python:
         print("# no --verl-python: no verl rows", file=sys.stderr)
@@ -180,16 +214,23 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(r))
     floor = {r["case"]: r["median_ms"] for r in rows if r["system"] == "dask-pinned"}
     unsecured = {r["case"]: r["median_ms"] for r in rows if r["system"] == "fa-open"}
-    print(f"\n{'system':<12} {'case':<10} {'median ms':>10} {'p90 ms':>9} {'ctl bytes':>10} {'vs dask-pinned':>15} "
-          f"{'vs verl':>8} {'vs open':>8}")
+    print(
+        f"\n{'system':<12} {'case':<10} {'median ms':>10} {'p90 ms':>9} {'ctl bytes':>10} {'vs dask-pinned':>15} "
+        f"{'vs verl':>8} {'vs open':>8}"
+    )
     for r in rows:
         ratio = f"{r['median_ms'] / floor[r['case']]:.2f}x" if r["case"] in floor else "-"
         vs_verl = f"{r['median_ms'] / verl[r['case']]['median_ms']:.2f}x" if r["case"] in verl else "-"
         ctl_bytes = "-" if r["controller_bytes"] is None else r["controller_bytes"]
-        vs_open = f"{r['median_ms'] / unsecured[r['case']]:.2f}x" \
-            if r["case"] in unsecured and r["system"] == "flowactors" else "-"
-        print(f"{r['system']:<12} {r['case']:<10} {r['median_ms']:>10.2f} {r['p90_ms']:>9.2f} "
-              f"{ctl_bytes:>10} {ratio:>15} {vs_verl:>8} {vs_open:>8}")
+        vs_open = (
+            f"{r['median_ms'] / unsecured[r['case']]:.2f}x"
+            if r["case"] in unsecured and r["system"] == "flowactors"
+            else "-"
+        )
+        print(
+            f"{r['system']:<12} {r['case']:<10} {r['median_ms']:>10.2f} {r['p90_ms']:>9.2f} "
+            f"{ctl_bytes:>10} {ratio:>15} {vs_verl:>8} {vs_open:>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -27,10 +27,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETTINGS = ["task=digits", "sft_steps=0", "prompts_per_step=8", "samples_per_prompt=4", "mini_batch_samples=32",
-            "max_new_tokens=32", "ignore_eos=true", "kl_coef=0.04", "actor_lr=1e-4", "model.hidden_size=128",
-            "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=4", "model.intermediate_size=256",
-            "model.max_position_embeddings=128", "dashboard=none", "rollout_tp=1"]
+SETTINGS = [
+    "task=digits",
+    "sft_steps=0",
+    "prompts_per_step=8",
+    "samples_per_prompt=4",
+    "mini_batch_samples=32",
+    "max_new_tokens=32",
+    "ignore_eos=true",
+    "kl_coef=0.04",
+    "actor_lr=1e-4",
+    "model.hidden_size=128",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=4",
+    "model.intermediate_size=256",
+    "model.max_position_embeddings=128",
+    "dashboard=none",
+    "rollout_tp=1",
+]
 
 
 def flowactors_row(steps: int, secure: bool = True) -> dict:
@@ -42,29 +57,42 @@ def flowactors_row(steps: int, secure: bool = True) -> dict:
     settings = [*SETTINGS, f"secure={str(secure).lower()}"]
     history = main(["--steps", str(steps), *settings])[2:]
     profiled = main(["--steps", "6", *settings, "profile_controller=true"])[2:]
-    return {"system": "flowactors" if secure else "fa-open",
-            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in history), 1),
-            "controller_share": round(statistics.median(r["controller_share"] for r in profiled), 4),
-            "step_s": round(statistics.median(r["step_s"] for r in history), 4)}
+    return {
+        "system": "flowactors" if secure else "fa-open",
+        "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in history), 1),
+        "controller_share": round(statistics.median(r["controller_share"] for r in profiled), 4),
+        "step_s": round(statistics.median(r["step_s"] for r in history), 4),
+    }
 
 
 def trl_row(steps: int, python: str) -> dict | None:
     """TRL in `python` (its own environment if TRL's pins differ from ours)."""
     probe = subprocess.run([python, "-c", "import trl, datasets"], capture_output=True)
     if probe.returncode:
-        print(f"# trl not importable by {python}: no trl row (pip install trl==1.16.0 datasets, or --trl-python)",
-              file=sys.stderr)
+        print(
+            f"# trl not importable by {python}: no trl row (pip install trl==1.16.0 datasets, or --trl-python)",
+            file=sys.stderr,
+        )
         return None
     script = ROOT.parent / "shared" / "ref" / "peers" / "trl_grpo_cpu.py"
     if not script.exists():
         print(f"# {script} not found: no trl row", file=sys.stderr)
         return None
-    out = subprocess.run([python, str(script), "grpo"], capture_output=True, text=True,
-                         env={**__import__("os").environ, "STEPS": str(steps)}, check=True).stdout
+    out = subprocess.run(
+        [python, str(script), "grpo"],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "STEPS": str(steps)},
+        check=True,
+    ).stdout
     line = next(x for x in out.splitlines() if x.startswith("RESULT"))
     fields = dict(kv.split("=", 1) for kv in line.split()[1:])
-    return {"system": "trl", "tokens_per_s": float(fields["tok_per_s"]), "controller_share": None,
-            "step_s": float(fields["median_step_s"])}
+    return {
+        "system": "trl",
+        "tokens_per_s": float(fields["tok_per_s"]),
+        "controller_share": None,
+        "step_s": float(fields["median_step_s"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,9 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--trl-python", default=sys.executable, help="interpreter of an environment with trl installed")
-    p.add_argument("--compare-open", action="store_true",
-                   help="also a run on an embedded cluster without the run's credentials (secure=false): the cost "
-                        "of TLS and the direct path's handshake end to end")
+    p.add_argument(
+        "--compare-open",
+        action="store_true",
+        help="also a run on an embedded cluster without the run's credentials (secure=false): the cost "
+        "of TLS and the direct path's handshake end to end",
+    )
     args = p.parse_args(argv)
     opened = [flowactors_row(args.steps, secure=False)] if args.compare_open else []
     rows = [r for r in (flowactors_row(args.steps), *opened, trl_row(args.steps, args.trl_python)) if r]

@@ -51,14 +51,22 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import flowactors as fa  # noqa: E402
-from algorithms.config import FusionConfig, PPOConfig  # noqa: E402
+from algorithms.data.prompts import PromptData  # noqa: E402
+from algorithms.data.tasks import get_task  # noqa: E402
 from algorithms.ppo import PPO  # noqa: E402
-from algorithms.data import PromptData  # noqa: E402
-from algorithms.build import Roles  # noqa: E402
-from algorithms.tasks import get_task  # noqa: E402
-from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RewardModelWorker,  # noqa: E402
-                     SamplingConfig, build_tokenizer)
+from algorithms.run.build import Roles  # noqa: E402
+from algorithms.run.config import FusionConfig, PPOConfig  # noqa: E402
 from benchmarks.stages import stage_of  # noqa: E402
+from engines import (  # noqa: E402
+    ActorWorker,
+    CriticWorker,
+    ModelConfig,
+    OptimConfig,
+    RefWorker,
+    RewardModelWorker,
+    SamplingConfig,
+    build_tokenizer,
+)
 from flowactors import Batch, Layout  # noqa: E402
 
 
@@ -68,7 +76,7 @@ class Workload:
     """Prompts per step, 16 tokens each (the `digits` task), one sample each."""
     max_new_tokens: int = 128
     """144-token sequences: a multiple of 8, which keeps the value and score heads' results bit-identical across
-    chunkings on this CPU (algorithms/fusion.py), so the two modes' updates, and then samples, stay identical."""
+    chunkings on this CPU (algorithms/rollout/fusion.py), so the two modes' updates, and then samples, stay identical."""
     pareto_alpha: float = 0.6
     """Tail index of the response lengths (smaller: heavier tail)."""
     min_tokens: int = 4
@@ -94,16 +102,24 @@ class Workload:
         return self._model(self.reward_layers)
 
     def _model(self, layers: int) -> ModelConfig:
-        return ModelConfig(hidden_size=self.hidden_size, num_layers=layers, num_heads=8, num_kv_heads=4,
-                           intermediate_size=3 * self.hidden_size, max_position_embeddings=512)
+        return ModelConfig(
+            hidden_size=self.hidden_size,
+            num_layers=layers,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=3 * self.hidden_size,
+            max_position_embeddings=512,
+        )
 
     def lengths(self, step: int) -> torch.Tensor:
         u = torch.rand(self.prompts, generator=torch.Generator().manual_seed(1000 + step), dtype=torch.float64)
         return (self.min_tokens * (1 - u) ** (-1 / self.pareto_alpha)).long().clamp(1, self.max_new_tokens)
 
 
-_PLACEMENT = {False: "Slot 0: actor | slot 1: ref, critic, reward.",
-              True: "Slots 0-1: actor, ref (dp=2) | slot 1: critic, reward."}
+_PLACEMENT = {
+    False: "Slot 0: actor | slot 1: ref, critic, reward.",
+    True: "Slots 0-1: actor, ref (dp=2) | slot 1: critic, reward.",
+}
 
 
 def build(ctl: fa.Controller, w: Workload) -> Roles:
@@ -114,10 +130,12 @@ def build(ctl: fa.Controller, w: Workload) -> Roles:
     def group(role: str, cls: type, slots: list[str], *args) -> fa.ActorGroup:
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=Layout(dp=len(slots)), args=args)
 
-    return Roles(actor=group("actor", ActorWorker, actor_slot, w.model, optim, sampling),
-                 ref=group("ref", RefWorker, actor_slot if w.migrate else scorer_slot, w.model),
-                 critic=group("critic", CriticWorker, scorer_slot, w.model, optim),
-                 reward=group("reward", RewardModelWorker, scorer_slot, w.reward_model))
+    return Roles(
+        actor=group("actor", ActorWorker, actor_slot, w.model, optim, sampling),
+        ref=group("ref", RefWorker, actor_slot if w.migrate else scorer_slot, w.model),
+        critic=group("critic", CriticWorker, scorer_slot, w.model, optim),
+        reward=group("reward", RewardModelWorker, scorer_slot, w.reward_model),
+    )
 
 
 class _Mode:
@@ -127,9 +145,13 @@ class _Mode:
         self.w = w
         self.name = "migrated" if migrate else "fused" if fuse else "unfused"
         self.ctl = fa.Controller.local(2, dashboard=None)
-        cfg = PPOConfig(prompts_per_step=w.prompts, mini_batch_samples=w.prompts, micro_batch_tokens=4096,
-                        dashboard="none", fusion=FusionConfig(fuse, chunk_samples=w.chunk_samples,
-                                                              migrate=migrate, migrate_below=w.migrate_below))
+        cfg = PPOConfig(
+            prompts_per_step=w.prompts,
+            mini_batch_samples=w.prompts,
+            micro_batch_tokens=4096,
+            dashboard="none",
+            fusion=FusionConfig(fuse, chunk_samples=w.chunk_samples, migrate=migrate, migrate_below=w.migrate_below),
+        )
         self.algo = PPO(cfg)
         self.data = PromptData(get_task("digits"), build_tokenizer(w.model), 256, seed=0)
         self.algo.setup(self.ctl, build(self.ctl, w), self.data)
@@ -157,8 +179,12 @@ class _Mode:
 
     def row(self) -> dict:
         step_s = statistics.median(self.step_s)
-        return {"mode": self.name, "tokens_per_s": round(statistics.median(self.tokens) / step_s, 1),
-                "step_s": round(step_s, 4), "samples_digest": self.digest.hexdigest()[:16]}
+        return {
+            "mode": self.name,
+            "tokens_per_s": round(statistics.median(self.tokens) / step_s, 1),
+            "step_s": round(step_s, 4),
+            "samples_digest": self.digest.hexdigest()[:16],
+        }
 
 
 def measure(w: Workload, steps: int, warmup: int) -> tuple[list[dict], dict[str, list[dict]], list[float]]:
@@ -166,7 +192,7 @@ def measure(w: Workload, steps: int, warmup: int) -> tuple[list[dict], dict[str,
     modes = [_Mode(False, w), _Mode(True, w)] + ([_Mode(True, w, migrate=True)] if w.migrate else [])
     try:
         for i in range(warmup + steps):
-            for m in (modes if i % 2 == 0 else modes[::-1]):
+            for m in modes if i % 2 == 0 else modes[::-1]:
                 m.step(i, measured=i >= warmup)
     finally:
         for m in modes:
@@ -175,8 +201,15 @@ def measure(w: Workload, steps: int, warmup: int) -> tuple[list[dict], dict[str,
     return [m.row() for m in modes], {m.name: m.timeline for m in modes}, paired
 
 
-_KIND = {"generate_sequences": "G", "start_generation": "G", "next_generated_chunk": "G", "hand_over_tail": "G",
-         "finish_tail": "G", "update_actor": "U", "update_critic": "U"}
+_KIND = {
+    "generate_sequences": "G",
+    "start_generation": "G",
+    "next_generated_chunk": "G",
+    "hand_over_tail": "G",
+    "finish_tail": "G",
+    "update_actor": "U",
+    "update_critic": "U",
+}
 
 
 def _kind(key: str) -> str:
@@ -188,8 +221,15 @@ def _timeline(tasks: list[dict], slots: list[str], t0: float, dt: float) -> list
     for t in tasks:
         for s in t.get("startstops", ()):
             if s.get("action") == "compute" and t.get("worker") in slots:
-                spans.append({"slot": slots.index(t["worker"]), "kind": _kind(t["key"]),
-                              "start": s["start"] - t0, "stop": s["stop"] - t0, "step_s": dt})
+                spans.append(
+                    {
+                        "slot": slots.index(t["worker"]),
+                        "kind": _kind(t["key"]),
+                        "start": s["start"] - t0,
+                        "stop": s["stop"] - t0,
+                        "step_s": dt,
+                    }
+                )
     return spans
 
 
@@ -212,8 +252,9 @@ def _planned_pipeline(stages: int, micro_batches, step_s) -> float:
     forward : backward)."""
     from engines.training.megatron.pipeline_fusion import plan_pipelines
 
-    plan = plan_pipelines(stages, list(micro_batches), forward_cost=[s / 3 for s in step_s],
-                          backward_cost=[2 * s / 3 for s in step_s])
+    plan = plan_pipelines(
+        stages, list(micro_batches), forward_cost=[s / 3 for s in step_s], backward_cost=[2 * s / 3 for s in step_s]
+    )
     return plan.makespan
 
 
@@ -226,24 +267,32 @@ def cluster_estimate() -> None:
     from placement.simulator import Parallel, Simulator
     from placement.simulator import Workload as SimWorkload
 
-    print("cluster estimate, PPO, every model colocated on 64 A100-80GB; response lengths Pareto(alpha=1, "
-          "min=max/16) capped at max (seeded)")
-    print(f"{'model':<6} {'max resp':>8} {'migrate':>8} {'gen s':>7} {'score s':>8} {'fused g+s':>10} "
-          f"{'train s':>8} {'fused train':>12} {'iteration':>10} {'fused':>8} {'speed-up':>9}")
+    print(
+        "cluster estimate, PPO, every model colocated on 64 A100-80GB; response lengths Pareto(alpha=1, "
+        "min=max/16) capped at max (seeded)"
+    )
+    print(
+        f"{'model':<6} {'max resp':>8} {'migrate':>8} {'gen s':>7} {'score s':>8} {'fused g+s':>10} "
+        f"{'train s':>8} {'fused train':>12} {'iteration':>10} {'fused':>8} {'speed-up':>9}"
+    )
     for resp, mini in ((1024, 4), (4096, 8)):
         wl = SimWorkload(prompt_tokens=512, response_tokens=resp, mini_batches_per_step=mini)
         sim = Simulator(a100_80gb(), wl)
         u = torch.rand(wl.generated_sequences, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         lengths = ((resp // 16) * (1 - u) ** -1.0).long().clamp(1, resp).tolist()
         for name, spec, (p, t, d, t_g) in (("13B", llama_13b(), (2, 4, 8, 4)), ("70B", llama_70b(), (4, 8, 2, 8))):
-            cfgs = {r: Parallel(p, t, d, *((1, t_g) if r == "actor" else ())) for r in ("actor", "critic", "ref",
-                                                                                          "reward")}
+            cfgs = {
+                r: Parallel(p, t, d, *((1, t_g) if r == "actor" else ())) for r in ("actor", "critic", "ref", "reward")
+            }
             for below in (0.1, 0.25):
-                e = estimate_fusion(sim, dict.fromkeys(cfgs, spec), cfgs, lengths, migrate_below=below,
-                                    fused_pipeline=_planned_pipeline)
-                print(f"{name:<6} {resp:>8} {below:>8.2f} {e.generate_s:>7.1f} {e.inference_s:>8.1f} "
-                      f"{e.fused_generate_inference_s:>10.1f} {e.train_s:>8.1f} {e.fused_train_s:>12.1f} "
-                      f"{e.unfused_s:>10.1f} {e.fused_s:>8.1f} {e.speedup:>8.2f}x")
+                e = estimate_fusion(
+                    sim, dict.fromkeys(cfgs, spec), cfgs, lengths, migrate_below=below, fused_pipeline=_planned_pipeline
+                )
+                print(
+                    f"{name:<6} {resp:>8} {below:>8.2f} {e.generate_s:>7.1f} {e.inference_s:>8.1f} "
+                    f"{e.fused_generate_inference_s:>10.1f} {e.train_s:>8.1f} {e.fused_train_s:>12.1f} "
+                    f"{e.unfused_s:>10.1f} {e.fused_s:>8.1f} {e.speedup:>8.2f}x"
+                )
     print("RLHFuse (arXiv 2409.13221) reports up to 3.7x training throughput over existing RLHF systems.")
 
 
@@ -261,41 +310,65 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="actor, reference and critic")
     p.add_argument("--reward-layers", type=int, default=d.reward_layers)
     p.add_argument("--evict", action="store_true", help="drop finished rows from the decode batch")
-    p.add_argument("--migrate", action="store_true", help="actor and ref on both slots (dp=2), critic and reward on "
-                   "slot 1; adds a third mode: fused with long-tail migration to actor rank 0")
-    p.add_argument("--migrate-below", type=float, default=d.migrate_below,
-                   help="fraction of a rank's rows still running at which they migrate")
+    p.add_argument(
+        "--migrate",
+        action="store_true",
+        help="actor and ref on both slots (dp=2), critic and reward on "
+        "slot 1; adds a third mode: fused with long-tail migration to actor rank 0",
+    )
+    p.add_argument(
+        "--migrate-below",
+        type=float,
+        default=d.migrate_below,
+        help="fraction of a rank's rows still running at which they migrate",
+    )
     p.add_argument("--cluster", action="store_true", help="print only the cluster-scale estimate (no run)")
     args = p.parse_args(argv)
     if args.cluster:
         cluster_estimate()
         return
-    w = Workload(prompts=args.prompts, max_new_tokens=args.max_new_tokens, pareto_alpha=args.alpha,
-                 chunk_samples=args.chunk_samples, evict_finished=args.evict, hidden_size=args.hidden_size,
-                 num_layers=args.num_layers, reward_layers=args.reward_layers, migrate=args.migrate,
-                 migrate_below=args.migrate_below)
+    w = Workload(
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        pareto_alpha=args.alpha,
+        chunk_samples=args.chunk_samples,
+        evict_finished=args.evict,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        reward_layers=args.reward_layers,
+        migrate=args.migrate,
+        migrate_below=args.migrate_below,
+    )
     rows, timelines, paired = measure(w, args.steps, args.warmup)
     if args.json:
         for r in rows:
             print(json.dumps(r))
     lengths = torch.cat([w.lengths(i) for i in range(args.warmup, args.warmup + args.steps)]).float()
-    print(f"\n{w.prompts} prompts/step of 16 tokens; response lengths Pareto(alpha={w.pareto_alpha}, "
-          f"min={w.min_tokens}) capped at {w.max_new_tokens}: median {lengths.median():.0f}, mean "
-          f"{lengths.mean():.1f}, {(lengths >= w.max_new_tokens).float().mean():.0%} at the cap. Llama "
-          f"{w.hidden_size} wide: actor, ref, critic {w.num_layers} layers, reward model {w.reward_layers}. "
-          f"{_PLACEMENT[w.migrate]} "
-          f"Chunks of {w.chunk_samples} samples"
-          f"{f', migration below {w.migrate_below:.0%} of a rank' if w.migrate else ''}; "
-          f"evict_finished={w.evict_finished}; {args.steps} measured steps per mode.")
+    print(
+        f"\n{w.prompts} prompts/step of 16 tokens; response lengths Pareto(alpha={w.pareto_alpha}, "
+        f"min={w.min_tokens}) capped at {w.max_new_tokens}: median {lengths.median():.0f}, mean "
+        f"{lengths.mean():.1f}, {(lengths >= w.max_new_tokens).float().mean():.0%} at the cap. Llama "
+        f"{w.hidden_size} wide: actor, ref, critic {w.num_layers} layers, reward model {w.reward_layers}. "
+        f"{_PLACEMENT[w.migrate]} "
+        f"Chunks of {w.chunk_samples} samples"
+        f"{f', migration below {w.migrate_below:.0%} of a rank' if w.migrate else ''}; "
+        f"evict_finished={w.evict_finished}; {args.steps} measured steps per mode."
+    )
     base = next(r for r in rows if r["mode"] == "unfused")
     print(f"\n{'mode':<9} {'tokens/s':>9} {'step s':>8} {'samples digest':>18} {'vs unfused':>11}")
     for r in rows:
-        print(f"{r['mode']:<9} {r['tokens_per_s']:>9.1f} {r['step_s']:>8.3f} {r['samples_digest']:>18} "
-              f"{r['tokens_per_s'] / base['tokens_per_s']:>10.2f}x")
-    print(f"paired per-step speed-up of {rows[-1]['mode']}: median {statistics.median(paired):.2f}x, "
-          f"range {min(paired):.2f}-{max(paired):.2f}x")
-    print("\nstage timeline, last measured step of each mode (G generation, S scoring, U update, a merging chunks "
-          "and advantages, . idle):")
+        print(
+            f"{r['mode']:<9} {r['tokens_per_s']:>9.1f} {r['step_s']:>8.3f} {r['samples_digest']:>18} "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:>10.2f}x"
+        )
+    print(
+        f"paired per-step speed-up of {rows[-1]['mode']}: median {statistics.median(paired):.2f}x, "
+        f"range {min(paired):.2f}-{max(paired):.2f}x"
+    )
+    print(
+        "\nstage timeline, last measured step of each mode (G generation, S scoring, U update, a merging chunks "
+        "and advantages, . idle):"
+    )
     for r in rows:
         spans = timelines[r["mode"]]
         print(f" {r['mode']} ({spans[0]['step_s'] if spans else 0:.2f} s)")
@@ -303,10 +376,12 @@ def main(argv: list[str] | None = None) -> None:
     unfused = timelines["unfused"]
     if unfused:
         busy, n = sum(s["stop"] - s["start"] for s in unfused), len({s["slot"] for s in unfused})
-        print(f"overlap bound: the unfused step's slots were busy {busy:.2f} s in all; spread perfectly over the "
-              f"{n} slots, that work takes {busy / n:.2f} s, so overlapping stages alone cannot beat "
-              f"{unfused[0]['step_s'] / (busy / n):.2f}x on this workload (removing work can: a migrated tail no "
-              f"longer decodes finished rows).")
+        print(
+            f"overlap bound: the unfused step's slots were busy {busy:.2f} s in all; spread perfectly over the "
+            f"{n} slots, that work takes {busy / n:.2f} s, so overlapping stages alone cannot beat "
+            f"{unfused[0]['step_s'] / (busy / n):.2f}x on this workload (removing work can: a migrated tail no "
+            f"longer decodes finished rows)."
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,15 @@ def _batch(samples: int, response: int, vocab: int):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (samples, 32 + response), generator=g)
     mask = torch.ones_like(ids)
-    return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, 32:], "response_mask": mask[:, 32:],
-                  "advantages": torch.randn(samples, response, generator=g)})
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "responses": ids[:, 32:],
+            "response_mask": mask[:, 32:],
+            "advantages": torch.randn(samples, response, generator=g),
+        }
+    )
 
 
 def _pg_loss(out, mb):
@@ -53,10 +60,18 @@ def row(mode: str, args) -> dict:
     from flowactors import Batch
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                      num_attention_heads=8, num_key_value_heads=4,
-                                      intermediate_size=args.hidden * 3, max_position_embeddings=512,
-                                      tie_word_embeddings=False, pad_token_id=0, eos_token_id=2)
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=args.hidden * 3,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
     model = transformers.LlamaForCausalLM(config)
     optim = OptimConfig(lr=1e-4, micro_batch_tokens=8192, lora_rank=args.rank if mode == "lora" else 0)
     if optim.lora:
@@ -74,8 +89,13 @@ def row(mode: str, args) -> dict:
     torch.save(engine.checkpoint_state(), buf)
 
     gen = HFGenerationEngine(2, 0)
-    prompts = Batch({"input_ids": batch["input_ids"][:32, :32], "attention_mask": batch["attention_mask"][:32, :32],
-                     "seed": torch.arange(32)})
+    prompts = Batch(
+        {
+            "input_ids": batch["input_ids"][:32, :32],
+            "attention_mask": batch["attention_mask"][:32, :32],
+            "seed": torch.arange(32),
+        }
+    )
     sampling = SamplingConfig(max_new_tokens=64, ignore_eos=True)
 
     def tokens_per_s(net) -> float:
@@ -90,11 +110,17 @@ def row(mode: str, args) -> dict:
     plain = transformers.LlamaForCausalLM(config)
     plain.load_state_dict(engine.full_state_dict())
     merged = tokens_per_s(plain)
-    return {"mode": mode, "trainable_params": sum(p.numel() for p in trainable),
-            "total_params": sum(p.numel() for p in model.parameters()),
-            "grad_mb": grads / 2**20, "optimizer_mb": engine.optimizer_state_bytes() / 2**20,
-            "checkpoint_mb": buf.getbuffer().nbytes / 2**20, "update_s": statistics.median(times[1:]),
-            "generate_tokens_per_s": live, "generate_merged_tokens_per_s": merged}
+    return {
+        "mode": mode,
+        "trainable_params": sum(p.numel() for p in trainable),
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "grad_mb": grads / 2**20,
+        "optimizer_mb": engine.optimizer_state_bytes() / 2**20,
+        "checkpoint_mb": buf.getbuffer().nbytes / 2**20,
+        "update_s": statistics.median(times[1:]),
+        "generate_tokens_per_s": live,
+        "generate_merged_tokens_per_s": merged,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -112,12 +138,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for r in rows:
             print(json.dumps(r))
     full = rows[0]
-    print(f"\n{'mode':5} {'trainable':>11} {'grad MB':>8} {'optim MB':>9} {'ckpt MB':>8} {'update s':>9} "
-          f"{'x full':>7} {'gen tok/s':>10} {'merged tok/s':>13}")
+    print(
+        f"\n{'mode':5} {'trainable':>11} {'grad MB':>8} {'optim MB':>9} {'ckpt MB':>8} {'update s':>9} "
+        f"{'x full':>7} {'gen tok/s':>10} {'merged tok/s':>13}"
+    )
     for r in rows:
-        print(f"{r['mode']:5} {r['trainable_params']:11d} {r['grad_mb']:8.1f} {r['optimizer_mb']:9.1f} "
-              f"{r['checkpoint_mb']:8.1f} {r['update_s']:9.3f} {full['update_s'] / r['update_s']:7.2f} "
-              f"{r['generate_tokens_per_s']:10.0f} {r['generate_merged_tokens_per_s']:13.0f}")
+        print(
+            f"{r['mode']:5} {r['trainable_params']:11d} {r['grad_mb']:8.1f} {r['optimizer_mb']:9.1f} "
+            f"{r['checkpoint_mb']:8.1f} {r['update_s']:9.3f} {full['update_s'] / r['update_s']:7.2f} "
+            f"{r['generate_tokens_per_s']:10.0f} {r['generate_merged_tokens_per_s']:13.0f}"
+        )
     return rows
 
 

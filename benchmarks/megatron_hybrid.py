@@ -32,15 +32,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _model():
     import transformers
 
-    cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                                   intermediate_size=688, vocab_size=2048, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=688,
+        vocab_size=2048,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_pp: int, gen_tp: int, rounds: int,
-         out: dict) -> None:
+def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_pp: int, gen_tp: int, rounds: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from tests.engines import megatron_shim
@@ -50,8 +56,8 @@ def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_pp: int, gen_tp
     from torch.distributed.device_mesh import DeviceMesh
 
     from engines.hybrid.actor import HybridEngine, layout_of
-    from engines.training.megatron.engine import MegatronEngine
     from engines.training.common import OptimConfig
+    from engines.training.megatron.engine import MegatronEngine
 
     model = _model()
     engine = MegatronEngine.from_hf_model(model, OptimConfig(), tp=tp, pp=pp)
@@ -62,8 +68,9 @@ def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_pp: int, gen_tp
         if rank in ranks:
             mine[ranks] = group
     hybrid = engine.hybrid_engine(model, mesh, gen_tp, mine, gen_pp=gen_pp)
-    own = sum(v.numel() * v.element_size() for k, v in engine.module.state_dict().items()
-              if not k.endswith("_extra_state"))
+    own = sum(
+        v.numel() * v.element_size() for k, v in engine.module.state_dict().items() if not k.endswith("_extra_state")
+    )
     times = {"hybrid": [], "gather": []}
     for _ in range(rounds):
         for method in ("hybrid", "gather"):
@@ -81,22 +88,31 @@ def _run(rank: int, world: int, port: int, pp: int, tp: int, gen_pp: int, gen_tp
     from engines.hybrid.accounting import expected_received_bytes
 
     model_bytes = sum(v.numel() * v.element_size() for v in full.values())
-    row = {"received": stats.received_bytes,
-           "table2": expected_received_bytes(hybrid.geometry, hybrid.layout, hybrid.rank, "micro-dp", 4), "extra": extra, "redundant": stats.redundant_bytes,
-           "hybrid_s": statistics.median(times["hybrid"]), "gather_s": statistics.median(times["gather"]),
-           "gather_received": model_bytes - own, "model_bytes": model_bytes}
+    row = {
+        "received": stats.received_bytes,
+        "table2": expected_received_bytes(hybrid.geometry, hybrid.layout, hybrid.rank, "micro-dp", 4),
+        "extra": extra,
+        "redundant": stats.redundant_bytes,
+        "hybrid_s": statistics.median(times["hybrid"]),
+        "gather_s": statistics.median(times["gather"]),
+        "gather_received": model_bytes - own,
+        "model_bytes": model_bytes,
+    }
     out[rank] = row
     dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", nargs="+", default=["1,2:1", "2,2:1", "2,2:2,1"],
-                    help="p,t:t_g or p,t:p_g,t_g per run (d = 1)")
+    ap.add_argument(
+        "--layouts", nargs="+", default=["1,2:1", "2,2:1", "2,2:2,1"], help="p,t:t_g or p,t:p_g,t_g per run (d = 1)"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
-    print(f"{'(p,t)->(p_g,t_g)':<16} {'rank':>4} {'hybrid recv MB':>15} {'Table 2 MB':>11} {'held extra MB':>14} "
-          f"{'redundant':>9} {'gather recv MB':>15} {'hybrid s':>9} {'gather s':>9} {'ratio':>6}")
+    print(
+        f"{'(p,t)->(p_g,t_g)':<16} {'rank':>4} {'hybrid recv MB':>15} {'Table 2 MB':>11} {'held extra MB':>14} "
+        f"{'redundant':>9} {'gather recv MB':>15} {'hybrid s':>9} {'gather s':>9} {'ratio':>6}"
+    )
     for spec in args.layouts:
         sizes, gen = spec.split(":")
         pp, tp = (int(x) for x in sizes.split(","))
@@ -109,9 +125,11 @@ def main(argv: list[str] | None = None) -> None:
         mp.spawn(_run, args=(world, port, pp, tp, gen_pp, gen_tp, args.rounds, out), nprocs=world, join=True)
         for rank in range(world):
             r = out[rank]
-            print(f"{f'({pp},{tp})->({gen_pp},{gen_tp})':<16} {rank:>4} {r['received'] / 1e6:>15.2f} {r['table2'] / 1e6:>11.2f} "
-                  f"{r['extra'] / 1e6:>14.2f} {r['redundant']:>9} {r['gather_received'] / 1e6:>15.2f} "
-                  f"{r['hybrid_s']:>9.4f} {r['gather_s']:>9.4f} {r['hybrid_s'] / r['gather_s']:>6.2f}")
+            print(
+                f"{f'({pp},{tp})->({gen_pp},{gen_tp})':<16} {rank:>4} {r['received'] / 1e6:>15.2f} {r['table2'] / 1e6:>11.2f} "
+                f"{r['extra'] / 1e6:>14.2f} {r['redundant']:>9} {r['gather_received'] / 1e6:>15.2f} "
+                f"{r['hybrid_s']:>9.4f} {r['gather_s']:>9.4f} {r['hybrid_s'] / r['gather_s']:>6.2f}"
+            )
 
 
 if __name__ == "__main__":

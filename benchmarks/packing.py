@@ -40,29 +40,46 @@ def long_tailed_batch(samples: int, prompt: int, max_response: int, mean_respons
     r_len = (-mean_response * torch.log1p(-u)).long().clamp(1, max_response)
     r_len[0] = max_response  # the longest row the batch is padded to
     for i in range(samples):
-        mask[i, :prompt - p_len[i]] = 0
-        mask[i, prompt + r_len[i]:] = 0
+        mask[i, : prompt - p_len[i]] = 0
+        mask[i, prompt + r_len[i] :] = 0
     ids = ids * mask
     resp_mask = mask[:, prompt:].clone()
     randn = lambda: torch.randn(samples, max_response, generator=g) * resp_mask  # noqa: E731
-    return fa.Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, prompt:],
-                     "response_mask": resp_mask, "advantages": randn(), "returns": randn(), "values": randn(),
-                     "old_log_probs": randn() * 0.1 - 4.0})
+    return fa.Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "responses": ids[:, prompt:],
+            "response_mask": resp_mask,
+            "advantages": randn(),
+            "returns": randn(),
+            "values": randn(),
+            "old_log_probs": randn() * 0.1 - 4.0,
+        }
+    )
 
 
 def row(ctl, mode: str, batch, args) -> dict:
     import flowactors as fa
-    from algorithms.core import PolicyLoss, ValueLoss
+    from algorithms.objectives.losses import PolicyLoss, ValueLoss
     from engines import ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, UpdateSpec
 
-    model = ModelConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
-                        intermediate_size=args.hidden * 3, max_position_embeddings=512,
-                        pack_sequences=mode == "packed")
+    model = ModelConfig(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=args.hidden * 3,
+        max_position_embeddings=512,
+        pack_sequences=mode == "packed",
+    )
     optim = OptimConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens)
     slots = ctl.slots[:1]
-    groups = [fa.ActorGroup(ctl, ActorWorker, name=f"actor_{mode}", slots=slots, args=(model, optim)),
-              fa.ActorGroup(ctl, RefWorker, name=f"ref_{mode}", slots=slots, args=(model,)),
-              fa.ActorGroup(ctl, CriticWorker, name=f"critic_{mode}", slots=slots, args=(model, optim))]
+    groups = [
+        fa.ActorGroup(ctl, ActorWorker, name=f"actor_{mode}", slots=slots, args=(model, optim)),
+        fa.ActorGroup(ctl, RefWorker, name=f"ref_{mode}", slots=slots, args=(model,)),
+        fa.ActorGroup(ctl, CriticWorker, name=f"critic_{mode}", slots=slots, args=(model, optim)),
+    ]
     actor, ref, critic = groups
     spec = UpdateSpec(mini_batch_samples=len(batch), epochs=1, shuffle_seed=0)
     try:
@@ -83,8 +100,14 @@ def row(ctl, mode: str, batch, args) -> dict:
             g.close()
     seconds = statistics.median(times[1:])
     tokens = int(batch["attention_mask"].sum())
-    return {"mode": mode, "tokens_per_s": tokens * 5 / seconds, "step_s": seconds, "valid_tokens": tokens,
-            "padded_tokens": int(batch["attention_mask"].numel()), "log_probs": log_probs["old_log_probs"]}
+    return {
+        "mode": mode,
+        "tokens_per_s": tokens * 5 / seconds,
+        "step_s": seconds,
+        "valid_tokens": tokens,
+        "padded_tokens": int(batch["attention_mask"].numel()),
+        "log_probs": log_probs["old_log_probs"],
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -117,11 +140,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for r in rows:
             print(json.dumps(r))
     base = rows[0]["tokens_per_s"]
-    print(f"\n{'mode':8} {'tokens/s':>9} {'x padded':>9} {'step s':>7} {'valid tokens':>13} {'padded tokens':>14} "
-          f"{'max |dlogp|':>12}")
+    print(
+        f"\n{'mode':8} {'tokens/s':>9} {'x padded':>9} {'step s':>7} {'valid tokens':>13} {'padded tokens':>14} "
+        f"{'max |dlogp|':>12}"
+    )
     for r in rows:
-        print(f"{r['mode']:8} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / base:9.2f} {r['step_s']:7.2f} "
-              f"{r['valid_tokens']:13d} {r['padded_tokens']:14d} {r['max_log_prob_gap']:12.2e}")
+        print(
+            f"{r['mode']:8} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / base:9.2f} {r['step_s']:7.2f} "
+            f"{r['valid_tokens']:13d} {r['padded_tokens']:14d} {r['max_log_prob_gap']:12.2e}"
+        )
     return rows
 
 

@@ -44,9 +44,19 @@ HIDDEN, LAYERS, WIDTH, ROWS_PER_MB = 384, 4, 96, 4
 def _models():
     import transformers
 
-    common = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=HIDDEN * 8 // 3, vocab_size=1024, max_position_embeddings=256,
-                  tie_word_embeddings=False, pad_token_id=0, num_labels=1, classifier_dropout=0.0)
+    common = dict(
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=HIDDEN * 8 // 3,
+        vocab_size=1024,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        num_labels=1,
+        classifier_dropout=0.0,
+    )
     torch.manual_seed(0)
     actor = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     critic = transformers.LlamaForTokenClassification(transformers.LlamaConfig(**common))
@@ -59,9 +69,16 @@ def _batch(rows: int):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 1000, (rows, WIDTH), generator=g)
     resp = WIDTH // 2
-    return Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids), "responses": ids[:, -resp:],
-                  "response_mask": torch.ones(rows, resp, dtype=torch.long),
-                  "advantages": torch.randn(rows, resp, generator=g), "returns": torch.randn(rows, resp, generator=g)})
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "responses": ids[:, -resp:],
+            "response_mask": torch.ones(rows, resp, dtype=torch.long),
+            "advantages": torch.randn(rows, resp, generator=g),
+            "returns": torch.randn(rows, resp, generator=g),
+        }
+    )
 
 
 def _pg_loss(outputs, mb):
@@ -76,11 +93,16 @@ def _run(rank: int, world: int, port: int, counts: list[int], rounds: int, out: 
     from tests.ranks import join_world
 
     join_world(rank, world, port, megatron=True)
+    from engines.training.common import OptimConfig
     from engines.training.megatron.engine import MegatronEngine
     from engines.training.megatron.groups import world_groups
-    from engines.training.megatron.pipeline_fusion import (PipelineJob, finalize_grads, fused_update, plan_pipelines,
-                                                           run_plan)
-    from engines.training.common import OptimConfig
+    from engines.training.megatron.pipeline_fusion import (
+        PipelineJob,
+        finalize_grads,
+        fused_update,
+        plan_pipelines,
+        run_plan,
+    )
 
     optim = OptimConfig(lr=1e-5, micro_batch_tokens=ROWS_PER_MB * WIDTH)
     actor_hf, critic_hf = _models()
@@ -117,8 +139,12 @@ def _run(rank: int, world: int, port: int, counts: list[int], rounds: int, out: 
                 elif mode == "1f1b":
                     share = planned_1f1b(batch)
                 else:
-                    _, timings = fused_update([(actor, [batch], _pg_loss, policy),
-                                               (critic_down, [batch], _value_loss, critic_down.value_outputs)])
+                    _, timings = fused_update(
+                        [
+                            (actor, [batch], _pg_loss, policy),
+                            (critic_down, [batch], _value_loss, critic_down.value_outputs),
+                        ]
+                    )
                     share = timings[0].bubble_fraction
                 elapsed = torch.tensor([time.perf_counter() - t])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -142,25 +168,46 @@ def ppo_end_to_end(runs: int, steps: int) -> None:
     from tests.engines.megatron_probes import MEGATRON_CPU
 
     work = Path(tempfile.mkdtemp(prefix="pipeline_fusion_ppo_"))
-    plan = Plan(placement=[["actor", "ref", "critic", "reward"]], models=[
-        ModelPlan("actor", 2, (2, 1, 1), (1, 1)), ModelPlan("ref", 2, (2, 1, 1)), ModelPlan("critic", 2, (2, 1, 1)),
-        ModelPlan("reward", 2, (1, 1, 2))])
+    plan = Plan(
+        placement=[["actor", "ref", "critic", "reward"]],
+        models=[
+            ModelPlan("actor", 2, (2, 1, 1), (1, 1)),
+            ModelPlan("ref", 2, (2, 1, 1)),
+            ModelPlan("critic", 2, (2, 1, 1)),
+            ModelPlan("reward", 2, (1, 1, 2)),
+        ],
+    )
     plan.save(work / "plan.json")
-    common = ["dashboard=none", "--plan", str(work / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
-              "sft_steps=5", "--steps", str(steps), "model.hidden_size=512", "model.num_layers=8",
-              "micro_batch_tokens=256"]
-    print(f"PPO, {steps} steps per run (median of steps 1..), actor / ref / critic p = 2 on megatron, hidden 512, "
-          f"8 layers, 2 micro-batches per mini-batch")
-    print(f"{'run':>3} {'fuse_train':>10} {'update s':>9} {'step s':>7} {'actor grad norm':>16} "
-          f"{'critic grad norm':>17}")
+    common = [
+        "dashboard=none",
+        "--plan",
+        str(work / "plan.json"),
+        "n_slots=2",
+        f"model.engine={MEGATRON_CPU}",
+        "sft_steps=5",
+        "--steps",
+        str(steps),
+        "model.hidden_size=512",
+        "model.num_layers=8",
+        "micro_batch_tokens=256",
+    ]
+    print(
+        f"PPO, {steps} steps per run (median of steps 1..), actor / ref / critic p = 2 on megatron, hidden 512, "
+        f"8 layers, 2 micro-batches per mini-batch"
+    )
+    print(
+        f"{'run':>3} {'fuse_train':>10} {'update s':>9} {'step s':>7} {'actor grad norm':>16} {'critic grad norm':>17}"
+    )
     for run in range(runs):
         for fuse in ("false", "true"):
             metrics = work / f"m_{run}_{fuse}.jsonl"
             ppo([*common, f"fuse_train={fuse}", "--metrics-file", str(metrics)])
             rows = [json.loads(line) for line in metrics.read_text().splitlines()][1:]
-            print(f"{run:>3} {fuse:>10} {statistics.median(r['update_s'] for r in rows):>9.3f} "
-                  f"{statistics.median(r['step_s'] for r in rows):>7.3f} {rows[-1]['actor/grad_norm']:>16.6f} "
-                  f"{rows[-1]['critic/grad_norm']:>17.6f}")
+            print(
+                f"{run:>3} {fuse:>10} {statistics.median(r['update_s'] for r in rows):>9.3f} "
+                f"{statistics.median(r['step_s'] for r in rows):>7.3f} {rows[-1]['actor/grad_norm']:>16.6f} "
+                f"{rows[-1]['critic/grad_norm']:>17.6f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,19 +226,27 @@ def main(argv: list[str] | None = None) -> None:
         return
     out = mp.Manager().dict()
     mp.spawn(_run, args=(2, free_port(), args.micro_batches, args.rounds, out), nprocs=2, join=True)
-    print(f"pp = 2, actor + critic {LAYERS} layers × {HIDDEN} hidden, {ROWS_PER_MB} rows × {WIDTH} tokens per "
-          f"micro-batch, median of {args.rounds} rounds (slowest rank)")
-    print(f"{'m':>3} {'megatron s':>11} {'1f1b s':>8} {'fused s':>8} {'fused vs megatron':>18} {'1f1b bubble':>12} "
-          f"{'fused bubble':>13} {'plan 1f1b':>10} {'plan fused':>11}")
+    print(
+        f"pp = 2, actor + critic {LAYERS} layers × {HIDDEN} hidden, {ROWS_PER_MB} rows × {WIDTH} tokens per "
+        f"micro-batch, median of {args.rounds} rounds (slowest rank)"
+    )
+    print(
+        f"{'m':>3} {'megatron s':>11} {'1f1b s':>8} {'fused s':>8} {'fused vs megatron':>18} {'1f1b bubble':>12} "
+        f"{'fused bubble':>13} {'plan 1f1b':>10} {'plan fused':>11}"
+    )
     for m in args.micro_batches:
         t = {mode: statistics.median(out[0][m]["times"][mode]) for mode in out[0][m]["times"]}
-        bubble = {mode: statistics.mean([statistics.median(out[r][m]["waits"][mode]) for r in (0, 1)])
-                  for mode in ("1f1b", "fused")}
+        bubble = {
+            mode: statistics.mean([statistics.median(out[r][m]["waits"][mode]) for r in (0, 1)])
+            for mode in ("1f1b", "fused")
+        }
         alone, fused = plan_pipelines(2, [m], reverse=[False]), plan_pipelines(2, [m, m])
-        print(f"{m:>3} {t['megatron']:>11.3f} {t['1f1b']:>8.3f} {t['fused']:>8.3f} "
-              f"{t['megatron'] / t['fused']:>17.2f}x "
-              f"{bubble['1f1b']:>12.1%} {bubble['fused']:>13.1%} {alone.bubble_fraction:>10.1%} "
-              f"{fused.bubble_fraction:>11.1%}")
+        print(
+            f"{m:>3} {t['megatron']:>11.3f} {t['1f1b']:>8.3f} {t['fused']:>8.3f} "
+            f"{t['megatron'] / t['fused']:>17.2f}x "
+            f"{bubble['1f1b']:>12.1%} {bubble['fused']:>13.1%} {alone.bubble_fraction:>10.1%} "
+            f"{fused.bubble_fraction:>11.1%}"
+        )
 
 
 if __name__ == "__main__":

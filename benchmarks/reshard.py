@@ -26,11 +26,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engines.hybrid import (  # noqa: E402
+from engines.hybrid import (
     HybridLayout,
     ModelGeometry,
-    ReshardGroups,
     Resharder,
+    ReshardGroups,
     build_train_shard,
     check_model_fits,
     expected_received_bytes,
@@ -44,8 +44,9 @@ ITEMSIZE = 4
 
 def bench_geometry() -> ModelGeometry:
     """Llama-shaped, 4.0 M parameters: 16 heads (8 key/value) and 8 layers, so t and p up to 8 divide it."""
-    return ModelGeometry(num_layers=8, hidden_size=192, num_heads=16, num_kv_heads=8, head_dim=12,
-                         intermediate_size=512, vocab_size=2048)
+    return ModelGeometry(
+        num_layers=8, hidden_size=192, num_heads=16, num_kv_heads=8, head_dim=12, intermediate_size=512, vocab_size=2048
+    )
 
 
 def random_state_dict(geometry: ModelGeometry, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -62,15 +63,16 @@ def random_state_dict(geometry: ModelGeometry, seed: int = 0) -> dict[str, torch
 
 def _rank_main(rank: int, world: int, port: int, sizes: tuple[int, ...], rounds: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=5))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(minutes=5)
+    )
     layout, geometry = HybridLayout(*sizes), bench_geometry()
     groups = ReshardGroups.create(layout, METHODS)
     train = build_train_shard(random_state_dict(geometry), geometry, layout, rank)
     resharders = {m: Resharder(geometry, layout, groups, method=m) for m in METHODS}
     stats = {m: [] for m in METHODS}
     for round_ in range(rounds + 1):  # round 0 warms the connections up and is not counted
-        order = METHODS[round_ % 3:] + METHODS[: round_ % 3]
+        order = METHODS[round_ % 3 :] + METHODS[: round_ % 3]
         for method in order:
             dist.barrier()
             resharders[method].to_generation(train)
@@ -114,25 +116,50 @@ def report(layout: HybridLayout, geometry: ModelGeometry, per_rank: list[dict]) 
         rows.append(row)
         print(json.dumps(row), flush=True)
     base = next(r for r in rows if r["method"] == "all")["seconds"]
-    print(f"\n{layout.describe()}; model {model_bytes / 2**20:.2f} MiB ({geometry.numel:,} float32 parameters, "
-          f"{row['replicated_model_bytes']:,} B of them TP-replicated norms); median of {rounds} rounds\n")
-    head = ("method", "comm B/rank mean", "max", "Table 2", "mean/formula", "exact?", "peak param B (max)",
-            "Table 2", "redundant B (max)", "seconds", "vs all")
+    print(
+        f"\n{layout.describe()}; model {model_bytes / 2**20:.2f} MiB ({geometry.numel:,} float32 parameters, "
+        f"{row['replicated_model_bytes']:,} B of them TP-replicated norms); median of {rounds} rounds\n"
+    )
+    head = (
+        "method",
+        "comm B/rank mean",
+        "max",
+        "Table 2",
+        "mean/formula",
+        "exact?",
+        "peak param B (max)",
+        "Table 2",
+        "redundant B (max)",
+        "seconds",
+        "vs all",
+    )
     lines = [head]
     for r in rows:
         comm, peak = statistics.mean(r["comm_bytes_per_rank"]), max(r["peak_param_bytes_per_rank"])
         exact = "yes" if r["comm_bytes_per_rank"] == r["expected_comm_bytes_per_rank"] else "NO"
-        lines.append((r["method"], f"{comm:,.0f}", f"{max(r['comm_bytes_per_rank']):,}",
-                      f"{r['formula_comm_bytes']:,.0f}",
-                      f"{comm / r['formula_comm_bytes']:.4f}" if r["formula_comm_bytes"] else "-", exact,
-                      f"{peak:,}", f"{r['formula_peak_param_bytes']:,.0f}", f"{max(r['redundant_bytes_per_rank']):,}",
-                      f"{r['seconds']:.4f}", f"{r['seconds'] / base:.2f}x"))
+        lines.append(
+            (
+                r["method"],
+                f"{comm:,.0f}",
+                f"{max(r['comm_bytes_per_rank']):,}",
+                f"{r['formula_comm_bytes']:,.0f}",
+                f"{comm / r['formula_comm_bytes']:.4f}" if r["formula_comm_bytes"] else "-",
+                exact,
+                f"{peak:,}",
+                f"{r['formula_peak_param_bytes']:,.0f}",
+                f"{max(r['redundant_bytes_per_rank']):,}",
+                f"{r['seconds']:.4f}",
+                f"{r['seconds'] / base:.2f}x",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
-    print("\nexact? = every rank received exactly what its shard layout says it lacks (accounting.py). Table 2 "
-          "treats the norms as sharded and the stages as equal; the measured bytes leave out each rank's own "
-          "stage's norms, and with p > 2 a middle stage (no embedding, no lm_head) lacks more than the mean.")
+    print(
+        "\nexact? = every rank received exactly what its shard layout says it lacks (accounting.py). Table 2 "
+        "treats the norms as sharded and the stages as equal; the measured bytes leave out each rank's own "
+        "stage's norms, and with p > 2 a middle stage (no embedding, no lm_head) lacks more than the mean."
+    )
 
 
 def _sizes(text: str, count: int, flag: str) -> tuple[int, ...]:
@@ -150,8 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train", required=True, help="P,T,D training pipeline, tensor, data parallel sizes")
     parser.add_argument("--gen", required=True, help="PG,TG generation pipeline and tensor parallel sizes")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per method (after one warm-up)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per method before the table "
-                                                            "(always on; kept for the documented command line)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per method before the table (always on; kept for the documented command line)",
+    )
     args = parser.parse_args(argv)
     p, t, d = _sizes(args.train, 3, "--train")
     p_g, t_g = _sizes(args.gen, 2, "--gen")
@@ -163,8 +193,12 @@ def main(argv: list[str] | None = None) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.start_processes(_rank_main, args=(layout.world_size, port, (p, t, d, p_g, t_g), args.rounds),
-                       nprocs=layout.world_size, start_method="spawn")
+    mp.start_processes(
+        _rank_main,
+        args=(layout.world_size, port, (p, t, d, p_g, t_g), args.rounds),
+        nprocs=layout.world_size,
+        start_method="spawn",
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,14 @@ def _model(name: str):
         from engines.models.pretrained import smollm2_dir
 
         return ModelConfig(path=str(smollm2_dir()))
-    return ModelConfig(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256, pad_vocab_to=64,
-                       max_position_embeddings=512)
+    return ModelConfig(
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        pad_vocab_to=64,
+        max_position_embeddings=512,
+    )
 
 
 def _prompts(tok, samples: int):
@@ -48,8 +54,9 @@ def _prompts(tok, samples: int):
 
     texts = [f"Write a short sentence about the number {i}." for i in range(samples)]
     enc = tok(texts, padding=True, return_tensors="pt")
-    return fa.Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
-                     "seed": torch.arange(samples) + 1000})
+    return fa.Batch(
+        {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "seed": torch.arange(samples) + 1000}
+    )
 
 
 def row(ctl, engine: str, model, samples: int, new_tokens: int, repeats: int) -> dict:
@@ -61,8 +68,15 @@ def row(ctl, engine: str, model, samples: int, new_tokens: int, repeats: int) ->
     tok = build_tokenizer(model)
     prompts = _prompts(tok, samples)
     sampling = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
-    actor = fa.ActorGroup(ctl, ActorWorker, name=f"rollout_{engine}", slots=ctl.slots[:1], layout=fa.Layout(),
-                          args=(model, OptimConfig(lr=1e-6), sampling), kwargs={"rollout_engine": engine})
+    actor = fa.ActorGroup(
+        ctl,
+        ActorWorker,
+        name=f"rollout_{engine}",
+        slots=ctl.slots[:1],
+        layout=fa.Layout(),
+        args=(model, OptimConfig(lr=1e-6), sampling),
+        kwargs={"rollout_engine": engine},
+    )
     try:
         spec = GenerationSpec(seed=0)
         out = actor.generate_sequences(prompts, spec).result()  # warm-up (and vLLM's first weight hand-over)
@@ -80,11 +94,17 @@ def row(ctl, engine: str, model, samples: int, new_tokens: int, repeats: int) ->
     finally:
         actor.close()
     seconds = statistics.median(times)
-    return {"engine": engine, "samples": samples, "new_tokens": new_tokens,
-            "tokens_per_s": round(samples * new_tokens / seconds, 1), "generate_s": round(seconds, 3),
-            "generate_after_update_s": round(after_update, 3),
-            "sync_s": round(sync.get("seconds", 0.0), 4), "sync_bytes_received": sync.get("bytes_received", 0),
-            "sync_bytes_loaded": sync.get("bytes_loaded", 0)}
+    return {
+        "engine": engine,
+        "samples": samples,
+        "new_tokens": new_tokens,
+        "tokens_per_s": round(samples * new_tokens / seconds, 1),
+        "generate_s": round(seconds, 3),
+        "generate_after_update_s": round(after_update, 3),
+        "sync_s": round(sync.get("seconds", 0.0), 4),
+        "sync_bytes_received": sync.get("bytes_received", 0),
+        "sync_bytes_loaded": sync.get("bytes_loaded", 0),
+    }
 
 
 def _pg_loss(out: dict, mb) -> tuple:
@@ -106,8 +126,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = _model(args.model)
     engines = ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
     if len(engines) == 1:
-        print("# vllm is not installed here: no vllm row (scripts/vllm_cpu_check.sh --setup-only builds its venv)",
-              file=sys.stderr)
+        print(
+            "# vllm is not installed here: no vllm row (scripts/vllm_cpu_check.sh --setup-only builds its venv)",
+            file=sys.stderr,
+        )
     ctl = fa.Controller.local(1, dashboard=None, collective_timeout_s=1200, call_timeout_s=3600)
     try:
         rows = [row(ctl, e, model, args.samples, args.new_tokens, args.repeats) for e in engines]
@@ -117,12 +139,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for r in rows:
             print(json.dumps(r))
     hf = rows[0]["tokens_per_s"]
-    print(f"\n{'engine':8} {'tokens/s':>9} {'x hf':>6} {'generate s':>11} {'after update s':>15} {'sync s':>8} "
-          f"{'sync MB recv':>13} {'sync MB loaded':>15}")
+    print(
+        f"\n{'engine':8} {'tokens/s':>9} {'x hf':>6} {'generate s':>11} {'after update s':>15} {'sync s':>8} "
+        f"{'sync MB recv':>13} {'sync MB loaded':>15}"
+    )
     for r in rows:
-        print(f"{r['engine']:8} {r['tokens_per_s']:9.1f} {r['tokens_per_s'] / hf:6.2f} {r['generate_s']:11.3f} "
-              f"{r['generate_after_update_s']:15.3f} {r['sync_s']:8.4f} {r['sync_bytes_received'] / 1e6:13.2f} "
-              f"{r['sync_bytes_loaded'] / 1e6:15.2f}")
+        print(
+            f"{r['engine']:8} {r['tokens_per_s']:9.1f} {r['tokens_per_s'] / hf:6.2f} {r['generate_s']:11.3f} "
+            f"{r['generate_after_update_s']:15.3f} {r['sync_s']:8.4f} {r['sync_bytes_received'] / 1e6:13.2f} "
+            f"{r['sync_bytes_loaded'] / 1e6:15.2f}"
+        )
     return rows
 
 

@@ -18,12 +18,12 @@ import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 would otherwise write a token file in $HOME
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from verl import DataProto  # noqa: E402
-from verl.single_controller.base import Worker  # noqa: E402
-from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
-from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
+import ray
+import torch
+from verl import DataProto
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
 
 @ray.remote
@@ -56,15 +56,26 @@ def main() -> None:
     try:
         pool = RayResourcePool(process_on_nodes=[2], use_gpu=False, max_colocate_count=1)
         group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=Echo), device_name="cpu")
-        data = DataProto.from_dict(tensors={"input_ids": torch.arange(1024 * 512, dtype=torch.int64).reshape(1024, 512)})
+        data = DataProto.from_dict(
+            tensors={"input_ids": torch.arange(1024 * 512, dtype=torch.int64).reshape(1024, 512)}
+        )
         out = group.touch(data)
         if not torch.equal(out.batch["input_ids"], data.batch["input_ids"]):
             raise SystemExit("verl's split + gather did not return the batch")
         for case, fn in (("noop", group.noop), ("split4MiB", lambda: group.touch(data))):
             times = sorted(_timed(fn, args.repeats))
-            print(json.dumps({"system": "verl", "case": case, "median_ms": round(statistics.median(times) * 1e3, 3),
-                              "p90_ms": round(times[int(0.9 * len(times))] * 1e3, 3), "controller_bytes": None}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "system": "verl",
+                        "case": case,
+                        "median_ms": round(statistics.median(times) * 1e3, 3),
+                        "p90_ms": round(times[int(0.9 * len(times))] * 1e3, 3),
+                        "controller_bytes": None,
+                    }
+                ),
+                flush=True,
+            )
     finally:
         ray.shutdown()
 

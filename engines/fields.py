@@ -9,8 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OLD_LOG_PROBS", "ENTROPY", "REF_LOG_PROBS", "REWARDS", "SUCCESS", "COSTS", "ADVANTAGES",
-           "RESPONSE_MASK", "ROLLOUT_LOG_PROBS", "POLICY_VERSIONS", "ValueFields", "REWARD_VALUES", "COST_VALUES", "CRITIC_FIELDS"]
+__all__ = [
+    "OLD_LOG_PROBS",
+    "ENTROPY",
+    "REF_LOG_PROBS",
+    "REWARDS",
+    "SUCCESS",
+    "COSTS",
+    "ADVANTAGES",
+    "RESPONSE_MASK",
+    "ROLLOUT_LOG_PROBS",
+    "POLICY_VERSIONS",
+    "ValueFields",
+    "REWARD_VALUES",
+    "COST_VALUES",
+    "CRITIC_FIELDS",
+]
 
 OLD_LOG_PROBS = "old_log_probs"
 """The actor's log-probs of the sampled tokens before the update (compute_log_prob)."""

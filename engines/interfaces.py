@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    from engines.rollout.stream import SamplingConfig
     from engines.models.config import ModelConfig
+    from engines.rollout.stream import SamplingConfig
     from engines.training.common import LossFn, OptimConfig
     from flowactors import Batch, Layout
 
@@ -76,8 +76,9 @@ class TrainingEngine(Protocol):
         """With gradients, for a loss inside `update`: {"scores": (B,) float32} (training a reward model)."""
         ...
 
-    def update(self, mini_batches: list[Batch], loss_fn: LossFn,
-               outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
+    def update(
+        self, mini_batches: list[Batch], loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]
+    ) -> dict[str, float]:
         """One optimizer step per mini-batch (this rank's share of it), the loss token-mean over the whole
         mini-batch across data-parallel ranks, so the step does not depend on the DP size or micro-batch split.
         Returns the loss metrics averaged over the steps (token-weighted), `grad_norm` and `lr`."""
@@ -112,14 +113,32 @@ class GenerationEngine(Protocol):
     the actor refreshes after each update with `load_shard(fused per-rank shard)` or `load_weights(whole HF
     tensors)`; the calls below then take `model=None`."""
 
-    def generate(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, *, greedy: bool = False,
-                 seed: int = 0, seed_offset: int = 0) -> Batch:
+    def generate(
+        self,
+        model: torch.nn.Module | None,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        *,
+        greedy: bool = False,
+        seed: int = 0,
+        seed_offset: int = 0,
+    ) -> Batch:
         """One response per prompt row. A row draws from its `seed` column, else from seed * 1000003 +
         seed_offset + its index, so sampling rows a:b separately with seed_offset=a gives the same samples."""
         ...
 
-    def stream(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
-               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0) -> Iterator[Batch]:
+    def stream(
+        self,
+        model: torch.nn.Module | None,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        chunk_rows: int,
+        *,
+        greedy: bool = False,
+        seed: int = 0,
+        row_offset: int = 0,
+        seed_offset: int = 0,
+    ) -> Iterator[Batch]:
         """The samples of `generate` (bit-identical rows), yielded in chunks of `chunk_rows` finished rows in the
         order they finish, each row with `row_index` (its index in `prompts` plus `row_offset`). An engine with
         `migrates = True` also takes `pause_below` and `inbox` (long-tail migration; engines.rollout.stream)."""

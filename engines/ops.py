@@ -13,8 +13,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["compute_precision", "position_ids_from_mask", "response_logits", "token_log_probs", "entropy_from_logits",
-           "response_mask_from_tokens", "stop_sequence_ends"]
+__all__ = [
+    "compute_precision",
+    "position_ids_from_mask",
+    "response_logits",
+    "token_log_probs",
+    "entropy_from_logits",
+    "response_mask_from_tokens",
+    "stop_sequence_ends",
+]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -24,7 +31,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def response_logits(logits: torch.Tensor, response_len: int) -> torch.Tensor:
     """Logits that predict the last `response_len` tokens."""
-    return logits[:, -response_len - 1:-1]
+    return logits[:, -response_len - 1 : -1]
 
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -38,8 +45,9 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return -(logp.exp() * logp).sum(-1)
 
 
-def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int,
-                              stop_sequences: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
+def response_mask_from_tokens(
+    responses: torch.Tensor, eos_token_id: int, stop_sequences: tuple[tuple[int, ...], ...] = ()
+) -> torch.Tensor:
     """1 for every response token up to and including the first EOS, or the last token of the first completed
     stop sequence (token ids; a multi-turn rollout's tool call ends with one), 0 after it."""
     is_end = (responses == eos_token_id) | stop_sequence_ends(responses, stop_sequences)
@@ -55,7 +63,7 @@ def stop_sequence_ends(tokens: torch.Tensor, stop_sequences: tuple[tuple[int, ..
         if n == 0 or n > tokens.shape[-1]:
             continue
         hits = (tokens.unfold(-1, n, 1) == torch.tensor(seq, dtype=tokens.dtype)).all(-1)
-        ends[..., n - 1:] |= hits
+        ends[..., n - 1 :] |= hits
     return ends
 
 

@@ -24,16 +24,20 @@ def plan_minibatches(batch: Batch, dp: int, spec: UpdateSpec) -> list[list[Batch
     """For each DP rank, one local batch per epoch; its consecutive chunks of mini_batch_samples/dp rows are its
     shares of the global mini-batches."""
     if not isinstance(spec, UpdateSpec):
-        raise TypeError(f"plan_minibatches takes an UpdateSpec, got {type(spec).__name__}; pass "
-                        f"UpdateSpec(mini_batch_samples=...)")
+        raise TypeError(
+            f"plan_minibatches takes an UpdateSpec, got {type(spec).__name__}; pass UpdateSpec(mini_batch_samples=...)"
+        )
     n = len(batch)
     mb, epochs, seed = spec.mini_batch_samples, spec.epochs, spec.shuffle_seed
     if n % mb:
-        raise ValueError(f"mini_batch_samples={mb} does not divide the batch of {n} samples; choose a mini-batch "
-                         f"size that divides prompts_per_step x samples_per_prompt")
+        raise ValueError(
+            f"mini_batch_samples={mb} does not divide the batch of {n} samples; choose a mini-batch "
+            f"size that divides prompts_per_step x samples_per_prompt"
+        )
     if mb % dp:
-        raise ValueError(f"mini_batch_samples={mb} cannot be shared by data-parallel size {dp}; make it a multiple "
-                         f"of {dp}")
+        raise ValueError(
+            f"mini_batch_samples={mb} cannot be shared by data-parallel size {dp}; make it a multiple of {dp}"
+        )
     share = mb // dp
     per_rank: list[list[Batch]] = [[] for _ in range(dp)]
     for epoch in range(epochs):
@@ -54,11 +58,15 @@ def _spec_of(rest: list, kwargs: dict) -> UpdateSpec:
     elif "spec" in kwargs:
         spec = kwargs["spec"]
     else:
-        raise TypeError("an update takes its settings as an UpdateSpec: pass update_actor(batch, loss_fn, "
-                        "UpdateSpec(mini_batch_samples=..., epochs=..., shuffle_seed=...)) (or spec=UpdateSpec(...))")
+        raise TypeError(
+            "an update takes its settings as an UpdateSpec: pass update_actor(batch, loss_fn, "
+            "UpdateSpec(mini_batch_samples=..., epochs=..., shuffle_seed=...)) (or spec=UpdateSpec(...))"
+        )
     if not isinstance(spec, UpdateSpec):
-        raise TypeError(f"an update's third argument (spec) must be an UpdateSpec, got {type(spec).__name__}; pass "
-                        f"UpdateSpec(mini_batch_samples=...)")
+        raise TypeError(
+            f"an update's third argument (spec) must be an UpdateSpec, got {type(spec).__name__}; pass "
+            f"UpdateSpec(mini_batch_samples=...)"
+        )
     return spec
 
 

@@ -29,9 +29,17 @@ from dataclasses import dataclass
 from engines.interfaces import GenerationEngine, GenerationSetup, TrainingBuild, TrainingSetup
 from engines.training.megatron.groups import megatron_subgroups  # plain torch.distributed: no megatron-core import
 
-__all__ = ["TrainingEngineEntry", "register_training_engine", "register_generation_engine", "training_engine",
-           "generation_engine", "training_engine_names", "generation_engine_names", "check_training_layout",
-           "check_generation_model"]
+__all__ = [
+    "TrainingEngineEntry",
+    "register_training_engine",
+    "register_generation_engine",
+    "training_engine",
+    "generation_engine",
+    "training_engine_names",
+    "generation_engine_names",
+    "check_training_layout",
+    "check_generation_model",
+]
 
 TrainingFactory = Callable[[TrainingSetup], TrainingBuild]
 GenerationFactory = Callable[[GenerationSetup], GenerationEngine]
@@ -67,16 +75,20 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
 
         check_packable(net)
         if setup.head == "score" and not isinstance(getattr(net, "score", None), torch.nn.Module):
-            raise ValueError(f"pack_sequences: {type(net).__name__} has no per-token score head to read packed rows "
-                             f"at; set pack_sequences=false")
+            raise ValueError(
+                f"pack_sequences: {type(net).__name__} has no per-token score head to read packed rows "
+                f"at; set pack_sequences=false"
+            )
     lora = setup.optim.lora if setup.trainable and setup.optim is not None else None
     if lora is not None:
         from engines.training.lora import apply_lora
 
         if layout.tp > 1 or setup.rollout_tp is not None:
-            raise ValueError(f"lora_rank={lora.rank} runs on tp = 1 without the 3D-HybridEngine (got tp={layout.tp}, "
-                             f"rollout_tp={setup.rollout_tp}): tensor parallelism would split the adapters as their "
-                             f"layers; use data parallelism, or lora_rank=0")
+            raise ValueError(
+                f"lora_rank={lora.rank} runs on tp = 1 without the 3D-HybridEngine (got tp={layout.tp}, "
+                f"rollout_tp={setup.rollout_tp}): tensor parallelism would split the adapters as their "
+                f"layers; use data parallelism, or lora_rank=0"
+            )
         apply_lora(net, lora, trainable_heads=() if setup.head == "lm" else ("score",))
     if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
         from engines.models.config import freeze_lower_layers
@@ -98,10 +110,18 @@ def _build_torch(setup: TrainingSetup) -> TrainingBuild:
         hybrid = HybridEngine(net, setup.mesh, setup.rollout_tp, setup.subgroups, gen_pp=setup.rollout_pp)
     elif layout.dp > 1 or layout.tp > 1:
         net = parallelize(net, setup.mesh, fsdp=not replicas)
-    engine = TrainEngine(net, setup.optim, dp_group=setup.mesh["dp"].get_group(), dp_size=layout.dp,
-                         trainable=setup.trainable, sync_grads=hybrid is not None or replicas,
-                         compute_dtype=compute_dtype, pack_sequences=setup.config.pack_sequences,
-                         pad_token_id=net.config.pad_token_id or 0, lora_scale=lora.scale if lora else None)
+    engine = TrainEngine(
+        net,
+        setup.optim,
+        dp_group=setup.mesh["dp"].get_group(),
+        dp_size=layout.dp,
+        trainable=setup.trainable,
+        sync_grads=hybrid is not None or replicas,
+        compute_dtype=compute_dtype,
+        pack_sequences=setup.config.pack_sequences,
+        pad_token_id=net.config.pad_token_id or 0,
+        lora_scale=lora.scale if lora else None,
+    )
     return TrainingBuild(engine, gathers_to_generate=sharded, hybrid=hybrid)
 
 
@@ -115,30 +135,44 @@ def _build_megatron(setup: TrainingSetup) -> TrainingBuild:
     from engines.training.megatron.groups import megatron_groups
 
     if setup.config.pack_sequences:
-        raise ValueError("the megatron engine does not pack sequences yet (it would take megatron-core's THD layout "
-                         "with PackedSeqParams through every role's forward); set pack_sequences=false or "
-                         "model.engine=torch")
+        raise ValueError(
+            "the megatron engine does not pack sequences yet (it would take megatron-core's THD layout "
+            "with PackedSeqParams through every role's forward); set pack_sequences=false or "
+            "model.engine=torch"
+        )
     if setup.trainable and setup.optim is not None and setup.optim.lora_rank:
-        raise ValueError(f"the megatron engine trains every parameter (lora_rank={setup.optim.lora_rank}); use "
-                         f"model.engine=torch for LoRA")
+        raise ValueError(
+            f"the megatron engine trains every parameter (lora_rank={setup.optim.lora_rank}); use "
+            f"model.engine=torch for LoRA"
+        )
     if setup.trainable and setup.optim is not None and setup.optim.trainable_layers:
-        raise ValueError(f"the megatron engine trains every layer (trainable_layers={setup.optim.trainable_layers}); "
-                         f"use model.engine=torch to train only the top layers")
-    engine = MegatronEngine.from_hf_model(setup.model, setup.optim, tp=setup.layout.tp, pp=setup.layout.pp,
-                                          trainable=setup.trainable, head=setup.head,
-                                          groups=megatron_groups(setup.mesh, setup.subgroups))
+        raise ValueError(
+            f"the megatron engine trains every layer (trainable_layers={setup.optim.trainable_layers}); "
+            f"use model.engine=torch to train only the top layers"
+        )
+    engine = MegatronEngine.from_hf_model(
+        setup.model,
+        setup.optim,
+        tp=setup.layout.tp,
+        pp=setup.layout.pp,
+        trainable=setup.trainable,
+        head=setup.head,
+        groups=megatron_groups(setup.mesh, setup.subgroups),
+    )
     hybrid = None
     if setup.rollout_tp is not None:
-        hybrid = engine.hybrid_engine(setup.model, setup.mesh, setup.rollout_tp, setup.subgroups,
-                                      gen_pp=setup.rollout_pp)
+        hybrid = engine.hybrid_engine(
+            setup.model, setup.mesh, setup.rollout_tp, setup.subgroups, gen_pp=setup.rollout_pp
+        )
     return TrainingBuild(engine, gathers_to_generate=hybrid is None, hybrid=hybrid)
 
 
 def _build_hf(setup: GenerationSetup) -> GenerationEngine:
     from engines.rollout.hf import HFGenerationEngine
 
-    return HFGenerationEngine(setup.eos_token_id, setup.pad_token_id, max_context=setup.max_context,
-                              compute_dtype=setup.compute_dtype)
+    return HFGenerationEngine(
+        setup.eos_token_id, setup.pad_token_id, max_context=setup.max_context, compute_dtype=setup.compute_dtype
+    )
 
 
 def _build_vllm(setup: GenerationSetup) -> GenerationEngine:
@@ -162,10 +196,19 @@ def _build_vllm(setup: GenerationSetup) -> GenerationEngine:
     dtype = setup.compute_dtype or setup.config.torch_dtype
     on_gpu = torch.cuda.is_available()
     kv = None if on_gpu else int(os.environ.get("FLOWACTORS_VLLM_KV_CACHE_MB", "1024")) << 20
-    return VLLMGenerationEngine(folder, tp=tp, group=setup.group, eos_token_id=setup.eos_token_id,
-                                pad_token_id=setup.pad_token_id, max_model_len=setup.max_context,
-                                kv_cache_bytes=kv, dtype=str(dtype).removeprefix("torch."), seed=setup.config.seed,
-                                load_format="dummy", engine_args=None if on_gpu else {"block_size": 32})
+    return VLLMGenerationEngine(
+        folder,
+        tp=tp,
+        group=setup.group,
+        eos_token_id=setup.eos_token_id,
+        pad_token_id=setup.pad_token_id,
+        max_model_len=setup.max_context,
+        kv_cache_bytes=kv,
+        dtype=str(dtype).removeprefix("torch."),
+        seed=setup.config.seed,
+        load_format="dummy",
+        engine_args=None if on_gpu else {"block_size": 32},
+    )
 
 
 def _vllm_installed() -> None:
@@ -174,8 +217,10 @@ def _vllm_installed() -> None:
     if importlib.util.find_spec("vllm") is None:
         from engines.rollout.vllm_engine import VLLM_INSTALL_HINT
 
-        raise ImportError(f"rollout_engine='vllm' needs vllm, which is not installed here: {VLLM_INSTALL_HINT}; "
-                          f"or use rollout_engine='hf'")
+        raise ImportError(
+            f"rollout_engine='vllm' needs vllm, which is not installed here: {VLLM_INSTALL_HINT}; "
+            f"or use rollout_engine='hf'"
+        )
 
 
 def _vllm_model(head_dim: int, cuda: bool) -> None:
@@ -186,8 +231,9 @@ def _vllm_model(head_dim: int, cuda: bool) -> None:
 
 _TRAINING: dict[str, TrainingEngineEntry] = {
     "torch": TrainingEngineEntry(_build_torch, resharding=True),
-    "megatron": TrainingEngineEntry(_build_megatron, pipeline_parallel=True, resharding=True,
-                                    subgroups=megatron_subgroups, fused_pipelines=True),
+    "megatron": TrainingEngineEntry(
+        _build_megatron, pipeline_parallel=True, resharding=True, subgroups=megatron_subgroups, fused_pipelines=True
+    ),
 }
 _GENERATION: dict[str, GenerationFactory] = {"hf": _build_hf, "vllm": _build_vllm}
 _GENERATION_CHECKS: dict[str, Callable[[], None]] = {"vllm": _vllm_installed}
@@ -196,16 +242,26 @@ _GENERATION_MODEL_CHECKS: dict[str, Callable[[int, bool], None]] = {"vllm": _vll
 """What a generation engine needs of the model on a kind of device: (head_dim, cuda) -> None or ValueError."""
 
 
-def register_training_engine(name: str, build: TrainingFactory, *, pipeline_parallel: bool = False,
-                             resharding: bool = False,
-                             subgroups: Callable[[int, int, int], list[tuple[int, ...]]] | None = None,
-                             fused_pipelines: bool = False) -> None:
+def register_training_engine(
+    name: str,
+    build: TrainingFactory,
+    *,
+    pipeline_parallel: bool = False,
+    resharding: bool = False,
+    subgroups: Callable[[int, int, int], list[tuple[int, ...]]] | None = None,
+    fused_pipelines: bool = False,
+) -> None:
     """Make a training engine selectable as `ModelConfig(engine=name)`. Register it in a module that both the
     controller (which validates the config) and the worker processes (which build the engine) import."""
     if name in _TRAINING and _TRAINING[name].build is not build:
         raise ValueError(f"a training engine named {name!r} is already registered; choose another name")
-    _TRAINING[name] = TrainingEngineEntry(build, pipeline_parallel=pipeline_parallel, resharding=resharding,
-                                          subgroups=subgroups, fused_pipelines=fused_pipelines)
+    _TRAINING[name] = TrainingEngineEntry(
+        build,
+        pipeline_parallel=pipeline_parallel,
+        resharding=resharding,
+        subgroups=subgroups,
+        fused_pipelines=fused_pipelines,
+    )
 
 
 def register_generation_engine(name: str, build: GenerationFactory) -> None:
@@ -244,8 +300,10 @@ def training_engine(name: str) -> TrainingEngineEntry:
     try:
         return _TRAINING[name]
     except KeyError:
-        raise ValueError(f"unknown training engine {name!r}; known: {training_engine_names()} "
-                         f"(engines.registry.register_training_engine adds one)") from None
+        raise ValueError(
+            f"unknown training engine {name!r}; known: {training_engine_names()} or 'package.module:name' of a "
+            f"module that registers one (engines.registry.register_training_engine)"
+        ) from None
 
 
 def generation_engine(name: str) -> GenerationFactory:
@@ -254,8 +312,10 @@ def generation_engine(name: str) -> GenerationFactory:
     try:
         build = _GENERATION[name]
     except KeyError:
-        raise ValueError(f"unknown generation engine rollout_engine={name!r}; known: {generation_engine_names()} "
-                         f"(engines.registry.register_generation_engine adds one)") from None
+        raise ValueError(
+            f"unknown generation engine rollout_engine={name!r}; known: {generation_engine_names()} "
+            f"(engines.registry.register_generation_engine adds one)"
+        ) from None
     if name in _GENERATION_CHECKS:
         _GENERATION_CHECKS[name]()
     return build
@@ -273,5 +333,7 @@ def check_training_layout(name: str, pp: int) -> None:
     """Refuse pipeline stages on an engine without pipeline parallelism, naming the fix."""
     if pp > 1 and not training_engine(name).pipeline_parallel:
         capable = [n for n in training_engine_names() if _TRAINING[n].pipeline_parallel]
-        raise ValueError(f"the {name!r} training engine has no pipeline parallelism, but the group's layout has "
-                         f"pp={pp}; use pp=1 (put the devices into dp or tp) or ModelConfig.engine in {capable}")
+        raise ValueError(
+            f"the {name!r} training engine has no pipeline parallelism, but the group's layout has "
+            f"pp={pp}; use pp=1 (put the devices into dp or tp) or ModelConfig.engine in {capable}"
+        )

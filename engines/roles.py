@@ -32,15 +32,24 @@ from typing import Any
 
 import torch
 
-from engines.rollout.stream import GenerationStream, is_tail, SamplingConfig, share_tails
-from engines.fields import (COSTS, ENTROPY, OLD_LOG_PROBS, POLICY_VERSIONS, REF_LOG_PROBS, RESPONSE_MASK,
-                            REWARD_VALUES, REWARDS, SUCCESS)
+from engines.fields import (
+    COSTS,
+    ENTROPY,
+    OLD_LOG_PROBS,
+    POLICY_VERSIONS,
+    REF_LOG_PROBS,
+    RESPONSE_MASK,
+    REWARD_VALUES,
+    REWARDS,
+    SUCCESS,
+)
 from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
 from engines.models.config import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
 from engines.protocols import MINIBATCH
 from engines.registry import check_training_layout, generation_engine, training_engine
-from engines.specs import GenerationSpec, UpdateSpec
 from engines.rollout.agent import AgentConfig, EpisodeEngine
+from engines.rollout.stream import GenerationStream, SamplingConfig, is_tail, share_tails
+from engines.specs import GenerationSpec, UpdateSpec
 from engines.training.common import LossFn, OptimConfig
 from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Layout, Worker, endpoint
 
@@ -66,8 +75,15 @@ class ModelWorker(Worker):
         subgroups = training_engine(model.engine).subgroups
         return subgroups(layout.pp, layout.dp, layout.tp) if subgroups else []
 
-    def _setup(self, model: ModelConfig, optim: OptimConfig | None, trainable: bool,
-               rollout_tp: int | None = None, rollout_pp: int = 1, zero_stage: int = 3) -> None:
+    def _setup(
+        self,
+        model: ModelConfig,
+        optim: OptimConfig | None,
+        trainable: bool,
+        rollout_tp: int | None = None,
+        rollout_pp: int = 1,
+        zero_stage: int = 3,
+    ) -> None:
         """`zero_stage` (3 or 1, see TrainingSetup) for a frozen model; a trainable one's comes from `optim`."""
         torch.manual_seed(model.seed)
         self.model_config = model
@@ -75,10 +91,21 @@ class ModelWorker(Worker):
         net = build_model(model, self.head, self.tokenizer)
         self.hf_config = net.config
         self._lm_class = type(net).__name__
-        built = training_engine(model.engine).build(TrainingSetup(
-            model=net, config=model, head=self.head, optim=optim, trainable=trainable, layout=self.layout,
-            mesh=self.mesh, subgroups=self.subgroups, rollout_tp=rollout_tp, rollout_pp=rollout_pp,
-            zero_stage=optim.zero_stage if optim is not None else zero_stage))
+        built = training_engine(model.engine).build(
+            TrainingSetup(
+                model=net,
+                config=model,
+                head=self.head,
+                optim=optim,
+                trainable=trainable,
+                layout=self.layout,
+                mesh=self.mesh,
+                subgroups=self.subgroups,
+                rollout_tp=rollout_tp,
+                rollout_pp=rollout_pp,
+                zero_stage=optim.zero_stage if optim is not None else zero_stage,
+            )
+        )
         self.engine = built.engine
         self.hybrid = built.hybrid
         self.sharded = built.gathers_to_generate
@@ -86,8 +113,13 @@ class ModelWorker(Worker):
     weights_version = 0
     """Bumped whenever this rank's weights change (an update, a checkpoint load)."""
 
-    def _update(self, shares: list[Batch], loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]],
-                spec: UpdateSpec) -> dict[str, float]:
+    def _update(
+        self,
+        shares: list[Batch],
+        loss_fn: LossFn,
+        outputs_fn: Callable[[Batch], dict[str, torch.Tensor]],
+        spec: UpdateSpec,
+    ) -> dict[str, float]:
         self.weights_version += 1
         with self._lr_of(spec):
             return self.engine.update(self._mini_batches(shares, spec), loss_fn, outputs_fn)
@@ -165,12 +197,19 @@ class ModelWorker(Worker):
         size = lambda t: t.numel() * t.element_size()  # noqa: E731
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
         state = getattr(self.engine.optimizer, "state", None) or {}  # megatron's distributed optimizer: its own
-        optim = sum(size(local(v)) for st in state.values() if isinstance(st, dict) for v in st.values()
-                    if isinstance(v, torch.Tensor))
-        return {"param_bytes": sum(size(local(p)) for p in params),
-                "grad_bytes": sum(size(local(p.grad)) for p in params if p.grad is not None),
-                "optimizer_bytes": optim,
-                "device_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0}
+        optim = sum(
+            size(local(v))
+            for st in state.values()
+            if isinstance(st, dict)
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return {
+            "param_bytes": sum(size(local(p)) for p in params),
+            "grad_bytes": sum(size(local(p.grad)) for p in params if p.grad is not None),
+            "optimizer_bytes": optim,
+            "device_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
+        }
 
     @endpoint(protocol=ONE_TO_ALL)
     def parameter_digest(self) -> float:
@@ -181,9 +220,16 @@ class ModelWorker(Worker):
 class ActorWorker(ModelWorker):
     """Hybrid actor: generate_sequences, compute_log_prob, update_actor."""
 
-    def __init__(self, model: ModelConfig, optim: OptimConfig | None = None,
-                 sampling: SamplingConfig | None = None, rollout_tp: int | None = None,
-                 rollout_engine: str = "hf", rollout_pp: int = 1, agent: AgentConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        optim: OptimConfig | None = None,
+        sampling: SamplingConfig | None = None,
+        rollout_tp: int | None = None,
+        rollout_engine: str = "hf",
+        rollout_pp: int = 1,
+        agent: AgentConfig | None = None,
+    ) -> None:
         """`rollout_tp`: generation tensor-parallel size t_g (dividing the group's tp) for the 3D-HybridEngine;
         None keeps the FSDP2 training layout and gathers whole weights to generate. `rollout_pp`: generation
         pipeline stages p_g (dividing the group's pp; with rollout_tp, on a pipeline-parallel engine: megatron).
@@ -198,16 +244,26 @@ class ActorWorker(ModelWorker):
         hf_config.architectures = hf_config.architectures or [self._lm_class]
         if self.hybrid is not None:
             hf_config.tie_word_embeddings = False  # the hybrid layout shards lm_head apart from the embedding
-        self.generator = build_generator(GenerationSetup(
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-            max_context=self.hf_config.max_position_embeddings, compute_dtype=self.engine.compute_dtype,
-            config=model, rollout_tp=rollout_tp, hf_config=hf_config, group=self._replica_group()))
+        self.generator = build_generator(
+            GenerationSetup(
+                eos_token_id=self.tokenizer.eos_token_id,
+                pad_token_id=self.tokenizer.pad_token_id,
+                max_context=self.hf_config.max_position_embeddings,
+                compute_dtype=self.engine.compute_dtype,
+                config=model,
+                rollout_tp=rollout_tp,
+                hf_config=hf_config,
+                group=self._replica_group(),
+            )
+        )
         if agent is not None:
             if self.hybrid is not None and self.hybrid.gen_tp > 1:
-                raise ValueError(f"multi-turn episodes with generation tensor parallelism (rollout_tp="
-                                 f"{rollout_tp}) are not built: the ranks of a generation TP group would have to "
-                                 f"decode every turn in lockstep while tools answer at different times; use "
-                                 f"rollout_tp=1 or 0")
+                raise ValueError(
+                    f"multi-turn episodes with generation tensor parallelism (rollout_tp="
+                    f"{rollout_tp}) are not built: the ranks of a generation TP group would have to "
+                    f"decode every turn in lockstep while tools answer at different times; use "
+                    f"rollout_tp=1 or 0"
+                )
             self.generator = EpisodeEngine(self.generator, self.tokenizer, agent)
         self._loaded_version = -1  # the weights_version the generator holds (engines that hold weights)
         self.handover: dict[str, Any] = {}
@@ -235,17 +291,21 @@ class ActorWorker(ModelWorker):
         generation_engine(bound.get("rollout_engine", "hf"))
         rollout_tp, rollout_pp = bound.get("rollout_tp"), bound.get("rollout_pp", 1)
         if rollout_pp != 1 and (rollout_tp is None or bound.get("rollout_engine", "hf") != "hf"):
-            raise ValueError(f"rollout_pp={rollout_pp}: generation over pipeline stages runs in the 3D-HybridEngine "
-                             f"with the hf rollout engine (set rollout_tp, rollout_engine='hf'), or use rollout_pp=1")
+            raise ValueError(
+                f"rollout_pp={rollout_pp}: generation over pipeline stages runs in the 3D-HybridEngine "
+                f"with the hf rollout engine (set rollout_tp, rollout_engine='hf'), or use rollout_pp=1"
+            )
         if bound.get("rollout_engine") == "vllm" and (rollout_tp or 1) == 1:  # vLLM's world: the rank alone
             engine_groups = [*engine_groups, *((r,) for r in range(layout.world_size) if (r,) not in engine_groups)]
         if rollout_tp is None:
             return engine_groups
         model = bound.get("model")
         if isinstance(model, ModelConfig) and not training_engine(model.engine).resharding:
-            raise ValueError(f"rollout_tp={rollout_tp}: the 3D-HybridEngine does not run on the {model.engine!r} "
-                             f"training engine yet (it gathers whole weights to generate); drop rollout_tp or use "
-                             f"engine='torch'")
+            raise ValueError(
+                f"rollout_tp={rollout_tp}: the 3D-HybridEngine does not run on the {model.engine!r} "
+                f"training engine yet (it gathers whole weights to generate); drop rollout_tp or use "
+                f"engine='torch'"
+            )
         from engines.hybrid.actor import HybridEngine, layout_of
 
         hybrid = HybridEngine.process_groups(layout_of((layout.pp, layout.dp, layout.tp), rollout_tp, rollout_pp))
@@ -281,9 +341,13 @@ class ActorWorker(ModelWorker):
             self.generator.load_weights(state.items())
             del state
         self._loaded_version = self.weights_version
-        self.handover = {"seconds": time.perf_counter() - t0, "bytes_received": int(received),
-                         "bytes_loaded": int(copied), "engine_weight_bytes": int(self.generator.weight_bytes),
-                         "loads": self.handover.get("loads", 0) + 1}
+        self.handover = {
+            "seconds": time.perf_counter() - t0,
+            "bytes_received": int(received),
+            "bytes_loaded": int(copied),
+            "engine_weight_bytes": int(self.generator.weight_bytes),
+            "loads": self.handover.get("loads", 0) + 1,
+        }
 
     def _generation_model(self) -> torch.nn.Module:
         if self.hybrid is not None:
@@ -334,8 +398,10 @@ class ActorWorker(ModelWorker):
         set_model_state_dict(self.engine.model, weights, options=StateDictOptions(full_state_dict=True))
         self.weights_version += 1
         self.policy_version = int(version)
-        return {"bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
-                "seconds": time.perf_counter() - t0}
+        return {
+            "bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+            "seconds": time.perf_counter() - t0,
+        }
 
     def _generate(self, prompts: Batch, spec: GenerationSpec | None) -> Batch:
         self._end_receiving()
@@ -344,24 +410,41 @@ class ActorWorker(ModelWorker):
         if self.generator.holds_weights:
             self._send_weights()
             rows = self.hybrid.micro_slice(len(prompts)) if self.hybrid is not None else slice(0, len(prompts))
-            part = self.generator.generate(None, prompts.slice(rows.start, rows.stop), self.sampling, greedy=greedy,
-                                           seed=seed, seed_offset=rows.start)
+            part = self.generator.generate(
+                None,
+                prompts.slice(rows.start, rows.stop),
+                self.sampling,
+                greedy=greedy,
+                seed=seed,
+                seed_offset=rows.start,
+            )
             return self.hybrid.gather_micro(part) if self.hybrid is not None else part
         if self.hybrid is None:
-            return self.generator.generate(self._generation_model(), prompts, self.sampling, greedy=greedy,
-                                           seed=seed)
+            return self.generator.generate(self._generation_model(), prompts, self.sampling, greedy=greedy, seed=seed)
         rows = self.hybrid.micro_slice(len(prompts))  # this generation replica's rows of the DP share
         model = self.hybrid.generation_model()
         try:
-            part = self.generator.generate(model, prompts.slice(rows.start, rows.stop), self.sampling,
-                                           greedy=greedy, seed=seed, seed_offset=rows.start)
+            part = self.generator.generate(
+                model,
+                prompts.slice(rows.start, rows.stop),
+                self.sampling,
+                greedy=greedy,
+                seed=seed,
+                seed_offset=rows.start,
+            )
         finally:
             self.hybrid.release()
         return self.hybrid.gather_micro(part)
 
     @endpoint(protocol=MESH)
-    def start_generation(self, prompts: Batch, chunk_samples: int, spec: GenerationSpec | None = None,
-                         migrate_below: int | None = None, receivers: int = 1) -> None:
+    def start_generation(
+        self,
+        prompts: Batch,
+        chunk_samples: int,
+        spec: GenerationSpec | None = None,
+        migrate_below: int | None = None,
+        receivers: int = 1,
+    ) -> None:
         """Begin sampling `prompts` (what `generate_sequences` would sample) in a background thread; take the
         samples with `next_generated_chunk(0)`, `(1)`, ... : ceil(rows of this rank / chunk_samples) chunks on
         every rank, each of `chunk_samples` rows except the last, in the order the rows finish. Under the
@@ -377,9 +460,11 @@ class ActorWorker(ModelWorker):
             raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
         self._end_stream()  # one left over from a step that stopped early
         if migrate_below is not None and (self.hybrid is not None or not getattr(self.generator, "migrates", False)):
-            raise ValueError("long-tail migration moves decoding rows between ranks that each generate with "
-                             "whole weights, on an engine that can pause and admit them (hf, vllm); drop "
-                             "rollout_tp, or run without migration (fuse_migrate=False)")
+            raise ValueError(
+                "long-tail migration moves decoding rows between ranks that each generate with "
+                "whole weights, on an engine that can pause and admit them (hf, vllm); drop "
+                "rollout_tp, or run without migration (fuse_migrate=False)"
+            )
         rows, per_chunk = slice(0, len(prompts)), chunk_samples
         d_g = self.hybrid.micro_size if self.hybrid is not None else 1
         self._split_stream = d_g > 1 and len(prompts) % d_g == 0 and chunk_samples % d_g == 0
@@ -393,25 +478,37 @@ class ActorWorker(ModelWorker):
         migrate: dict[str, Any] = {}
         if migrate_below is not None:  # the first `receivers` ranks receive the other ranks' tails, which pause
             if not 1 <= receivers < self.layout.world_size:
-                raise ValueError(f"long-tail migration needs 1 <= receivers < the actor's {self.layout.world_size} "
-                                 f"ranks (some rank must hand its tail over), got receivers={receivers}")
+                raise ValueError(
+                    f"long-tail migration needs 1 <= receivers < the actor's {self.layout.world_size} "
+                    f"ranks (some rank must hand its tail over), got receivers={receivers}"
+                )
             self._receivers = receivers
             self._inbox = queue.Queue() if self.rank < receivers else None
             migrate = {"inbox": self._inbox} if self.rank < receivers else {"pause_below": migrate_below}
-        chunks = self.generator.stream(model, prompts.slice(rows.start, rows.stop), self.sampling, per_chunk,
-                                       greedy=spec.greedy, seed=spec.seed,
-                                       row_offset=self.coords[1] * len(prompts) + rows.start, seed_offset=rows.start,
-                                       **migrate)
-        self._stream = GenerationStream(chunks, n_chunks=-(-len(prompts) // chunk_samples),
-                                        name=f"{self.group_name}-rank{self.rank}-generation")
+        chunks = self.generator.stream(
+            model,
+            prompts.slice(rows.start, rows.stop),
+            self.sampling,
+            per_chunk,
+            greedy=spec.greedy,
+            seed=spec.seed,
+            row_offset=self.coords[1] * len(prompts) + rows.start,
+            seed_offset=rows.start,
+            **migrate,
+        )
+        self._stream = GenerationStream(
+            chunks, n_chunks=-(-len(prompts) // chunk_samples), name=f"{self.group_name}-rank{self.rank}-generation"
+        )
 
     @endpoint(protocol=MESH)
     def next_generated_chunk(self, k: int) -> Batch:
         """Chunk k of the running generation, once complete: generated rows plus `row_index`, their index in the
         prompts of `start_generation`. Taking the last chunk waits for the decoding thread to end."""
         if self._stream is None:
-            raise RuntimeError(f"no generation is running on {self.group_name} rank {self.rank}; call "
-                               f"start_generation(prompts, chunk_samples) before next_generated_chunk({k})")
+            raise RuntimeError(
+                f"no generation is running on {self.group_name} rank {self.rank}; call "
+                f"start_generation(prompts, chunk_samples) before next_generated_chunk({k})"
+            )
         chunk = self._stream.take(k)  # a decoding error is raised here, and by every later chunk call
         if self._stream.finished:
             self._stream = None
@@ -425,8 +522,10 @@ class ActorWorker(ModelWorker):
         rows' decode state (KV caches or tokens so far, sampling state); its device is then free. A receiving
         rank, which goes on decoding, returns [] at once."""
         if self._stream is None:
-            raise RuntimeError(f"no generation is running on {self.group_name} rank {self.rank}; call "
-                               f"start_generation(prompts, chunk_samples, migrate_below=m) first")
+            raise RuntimeError(
+                f"no generation is running on {self.group_name} rank {self.rank}; call "
+                f"start_generation(prompts, chunk_samples, migrate_below=m) first"
+            )
         if self._inbox is not None:
             return []
         try:
@@ -442,9 +541,11 @@ class ActorWorker(ModelWorker):
         None at once."""
         if self._inbox is None:
             if self._stream is not None or self.rank == 0:
-                raise RuntimeError(f"finish_tail needs the generation of start_generation(..., migrate_below=m) "
-                                   f"running on {self.group_name} rank {self.rank}, and every handing-over rank's "
-                                   f"hand_over_tail() first")
+                raise RuntimeError(
+                    f"finish_tail needs the generation of start_generation(..., migrate_below=m) "
+                    f"running on {self.group_name} rank {self.rank}, and every handing-over rank's "
+                    f"hand_over_tail() first"
+                )
             return None
         items = [item for per_rank in handed_over for item in per_rank]
         tails = share_tails([item for item in items if is_tail(item)], self._receivers)[self.rank]
@@ -516,8 +617,9 @@ class ActorWorker(ModelWorker):
         return self.engine.policy_outputs(mb, self.sampling.temperature, with_entropy=True)
 
     @endpoint(protocol=MINIBATCH)
-    def update_actor_and_critics(self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec,
-                                 critics: dict[str, LossFn]) -> dict[str, float]:
+    def update_actor_and_critics(
+        self, shares: list[Batch], loss_fn: LossFn, spec: UpdateSpec, critics: dict[str, LossFn]
+    ) -> dict[str, float]:
         """The actor's and critics' updates as one fused pipeline (RLHFuse's intra-stage fusion,
         engines.training.megatron.pipeline_fusion): the same updates as update_actor and each update_critic, with the
         models' pipelines filling each other's bubbles. `critics`: critic group name -> its loss; each group is on this
@@ -529,12 +631,15 @@ class ActorWorker(ModelWorker):
         others = {name: self.colocated(name) for name in critics}
         for name, other in {"actor": self, **others}.items():
             if name != "actor" and not isinstance(other, CriticWorker):
-                raise TypeError(f"update_actor_and_critics fuses with critics; group {name!r} is a "
-                                f"{type(other).__name__}")
+                raise TypeError(
+                    f"update_actor_and_critics fuses with critics; group {name!r} is a {type(other).__name__}"
+                )
             if other.layout != self.layout or self.layout.pp < 2 or not hasattr(other.engine, "train_loss_step"):
-                raise ValueError(f"a fused pipeline needs the actor and its critics on a pipeline-parallel engine "
-                                 f"(megatron) with the same layout, pp >= 2; got actor {self.layout}, {name} "
-                                 f"{other.layout} on {type(other.engine).__name__}")
+                raise ValueError(
+                    f"a fused pipeline needs the actor and its critics on a pipeline-parallel engine "
+                    f"(megatron) with the same layout, pp >= 2; got actor {self.layout}, {name} "
+                    f"{other.layout} on {type(other.engine).__name__}"
+                )
         mini_batches = self._mini_batches(shares, spec)
         models = [(self.engine, mini_batches, loss_fn, self._policy_outputs)]
         models += [(o.engine, mini_batches, critics[name], o.engine.value_outputs) for name, o in others.items()]
@@ -588,21 +693,31 @@ class RewardModelWorker(ModelWorker):
 
     head = "score"
 
-    def __init__(self, model: ModelConfig, policy: ModelConfig | None = None, optim: OptimConfig | None = None,
-                 zero_stage: int = 3) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        policy: ModelConfig | None = None,
+        optim: OptimConfig | None = None,
+        zero_stage: int = 3,
+    ) -> None:
         """`optim`: train this model (`update_scorer`), e.g. a reward model on preference pairs; None: frozen,
         held as `zero_stage` says (TrainingSetup)."""
         self._setup(model, optim, trainable=optim is not None, zero_stage=zero_stage)
         policy_tokenizer = build_tokenizer(policy) if policy is not None else None
-        self.policy_tokenizer = None if policy_tokenizer is None or same_vocabulary(policy_tokenizer, self.tokenizer) \
-            else policy_tokenizer
+        self.policy_tokenizer = (
+            None if policy_tokenizer is None or same_vocabulary(policy_tokenizer, self.tokenizer) else policy_tokenizer
+        )
 
     def _scores(self, batch: Batch) -> torch.Tensor:
         if self.policy_tokenizer is None:
             return self.engine.scores(batch)
         decode = self.policy_tokenizer.batch_decode
-        texts = [p + r for p, r in zip(decode(batch["prompts"], skip_special_tokens=True),
-                                       decode(batch["responses"], skip_special_tokens=True))]
+        texts = [
+            p + r
+            for p, r in zip(
+                decode(batch["prompts"], skip_special_tokens=True), decode(batch["responses"], skip_special_tokens=True)
+            )
+        ]
         enc = self.tokenizer(texts, padding=True, return_tensors="pt")
         return self.engine.scores(Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}))
 
@@ -619,10 +734,13 @@ class RewardModelWorker(ModelWorker):
         """Train on pairs: each row holds a `chosen` sequence (`input_ids`, `attention_mask`) and a `rejected` one
         (`rejected_input_ids`, `rejected_attention_mask`) of this model's tokenizer, and `response_mask` (B, 1) of
         ones (the update averages over pairs). `loss_fn` sees {"chosen": (B,), "rejected": (B,)} scores."""
+
         def outputs(mb: Batch) -> dict[str, torch.Tensor]:
             rejected = Batch({"input_ids": mb["rejected_input_ids"], "attention_mask": mb["rejected_attention_mask"]})
-            return {"chosen": self.engine.score_outputs(mb)["scores"],
-                    "rejected": self.engine.score_outputs(rejected)["scores"]}
+            return {
+                "chosen": self.engine.score_outputs(mb)["scores"],
+                "rejected": self.engine.score_outputs(rejected)["scores"],
+            }
 
         return self._update(shares, loss_fn, outputs, spec)
 
@@ -641,8 +759,12 @@ class RuleRewardWorker(Worker):
     `row` holds the batch's per-row values (e.g. the task's target) for that sample.
     """
 
-    def __init__(self, fn: Callable[[str, str, dict[str, Any]], float], model: ModelConfig | None = None,
-                 success: Callable[[str, str, dict[str, Any]], bool] | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[[str, str, dict[str, Any]], float],
+        model: ModelConfig | None = None,
+        success: Callable[[str, str, dict[str, Any]], bool] | None = None,
+    ) -> None:
         """`success`: whether a response solved its prompt, reported beside the reward (a `success` field) where
         the reward is shaped."""
         self.fn, self.success = fn, success
@@ -653,8 +775,13 @@ class RuleRewardWorker(Worker):
         prompts = self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True)
         responses = self.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
         rows = [{k: v[i] for k, v in batch.rows.items()} for i in range(len(batch))]
-        return Batch({name: torch.tensor([float(fn(p, r, row)) for p, r, row in zip(prompts, responses, rows)])
-                      for name, fn in fns.items() if fn is not None})
+        return Batch(
+            {
+                name: torch.tensor([float(fn(p, r, row)) for p, r, row in zip(prompts, responses, rows)])
+                for name, fn in fns.items()
+                if fn is not None
+            }
+        )
 
     @endpoint(protocol=MESH)
     def compute_reward(self, batch: Batch) -> Batch:

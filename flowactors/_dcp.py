@@ -120,14 +120,14 @@ def load_sharded(
         raise CheckpointError(
             f"{directory} holds no sharded state (no {_METADATA}); was this role saved with save_sharded into "
             "this checkpoint? Pick the role's directory with Checkpoint.role_dir(role)",
-            path=directory, file=_METADATA,
+            path=directory,
+            file=_METADATA,
         )
     reader = _ParallelFileSystemReader(directory, thread_count=thread_count)
     planner = DefaultLoadPlanner(allow_partial_load=not strict)
     try:
         with _single_process_ok() as no_dist:
-            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-                     no_dist=no_dist)
+            dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
     except CheckpointException as error:
         raise CheckpointError(
             f"loading sharded state from {directory} failed: {error}; every key of the state dict must be in the "
@@ -210,7 +210,7 @@ class _ChecksummingStream(io.RawIOBase):
         # Checksumming a whole 16 MiB tensor before writing it made the save about 40% slower here.
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _SLICE_BYTES):
-            part = view[start:start + _SLICE_BYTES]
+            part = view[start : start + _SLICE_BYTES]
             self._raw.write(part)
             self._crc.update(part)
         return len(view)

@@ -58,16 +58,25 @@ import threading
 import time
 import weakref
 from collections import deque
-from contextlib import suppress as _suppress
 from collections.abc import Sequence
+from contextlib import suppress as _suppress
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
 
-__all__ = ["CALLS_TOPIC", "ISSUED_TOPIC", "DirectChannel", "DirectFuture", "DirectRef", "DirectTransport", "INLINE_BYTES",
-           "MAX_MESSAGE_BYTES", "ProtocolError"]
+__all__ = [
+    "CALLS_TOPIC",
+    "ISSUED_TOPIC",
+    "DirectChannel",
+    "DirectFuture",
+    "DirectRef",
+    "DirectTransport",
+    "INLINE_BYTES",
+    "MAX_MESSAGE_BYTES",
+    "ProtocolError",
+]
 
 INLINE_BYTES = 64 * 1024
 """Outputs up to this size (flowactors._push.payload_bytes) come back in the reply; larger ones stay on the worker
@@ -171,8 +180,10 @@ class _Connection:
             raise ProtocolError(f"a message announced {count} buffers, more than the {MAX_BUFFERS} allowed")
         sizes = struct.unpack(f"!{count}Q", _read_exactly(self.sock, 8 * count)) if count else ()
         if n + sum(sizes) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"a message announced {n + sum(sizes)} bytes, more than MAX_MESSAGE_BYTES = "
-                                f"{MAX_MESSAGE_BYTES}; send values that large as Dask futures (Client.scatter)")
+            raise ProtocolError(
+                f"a message announced {n + sum(sizes)} bytes, more than MAX_MESSAGE_BYTES = "
+                f"{MAX_MESSAGE_BYTES}; send values that large as Dask futures (Client.scatter)"
+            )
         data = _read_exactly(self.sock, n)
         return data, [_read_exactly(self.sock, k) for k in sizes]
 
@@ -191,8 +202,10 @@ def _frames(obj: Any) -> list:
     buffers: list = []
     data = dumps(obj, buffer_callback=buffers.append)
     views = [b.raw() for b in buffers]
-    return [_FRAME.pack(len(data), len(views)) + struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)) + data,
-            *views]
+    return [
+        _FRAME.pack(len(data), len(views)) + struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)) + data,
+        *views,
+    ]
 
 
 def _proof(secret: bytes, nonce: bytes) -> bytes:
@@ -217,7 +230,7 @@ def _answer(sock: socket.socket, secret: bytes) -> None:
     hello = bytes(_read_exactly(sock, len(_HELLO) + _NONCE_BYTES))
     if not hello.startswith(_HELLO):
         raise ProtocolError(f"{sock.getpeername()} is not a flowactors direct-path listener")
-    sock.sendall(_proof(secret, hello[len(_HELLO):]))
+    sock.sendall(_proof(secret, hello[len(_HELLO) :]))
 
 
 def _dial(address: str, port: int, secret: bytes) -> _Connection:
@@ -334,15 +347,16 @@ class DirectChannel:
             conn = _dial(address, *self._listener(address))
             conn.send(_frames(("peers", dict(self._listeners))))
             self._connections[address] = conn
-            threading.Thread(target=self._read_replies, args=(address, conn), daemon=True,
-                             name=f"flowactors-direct {address}").start()
+            threading.Thread(
+                target=self._read_replies, args=(address, conn), daemon=True, name=f"flowactors-direct {address}"
+            ).start()
         return conn
 
     def _read_replies(self, address: str, conn: _Connection) -> None:
         while True:
             try:
                 key, status, value, stored = conn.receive()
-            except Exception as e:  # noqa: BLE001 - closed: the worker died, or this channel closed
+            except Exception as e:
                 if self._connections.get(address) is conn:
                     del self._connections[address]
                 if not self._closed:
@@ -371,12 +385,11 @@ class DirectChannel:
             self._fetch_pool.shutdown(wait=False)
         try:
             self._client.unregister_worker_plugin(PLUGIN_NAME)
-        except Exception:  # noqa: BLE001 - workers already gone
+        except Exception:
             pass
 
     # -- sending ---------------------------------------------------------------------------------------------
-    def submit(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None = None
-               ) -> list[DirectFuture]:
+    def submit(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None = None) -> list[DirectFuture]:
         """Send each (address, fn, args, kwargs, key) item to run on its address after everything sent there
         before (the caller holds the controller's lock: one issue order). All are serialized first, so an argument
         that cannot travel raises at the call site and no item is sent (no rank enters a collective alone);
@@ -394,7 +407,7 @@ class DirectChannel:
             try:
                 conn = self._connection(address)
                 conn.send([*_frames(("call", key, step, release)), *task])  # the task: a message of its own
-            except Exception as e:  # noqa: BLE001 - the worker is gone (or never answered)
+            except Exception as e:
                 with self._cond:
                     self._inflight.pop(key, None)
                 self._finish(fut, "lost", error=e)
@@ -408,8 +421,16 @@ class DirectChannel:
         reports, now = [], clock()
         for address, _, args, kwargs, key in items:
             deps = list(dict.fromkeys(f.key for f in _direct_futures((args, kwargs))))  # they travel as DirectRefs
-            reports.append({"key": key, "worker": address, "deps": deps, "step": step,
-                            "order": self._last_sent.get(address), "at": now})
+            reports.append(
+                {
+                    "key": key,
+                    "worker": address,
+                    "deps": deps,
+                    "step": step,
+                    "order": self._last_sent.get(address),
+                    "at": now,
+                }
+            )
             self._last_sent[address] = key
         with self._cond:
             self._issued.extend(reports)
@@ -423,11 +444,17 @@ class DirectChannel:
         if calls and not self._closed:
             try:
                 self._client.log_event(ISSUED_TOPIC, {"calls": calls})
-            except Exception:  # noqa: BLE001 - the dashboard misses them; calls are unaffected
+            except Exception:
                 pass
 
-    def _finish(self, fut: DirectFuture, status: str, value: Any = None, stored: bool = False,
-                error: BaseException | None = None) -> None:
+    def _finish(
+        self,
+        fut: DirectFuture,
+        status: str,
+        value: Any = None,
+        stored: bool = False,
+        error: BaseException | None = None,
+    ) -> None:
         with self._cond:
             if fut.status != "pending":
                 return
@@ -521,7 +548,7 @@ class DirectChannel:
         """{worker: {key: stack frames}} of the item each worker's task thread runs now (as `Client.call_stack`)."""
         try:
             return self._client.run(running_stack)
-        except Exception:  # noqa: BLE001 - a report without them is still a report
+        except Exception:
             return {}
 
     def records(self, start: float, stop: float) -> list[dict]:
@@ -529,10 +556,13 @@ class DirectChannel:
         records: {"key", "worker", "startstops": [{"action": "compute", "start", "stop"}]}."""
         try:
             found = self._client.run(spans_between, start, stop)
-        except Exception:  # noqa: BLE001 - a profile without them undercounts; calls are unaffected
+        except Exception:
             return []
-        return [{"key": k, "worker": w, "startstops": [{"action": "compute", "start": a, "stop": b}]}
-                for w, spans in found.items() for k, a, b in spans]
+        return [
+            {"key": k, "worker": w, "startstops": [{"action": "compute", "start": a, "stop": b}]}
+            for w, spans in found.items()
+            for k, a, b in spans
+        ]
 
 
 class DirectTransport(Transport):
@@ -552,8 +582,9 @@ class DirectTransport(Transport):
 
     def apply_site(self, args: tuple, kwargs: dict, slots: Sequence[str]) -> str:
         """The worker that produced the first input (its output is there), else the least busy one."""
-        return next((f.address for v in (*args, *kwargs.values()) for f in _direct_futures(v)), None) \
-            or self.channel.least_busy(slots)
+        return next(
+            (f.address for v in (*args, *kwargs.values()) for f in _direct_futures(v)), None
+        ) or self.channel.least_busy(slots)
 
     def resolve(self, calls: Sequence[Any], timeout: float | None, values: bool = True) -> list[list]:
         """A future whose connection broke means its worker is gone, whether or not the scheduler said so: every
@@ -586,8 +617,11 @@ class DirectTransport(Transport):
         from distributed.client import FutureCancelledError
 
         for a in {f.address for f in stale}:
-            self.channel.fail_address(a, FutureCancelledError(a, "recovery", "the controller rebuilt its groups "
-                                                                          "after a lost worker"), lost=False)
+            self.channel.fail_address(
+                a,
+                FutureCancelledError(a, "recovery", "the controller rebuilt its groups after a lost worker"),
+                lost=False,
+            )
         self.channel.reset()
 
     def stacks(self) -> dict[str, dict[str, list[str]]]:
@@ -644,8 +678,9 @@ class DirectPlugin(WorkerPlugin):
         self._listener = socket.create_server((get_address_host(worker.address), 0), backlog=128)
         secret = secrets.token_bytes(32)
         worker._flowactors_direct = (self._listener.getsockname()[1], secret)
-        threading.Thread(target=_accept, args=(worker, self._listener, secret), daemon=True,
-                         name="flowactors-direct accept").start()
+        threading.Thread(
+            target=_accept, args=(worker, self._listener, secret), daemon=True, name="flowactors-direct accept"
+        ).start()
         self._report = PeriodicCallback(lambda: _flush_reports(worker), REPORT_S * 1000)
         self._report.start()
 
@@ -679,8 +714,9 @@ def _accept(worker: Any, listener: socket.socket, secret: bytes) -> None:
             sock, peer = listener.accept()
         except OSError:  # closed with the plugin
             return
-        threading.Thread(target=_serve, args=(worker, sock, peer, secret), daemon=True,
-                         name="flowactors-direct serve").start()
+        threading.Thread(
+            target=_serve, args=(worker, sock, peer, secret), daemon=True, name="flowactors-direct serve"
+        ).start()
 
 
 def refused(dask_worker: Any = None) -> list[str]:
@@ -726,20 +762,21 @@ def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
             if release:
                 loop.call_soon_threadsafe(_handle_release, release)
             data, buffers = conn.receive_frames()  # unpickled apart: a failure there is this item's failure
-        except Exception as e:  # noqa: BLE001 - the controller went away, or broke the protocol
+        except Exception as e:
             if isinstance(e, ProtocolError):
                 REFUSED.append(f"{peer}: {e}")
             conn.close()
             return
         try:
             fn, args, kwargs = pickle.loads(data, buffers=buffers)
-        except BaseException as e:  # noqa: BLE001 - e.g. a class the worker cannot import
+        except BaseException as e:
             fn, args, kwargs = _raise, (e,), {}
         refs: dict[str, DirectRef] = {}
         _collect_refs((args, kwargs), refs)
         previous, order.last = order.last, key  # items of one connection run in the order they arrive
-        _REPORTS.append({"key": key, "deps": list(refs), "order": previous, "state": "waiting", "step": step,
-                         "at": time.time()})
+        _REPORTS.append(
+            {"key": key, "deps": list(refs), "order": previous, "state": "waiting", "step": step, "at": time.time()}
+        )
         inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs), loop) if refs else None
         executor.submit(_job, worker, conn, previous, key, step, fn, args, kwargs, inputs, list(refs))
 
@@ -749,9 +786,10 @@ def _serve_get(conn: _Connection, loop: Any, key: str) -> None:
     reply = asyncio.run_coroutine_threadsafe(_lookup(key), loop).result()
     try:
         frames = _frames(reply)
-    except Exception as e:  # noqa: BLE001 - an exception that cannot travel
-        frames = _frames({"status": "raised", "exception": RuntimeError(f"{key} raised, and its exception cannot "
-                                                                        f"be sent: {e}")})
+    except Exception as e:
+        frames = _frames(
+            {"status": "raised", "exception": RuntimeError(f"{key} raised, and its exception cannot be sent: {e}")}
+        )
     conn.send(frames)
 
 
@@ -759,8 +797,18 @@ def _raise(error: BaseException) -> None:
     raise error
 
 
-def _job(worker: Any, conn: _Connection, previous: str | None, key: str, step: int | None, fn: Any, args: tuple,
-         kwargs: dict, inputs: Any, deps: list[str]) -> None:
+def _job(
+    worker: Any,
+    conn: _Connection,
+    previous: str | None,
+    key: str,
+    step: int | None,
+    fn: Any,
+    args: tuple,
+    kwargs: dict,
+    inputs: Any,
+    deps: list[str],
+) -> None:
     """In the worker's task thread: wait for the inputs, run the item as a task would run (`get_worker()` answers
     there), keep its output, reply to the controller."""
     from distributed.metrics import time as now
@@ -774,7 +822,7 @@ def _job(worker: Any, conn: _Connection, previous: str | None, key: str, step: i
             args, kwargs = inputs.result()
         except _InputRaised as e:  # an input's item raised: this one raises the same, without running (as Dask)
             failed = e.error
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             failed = e
     start = now()
     value = None
@@ -784,15 +832,16 @@ def _job(worker: Any, conn: _Connection, previous: str | None, key: str, step: i
         _RUNNING.update(key=key, thread=threading.get_ident())
         try:
             value = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - sent to the controller, raised by result()
+        except BaseException as e:
             failed = e
         finally:
             _RUNNING.clear()
             _worker_cvar.reset(token)
     stop = now()
     _SPANS.append((key, start, stop))
-    _REPORTS.append({"key": key, "deps": deps, "order": previous, "start": start, "stop": stop,
-                     "ok": failed is None, "step": step})
+    _REPORTS.append(
+        {"key": key, "deps": deps, "order": previous, "start": start, "stop": stop, "ok": failed is None, "step": step}
+    )
     _STORE[key] = _Raised(failed) if failed is not None else value
     worker.loop.asyncio_loop.call_soon_threadsafe(_mark_ready, key)
     if failed is not None:
@@ -804,7 +853,7 @@ def _job(worker: Any, conn: _Connection, previous: str | None, key: str, step: i
     try:
         try:
             frames = _frames(reply)
-        except Exception as e:  # noqa: BLE001 - an output or exception that cannot travel
+        except Exception as e:
             frames = _frames((key, "error", RuntimeError(f"{key}: its result cannot be sent back: {e}"), False))
         conn.send(frames)
     except OSError:  # the controller went away
@@ -880,6 +929,7 @@ async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef]) -> 
     """`value` with its DirectRefs (`refs`, by key) replaced by what they name (fetched from their worker where not
     held here); an input that cannot be had becomes a RankFailure, which the runtime reports as the rank's failure,
     and one whose item raised raises `_InputRaised`."""
+
     async def one(ref: DirectRef) -> Any:
         try:
             if ref.address == worker.address:
@@ -894,13 +944,18 @@ async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef]) -> 
             return _unwrap_reply(await loop.run_in_executor(_fetch_pool(), _FETCHER.get, ref.address, ref.key))
         except _InputRaised:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             from flowactors._runtime import RankFailure
 
             group, _, rest = ref.key.partition(".")
-            return RankFailure(group, rest.rsplit("-", 2)[0], -1, "InputLost",
-                               f"input {ref.key} from {ref.address} could not be fetched: {type(e).__name__}: {e}",
-                               "")
+            return RankFailure(
+                group,
+                rest.rsplit("-", 2)[0],
+                -1,
+                "InputLost",
+                f"input {ref.key} from {ref.address} could not be fetched: {type(e).__name__}: {e}",
+                "",
+            )
 
     results = await asyncio.gather(*(one(r) for r in refs.values()), return_exceptions=True)
     raised = next((r for r in results if isinstance(r, BaseException)), None)
@@ -941,7 +996,7 @@ def _flush_reports(worker: Any) -> None:
         return
     try:
         worker.log_event(CALLS_TOPIC, {"worker": worker.address, "calls": calls})
-    except Exception:  # noqa: BLE001 - the dashboard misses a few items; calls are unaffected
+    except Exception:
         pass
 
 

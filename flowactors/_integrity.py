@@ -85,7 +85,8 @@ def _block_crcs(directory: Path, sizes: Mapping[str, int], *, threads: int, fsyn
                     raise CheckpointError(
                         f"checkpoint {directory}: {rel} ended at byte {offset + length - remaining}, expected "
                         f"{offset + length}; it was truncated while being read",
-                        path=directory, file=rel,
+                        path=directory,
+                        file=rel,
                     )
                 value = zlib.crc32(buffer[:n], value)
                 remaining -= n
@@ -125,7 +126,7 @@ class _BlockCrc:
         position = 0
         while position < len(view):
             take = min(_BLOCK_BYTES - self._in_block, len(view) - position)
-            self._crc = zlib.crc32(view[position:position + take], self._crc)
+            self._crc = zlib.crc32(view[position : position + take], self._crc)
             self._in_block += take
             position += take
             if self._in_block == _BLOCK_BYTES:

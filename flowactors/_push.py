@@ -96,7 +96,7 @@ class ResultInbox:
     def close(self) -> None:
         try:
             self._client.sync(self._server.close)
-        except Exception:  # noqa: BLE001 - the loop may be gone at interpreter exit
+        except Exception:
             pass
 
 
@@ -174,9 +174,9 @@ def push(address: str, key: str, value: Any) -> None:
         async def send() -> None:
             try:
                 await worker.rpc(address).flowactors_push(key=key, value=to_serialize(payload))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
         worker.loop.add_callback(send)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass

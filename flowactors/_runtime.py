@@ -98,8 +98,9 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def init_world(rank: int, world_size: int, host: str, port: int, backend: str, timeout_s: float, device: int,
-               _after: Any = None) -> str:
+def init_world(
+    rank: int, world_size: int, host: str, port: int, backend: str, timeout_s: float, device: int, _after: Any = None
+) -> str:
     """Join the world whose rendezvous store rank 0 serves at host:port (reserved there by `free_port`).
 
     What listens, and where: torch's own `tcp://` rendezvous would start the store on every interface
@@ -237,8 +238,9 @@ def _interface_addresses(name: str) -> list:
     return out
 
 
-def new_group(name: str, global_ranks: list[int], layout: Layout, subgroups: list[tuple[int, ...]] = (),
-              _after: Any = None) -> bool:
+def new_group(
+    name: str, global_ranks: list[int], layout: Layout, subgroups: list[tuple[int, ...]] = (), _after: Any = None
+) -> bool:
     """Create the group's process group, mesh and subgroups (tuples of group ranks); every world rank runs this,
     members keep the result."""
     import torch
@@ -250,8 +252,11 @@ def new_group(name: str, global_ranks: list[int], layout: Layout, subgroups: lis
     timeout = _WORLD.get("timeout")  # the world's: torch gives a new group 30 minutes otherwise
     pg = dist.new_group(global_ranks, timeout=timeout)
     device_type = "cuda" if _WORLD.get("backend") == "nccl" else "cpu"
-    mesh = DeviceMesh(device_type, torch.tensor(global_ranks).reshape(layout.pp, layout.dp, layout.tp),
-                      mesh_dim_names=("pp", "dp", "tp"))
+    mesh = DeviceMesh(
+        device_type,
+        torch.tensor(global_ranks).reshape(layout.pp, layout.dp, layout.tp),
+        mesh_dim_names=("pp", "dp", "tp"),
+    )
     me = dist.get_rank()
     mine = {}
     for sub in subgroups:
@@ -273,12 +278,13 @@ def construct(name: str, cls: type, args: tuple, kwargs: dict, _after: Any = Non
         inst.rank, inst.world_size, inst.layout = ctx.rank, ctx.layout.world_size, ctx.layout
         inst.group_name, inst.process_group, inst.mesh = name, ctx.process_group, ctx.mesh
         inst.subgroups = ctx.subgroups
-        inst.device = torch.device("cuda", torch.cuda.current_device()) if ctx.mesh.device_type == "cuda" \
-            else torch.device("cpu")
+        inst.device = (
+            torch.device("cuda", torch.cuda.current_device()) if ctx.mesh.device_type == "cuda" else torch.device("cpu")
+        )
         inst.__init__(*args, **kwargs)
         ctx.instance = inst
         return None
-    except BaseException as e:  # noqa: BLE001 - reported to the controller with the traceback
+    except BaseException as e:
         return RankFailure(name, "__init__", ctx.rank, type(e).__name__, str(e), traceback.format_exc())
 
 
@@ -290,13 +296,23 @@ def destroy(name: str, _after: Any = None) -> None:
         if instance is not None:
             try:
                 instance.shutdown()
-            except Exception as e:  # noqa: BLE001 - closing goes on; what was not released is logged
+            except Exception as e:
                 _log.warning("shutdown_failed", group=name, error=f"{type(e).__name__}: {e}")
 
 
-def call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tuple[Protocol, Layout] | None,
-         step: int | None, agree: bool = False, keep: bool = True, push: tuple[str, str] | None = None,
-         _after: Any = None) -> Any:
+def call(
+    name: str,
+    method: str,
+    rank: int,
+    args: tuple,
+    kwargs: dict,
+    split: tuple[Protocol, Layout] | None,
+    step: int | None,
+    agree: bool = False,
+    keep: bool = True,
+    push: tuple[str, str] | None = None,
+    _after: Any = None,
+) -> Any:
     result = _call(name, method, rank, args, kwargs, split, step, agree, keep)
     if push is not None:  # (the controller's inbox, this task's key): flowactors._push
         from flowactors._push import push as send
@@ -305,8 +321,17 @@ def call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tu
     return result
 
 
-def _call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: tuple[Protocol, Layout] | None,
-          step: int | None, agree: bool, keep: bool) -> Any:
+def _call(
+    name: str,
+    method: str,
+    rank: int,
+    args: tuple,
+    kwargs: dict,
+    split: tuple[Protocol, Layout] | None,
+    step: int | None,
+    agree: bool,
+    keep: bool,
+) -> Any:
     """Run `method` on this rank's instance.
 
     With `split`, the inputs are the whole call's and are split here with the protocol. With `agree`, every rank
@@ -317,13 +342,15 @@ def _call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: t
     failure = None
     try:
         if ctx is None or ctx.instance is None:
-            raise RuntimeError(f"no instance of group {name!r} lives in this worker process (pid {os.getpid()}); "
-                               f"it was closed or this worker was restarted")
+            raise RuntimeError(
+                f"no instance of group {name!r} lives in this worker process (pid {os.getpid()}); "
+                f"it was closed or this worker was restarted"
+            )
         args, kwargs = _resolve(args), {k: _resolve_one(v) for k, v in kwargs.items()}
         if split is not None:
             protocol, layout = split
             args, kwargs = protocol.split(args, kwargs, layout)[rank]
-    except BaseException as e:  # noqa: BLE001 - reported to the controller with the traceback
+    except BaseException as e:
         failure = RankFailure(name, method, rank, type(e).__name__, str(e), traceback.format_exc())
     if agree and ctx is not None:
         failure = _agree(ctx, method, failure)
@@ -331,14 +358,19 @@ def _call(name: str, method: str, rank: int, args: tuple, kwargs: dict, split: t
         if failure is not None:
             raise _Failed
         out = getattr(ctx.instance, method)(*args, **kwargs)
-        _log.info("call", role=name, method=method, rank=rank, step=step,
-                  duration_s=round(time.perf_counter() - t0, 6))
+        _log.info("call", role=name, method=method, rank=rank, step=step, duration_s=round(time.perf_counter() - t0, 6))
         return out if keep else None
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         if failure is None:
             failure = RankFailure(name, method, rank, type(e).__name__, str(e), traceback.format_exc())
-        _log.warning("call failed", role=name, method=method, rank=rank, step=step,
-                     error=failure.message if failure.peer else f"{failure.exc_type}: {failure.message}")
+        _log.warning(
+            "call failed",
+            role=name,
+            method=method,
+            rank=rank,
+            step=step,
+            error=failure.message if failure.peer else f"{failure.exc_type}: {failure.message}",
+        )
         return failure
 
 
@@ -358,14 +390,26 @@ def _agree(ctx: _GroupContext, method: str, failure: RankFailure | None) -> Rank
     flags[ctx.rank] = int(failure is not None)
     try:
         dist.all_reduce(flags, group=ctx.process_group)
-    except BaseException as e:  # noqa: BLE001 - a broken process group: this rank cannot run either
-        return failure or RankFailure(ctx.name, method, ctx.rank, type(e).__name__,
-                                      f"ranks could not agree that every input arrived: {e}", traceback.format_exc())
+    except BaseException as e:
+        return failure or RankFailure(
+            ctx.name,
+            method,
+            ctx.rank,
+            type(e).__name__,
+            f"ranks could not agree that every input arrived: {e}",
+            traceback.format_exc(),
+        )
     failed = [r for r, f in enumerate(flags.tolist()) if f]
     if failure is None and failed:
-        return RankFailure(ctx.name, method, ctx.rank, "InputError",
-                           f"did not run because rank(s) {failed} of this call could not take their inputs", "",
-                           peer=True)
+        return RankFailure(
+            ctx.name,
+            method,
+            ctx.rank,
+            "InputError",
+            f"did not run because rank(s) {failed} of this call could not take their inputs",
+            "",
+            peer=True,
+        )
     return failure
 
 
@@ -420,11 +464,13 @@ def _raise_failures(group: str, method: str, outputs: Any) -> None:
     if failures:
         own = [f for f in failures if not f.peer] or failures
         f = own[0]
-        raise RemoteError(group, method, f.rank, f.exc_type, f.message, f.traceback,
-                          failed_ranks=[x.rank for x in own])
+        raise RemoteError(group, method, f.rank, f.exc_type, f.message, f.traceback, failed_ranks=[x.rank for x in own])
 
 
-SINGLE = Protocol("single", lambda args, kwargs, layout: [(args, kwargs)], lambda outputs, layout: outputs[0],
-                  parts=lambda layout: [[0]])
+SINGLE = Protocol(
+    "single",
+    lambda args, kwargs, layout: [(args, kwargs)],
+    lambda outputs, layout: outputs[0],
+    parts=lambda layout: [[0]],
+)
 """The protocol of a one-task result (Controller.apply)."""
-

@@ -54,13 +54,17 @@ def select_device(worker_name: str, env: Mapping[str, str]) -> dict[str, str]:
     if per_job > 1:
         m = _INDEX.search(worker_name)
         if m is None:
-            raise ValueError(f"worker name {worker_name!r} does not end in -<index>, so its position among the "
-                             f"{per_job} worker processes of its job is unknown; start the job's workers with "
-                             f"`dask worker --nworkers {per_job} --name NAME` (dask-jobqueue does)")
+            raise ValueError(
+                f"worker name {worker_name!r} does not end in -<index>, so its position among the "
+                f"{per_job} worker processes of its job is unknown; start the job's workers with "
+                f"`dask worker --nworkers {per_job} --name NAME` (dask-jobqueue does)"
+            )
         index = int(m.group(1))
         if index >= per_job:
-            raise ValueError(f"worker {worker_name!r} has index {index}, but its job runs only {per_job} worker "
-                             f"processes ({WORKERS_PER_JOB_ENV}={per_job})")
+            raise ValueError(
+                f"worker {worker_name!r} has index {index}, but its job runs only {per_job} worker "
+                f"processes ({WORKERS_PER_JOB_ENV}={per_job})"
+            )
     out = {"LOCAL_RANK": str(index), "LOCAL_WORLD_SIZE": str(per_job)}
     if env.get(PIN_DEVICES_ENV, "1") == "0":
         return out
@@ -70,9 +74,11 @@ def select_device(worker_name: str, env: Mapping[str, str]) -> dict[str, str]:
         return out
     devices = [d.strip() for d in job_devices.split(",") if d.strip()]
     if len(devices) < per_job:
-        raise ValueError(f"the job has {len(devices)} GPU(s) (CUDA_VISIBLE_DEVICES={job_devices!r}) for {per_job} "
-                         f"worker processes; request one GPU per process (#SBATCH --gres=gpu:{per_job}, which "
-                         f"flowactors.slurm adds from gpus_per_node)")
+        raise ValueError(
+            f"the job has {len(devices)} GPU(s) (CUDA_VISIBLE_DEVICES={job_devices!r}) for {per_job} "
+            f"worker processes; request one GPU per process (#SBATCH --gres=gpu:{per_job}, which "
+            f"flowactors.slurm adds from gpus_per_node)"
+        )
     out["CUDA_VISIBLE_DEVICES"] = devices[index]
     out[JOB_DEVICES_ENV] = ",".join(devices)
     return out
@@ -93,7 +99,9 @@ def dask_setup(server: Any) -> None:
         server.env.update(updates)
         return
     if _cuda_initialised() and os.environ.get("CUDA_VISIBLE_DEVICES") != updates.get("CUDA_VISIBLE_DEVICES"):
-        raise RuntimeError(f"CUDA was initialised in worker {server.name} before flowactors._slurm_preload could "
-                           f"pin it to device {updates.get('CUDA_VISIBLE_DEVICES')}; load the preload first "
-                           f"(`--preload flowactors._slurm_preload` before other preloads) or use --preload-nanny")
+        raise RuntimeError(
+            f"CUDA was initialised in worker {server.name} before flowactors._slurm_preload could "
+            f"pin it to device {updates.get('CUDA_VISIBLE_DEVICES')}; load the preload first "
+            f"(`--preload flowactors._slurm_preload` before other preloads) or use --preload-nanny"
+        )
     os.environ.update(updates)

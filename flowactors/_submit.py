@@ -69,16 +69,23 @@ def submit_pinned_tasks(client: Client, tasks: Sequence[PinnedTask]) -> list[Fut
         raise ValueError(f"task keys must be distinct, got {keys}")
     layers = {
         t.key: MaterializedLayer(
-            {t.key: Task(t.key, t.fn, *(parse_input(a) for a in t.args),
-                         **{k: parse_input(v) for k, v in t.kwargs.items()})},
-            annotations={"workers": [t.address], "allow_other_workers": False, "priority": t.priority})
+            {
+                t.key: Task(
+                    t.key, t.fn, *(parse_input(a) for a in t.args), **{k: parse_input(v) for k, v in t.kwargs.items()}
+                )
+            },
+            annotations={"workers": [t.address], "allow_other_workers": False, "priority": t.priority},
+        )
         for t in tasks
     }
     graph = HighLevelGraph(layers, {k: set() for k in keys})  # dependencies are on futures outside the graph
     futures = client._graph_to_futures(
-        HLGExpr(dsk=graph, output_keys=keys), keys,
+        HLGExpr(dsk=graph, output_keys=keys),
+        keys,
         span_metadata=SpanMetadata(collections=[{"type": "Future"}]),
-        internal_priority={k: 0 for k in keys}, fifo_timeout="100 ms")
+        internal_priority={k: 0 for k in keys},
+        fifo_timeout="100 ms",
+    )
     return [futures[k] for k in keys]
 
 
@@ -87,8 +94,11 @@ def scatter_to(client: Client, items: Sequence[tuple[str, Any]]) -> list[Future]
     import asyncio
 
     async def send() -> list[Future]:
-        return list(await asyncio.gather(*(
-            client.scatter(v, workers=[a], direct=True, hash=False, asynchronous=True) for a, v in items)))
+        return list(
+            await asyncio.gather(
+                *(client.scatter(v, workers=[a], direct=True, hash=False, asynchronous=True) for a, v in items)
+            )
+        )
 
     return client.sync(send) if items else []
 
@@ -134,9 +144,12 @@ class DaskTransport(Transport):
         """Large Batch arguments replaced by futures of data sent straight to each rank's worker: values embedded
         in a task travel through the scheduler, which unpickles and re-pickles them; a direct scatter moves the
         bytes once, controller to worker."""
-        sends = [(r, i, k, v) for r, (a, kw) in enumerate(per_rank)
-                 for i, k, v in [*((i, None, x) for i, x in enumerate(a)), *((None, k, x) for k, x in kw.items())]
-                 if isinstance(v, Batch) and v.nbytes >= SCATTER_BYTES]
+        sends = [
+            (r, i, k, v)
+            for r, (a, kw) in enumerate(per_rank)
+            for i, k, v in [*((i, None, x) for i, x in enumerate(a)), *((None, k, x) for k, x in kw.items())]
+            if isinstance(v, Batch) and v.nbytes >= SCATTER_BYTES
+        ]
         if not sends:
             return per_rank
         futures = scatter_to(self.client, [(addresses[r], v) for r, _, _, v in sends])

@@ -41,11 +41,15 @@ class Batch:
         lengths.update({f"rows {k!r}": len(v) for k, v in self.rows.items()})
         for k, v in self.tensors.items():
             if v.dim() == 0:
-                raise ValueError(f"tensor {k!r} is a scalar; batch tensors need a leading row dimension "
-                                 f"(put step-level values in meta)")
+                raise ValueError(
+                    f"tensor {k!r} is a scalar; batch tensors need a leading row dimension "
+                    f"(put step-level values in meta)"
+                )
         if len(set(lengths.values())) > 1:
-            raise ValueError(f"batch fields disagree on the number of rows: {lengths}; every tensor's first "
-                             f"dimension and every per-row list must have the same length")
+            raise ValueError(
+                f"batch fields disagree on the number of rows: {lengths}; every tensor's first "
+                f"dimension and every per-row list must have the same length"
+            )
 
     # -- inspection -----------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -60,8 +64,9 @@ class Batch:
             return self.tensors[name]
         if name in self.rows:
             return self.rows[name]
-        raise KeyError(f"batch has no field {name!r}; it has tensors {sorted(self.tensors)} "
-                       f"and rows {sorted(self.rows)}")
+        raise KeyError(
+            f"batch has no field {name!r}; it has tensors {sorted(self.tensors)} and rows {sorted(self.rows)}"
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self.tensors or name in self.rows
@@ -74,8 +79,9 @@ class Batch:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}"
-                           for k, v in self.tensors.items())
+        fields = ", ".join(
+            f"{k}: {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}" for k, v in self.tensors.items()
+        )
         rows = f", rows: {sorted(self.rows)}" if self.rows else ""
         return f"Batch(len={len(self)}, {fields}{rows}, meta={sorted(self.meta)})"
 
@@ -84,8 +90,10 @@ class Batch:
         return (
             isinstance(other, Batch)
             and self.tensors.keys() == other.tensors.keys()
-            and all(self.tensors[k].dtype == other.tensors[k].dtype and torch.equal(self.tensors[k], other.tensors[k])
-                    for k in self.tensors)
+            and all(
+                self.tensors[k].dtype == other.tensors[k].dtype and torch.equal(self.tensors[k], other.tensors[k])
+                for k in self.tensors
+            )
             and self.rows == other.rows
             and self.meta == other.meta
         )
@@ -98,13 +106,19 @@ class Batch:
         if idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n):
             raise IndexError(f"row index out of range for a batch of {n} rows")
         ilist = idx.tolist()
-        return Batch({k: v.index_select(0, idx) for k, v in self.tensors.items()},
-                     {k: [v[i] for i in ilist] for k, v in self.rows.items()}, self.meta)
+        return Batch(
+            {k: v.index_select(0, idx) for k, v in self.tensors.items()},
+            {k: [v[i] for i in ilist] for k, v in self.rows.items()},
+            self.meta,
+        )
 
     def slice(self, start: int, stop: int) -> "Batch":
         """Rows `start:stop` as views (no copy)."""
-        return Batch({k: v[start:stop] for k, v in self.tensors.items()},
-                     {k: v[start:stop] for k, v in self.rows.items()}, self.meta)
+        return Batch(
+            {k: v[start:stop] for k, v in self.tensors.items()},
+            {k: v[start:stop] for k, v in self.rows.items()},
+            self.meta,
+        )
 
     def split(self, parts: int) -> list["Batch"]:
         """`parts` equal, contiguous parts; a batch that does not divide is an error (pad it first)."""
@@ -114,7 +128,8 @@ class Batch:
         if n % parts:
             raise ValueError(
                 f"batch of {n} rows cannot be split into {parts} equal parts; pad it "
-                f"(Batch.pad_to_multiple({parts})) or change the batch size to a multiple of {parts}")
+                f"(Batch.pad_to_multiple({parts})) or change the batch size to a multiple of {parts}"
+            )
         size = n // parts
         return [self.slice(i * size, (i + 1) * size) for i in range(parts)]
 
@@ -133,8 +148,10 @@ class Batch:
         first = batches[0]
         for i, b in enumerate(batches[1:], 1):
             if b.tensors.keys() != first.tensors.keys() or b.rows.keys() != first.rows.keys():
-                raise ValueError(f"cannot concatenate batches with different fields: part 0 has "
-                                 f"{sorted(first.keys())}, part {i} has {sorted(b.keys())}")
+                raise ValueError(
+                    f"cannot concatenate batches with different fields: part 0 has "
+                    f"{sorted(first.keys())}, part {i} has {sorted(b.keys())}"
+                )
         tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors}
         rows = {k: [x for b in batches for x in b.rows[k]] for k in first.rows}
         return Batch(tensors, rows, first.meta)
@@ -144,12 +161,15 @@ class Batch:
         out = Batch(self.tensors, self.rows, self.meta)
         for other in others:
             if len(other) != len(out) and (other.tensors or other.rows) and (out.tensors or out.rows):
-                raise ValueError(f"cannot union batches of {len(out)} and {len(other)} rows; a union joins "
-                                 f"fields of the same rows (use Batch.concat to append rows)")
+                raise ValueError(
+                    f"cannot union batches of {len(out)} and {len(other)} rows; a union joins "
+                    f"fields of the same rows (use Batch.concat to append rows)"
+                )
             for k, v in other.tensors.items():
                 if k in out.tensors and not (out.tensors[k].shape == v.shape and torch.equal(out.tensors[k], v)):
-                    raise ValueError(f"cannot union: both batches have tensor {k!r} with different values; "
-                                     f"rename one of them")
+                    raise ValueError(
+                        f"cannot union: both batches have tensor {k!r} with different values; rename one of them"
+                    )
                 out.tensors[k] = v
             for k, v in other.rows.items():
                 if k in out.rows and out.rows[k] != v:
@@ -180,8 +200,11 @@ class Batch:
         missing = [n for n in names if n not in self]
         if missing:
             raise KeyError(f"batch has no fields {missing}; it has {sorted(self.keys())}")
-        return Batch({k: v for k, v in self.tensors.items() if k in names},
-                     {k: v for k, v in self.rows.items() if k in names}, self.meta)
+        return Batch(
+            {k: v for k, v in self.tensors.items() if k in names},
+            {k: v for k, v in self.rows.items() if k in names},
+            self.meta,
+        )
 
     def with_meta(self, **meta: Any) -> "Batch":
         return Batch(self.tensors, self.rows, {**self.meta, **meta})

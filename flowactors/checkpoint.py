@@ -215,15 +215,18 @@ class CheckpointStore:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / LOCK_NAME
-        f = open(path, "a+")  # noqa: SIM115 - held open for the lock's lifetime
+        f = open(path, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
-            raise CheckpointError(f"checkpoint directory {self.root} is in use by another run ({holder}); give this "
-                                  f"run another --checkpoint-dir, or wait for that one to end", path=path) from None
+            raise CheckpointError(
+                f"checkpoint directory {self.root} is in use by another run ({holder}); give this "
+                f"run another --checkpoint-dir, or wait for that one to end",
+                path=path,
+            ) from None
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -346,8 +349,12 @@ class CheckpointStore:
         started = time.perf_counter()
         manifest = _read_manifest(path)
         self._verify_files(path, manifest)
-        _log.info("checkpoint_verified", path=str(path), step=manifest["step"],
-                 seconds=round(time.perf_counter() - started, 3))
+        _log.info(
+            "checkpoint_verified",
+            path=str(path),
+            step=manifest["step"],
+            seconds=round(time.perf_counter() - started, 3),
+        )
         return Checkpoint(path=path, step=manifest["step"], manifest=manifest)
 
     def resolve(self, resume: str | os.PathLike[str]) -> Checkpoint | None:
@@ -365,9 +372,11 @@ class CheckpointStore:
                 problems = [f"{path.name}: {self._problem(path)}" for path in step_dirs]
                 raise CheckpointError(
                     f"resume=auto found {len(step_dirs)} checkpoint director{'y' if len(step_dirs) == 1 else 'ies'} "
-                    f"under {self.root} and none verifies:\n  - " + "\n  - ".join(problems)
+                    f"under {self.root} and none verifies:\n  - "
+                    + "\n  - ".join(problems)
                     + "\nresume=never starts over (saving over them), or resume=PATH names another checkpoint",
-                    path=self.root)
+                    path=self.root,
+                )
             return found
         path = Path(resume)
         if not path.exists() and (self.root / path).exists():
@@ -418,8 +427,12 @@ class CheckpointStore:
         latest_step = int(_STEP_DIR.match(latest.name).group(1))
         newer = [path.name for step, path in published if step > latest_step]
         if newer:
-            _log.info("checkpoint_newer_than_latest_ignored", latest=latest.name, ignored=newer,
-                     reason="not published by `latest`: an interrupted save or an abandoned run")
+            _log.info(
+                "checkpoint_newer_than_latest_ignored",
+                latest=latest.name,
+                ignored=newer,
+                reason="not published by `latest`: an interrupted save or an abandoned run",
+            )
         return [latest] + [path for step, path in published if step < latest_step]
 
     def _remove_stale(self) -> None:
@@ -448,12 +461,12 @@ class CheckpointStore:
                 if full.is_symlink() or not full.is_file():
                     raise CheckpointError(
                         f"{rel} in {directory} is not a regular file; write files, not links, into a checkpoint",
-                        path=directory, file=rel,
+                        path=directory,
+                        file=rel,
                     )
                 sizes[rel] = full.stat().st_size
             dirnames.sort()
-        unvouched = {rel: size for rel, size in sizes.items()
-                     if rel not in vouched or vouched[rel]["size"] != size}
+        unvouched = {rel: size for rel, size in sizes.items() if rel not in vouched or vouched[rel]["size"] != size}
         blocks = _block_crcs(directory, unvouched, threads=self.io_threads, fsync=True)
         for dirpath, _, _ in os.walk(directory, topdown=False):
             _fsync_dir(Path(dirpath))
@@ -471,14 +484,16 @@ class CheckpointStore:
                 raise CheckpointError(
                     f"checkpoint {path} is partial: {rel} is listed in {MANIFEST_NAME} but missing; "
                     "restore the file or resume from the previous checkpoint",
-                    path=path, file=rel,
+                    path=path,
+                    file=rel,
                 )
             size = full.stat().st_size
             if size != entry["size"]:
                 raise CheckpointError(
                     f"checkpoint {path} is corrupt: {rel} is {size} bytes, {MANIFEST_NAME} says {entry['size']} "
                     "(truncated or rewritten after the save); restore the file or resume from the previous checkpoint",
-                    path=path, file=rel,
+                    path=path,
+                    file=rel,
                 )
         sizes = {rel: entry["size"] for rel, entry in files.items()}
         actual = _block_crcs(path, sizes, threads=self.io_threads, fsync=False)
@@ -490,7 +505,8 @@ class CheckpointStore:
                         f"checkpoint {path} is corrupt: {rel} bytes {start}..{start + manifest['block_bytes']} have "
                         f"CRC-32 {got}, {MANIFEST_NAME} says {want} (the file changed after the save); restore "
                         "the file or resume from the previous checkpoint (resume='auto' falls back on its own)",
-                        path=path, file=rel,
+                        path=path,
+                        file=rel,
                     )
 
     def _publish(self, pending: PendingCheckpoint) -> Path:
@@ -520,7 +536,7 @@ class CheckpointStore:
         published = sorted(self._published())
         # Checkpoints above the newest save belong to an abandoned run (resumed from earlier); retention leaves them.
         current = [(step, path) for step, path in published if step <= newest]
-        keep = {step for step, _ in current[-self.keep_last:]} | {newest}
+        keep = {step for step, _ in current[-self.keep_last :]} | {newest}
         if self.keep_every:
             keep |= {step for step, _ in current if step % self.keep_every == 0}
         latest = self.latest()
@@ -537,8 +553,9 @@ class CheckpointStore:
         """Remove a directory already renamed out of the way, off the save's critical path (freeing a large
         checkpoint takes tens of milliseconds). If the process dies first, the next ``begin`` removes it."""
         self._deleting = [thread for thread in self._deleting if thread.is_alive()]
-        thread = threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
-                                  name="checkpoint-delete", daemon=True)
+        thread = threading.Thread(
+            target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, name="checkpoint-delete", daemon=True
+        )
         thread.start()
         self._deleting.append(thread)
 
@@ -590,7 +607,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} is partial: it has no {MANIFEST_NAME} (the save did not finish); "
             "resume from the previous checkpoint (resume='auto') or delete the directory",
-            path=path, file=MANIFEST_NAME,
+            path=path,
+            file=MANIFEST_NAME,
         )
     try:
         manifest = json.loads(manifest_path.read_bytes())
@@ -602,13 +620,15 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {path} is corrupt: {MANIFEST_NAME} does not parse or fails its own checksum; "
             "resume from the previous checkpoint (resume='auto') or restore the manifest from a copy",
-            path=path, file=MANIFEST_NAME,
+            path=path,
+            file=MANIFEST_NAME,
         )
     if manifest["version"] > _FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {path} has format version {manifest['version']}, this flowactors reads up to "
             f"{_FORMAT_VERSION}; load it with a newer flowactors",
-            path=path, file=MANIFEST_NAME,
+            path=path,
+            file=MANIFEST_NAME,
         )
     return manifest
 
@@ -677,7 +697,7 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
-        (marker, payload), = value.items()
+        ((marker, payload),) = value.items()
         if marker == _TUPLE:
             return tuple(_decode(item, tensors) for item in payload)
         if marker == _TENSOR:
@@ -743,7 +763,8 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         saved = list(state["cuda"])
         devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if devices != len(saved):
-            _log.warning("rng_cuda_device_count_differs", saved=len(saved), visible=devices,
-                        restored=min(devices, len(saved)))
+            _log.warning(
+                "rng_cuda_device_count_differs", saved=len(saved), visible=devices, restored=min(devices, len(saved))
+            )
         for index in range(min(devices, len(saved))):
             torch.cuda.set_rng_state(saved[index], device=index)

@@ -20,14 +20,22 @@ from distributed import Client, LocalCluster
 
 from flowactors.errors import ClusterStartError, PlacementError, SchedulerUnreachableError
 
-__all__ = ["SLOT_RESOURCES", "check_interval", "discover_slots", "probe_scheduler", "shorten_streams",
-           "start_local", "stop_workers"]
+__all__ = [
+    "SLOT_RESOURCES",
+    "check_interval",
+    "discover_slots",
+    "probe_scheduler",
+    "shorten_streams",
+    "start_local",
+    "stop_workers",
+]
 
 SLOT_RESOURCES = ("slot", "GPU")
 
 
-def start_local(n_slots: int, dashboard: str | None, stream_interval_ms: float | None = None,
-                secure: bool = True) -> LocalCluster:
+def start_local(
+    n_slots: int, dashboard: str | None, stream_interval_ms: float | None = None, secure: bool = True
+) -> LocalCluster:
     """An embedded LocalCluster of `n_slots` single-threaded worker processes on 127.0.0.1 (`dashboard=None`: no
     dashboard; `stream_interval_ms` is checked before any process starts).
 
@@ -44,24 +52,34 @@ def start_local(n_slots: int, dashboard: str | None, stream_interval_ms: float |
     resources = {"slot": 1} | ({"GPU": 1} if torch.cuda.is_available() else {})
     try:
         return _local_cluster(n_slots, dashboard, secure, resources)
-    except Exception as e:  # noqa: BLE001 - Dask's own words, chained, in one line
+    except Exception as e:
         said, cause = [], e
         while cause is not None:
             said.append(f"{type(cause).__name__}: {cause}".rstrip(". "))
             cause = cause.__cause__ or cause.__context__
-        part = ("a worker process ended or failed while starting" if "Nanny" in " ".join(said)
-                else "its scheduler or workers could not be set up")
-        raise ClusterStartError(f"the embedded cluster of {n_slots} worker process(es) did not start: {part} "
-                                f"({'; '.join(said)}); the processes' own output above says why (an import that "
-                                f"fails in them, memory, a signal)") from e
+        part = (
+            "a worker process ended or failed while starting"
+            if "Nanny" in " ".join(said)
+            else "its scheduler or workers could not be set up"
+        )
+        raise ClusterStartError(
+            f"the embedded cluster of {n_slots} worker process(es) did not start: {part} "
+            f"({'; '.join(said)}); the processes' own output above says why (an import that "
+            f"fails in them, memory, a signal)"
+        ) from e
 
 
 def _local_cluster(n_slots: int, dashboard: str | None, secure: bool, resources: dict) -> LocalCluster:
     from distributed.security import Security
 
     return LocalCluster(
-        n_workers=n_slots, threads_per_worker=1, processes=True, host="127.0.0.1",
-        dashboard_address=dashboard, resources=resources, silence_logs=logging.WARNING,
+        n_workers=n_slots,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=dashboard,
+        resources=resources,
+        silence_logs=logging.WARNING,
         security=Security.temporary() if secure else None,
         preload=["flowactors._local_preload"],  # Ctrl-C is the controller's to handle: workers ignore SIGINT
         # without a dashboard the scheduler still serves /health on an HTTP port: a free one, not 8787
@@ -83,7 +101,7 @@ def stop_workers(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
 
     try:
         cluster.sync(stop)
-    except Exception:  # noqa: BLE001 - the cluster's own close below still ends them
+    except Exception:
         pass
 
 
@@ -98,9 +116,11 @@ def discover_slots(client: Client) -> list[str]:
             bad.append(f"{addr} has {w.get('nthreads')} threads")
         slots.append((w.get("host", ""), str(w.get("name", "")), addr))
     if bad:
-        raise PlacementError("every device slot needs a worker process with exactly one thread "
-                             f"(calls to one process must run one at a time): {bad}; start workers with "
-                             f"`dask worker --nthreads 1 --resources slot=1`")
+        raise PlacementError(
+            "every device slot needs a worker process with exactly one thread "
+            f"(calls to one process must run one at a time): {bad}; start workers with "
+            f"`dask worker --nthreads 1 --resources slot=1`"
+        )
     return [a for *_, a in sorted(slots, key=lambda s: (s[0], _natural(s[1])))]
 
 
@@ -119,14 +139,16 @@ def probe_scheduler(address: str, timeout_s: float, security: Any = None) -> Non
         scheme, _ = parse_address(address)
         host, port = get_address_host_port(address)
     except ValueError as e:
-        raise SchedulerUnreachableError(f"{address!r} is not a Dask scheduler address ({e}); use tcp://HOST:PORT, "
-                                        f"e.g. tcp://127.0.0.1:8786") from None
+        raise SchedulerUnreachableError(
+            f"{address!r} is not a Dask scheduler address ({e}); use tcp://HOST:PORT, e.g. tcp://127.0.0.1:8786"
+        ) from None
     if scheme in ("tcp", "tls"):  # a refused port fails here at once; Dask would retry it until its timeout
         try:
             socket.create_connection((host, port), timeout=timeout_s).close()
         except OSError as e:
-            raise SchedulerUnreachableError(f"cannot reach a Dask scheduler at {address}: {e.strerror or e}; "
-                                            f"{start}") from None
+            raise SchedulerUnreachableError(
+                f"cannot reach a Dask scheduler at {address}: {e.strerror or e}; {start}"
+            ) from None
 
     async def identity() -> dict:
         args = security.get_connection_args("client") if security is not None and scheme == "tls" else {}
@@ -141,10 +163,12 @@ def probe_scheduler(address: str, timeout_s: float, security: Any = None) -> Non
         with ThreadPoolExecutor(1) as pool:  # its own event loop, also when the caller runs one (notebooks)
             info = pool.submit(asyncio.run, asyncio.wait_for(identity(), timeout_s)).result()
     except (OSError, asyncio.TimeoutError, TimeoutError) as e:
-        raise SchedulerUnreachableError(f"{address} accepts connections but did not answer as a Dask scheduler "
-                                        f"within {timeout_s:g} s ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
-                                        f"; check the port (the scheduler's, 8786 by default, not its dashboard's) "
-                                        f"or {start}") from None
+        raise SchedulerUnreachableError(
+            f"{address} accepts connections but did not answer as a Dask scheduler "
+            f"within {timeout_s:g} s ({type(e).__name__}{': ' + str(e) if str(e) else ''})"
+            f"; check the port (the scheduler's, 8786 by default, not its dashboard's) "
+            f"or {start}"
+        ) from None
     if not isinstance(info, dict) or info.get("type") != "Scheduler":
         kind = info.get("type") if isinstance(info, dict) else type(info).__name__
         raise SchedulerUnreachableError(f"{address} is a Dask {kind}, not a scheduler; give the scheduler's address")
@@ -152,8 +176,9 @@ def probe_scheduler(address: str, timeout_s: float, security: Any = None) -> Non
 
 def check_interval(ms: float | None) -> float | None:
     if ms is not None and not (isinstance(ms, (int, float)) and ms >= 0):
-        raise ValueError(f"stream_interval_ms must be a number >= 0 (milliseconds), or None for Dask's own "
-                         f"intervals; got {ms!r}")
+        raise ValueError(
+            f"stream_interval_ms must be a number >= 0 (milliseconds), or None for Dask's own intervals; got {ms!r}"
+        )
     return ms
 
 
@@ -164,12 +189,14 @@ def shorten_streams(client: Client, interval_s: float) -> None:
 
     try:
         shorten(client, interval_s)
-    except Exception as e:  # noqa: BLE001 - an optimisation; the runtime works without it
+    except Exception as e:
         import structlog
 
         structlog.get_logger("flowactors.controller").warning(
-            "stream_interval_not_set", error=f"{type(e).__name__}: {e}",
-            hint="install flowactors on the scheduler and workers, or pass stream_interval_ms=None")
+            "stream_interval_not_set",
+            error=f"{type(e).__name__}: {e}",
+            hint="install flowactors on the scheduler and workers, or pass stream_interval_ms=None",
+        )
 
 
 def _natural(name: str) -> tuple:

@@ -55,11 +55,29 @@ class CallFuture:
     output of the rank that produced its part.
     """
 
-    __slots__ = ("_controller", "futures", "protocol", "layout", "group", "method", "addresses", "pushed",
-                 "__weakref__")
+    __slots__ = (
+        "_controller",
+        "futures",
+        "protocol",
+        "layout",
+        "group",
+        "method",
+        "addresses",
+        "pushed",
+        "__weakref__",
+    )
 
-    def __init__(self, controller: "Controller", futures: Sequence[Future], protocol: Protocol, layout: Layout,
-                 group: str, method: str, addresses: Sequence[str], pushed: bool = False) -> None:
+    def __init__(
+        self,
+        controller: "Controller",
+        futures: Sequence[Future],
+        protocol: Protocol,
+        layout: Layout,
+        group: str,
+        method: str,
+        addresses: Sequence[str],
+        pushed: bool = False,
+    ) -> None:
         """`pushed`: the ranks also push their outputs to the controller (flowactors._push)."""
         self._controller, self.futures, self.pushed = controller, list(futures), pushed
         self.protocol, self.layout, self.group, self.method = protocol, layout, group, method
@@ -88,7 +106,7 @@ class CallFuture:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
             self.result(timeout)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             return e
         return None
 
@@ -118,10 +136,17 @@ class CallFuture:
 class Controller:
     """A Dask client, its device slots, and the torch.distributed world over them. Use as a context manager."""
 
-    def __init__(self, client: Client, cluster: LocalCluster | None = None, *,
-                 collective_timeout_s: float = 600.0, call_timeout_s: float | None = None,
-                 stream_interval_ms: float | None = 1.0, push_results: bool | None = None,
-                 direct_calls: bool | None = None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        cluster: LocalCluster | None = None,
+        *,
+        collective_timeout_s: float = 600.0,
+        call_timeout_s: float | None = None,
+        stream_interval_ms: float | None = 1.0,
+        push_results: bool | None = None,
+        direct_calls: bool | None = None,
+    ) -> None:
         """`stream_interval_ms`: the batching interval of the Dask streams between client, scheduler and workers
         (flowactors._streams; None keeps Dask's 2-10 ms, which most call hops then pay). `push_results`: ranks
         send small outputs straight to the controller (flowactors._push); None: only with the embedded cluster.
@@ -143,13 +168,15 @@ class Controller:
         client.subscribe_topic("all", self._on_event)
         if _cluster.check_interval(stream_interval_ms) is not None:
             _cluster.shorten_streams(client, stream_interval_ms / 1000)
-        self.transport: Transport = open_transport(client, isinstance(cluster, LocalCluster), direct_calls,
-                                                   push_results)
+        self.transport: Transport = open_transport(
+            client, isinstance(cluster, LocalCluster), direct_calls, push_results
+        )
 
     # -- opening and closing --------------------------------------------------------------------------------
     @classmethod
-    def local(cls, n_slots: int = 2, *, dashboard: str | None = "127.0.0.1:8787", secure: bool = True,
-              **kwargs: Any) -> "Controller":
+    def local(
+        cls, n_slots: int = 2, *, dashboard: str | None = "127.0.0.1:8787", secure: bool = True, **kwargs: Any
+    ) -> "Controller":
         """An embedded LocalCluster of `n_slots` single-threaded worker processes on 127.0.0.1.
 
         `dashboard=None` turns the dashboard off (tests); exposing it beyond 127.0.0.1 is an explicit choice.
@@ -159,8 +186,9 @@ class Controller:
         return cls(Client(cluster, set_as_default=False), cluster, **kwargs)
 
     @classmethod
-    def connect(cls, address: str, *, connect_timeout_s: float = 4.0, security: Any = None,
-                **kwargs: Any) -> "Controller":
+    def connect(
+        cls, address: str, *, connect_timeout_s: float = 4.0, security: Any = None, **kwargs: Any
+    ) -> "Controller":
         """Join an existing scheduler (`dask worker --nthreads 1 --resources slot=1` or `GPU=1` per device).
 
         `security`: the cluster's `distributed.security.Security` (None: Dask's configuration, `distributed.comm.tls`,
@@ -182,7 +210,7 @@ class Controller:
         self.transport.close()
         try:
             self.client.unsubscribe_topic("all")
-        except Exception:  # noqa: BLE001 - closing anyway
+        except Exception:
             pass
         self.client.close()
         if isinstance(self.cluster, LocalCluster):
@@ -203,7 +231,7 @@ class Controller:
             if "dashboard" not in self.client.scheduler_info(n_workers=0).get("services", {}):
                 return None
             return self.client.dashboard_link
-        except Exception:  # noqa: BLE001 - no dashboard running
+        except Exception:
             return None
 
     # -- the call path --------------------------------------------------------------------------------------
@@ -256,8 +284,9 @@ class Controller:
         kwargs = {k: _unwrap_one(v) for k, v in kwargs.items()}
         site = self.transport.apply_site(args, kwargs, [a for a in self.slots if a not in self._lost] or self.slots)
         fut = self.submit_pinned_all([(site, _runtime.apply, (fn, args, kwargs), {}, f"{label}-{_token()}")])[0]
-        return self._track(CallFuture(self, [fut], _runtime.SINGLE, Layout(), label, "apply",
-                                      (site,) if site is not None else ()))
+        return self._track(
+            CallFuture(self, [fut], _runtime.SINGLE, Layout(), label, "apply", (site,) if site is not None else ())
+        )
 
     def scatter_to(self, items: Sequence[tuple[str, Any]]) -> list[Future]:
         """Send each value straight to its worker (not through the scheduler), all at once; one future each."""
@@ -274,8 +303,9 @@ class Controller:
     def gather(self, futures: Sequence[Any], timeout: float | None = None) -> list:
         """The values of per-rank futures as `submit_pinned_all` returns them."""
         where = [getattr(f, "address", None) for f in futures]  # direct futures know their worker, Dask's do not
-        call = CallFuture(self, futures, ONE_TO_ALL, Layout(dp=len(futures)), "runtime", "gather",
-                          where if all(where) else ())
+        call = CallFuture(
+            self, futures, ONE_TO_ALL, Layout(dp=len(futures)), "runtime", "gather", where if all(where) else ()
+        )
         return self._resolve([call], timeout)[0]
 
     def _resolve(self, calls: Sequence[CallFuture], timeout: float | None, values: bool = True) -> list[list]:
@@ -377,8 +407,10 @@ class Controller:
                 break
             time.sleep(0.25)
         if len(live) < min_slots:
-            raise PlacementError(f"only {len(live)} live slots after waiting {wait_s:.0f} s for lost workers to "
-                                 f"come back; need at least {min_slots}")
+            raise PlacementError(
+                f"only {len(live)} live slots after waiting {wait_s:.0f} s for lost workers to "
+                f"come back; need at least {min_slots}"
+            )
         with self._lock:
             stale = [f for calls in self._calls.values() for c in calls for f in c.futures]
             self._calls.clear()
@@ -395,9 +427,11 @@ class Controller:
         if self._world is not None:
             want = backend or self._backend
             if want != self._backend:
-                raise PlacementError(f"the process-group backend of this controller is {self._backend!r}; a group "
-                                     f"cannot use {want!r} on the same worker processes. Use one backend for all "
-                                     f"groups, or a separate cluster")
+                raise PlacementError(
+                    f"the process-group backend of this controller is {self._backend!r}; a group "
+                    f"cannot use {want!r} on the same worker processes. Use one backend for all "
+                    f"groups, or a separate cluster"
+                )
             return
         if self._lost:
             raise WorkerLostError(next(iter(self._lost)), [], call="init_world")
@@ -407,26 +441,47 @@ class Controller:
         host, port, cuda = self._await_setup("world", "free_port", [reserve], world[:1])[0]
         want = backend or ("nccl" if cuda else "gloo")
         token = _token()
-        futs = self.submit_pinned_all([(a, _runtime.init_world, (r, len(world), host, port, want,
-                                                                  self.collective_timeout_s, r), {},
-                                        f"world.init_world-{r}-{token}") for r, a in enumerate(world)])
+        futs = self.submit_pinned_all(
+            [
+                (
+                    a,
+                    _runtime.init_world,
+                    (r, len(world), host, port, want, self.collective_timeout_s, r),
+                    {},
+                    f"world.init_world-{r}-{token}",
+                )
+                for r, a in enumerate(world)
+            ]
+        )
         self._await_setup("world", "init_world", futs, world)
         self._world, self._backend = world, want
 
-    def new_group_ranks(self, name: str, addresses: Sequence[str], layout: Layout, backend: str | None,
-                        subgroups: Sequence[tuple[int, ...]] = ()) -> None:
+    def new_group_ranks(
+        self,
+        name: str,
+        addresses: Sequence[str],
+        layout: Layout,
+        backend: str | None,
+        subgroups: Sequence[tuple[int, ...]] = (),
+    ) -> None:
         """Create the group's process group, and its `subgroups` (group ranks), on every world rank (all must take
         part, in the same order)."""
         self._ensure_world(backend)
         assert self._world is not None
         missing = [a for a in addresses if a not in self._world]
         if missing:
-            raise PlacementError(f"slots {missing} joined after the torch.distributed world was formed; "
-                                 f"recreate the controller to include them")
+            raise PlacementError(
+                f"slots {missing} joined after the torch.distributed world was formed; "
+                f"recreate the controller to include them"
+            )
         ranks = [self._world.index(a) for a in addresses]
         token = _token()
-        futs = self.submit_pinned_all([(a, _runtime.new_group, (name, ranks, layout, list(subgroups)), {},
-                                        f"{name}.new_group-{r}-{token}") for r, a in enumerate(self._world)])
+        futs = self.submit_pinned_all(
+            [
+                (a, _runtime.new_group, (name, ranks, layout, list(subgroups)), {}, f"{name}.new_group-{r}-{token}")
+                for r, a in enumerate(self._world)
+            ]
+        )
         self._await_setup(name, "new_group", futs, self._world)
         for rank, a in enumerate(addresses):
             self._hosted.setdefault(a, []).append((name, rank))
@@ -452,11 +507,16 @@ class Controller:
         if self._world is None:
             return
         token = _token()
-        futs = self.submit_pinned_all([(a, _runtime.teardown_world, (), {}, f"world.teardown-{r}-{token}")
-                                       for r, a in enumerate(self._world) if a not in self._lost])
+        futs = self.submit_pinned_all(
+            [
+                (a, _runtime.teardown_world, (), {}, f"world.teardown-{r}-{token}")
+                for r, a in enumerate(self._world)
+                if a not in self._lost
+            ]
+        )
         try:
             self.transport.settle(futs, timeout_s)
-        except Exception:  # noqa: BLE001 - closing anyway; a hung rank is killed with its process
+        except Exception:
             pass
         self._world = None
 

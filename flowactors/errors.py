@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["FlowactorsError", "RemoteError", "WorkerLostError", "EndpointError", "PlacementError", "HangError",
-           "SchedulerUnreachableError", "ClusterStartError"]
+__all__ = [
+    "FlowactorsError",
+    "RemoteError",
+    "WorkerLostError",
+    "EndpointError",
+    "PlacementError",
+    "HangError",
+    "SchedulerUnreachableError",
+    "ClusterStartError",
+]
 
 
 class FlowactorsError(RuntimeError):
@@ -13,17 +21,37 @@ class FlowactorsError(RuntimeError):
 class RemoteError(FlowactorsError):
     """A method raised on one or more ranks; carries the remote traceback of the first failing rank."""
 
-    def __init__(self, group: str, method: str, rank: int, exc_type: str, message: str, traceback: str,
-                 failed_ranks: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        group: str,
+        method: str,
+        rank: int,
+        exc_type: str,
+        message: str,
+        traceback: str,
+        failed_ranks: list[int] | None = None,
+    ) -> None:
         self.group, self.method, self.rank = group, method, rank
         self.exc_type, self.remote_message, self.remote_traceback = exc_type, message, traceback
         self.failed_ranks = failed_ranks or [rank]
-        super().__init__(f"{group}.{method} failed on rank {rank} (ranks failed: {self.failed_ranks}): "
-                         f"{exc_type}: {message}\n--- remote traceback (rank {rank}) ---\n{traceback}")
+        super().__init__(
+            f"{group}.{method} failed on rank {rank} (ranks failed: {self.failed_ranks}): "
+            f"{exc_type}: {message}\n--- remote traceback (rank {rank}) ---\n{traceback}"
+        )
 
     def __reduce__(self) -> tuple:  # survive pickling between processes with all fields
-        return (RemoteError, (self.group, self.method, self.rank, self.exc_type, self.remote_message,
-                              self.remote_traceback, self.failed_ranks))
+        return (
+            RemoteError,
+            (
+                self.group,
+                self.method,
+                self.rank,
+                self.exc_type,
+                self.remote_message,
+                self.remote_traceback,
+                self.failed_ranks,
+            ),
+        )
 
 
 class WorkerLostError(FlowactorsError):
@@ -33,8 +61,10 @@ class WorkerLostError(FlowactorsError):
         self.address, self.hosted, self.call = address, hosted, call
         roles = ", ".join(f"{g} rank {r}" for g, r in hosted) or "no group"
         what = f"{call} cannot complete: " if call else ""
-        super().__init__(f"{what}worker {address} died (it hosted {roles}); its pending calls were failed. "
-                         f"Rebuild the affected groups on live workers and restore the last checkpoint")
+        super().__init__(
+            f"{what}worker {address} died (it hosted {roles}); its pending calls were failed. "
+            f"Rebuild the affected groups on live workers and restore the last checkpoint"
+        )
 
     def __reduce__(self) -> tuple:
         return (WorkerLostError, (self.address, self.hosted, self.call))
@@ -53,9 +83,11 @@ class HangError(FlowactorsError, TimeoutError):
 
     def __init__(self, call: str, timeout_s: float, report: str) -> None:
         self.call, self.timeout_s, self.report = call, timeout_s, report
-        super().__init__(f"{call} did not finish within {timeout_s:g} s; where each rank is:\n{report}\n"
-                         f"Ranks blocked in a collective wait for the ones that are not in it. Raise the watchdog "
-                         f"(call_timeout_s) if the work is just slow")
+        super().__init__(
+            f"{call} did not finish within {timeout_s:g} s; where each rank is:\n{report}\n"
+            f"Ranks blocked in a collective wait for the ones that are not in it. Raise the watchdog "
+            f"(call_timeout_s) if the work is just slow"
+        )
 
     def __reduce__(self) -> tuple:
         return (HangError, (self.call, self.timeout_s, self.report))

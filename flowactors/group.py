@@ -60,40 +60,61 @@ class ActorGroup:
     watchdog (`call_timeout_s`) is a `HangError` with the stack of every rank still running.
     """
 
-    def __init__(self, controller: Controller, cls: type[Worker], *, name: str,
-                 slots: Sequence[Any] | None = None, layout: Layout | None = None,
-                 args: tuple = (), kwargs: dict | None = None, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        controller: Controller,
+        cls: type[Worker],
+        *,
+        name: str,
+        slots: Sequence[Any] | None = None,
+        layout: Layout | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        backend: str | None = None,
+    ) -> None:
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
             raise TypeError(f"{cls!r} is not a flowactors.Worker subclass; derive the model worker from Worker")
         if name in controller.groups:
-            raise PlacementError(f"a group named {name!r} already exists on this controller; choose another "
-                                 f"name or close it first (group.close())")
+            raise PlacementError(
+                f"a group named {name!r} already exists on this controller; choose another "
+                f"name or close it first (group.close())"
+            )
         if slots is None:
             n = layout.world_size if layout is not None else len(controller.slots)
             slots = controller.slots[:n]
         else:
             n = len(slots)
         if n > len(controller.slots):
-            raise PlacementError(f"group {name!r} needs {n} slots but the cluster has {len(controller.slots)} "
-                                 f"usable ones; start more workers (Controller.local(n_slots={n})) or use a "
-                                 f"smaller layout")
+            raise PlacementError(
+                f"group {name!r} needs {n} slots but the cluster has {len(controller.slots)} "
+                f"usable ones; start more workers (Controller.local(n_slots={n})) or use a "
+                f"smaller layout"
+            )
         addresses = [getattr(s, "address", s) for s in slots]
         layout = layout or Layout.data_parallel(len(addresses))
         if len(addresses) != layout.world_size:
-            raise PlacementError(f"group {name!r} has layout {layout} ({layout.world_size} ranks) but was given "
-                                 f"{len(addresses)} slots; give one slot per rank")
+            raise PlacementError(
+                f"group {name!r} has layout {layout} ({layout.world_size} ranks) but was given "
+                f"{len(addresses)} slots; give one slot per rank"
+            )
         if len(set(addresses)) != len(addresses):
-            raise PlacementError(f"group {name!r} was given the same slot twice; one rank per worker process "
-                                 f"(colocate models by creating several groups on the same slots)")
+            raise PlacementError(
+                f"group {name!r} was given the same slot twice; one rank per worker process "
+                f"(colocate models by creating several groups on the same slots)"
+            )
         unknown = [a for a in addresses if a not in controller.slots]
         if unknown:
-            raise PlacementError(f"group {name!r} was given slots the cluster does not have: {unknown}; use "
-                                 f"addresses from controller.slots")
+            raise PlacementError(
+                f"group {name!r} was given slots the cluster does not have: {unknown}; use "
+                f"addresses from controller.slots"
+            )
         subgroups = [tuple(int(r) for r in g) for g in cls.process_groups(layout, *args, **(kwargs or {}))]
         bad = [g for g in subgroups if not g or any(not 0 <= r < layout.world_size for r in g) or len(set(g)) < len(g)]
         if bad:
-            raise PlacementError(f"{cls.__name__}.process_groups returned {bad}: each must be distinct group ranks "
-                                 f"in 0..{layout.world_size - 1}")
+            raise PlacementError(
+                f"{cls.__name__}.process_groups returned {bad}: each must be distinct group ranks "
+                f"in 0..{layout.world_size - 1}"
+            )
         self.controller, self.cls, self.name, self.layout = controller, cls, name, layout
         self.addresses = addresses
         self.endpoints = endpoints_of(cls)
@@ -113,8 +134,12 @@ class ActorGroup:
         for method, proto in self.endpoints.items():
             setattr(self, method, _Method(self, method, proto))
         token = _token()
-        futs = controller.submit_pinned_all([(a, _runtime.construct, (name, self.cls, tuple(args), dict(kwargs)), {},
-                                              f"{name}.__init__-{r}-{token}") for r, a in enumerate(addresses)])
+        futs = controller.submit_pinned_all(
+            [
+                (a, _runtime.construct, (name, self.cls, tuple(args), dict(kwargs)), {}, f"{name}.__init__-{r}-{token}")
+                for r, a in enumerate(addresses)
+            ]
+        )
         try:
             controller._await_setup(name, "__init__", futs, addresses)
         except RemoteError:
@@ -132,8 +157,10 @@ class ActorGroup:
         cls = self.__dict__.get("cls")
         eps = sorted(self.__dict__.get("endpoints", {}))
         if cls is not None and callable(getattr(cls, attr, None)):
-            raise EndpointError(f"{cls.__name__}.{attr} is not a remote endpoint; decorate it with "
-                                f"@endpoint(protocol=...) to call it from the controller (endpoints: {eps})")
+            raise EndpointError(
+                f"{cls.__name__}.{attr} is not a remote endpoint; decorate it with "
+                f"@endpoint(protocol=...) to call it from the controller (endpoints: {eps})"
+            )
         raise EndpointError(f"group {self.__dict__.get('name')!r} has no endpoint {attr!r}; endpoints: {eps}")
 
     def _call(self, method: str, protocol: Protocol, args: tuple, kwargs: dict) -> CallFuture:
@@ -153,12 +180,21 @@ class ActorGroup:
         keep = _kept_ranks(protocol, layout)
         agree = agree and self.world_size > 1
         token, label = _token(), f"{self.name}.{method}"
-        outs = ctl.submit_pinned_all([(a, _runtime.call, (self.name, method, r, per_rank[r][0], per_rank[r][1], split,
-                                                          ctl.step, agree, r in keep),
-                                       ctl.push_target(f"{label}-{r}-{token}"), f"{label}-{r}-{token}")
-                                      for r, a in enumerate(self.addresses)])
-        return ctl._track(CallFuture(ctl, outs, protocol, layout, self.name, method, self.addresses,
-                                     pushed=ctl.pushes_results))
+        outs = ctl.submit_pinned_all(
+            [
+                (
+                    a,
+                    _runtime.call,
+                    (self.name, method, r, per_rank[r][0], per_rank[r][1], split, ctl.step, agree, r in keep),
+                    ctl.push_target(f"{label}-{r}-{token}"),
+                    f"{label}-{r}-{token}",
+                )
+                for r, a in enumerate(self.addresses)
+            ]
+        )
+        return ctl._track(
+            CallFuture(ctl, outs, protocol, layout, self.name, method, self.addresses, pushed=ctl.pushes_results)
+        )
 
     def close(self, wait: bool = True) -> None:
         """Drop the instances (their memory is freed on the workers). The process group stays with the world."""
@@ -166,9 +202,13 @@ class ActorGroup:
             return
         self._closed = True
         token, lost = _token(), self.controller.lost_workers
-        futs = self.controller.submit_pinned_all([
-            (a, _runtime.destroy, (self.name,), {}, f"{self.name}.close-{r}-{token}")
-            for r, a in enumerate(self.addresses) if a not in lost])
+        futs = self.controller.submit_pinned_all(
+            [
+                (a, _runtime.destroy, (self.name,), {}, f"{self.name}.close-{r}-{token}")
+                for r, a in enumerate(self.addresses)
+                if a not in lost
+            ]
+        )
         try:
             if wait:
                 self.controller.gather(futs)
@@ -218,8 +258,10 @@ def _route(protocol: Protocol, layout: Layout, args: tuple, kwargs: dict) -> tup
         direct = direct or alone
         return ref
 
-    out = [(tuple(share(a, dest[r]) for a in a_r), {k: share(v, dest[r]) for k, v in kw_r.items()})
-           for r, (a_r, kw_r) in enumerate(per_rank)]
+    out = [
+        (tuple(share(a, dest[r]) for a in a_r), {k: share(v, dest[r]) for k, v in kw_r.items()})
+        for r, (a_r, kw_r) in enumerate(per_rank)
+    ]
     return out, direct
 
 

@@ -44,8 +44,7 @@ def busy_seconds(spans: Iterable[tuple[float, float]], start: float, stop: float
 def compute_spans(tasks: Iterable[Mapping[str, Any]]) -> list[tuple[float, float]]:
     """The compute spans of task-stream records (their `startstops` of action "compute"; transfers and disk
     reads are not computation)."""
-    return [(s["start"], s["stop"]) for t in tasks for s in t.get("startstops", ())
-            if s.get("action") == "compute"]
+    return [(s["start"], s["stop"]) for t in tasks for s in t.get("startstops", ()) if s.get("action") == "compute"]
 
 
 @dataclasses.dataclass

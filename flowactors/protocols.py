@@ -24,8 +24,16 @@ from typing import Any
 from flowactors.batch import Batch
 
 __all__ = [
-    "Layout", "Protocol", "ProtocolError", "register_protocol", "get_protocol",
-    "ONE_TO_ALL", "ALL_TO_ALL", "RANK_ZERO", "DP", "MESH",
+    "Layout",
+    "Protocol",
+    "ProtocolError",
+    "register_protocol",
+    "get_protocol",
+    "ONE_TO_ALL",
+    "ALL_TO_ALL",
+    "RANK_ZERO",
+    "DP",
+    "MESH",
 ]
 
 
@@ -101,17 +109,22 @@ class Protocol:
         parts = self.distribute(args, kwargs, layout)
         if not isinstance(parts, (list, tuple)) or len(parts) != layout.world_size:
             n = len(parts) if isinstance(parts, (list, tuple)) else type(parts).__name__
-            raise ProtocolError(f"protocol {self.name!r} returned {n} per-rank inputs for a group of "
-                                f"{layout.world_size} ranks; its distribute must return one (args, kwargs) "
-                                f"pair per rank")
+            raise ProtocolError(
+                f"protocol {self.name!r} returned {n} per-rank inputs for a group of "
+                f"{layout.world_size} ranks; its distribute must return one (args, kwargs) "
+                f"pair per rank"
+            )
         for i, p in enumerate(parts):
             if not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], tuple) and isinstance(p[1], dict)):
-                raise ProtocolError(f"protocol {self.name!r} returned {type(p).__name__} for rank {i}; "
-                                    f"expected an (args tuple, kwargs dict) pair")
+                raise ProtocolError(
+                    f"protocol {self.name!r} returned {type(p).__name__} for rank {i}; "
+                    f"expected an (args tuple, kwargs dict) pair"
+                )
         return list(parts)
 
 
 # -- building blocks ------------------------------------------------------------------------------------------
+
 
 def _map_batches(args: tuple, kwargs: dict, fn: Callable[[Batch], list]) -> tuple[list[tuple], list[dict], int]:
     """Apply `fn` (Batch -> list of parts) to every Batch argument; others are repeated."""
@@ -123,6 +136,7 @@ def _map_batches(args: tuple, kwargs: dict, fn: Callable[[Batch], list]) -> tupl
 
 def _scatter_batches(args: tuple, kwargs: dict, parts: int, destinations: Sequence[int], world: int) -> PerRank:
     """Split every Batch argument into `parts`; rank r gets part destinations[r]; other args are replicated."""
+
     def split(b: Batch) -> list[Batch]:
         try:
             return b.split(parts)
@@ -133,8 +147,12 @@ def _scatter_batches(args: tuple, kwargs: dict, parts: int, destinations: Sequen
     out = []
     for r in range(world):
         i = destinations[r]
-        out.append((tuple(s[i] if s is not None else a for s, a in zip(sa, args)),
-                    {k: (sk[k][i] if sk[k] is not None else v) for k, v in kwargs.items()}))
+        out.append(
+            (
+                tuple(s[i] if s is not None else a for s, a in zip(sa, args)),
+                {k: (sk[k][i] if sk[k] is not None else v) for k, v in kwargs.items()},
+            )
+        )
     return out
 
 
@@ -143,8 +161,10 @@ def _concat(outputs: list) -> Any:
         return Batch.concat(outputs)
     if all(o is None for o in outputs):
         return None
-    raise ProtocolError(f"cannot concatenate rank outputs of types {sorted({type(o).__name__ for o in outputs})}; "
-                        f"data-parallel methods must return a Batch (or None) on every rank")
+    raise ProtocolError(
+        f"cannot concatenate rank outputs of types {sorted({type(o).__name__ for o in outputs})}; "
+        f"data-parallel methods must return a Batch (or None) on every rank"
+    )
 
 
 # -- built-in protocols ----------------------------------------------------------------------------------------
@@ -161,9 +181,11 @@ def _all_to_all_distribute(args: tuple, kwargs: dict, layout: Layout) -> PerRank
     w = layout.world_size
     for i, a in enumerate([*args, *kwargs.values()]):
         if not isinstance(a, (list, tuple)) or len(a) != w:
-            raise ValueError(f"all_to_all needs every argument to be a list with one item per rank "
-                             f"({w}); argument {i} is {type(a).__name__}"
-                             f"{' of length %d' % len(a) if isinstance(a, (list, tuple)) else ''}")
+            raise ValueError(
+                f"all_to_all needs every argument to be a list with one item per rank "
+                f"({w}); argument {i} is {type(a).__name__}"
+                f"{' of length %d' % len(a) if isinstance(a, (list, tuple)) else ''}"
+            )
     return [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(w)]
 
 
@@ -180,8 +202,9 @@ RANK_ZERO = Protocol(
 
 DP = Protocol(
     "dp",
-    lambda args, kwargs, layout: _scatter_batches(args, kwargs, layout.world_size, range(layout.world_size),
-                                                  layout.world_size),
+    lambda args, kwargs, layout: _scatter_batches(
+        args, kwargs, layout.world_size, range(layout.world_size), layout.world_size
+    ),
     lambda outputs, layout: _concat(outputs),
     parts=lambda layout: [[r] for r in range(layout.world_size)],
     destinations=lambda layout: list(range(layout.world_size)),
@@ -201,13 +224,20 @@ def _mesh_collect(outputs: list, layout: Layout) -> Any:
 
 def _mesh_parts(layout: Layout) -> list[list[int]]:
     last = layout.pp - 1
-    return [[layout.rank(last, d, 0)] + [r for r in range(layout.world_size)
-                                         if layout.coords(r)[1] == d and r != layout.rank(last, d, 0)]
-            for d in range(layout.dp)]
+    return [
+        [layout.rank(last, d, 0)]
+        + [r for r in range(layout.world_size) if layout.coords(r)[1] == d and r != layout.rank(last, d, 0)]
+        for d in range(layout.dp)
+    ]
 
 
-MESH = Protocol("mesh", _mesh_distribute, _mesh_collect, parts=_mesh_parts,
-                destinations=lambda layout: [layout.coords(r)[1] for r in range(layout.world_size)])
+MESH = Protocol(
+    "mesh",
+    _mesh_distribute,
+    _mesh_collect,
+    parts=_mesh_parts,
+    destinations=lambda layout: [layout.coords(r)[1] for r in range(layout.world_size)],
+)
 """3D: split by DP rank, replicate over TP and PP ranks; collect from TP rank 0 of the last PP stage."""
 
 
@@ -229,5 +259,7 @@ def get_protocol(protocol: "Protocol | str") -> Protocol:
     try:
         return _REGISTRY[protocol]
     except KeyError:
-        raise ValueError(f"unknown protocol {protocol!r}; built in: {sorted(_REGISTRY)} "
-                         f"(register custom ones with flowactors.register_protocol)") from None
+        raise ValueError(
+            f"unknown protocol {protocol!r}; built in: {sorted(_REGISTRY)} "
+            f"(register custom ones with flowactors.register_protocol)"
+        ) from None

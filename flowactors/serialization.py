@@ -21,17 +21,33 @@ from flowactors.batch import Batch
 
 __all__ = ["batch_to_frames", "batch_from_frames"]
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 
 
 def _packable(value: Any, where: str) -> Any:
     try:
         msgpack.packb(value, use_bin_type=True)
     except TypeError as e:
-        raise TypeError(f"{where} holds a value msgpack cannot encode ({e}); keep per-row and meta values to "
-                        f"str/int/float/bool/None/bytes and lists/dicts of them, and put arrays in tensors") from e
+        raise TypeError(
+            f"{where} holds a value msgpack cannot encode ({e}); keep per-row and meta values to "
+            f"str/int/float/bool/None/bytes and lists/dicts of them, and put arrays in tensors"
+        ) from e
     return value
 
 

@@ -42,8 +42,18 @@ __all__ = ["SlurmSettings", "SlurmStartupError", "open_slurm"]
 
 PRELOAD = "flowactors._slurm_preload"
 _WALLTIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
-_ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "COMPLETING", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
-          "PREEMPTED", "TIMEOUT"}
+_ENDED = {
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "COMPLETING",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
+}
 
 
 class SlurmStartupError(FlowactorsError, TimeoutError):
@@ -106,18 +116,32 @@ class SlurmSettings:
                 raise ValueError(f"SlurmSettings.{name} must be an integer >= {low}, got {value!r}")
         procs = self.workers_per_node
         if self.cores_per_job is not None and (not isinstance(self.cores_per_job, int) or self.cores_per_job < procs):
-            raise ValueError(f"SlurmSettings.cores_per_job={self.cores_per_job!r} is fewer than the {procs} worker "
-                             f"processes of a job (one per GPU, or per CPU slot); use at least {procs}, or None")
-        for name in ("partition", "account", "interface", "scheduler_host", "python", "local_directory",
-                     "log_directory"):
+            raise ValueError(
+                f"SlurmSettings.cores_per_job={self.cores_per_job!r} is fewer than the {procs} worker "
+                f"processes of a job (one per GPU, or per CPU slot); use at least {procs}, or None"
+            )
+        for name in (
+            "partition",
+            "account",
+            "interface",
+            "scheduler_host",
+            "python",
+            "local_directory",
+            "log_directory",
+        ):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip() or value != value.strip()
-                                      or (name in ("partition", "account", "interface") and " " in value)):
-                raise ValueError(f"SlurmSettings.{name} must be a non-empty name without spaces or None, "
-                                 f"got {value!r}")
+            if value is not None and (
+                not isinstance(value, str)
+                or not value.strip()
+                or value != value.strip()
+                or (name in ("partition", "account", "interface") and " " in value)
+            ):
+                raise ValueError(f"SlurmSettings.{name} must be a non-empty name without spaces or None, got {value!r}")
         if not isinstance(self.walltime, str) or not _WALLTIME.match(self.walltime):
-            raise ValueError(f"SlurmSettings.walltime={self.walltime!r} is not a Slurm time limit; use MM, HH:MM:SS "
-                             f"or D-HH:MM:SS, e.g. '04:00:00'")
+            raise ValueError(
+                f"SlurmSettings.walltime={self.walltime!r} is not a Slurm time limit; use MM, HH:MM:SS "
+                f"or D-HH:MM:SS, e.g. '04:00:00'"
+            )
         self._memory_bytes()
         for name in ("job_directives", "setup_commands"):
             value = getattr(self, name)
@@ -125,11 +149,15 @@ class SlurmSettings:
                 raise ValueError(f"SlurmSettings.{name} must be a list of non-empty strings, got {value!r}")
         for d in self.job_directives:
             if not d.startswith("-"):
-                raise ValueError(f"SlurmSettings.job_directives: {d!r} is not an sbatch option; write options "
-                                 f"without '#SBATCH', e.g. '--exclusive'")
+                raise ValueError(
+                    f"SlurmSettings.job_directives: {d!r} is not an sbatch option; write options "
+                    f"without '#SBATCH', e.g. '--exclusive'"
+                )
             if self.gpus_per_node and re.match(r"^(--gres|--gpus|--gpus-per-node|-G)\b", d):
-                raise ValueError(f"SlurmSettings.job_directives: {d!r} requests GPUs, which gpus_per_node already "
-                                 f"does (--gres=gpu:{self.gpus_per_node}); remove it or set gpus_per_node")
+                raise ValueError(
+                    f"SlurmSettings.job_directives: {d!r} requests GPUs, which gpus_per_node already "
+                    f"does (--gres=gpu:{self.gpus_per_node}); remove it or set gpus_per_node"
+                )
         for name in ("startup_timeout_s", "death_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SlurmSettings.{name} must be > 0, got {getattr(self, name)!r}")
@@ -153,8 +181,10 @@ class SlurmSettings:
         except (ValueError, TypeError, AttributeError):
             n = 0
         if n <= 0:
-            raise ValueError(f"SlurmSettings.memory_per_job={self.memory_per_job!r} is not a memory size; "
-                             f"write e.g. '64GB' or '500GiB'")
+            raise ValueError(
+                f"SlurmSettings.memory_per_job={self.memory_per_job!r} is not a memory size; "
+                f"write e.g. '64GB' or '500GiB'"
+            )
         return n
 
     def cluster_kwargs(self) -> dict[str, Any]:
@@ -163,14 +193,21 @@ class SlurmSettings:
         cores = self.cores_per_job or procs
         resources = "GPU=1,slot=1" if self.gpus_per_node else "slot=1"
         # sbatch exports the submitter's environment: drop a pinning that process may carry itself
-        prologue = [f"unset {JOB_DEVICES_ENV} LOCAL_RANK LOCAL_WORLD_SIZE",
-                    f"export {WORKERS_PER_JOB_ENV}={procs}", f"export OMP_NUM_THREADS={cores // procs}",
-                    f"export MKL_NUM_THREADS={cores // procs}", "export TOKENIZERS_PARALLELISM=false"]
+        prologue = [
+            f"unset {JOB_DEVICES_ENV} LOCAL_RANK LOCAL_WORLD_SIZE",
+            f"export {WORKERS_PER_JOB_ENV}={procs}",
+            f"export OMP_NUM_THREADS={cores // procs}",
+            f"export MKL_NUM_THREADS={cores // procs}",
+            "export TOKENIZERS_PARALLELISM=false",
+        ]
         if not self.gpus_per_node:
             prologue.append(f"export {PIN_DEVICES_ENV}=0")
         # With the dashboard off the scheduler still serves health checks over HTTP: on any free port, not 8787.
-        scheduler: dict[str, Any] = ({"dashboard_address": self.dashboard_address} if self.dashboard_address
-                                     else {"dashboard": False, "dashboard_address": ":0"})
+        scheduler: dict[str, Any] = (
+            {"dashboard_address": self.dashboard_address}
+            if self.dashboard_address
+            else {"dashboard": False, "dashboard_address": ":0"}
+        )
         if self.scheduler_host is not None:
             scheduler["host"] = self.scheduler_host
         return {
@@ -199,8 +236,9 @@ def _import_slurm_cluster() -> type:
     try:
         from dask_jobqueue import SLURMCluster
     except ImportError as e:
-        raise ImportError('running on Slurm needs dask-jobqueue: pip install "flowactors[slurm]" '
-                          "(or pip install dask-jobqueue)") from e
+        raise ImportError(
+            'running on Slurm needs dask-jobqueue: pip install "flowactors[slurm]" (or pip install dask-jobqueue)'
+        ) from e
     return SLURMCluster
 
 
@@ -210,8 +248,11 @@ def open_slurm(settings: SlurmSettings, **controller_kwargs: Any) -> Controller:
     from distributed import Client
 
     # security=True: dask-jobqueue makes Security.temporary() for the run and hands the workers their copy
-    cluster = _import_slurm_cluster()(**settings.cluster_kwargs(), security=True if settings.secure else None,
-                                      shared_temp_directory=settings.credentials_directory)
+    cluster = _import_slurm_cluster()(
+        **settings.cluster_kwargs(),
+        security=True if settings.secure else None,
+        shared_temp_directory=settings.credentials_directory,
+    )
     client = None
     try:
         _test_submission(cluster.job_script(), settings)
@@ -237,21 +278,27 @@ def _test_submission(script: str, settings: SlurmSettings) -> None:
         try:
             out = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=60)
         except FileNotFoundError:
-            raise SlurmStartupError("sbatch not found: run the controller on a Slurm login node (or a node that "
-                                    "can submit jobs), with Slurm's commands on PATH") from None
+            raise SlurmStartupError(
+                "sbatch not found: run the controller on a Slurm login node (or a node that "
+                "can submit jobs), with Slurm's commands on PATH"
+            ) from None
         except subprocess.TimeoutExpired:
-            raise SlurmStartupError("`sbatch --test-only` did not answer within 60 s; is slurmctld reachable "
-                                    "(`sinfo`)?") from None
+            raise SlurmStartupError(
+                "`sbatch --test-only` did not answer within 60 s; is slurmctld reachable (`sinfo`)?"
+            ) from None
     if out.returncode != 0:
         said = " ".join(out.stderr.split()) or f"exit code {out.returncode}"
-        raise SlurmStartupError(f"Slurm would not accept the worker job: {said}. Check partition="
-                                f"{settings.partition!r}, account={settings.account!r}, gpus_per_node="
-                                f"{settings.gpus_per_node} and job_directives={settings.job_directives} against "
-                                f"`sinfo -o '%P %G %D %t'`; the job script is SLURMCluster(...).job_script()")
+        raise SlurmStartupError(
+            f"Slurm would not accept the worker job: {said}. Check partition="
+            f"{settings.partition!r}, account={settings.account!r}, gpus_per_node="
+            f"{settings.gpus_per_node} and job_directives={settings.job_directives} against "
+            f"`sinfo -o '%P %G %D %t'`; the job script is SLURMCluster(...).job_script()"
+        )
 
 
-def _wait_for_workers(client: Any, cluster: Any, settings: SlurmSettings, poll_s: float = 1.0,
-                      squeue_every_s: float = 5.0) -> None:
+def _wait_for_workers(
+    client: Any, cluster: Any, settings: SlurmSettings, poll_s: float = 1.0, squeue_every_s: float = 5.0
+) -> None:
     want = settings.total_workers
     deadline = time.monotonic() + settings.startup_timeout_s
     next_squeue = time.monotonic() + squeue_every_s
@@ -266,11 +313,16 @@ def _wait_for_workers(client: Any, cluster: Any, settings: SlurmSettings, poll_s
             states = _squeue(jobs)
             ended = [j for j in jobs if j not in states or states[j][0] in _ENDED]
             if ended or now > deadline:
-                what = (f"Slurm job(s) {', '.join(ended)} ended before their workers joined" if ended else
-                        f"the Slurm jobs did not start all workers within {settings.startup_timeout_s:.0f} s "
-                        f"(startup_timeout_s)")
-                raise SlurmStartupError(f"{what}: {have} of {want} worker processes joined. squeue: "
-                                        f"{_describe(jobs, states)}. {_hint(settings)}")
+                what = (
+                    f"Slurm job(s) {', '.join(ended)} ended before their workers joined"
+                    if ended
+                    else f"the Slurm jobs did not start all workers within {settings.startup_timeout_s:.0f} s "
+                    f"(startup_timeout_s)"
+                )
+                raise SlurmStartupError(
+                    f"{what}: {have} of {want} worker processes joined. squeue: "
+                    f"{_describe(jobs, states)}. {_hint(settings)}"
+                )
         time.sleep(poll_s)
 
 
@@ -286,8 +338,9 @@ def _squeue(jobs: list[str]) -> dict[str, tuple[str, str]]:
     if not jobs:
         return {}
     try:
-        out = subprocess.run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i %T %r"], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(
+            ["squeue", "-h", "-u", getpass.getuser(), "-o", "%i %T %r"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return {j: ("UNKNOWN", f"squeue failed: {e}") for j in jobs}
     if out.returncode != 0:
@@ -303,12 +356,17 @@ def _squeue(jobs: list[str]) -> dict[str, tuple[str, str]]:
 def _describe(jobs: list[str], states: dict[str, tuple[str, str]]) -> str:
     if not jobs:
         return "no job was submitted yet (is sbatch reachable from here?)"
-    return "; ".join(f"job {j} " + (" ".join(x for x in states[j] if x and x != "None") if j in states
-                                    else "no longer listed (it ended)") for j in jobs)
+    return "; ".join(
+        f"job {j} "
+        + (" ".join(x for x in states[j] if x and x != "None") if j in states else "no longer listed (it ended)")
+        for j in jobs
+    )
 
 
 def _hint(settings: SlurmSettings) -> str:
     logs = settings.log_directory or "the slurm-JOBID.out files in the submission directory"
-    return (f"Pending jobs: check partition={settings.partition!r}, account={settings.account!r} and "
-            f"gpus_per_node={settings.gpus_per_node} against `sinfo -o '%P %G %D %t'`, or raise startup_timeout_s. "
-            f"Ended jobs: read their logs in {logs}.")
+    return (
+        f"Pending jobs: check partition={settings.partition!r}, account={settings.account!r} and "
+        f"gpus_per_node={settings.gpus_per_node} against `sinfo -o '%P %G %D %t'`, or raise startup_timeout_s. "
+        f"Ended jobs: read their logs in {logs}."
+    )

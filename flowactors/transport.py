@@ -119,7 +119,7 @@ def by_call(outputs: Sequence[Any], calls: Sequence["CallFuture"]) -> list[list]
     """The per-rank `outputs` of several calls, in one list, cut into one list per call."""
     out, i = [], 0
     for c in calls:
-        out.append(list(outputs[i:i + len(c.futures)]))
+        out.append(list(outputs[i : i + len(c.futures)]))
         i += len(c.futures)
     return out
 

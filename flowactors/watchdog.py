@@ -86,7 +86,7 @@ def _task_states(keys: Sequence[str], dask_scheduler: Any = None) -> dict[str, d
 def _scheduler_states(client: "Client", keys: Sequence[str]) -> dict[str, dict]:
     try:
         return client.run_on_scheduler(_task_states, list(keys))
-    except Exception:  # noqa: BLE001 - a report without the scheduler's view is still a report
+    except Exception:
         return {}
 
 

@@ -89,6 +89,8 @@ class Worker:
 
         ctx = _runtime._GROUPS.get(group_name)
         if ctx is None or ctx.instance is None:
-            raise LookupError(f"group {group_name!r} has no rank in this worker process (the one of {self.group_name!r}"
-                              f" rank {self.rank}); place both groups on the same slots")
+            raise LookupError(
+                f"group {group_name!r} has no rank in this worker process (the one of {self.group_name!r}"
+                f" rank {self.rank}); place both groups on the same slots"
+            )
         return ctx.instance

@@ -1,4 +1,4 @@
-"""What asynchronous RL (algorithms/asynchronous.py) would gain at cluster scale, estimated with the simulator.
+"""What asynchronous RL (algorithms/rollout/asynchronous.py) would gain at cluster scale, estimated with the simulator.
 
 The CPU benchmark (`benchmarks/async.py`) measures the overlap on two slots; this asks the same of a GPU cluster
 with the simulator's costs (placement/simulator.py) for one GRPO-shaped iteration (actor, reference, reward; no
@@ -67,8 +67,9 @@ def _score_and_train(sim: Simulator, spec: LlamaSpec, cfg: Parallel) -> tuple[fl
     return score, sim.train_s(spec, ROLES["actor"], cfg)
 
 
-def estimate_async(sim: Simulator, spec: LlamaSpec, lengths: Sequence[int], *, gpus: int = 64, t: int = 4,
-                   t_g: int = 2) -> AsyncEstimate:
+def estimate_async(
+    sim: Simulator, spec: LlamaSpec, lengths: Sequence[int], *, gpus: int = 64, t: int = 4, t_g: int = 2
+) -> AsyncEstimate:
     """The colocated synchronous iteration and the best asynchronous split of `gpus` devices (training
     tensor-parallel `t`, generation replicas of `t_g` devices); `lengths`: one response length per generated
     sequence."""

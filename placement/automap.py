@@ -27,11 +27,20 @@ from placement.simulator import ALGORITHMS, ROLES, Workload
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m placement.automap", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", action="append", default=[], metavar="ROLE=SIZE",
-                    help=f"a model: role ({', '.join(ROLES)}) = 7b|13b|34b|70b or "
-                         "'hidden=..,layers=..,heads=..,ffn=..[,kv_heads=..,vocab=..]'; repeat per model")
-    ap.add_argument("--algorithm", type=algorithm_name, metavar="NAME",
-                    help=f"fill the algorithm's roles with --size: {_accepted_algorithms()}")
+    ap.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="ROLE=SIZE",
+        help=f"a model: role ({', '.join(ROLES)}) = 7b|13b|34b|70b or "
+        "'hidden=..,layers=..,heads=..,ffn=..[,kv_heads=..,vocab=..]'; repeat per model",
+    )
+    ap.add_argument(
+        "--algorithm",
+        type=algorithm_name,
+        metavar="NAME",
+        help=f"fill the algorithm's roles with --size: {_accepted_algorithms()}",
+    )
     ap.add_argument("--size", default="7b", help="model size for --algorithm roles not given by --model")
     ap.add_argument("--gpus", type=int, required=True, help="devices in the cluster")
     ap.add_argument("--gpu", default="a100-80gb", choices=sorted(PROFILES), help="hardware profile")
@@ -40,9 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=int, default=Workload.prompt_tokens)
     ap.add_argument("--response-tokens", type=int, default=Workload.response_tokens)
     ap.add_argument("--samples-per-prompt", type=int, default=Workload.samples_per_prompt)
-    ap.add_argument("--engine", choices=("any", "torch"), default="any",
-                    help="torch: only plans with p = 1 (the torch engine has no pipeline parallelism); any: p > 1 "
-                         "too, marked as needing model.engine=megatron")
+    ap.add_argument(
+        "--engine",
+        choices=("any", "torch"),
+        default="any",
+        help="torch: only plans with p = 1 (the torch engine has no pipeline parallelism); any: p > 1 "
+        "too, marked as needing model.engine=megatron",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--save", metavar="PATH", help="also write the plan to PATH (.json, or .yaml with PyYAML)")
     return ap
@@ -78,9 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         hardware = get_hardware(args.gpu)
         if args.gpus_per_node:
             hardware = hardware.with_gpus_per_node(args.gpus_per_node)
-        workload = Workload(prompts_per_step=args.prompts_per_step, prompt_tokens=args.prompt_tokens,
-                            response_tokens=args.response_tokens, samples_per_prompt=args.samples_per_prompt,
-                            baseline_samples_per_prompt=1 if args.algorithm == "remax" else 0)
+        workload = Workload(
+            prompts_per_step=args.prompts_per_step,
+            prompt_tokens=args.prompt_tokens,
+            response_tokens=args.response_tokens,
+            samples_per_prompt=args.samples_per_prompt,
+            baseline_samples_per_prompt=1 if args.algorithm == "remax" else 0,
+        )
         result = auto_map(models, args.gpus, hardware, workload, pipeline=args.engine == "any")
     except ValueError as e:
         print(f"automap: {e}", file=sys.stderr)
@@ -95,9 +112,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # (header, alignment) of the plan table's columns; widths come from the content, so long pool names keep it aligned
-_COLUMNS = (("pool", "<"), ("gpus", ">"), ("model", "<"), ("train p,t,d", "<"), ("gen p,t", "<"),
-            ("engine", "<"), ("generate s", ">"), ("transit s", ">"), ("infer s", ">"), ("train s", ">"),
-            ("peak GiB", ">"))
+_COLUMNS = (
+    ("pool", "<"),
+    ("gpus", ">"),
+    ("model", "<"),
+    ("train p,t,d", "<"),
+    ("gen p,t", "<"),
+    ("engine", "<"),
+    ("generate s", ">"),
+    ("transit s", ">"),
+    ("infer s", ">"),
+    ("train s", ">"),
+    ("peak GiB", ">"),
+)
 
 
 def model_engine(train: tuple[int, int, int]) -> str:
@@ -107,6 +134,7 @@ def model_engine(train: tuple[int, int, int]) -> str:
 
 def format_table(result: SearchResult, cluster: str) -> str:
     """The plan and its estimate as a table for people."""
+
     def num(x: float) -> str:
         return f"{x:.2f}" if x else "-"
 
@@ -114,21 +142,38 @@ def format_table(result: SearchResult, cluster: str) -> str:
     for s in result.sets:
         for i, m in enumerate(s.models):
             first = i == 0
-            rows.append(["+".join(s.roles) if first else "", str(s.gpus) if first else "", m.role,
-                         ",".join(map(str, m.parallel.train)),
-                         ",".join(map(str, m.parallel.generate)) if m.parallel.generate else "-",
-                         model_engine(m.parallel.train), num(m.generate_s), num(m.transition_s),
-                         num(m.inference_s), num(m.train_s),
-                         f"{s.peak_bytes / 2**30:.1f}" if first else ""])
-    lines = [f"auto device mapping on {cluster}: {result.placements} placements searched in {result.search_s:.2f} s",
-             f"engine: {result.engine} ({engine_note(result.plan)})",
-             "", *_aligned([h for h, _ in _COLUMNS], rows, [a for _, a in _COLUMNS])]
+            rows.append(
+                [
+                    "+".join(s.roles) if first else "",
+                    str(s.gpus) if first else "",
+                    m.role,
+                    ",".join(map(str, m.parallel.train)),
+                    ",".join(map(str, m.parallel.generate)) if m.parallel.generate else "-",
+                    model_engine(m.parallel.train),
+                    num(m.generate_s),
+                    num(m.transition_s),
+                    num(m.inference_s),
+                    num(m.train_s),
+                    f"{s.peak_bytes / 2**30:.1f}" if first else "",
+                ]
+            )
+    lines = [
+        f"auto device mapping on {cluster}: {result.placements} placements searched in {result.search_s:.2f} s",
+        f"engine: {result.engine} ({engine_note(result.plan)})",
+        "",
+        *_aligned([h for h, _ in _COLUMNS], rows, [a for _, a in _COLUMNS]),
+    ]
     lines += ["", "stage       seconds (slowest pool; models in one pool add up)"]
     lines += [f"{name:<10}{t:>9.2f}" for name, t in result.stages.items()]
-    lines += [f"{'iteration':<10}{result.estimated_iteration_s:>9.2f}", "",
-              f"placements within {RUNNER_UP_MARGIN:.0%} of the best, and the runner-up (iteration s):"]
-    lines += [f"{cost:>9.2f} s  " + "  ".join("[" + ", ".join(s) + f"]={n}" for s, n in zip(p, gpus))
-              for (p, cost), gpus in zip(result.ranking, result.ranking_gpus)]
+    lines += [
+        f"{'iteration':<10}{result.estimated_iteration_s:>9.2f}",
+        "",
+        f"placements within {RUNNER_UP_MARGIN:.0%} of the best, and the runner-up (iteration s):",
+    ]
+    lines += [
+        f"{cost:>9.2f} s  " + "  ".join("[" + ", ".join(s) + f"]={n}" for s, n in zip(p, gpus))
+        for (p, cost), gpus in zip(result.ranking, result.ranking_gpus)
+    ]
     return "\n".join(line.rstrip() for line in lines)
 
 

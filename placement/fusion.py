@@ -86,9 +86,16 @@ FusedPipeline = Callable[[int, Sequence[int], Sequence[float]], float]
 seconds of the fused schedule."""
 
 
-def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mapping[str, Parallel],
-                    lengths: Sequence[int], *, migrate_below: float = 0.1, migrate_by: str = "kv",
-                    fused_pipeline: FusedPipeline | None = None) -> FusionEstimate:
+def estimate_fusion(
+    sim: Simulator,
+    specs: Mapping[str, LlamaSpec],
+    cfgs: Mapping[str, Parallel],
+    lengths: Sequence[int],
+    *,
+    migrate_below: float = 0.1,
+    migrate_by: str = "kv",
+    fused_pipeline: FusedPipeline | None = None,
+) -> FusionEstimate:
     """Estimate one PPO iteration (actor, critic, ref, reward colocated on the same devices; `cfgs["actor"]` with
     its generation sizes) unfused and fused (see the module docstring; `fused_pipeline` plans the fused update
     when the actor and critic have the same (p, t, d), p > 1, as fuse_train requires)."""
@@ -103,8 +110,10 @@ def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mappin
     if migrate_by not in ("kv", "prefill"):
         raise ValueError(f"migrate_by must be 'kv' (move the KV caches) or 'prefill' (re-prefill), got {migrate_by!r}")
     if len(lengths) != sim.wl.generated_sequences or min(lengths) < 1 or max(lengths) > sim.wl.response_tokens:
-        raise ValueError(f"lengths must be {sim.wl.generated_sequences} response lengths in 1..."
-                         f"{sim.wl.response_tokens} (the workload's)")
+        raise ValueError(
+            f"lengths must be {sim.wl.generated_sequences} response lengths in 1..."
+            f"{sim.wl.response_tokens} (the workload's)"
+        )
     gpus = devices.pop()
     replicas = gpus // (a_cfg.t_g * a_cfg.p_g)
     per_replica = -(-len(lengths) // replicas)
@@ -142,8 +151,9 @@ def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mappin
     passes = sim.wl.mini_batches_per_step * sim.wl.epochs_per_step
     a_work, a_micro = sim.pass_work(actor, ROLES["actor"], a_cfg, backward=True)
     c_work, c_micro = sim.pass_work(specs["critic"], ROLES["critic"], cfgs["critic"], backward=True)
-    sync = sim.gradient_sync_s(actor, ROLES["actor"], a_cfg) + sim.gradient_sync_s(specs["critic"], ROLES["critic"],
-                                                                                   cfgs["critic"])
+    sync = sim.gradient_sync_s(actor, ROLES["actor"], a_cfg) + sim.gradient_sync_s(
+        specs["critic"], ROLES["critic"], cfgs["critic"]
+    )
     p = max(a_cfg.p, cfgs["critic"].p)
     train = passes * (a_work * (1 + (a_cfg.p - 1) / a_micro) + c_work * (1 + (cfgs["critic"].p - 1) / c_micro) + sync)
     c_cfg = cfgs["critic"]
@@ -152,5 +162,12 @@ def estimate_fusion(sim: Simulator, specs: Mapping[str, LlamaSpec], cfgs: Mappin
     else:
         fused_pass = (a_work + c_work) * (1 + (p - 1) / (a_micro + c_micro))
     fused_train = passes * (fused_pass + sync)
-    return FusionEstimate(generate_s=generate, inference_s=inference, fused_generate_inference_s=fused_gi,
-                          migrated=migrated, tail_replicas=tail_replicas, train_s=train, fused_train_s=fused_train)
+    return FusionEstimate(
+        generate_s=generate,
+        inference_s=inference,
+        fused_generate_inference_s=fused_gi,
+        migrated=migrated,
+        tail_replicas=tail_replicas,
+        train_s=train,
+        fused_train_s=fused_train,
+    )

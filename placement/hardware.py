@@ -122,21 +122,43 @@ class Hardware:
 def a100_80gb() -> Hardware:
     """The HybridFlow testbed (§8.1): A100 SXM 80GB (312 TFLOP/s bf16, 2,039 GB/s HBM2e, NVLink 3 at 600 GB/s
     bidirectional), 8 per machine, 200 Gb/s between machines."""
-    return Hardware("a100-80gb", memory_bytes=80 * GIB, peak_flops=312e12, hbm_bytes_s=2.039e12,
-                    nvlink_bytes_s=300e9, network_bytes_s=200e9 / 8)
+    return Hardware(
+        "a100-80gb",
+        memory_bytes=80 * GIB,
+        peak_flops=312e12,
+        hbm_bytes_s=2.039e12,
+        nvlink_bytes_s=300e9,
+        network_bytes_s=200e9 / 8,
+    )
 
 
 def h100() -> Hardware:
     """H100 SXM 80GB (989 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 at 900 GB/s bidirectional), eight 400 Gb/s
     NICs per node (DGX H100)."""
-    return Hardware("h100", memory_bytes=80 * GIB, peak_flops=989e12, hbm_bytes_s=3.35e12, nvlink_bytes_s=450e9,
-                    network_bytes_s=8 * 400e9 / 8, mfu=0.4, nvlink_efficiency=0.8)
+    return Hardware(
+        "h100",
+        memory_bytes=80 * GIB,
+        peak_flops=989e12,
+        hbm_bytes_s=3.35e12,
+        nvlink_bytes_s=450e9,
+        network_bytes_s=8 * 400e9 / 8,
+        mfu=0.4,
+        nvlink_efficiency=0.8,
+    )
 
 
 def h200() -> Hardware:
     """H200 SXM 141GB: the H100's compute and NVLink with more and faster HBM (4.8 TB/s HBM3e)."""
-    return Hardware("h200", memory_bytes=141e9, peak_flops=989e12, hbm_bytes_s=4.8e12, nvlink_bytes_s=450e9,
-                    network_bytes_s=8 * 400e9 / 8, mfu=0.4, nvlink_efficiency=0.8)
+    return Hardware(
+        "h200",
+        memory_bytes=141e9,
+        peak_flops=989e12,
+        hbm_bytes_s=4.8e12,
+        nvlink_bytes_s=450e9,
+        network_bytes_s=8 * 400e9 / 8,
+        mfu=0.4,
+        nvlink_efficiency=0.8,
+    )
 
 
 PROFILES = {"a100-80gb": a100_80gb, "h100": h100, "h200": h200}

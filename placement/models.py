@@ -104,8 +104,10 @@ def parse_model(text: str) -> LlamaSpec:
     if text in PRESETS:
         return PRESETS[text]()
     if "=" not in text:
-        raise ValueError(f"unknown model size {text!r}; use one of {', '.join(PRESETS)} or give dimensions like "
-                         "'hidden=4096,layers=32,heads=32,ffn=11008'")
+        raise ValueError(
+            f"unknown model size {text!r}; use one of {', '.join(PRESETS)} or give dimensions like "
+            "'hidden=4096,layers=32,heads=32,ffn=11008'"
+        )
     known = {f.name for f in fields(LlamaSpec)} - {"name"}
     dims: dict[str, int] = {}
     for item in text.split(","):

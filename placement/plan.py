@@ -28,8 +28,17 @@ from placement.models import LlamaSpec, divides_heads
 from placement.simulator import Parallel, Simulator, Workload, get_role
 
 # Keys automap adds for people to read; a plan accepts and ignores them.
-_INFORMATIONAL = {"engine", "engine_note", "estimated_iteration_s", "stages", "search_s", "placements_searched",
-                  "pools", "models", "ranking"}
+_INFORMATIONAL = {
+    "engine",
+    "engine_note",
+    "estimated_iteration_s",
+    "stages",
+    "search_s",
+    "placements_searched",
+    "pools",
+    "models",
+    "ranking",
+}
 
 
 class PlanError(ValueError):
@@ -56,8 +65,10 @@ class ModelPlan:
             raise PlanError(f"{self.role}: train must be three positive sizes [p, t, d], got {list(self.train)}")
         p, t, d = self.train
         if p * t * d != self.gpus:
-            raise PlanError(f"{self.role}: train sizes p·t·d = {p}·{t}·{d} = {p * t * d} must equal its "
-                            f"{self.gpus} GPUs; change d to {self.gpus // (p * t) or 1} or the pool size")
+            raise PlanError(
+                f"{self.role}: train sizes p·t·d = {p}·{t}·{d} = {p * t * d} must equal its "
+                f"{self.gpus} GPUs; change d to {self.gpus // (p * t) or 1} or the pool size"
+            )
         if self.rollout_engine is not None and self.role != "actor":
             raise PlanError(f"{self.role}: only the actor generates; drop its 'rollout_engine'")
         if self.generate is None:
@@ -68,8 +79,10 @@ class ModelPlan:
             raise PlanError(f"actor: generate must be two positive sizes [p_g, t_g], got {list(self.generate)}")
         p_g, t_g = self.generate
         if t % t_g or p % p_g:
-            raise PlanError(f"actor: generation sizes (p_g, t_g) = ({p_g}, {t_g}) must divide the training sizes "
-                            f"(p, t) = ({p}, {t}) so the 3D-HybridEngine can reuse the training shard")
+            raise PlanError(
+                f"actor: generation sizes (p_g, t_g) = ({p_g}, {t_g}) must divide the training sizes "
+                f"(p, t) = ({p}, {t}) so the 3D-HybridEngine can reuse the training shard"
+            )
 
     @property
     def parallel(self) -> Parallel:
@@ -95,8 +108,10 @@ class Plan:
             raise PlanError(f"placement names {', '.join(repeated)} more than once; each model lives in one set")
         planned = [m.role for m in self.models]
         if sorted(planned) != sorted(roles):
-            raise PlanError(f"placement has models {sorted(roles)} but sizes are given for {sorted(planned)}; "
-                            "give each placed model its gpus and parallel sizes")
+            raise PlanError(
+                f"placement has models {sorted(roles)} but sizes are given for {sorted(planned)}; "
+                "give each placed model its gpus and parallel sizes"
+            )
         for s in self.placement:
             sizes = {r: self.model(r).gpus for r in s}
             if len(set(sizes.values())) > 1:
@@ -132,8 +147,11 @@ class Plan:
                 parallel[m.role]["generate"] = list(m.generate)
             if m.rollout_engine is not None:
                 parallel[m.role]["rollout_engine"] = m.rollout_engine
-        return {"placement": [list(s) for s in self.placement],
-                "gpus": {m.role: m.gpus for m in self.models}, "parallel": parallel}
+        return {
+            "placement": [list(s) for s in self.placement],
+            "gpus": {m.role: m.gpus for m in self.models},
+            "parallel": parallel,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
@@ -150,8 +168,15 @@ class Plan:
             if role not in gpus:
                 raise PlanError(f"plan gives no gpus for {role!r}; add \"{role}\": N under 'gpus'")
             sizes = parallel.get(role, {})
-            models.append(ModelPlan(role, int(gpus[role]), sizes.get("train", (1, 1, int(gpus[role]))),
-                                    sizes.get("generate"), sizes.get("rollout_engine")))
+            models.append(
+                ModelPlan(
+                    role,
+                    int(gpus[role]),
+                    sizes.get("train", (1, 1, int(gpus[role]))),
+                    sizes.get("generate"),
+                    sizes.get("rollout_engine"),
+                )
+            )
         return cls(data["placement"], tuple(models))
 
     def to_json(self) -> str:
@@ -183,9 +208,10 @@ class Plan:
             return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
         except PlanError as e:
             raise PlanError(f"plan file {path}: {e}") from None
-        except Exception as e:  # noqa: BLE001 - JSON/YAML syntax, wrong value types: all the file's fault
-            raise PlanError(f"plan file {path} is not a valid plan ({type(e).__name__}: {e}); see docs/placement.md "
-                            f"for the format") from None
+        except Exception as e:
+            raise PlanError(
+                f"plan file {path} is not a valid plan ({type(e).__name__}: {e}); see docs/placement.md for the format"
+            ) from None
 
 
 def plan_engine(plan: Plan) -> str:
@@ -199,14 +225,17 @@ def engine_note(plan: Plan) -> str:
     piped = [f"{m.role} (p={m.train[0]})" for m in plan.models if m.train[0] > 1]
     if not piped:
         return "p = 1 throughout: runs on either engine (model.engine=torch is the default)"
-    return (f"pipeline stages for {', '.join(piped)}: run with model.engine=megatron (the torch engine has no "
-            "pipeline parallelism)")
+    return (
+        f"pipeline stages for {', '.join(piped)}: run with model.engine=megatron (the torch engine has no "
+        "pipeline parallelism)"
+    )
 
 
 def _check_shape(placement: Any) -> None:
     if isinstance(placement, str) or any(isinstance(s, str) for s in placement):
-        raise PlanError(f'placement must be a list of colocated sets, e.g. [["actor", "ref"], ["critic"]]; '
-                        f"got {placement!r}")
+        raise PlanError(
+            f'placement must be a list of colocated sets, e.g. [["actor", "ref"], ["critic"]]; got {placement!r}'
+        )
 
 
 def _require_yaml() -> Any:
@@ -218,33 +247,44 @@ def _require_yaml() -> Any:
     return yaml
 
 
-def validate(plan: Plan, n_slots: int, *, gpus_per_node: int | None = None,
-             models: Mapping[str, LlamaSpec] | None = None, hardware: Hardware | None = None,
-             workload: Workload | None = None) -> None:
+def validate(
+    plan: Plan,
+    n_slots: int,
+    *,
+    gpus_per_node: int | None = None,
+    models: Mapping[str, LlamaSpec] | None = None,
+    hardware: Hardware | None = None,
+    workload: Workload | None = None,
+) -> None:
     """Check `plan` against a cluster of `n_slots` device slots; raise PlanError listing every problem and its fix.
 
     With `models`, sizes must divide the attention heads and layers; with `models` and `hardware` as well, every
     colocated set must fit in device memory (weights, gradients, optimizer states, activations, the KV cache)."""
     problems = []
     if plan.total_gpus > n_slots:
-        problems.append(f"the plan needs {plan.total_gpus} device slots but the cluster has {n_slots}: start "
-                        f"more workers or shrink the pools {plan.pools()}")
+        problems.append(
+            f"the plan needs {plan.total_gpus} device slots but the cluster has {n_slots}: start "
+            f"more workers or shrink the pools {plan.pools()}"
+        )
     gpn = gpus_per_node or (hardware.gpus_per_node if hardware else None)
     for m in plan.models:
         cfg = m.parallel
         if gpn and cfg.t > gpn:
-            problems.append(f"{m.role}: tensor parallel size {cfg.t} exceeds the {gpn} GPUs of a node; tensor "
-                            "parallelism needs NVLink, use pipeline parallelism (p) across nodes")
+            problems.append(
+                f"{m.role}: tensor parallel size {cfg.t} exceeds the {gpn} GPUs of a node; tensor "
+                "parallelism needs NVLink, use pipeline parallelism (p) across nodes"
+            )
         spec = (models or {}).get(m.role)
         if spec is None:
             continue
         # Generation sizes divide the training sizes (ModelPlan), so checking t and p covers t_g and p_g.
         if not divides_heads(spec, cfg.t):
-            problems.append(f"{m.role}: tensor parallel size {cfg.t} does not divide its {spec.heads} attention "
-                            f"heads ({spec.kv_heads} key/value heads); pick a divisor")
+            problems.append(
+                f"{m.role}: tensor parallel size {cfg.t} does not divide its {spec.heads} attention "
+                f"heads ({spec.kv_heads} key/value heads); pick a divisor"
+            )
         if spec.layers % cfg.p:
-            problems.append(f"{m.role}: pipeline size {cfg.p} does not divide its {spec.layers} layers; pick a "
-                            "divisor")
+            problems.append(f"{m.role}: pipeline size {cfg.p} does not divide its {spec.layers} layers; pick a divisor")
     if models is not None and hardware is not None:
         sim = Simulator(hardware, workload)
         for s in plan.placement:
@@ -254,6 +294,7 @@ def validate(plan: Plan, n_slots: int, *, gpus_per_node: int | None = None,
                 problems.append(
                     f"pool {'+'.join(s)} needs {need / 2**30:.1f} GiB per device but a {hardware.name} has "
                     f"{hardware.usable_bytes / 2**30:.1f} GiB usable: give it more GPUs, raise t or p, or split "
-                    "the set into separate pools")
+                    "the set into separate pools"
+                )
     if problems:
         raise PlanError("plan does not fit the cluster:\n  - " + "\n  - ".join(problems))

@@ -89,11 +89,13 @@ class ResourcePool:
         if any(n < 1 for n in sizes.values()):
             raise ValueError(f"pool sizes must be >= 1, got {dict(sizes)}")
         if sum(sizes.values()) > len(self):
-            raise ValueError(f"pool {self.name!r} has {len(self)} slots but the split asks for "
-                             f"{sum(sizes.values())} ({dict(sizes)}); add workers or shrink the pools")
+            raise ValueError(
+                f"pool {self.name!r} has {len(self)} slots but the split asks for "
+                f"{sum(sizes.values())} ({dict(sizes)}); add workers or shrink the pools"
+            )
         out, start = {}, 0
         for name, n in sizes.items():
-            out[name] = ResourcePool(name, self.slots[start:start + n])
+            out[name] = ResourcePool(name, self.slots[start : start + n])
             start += n
         return out
 
@@ -113,8 +115,10 @@ def pools_for_plan(plan: Plan, cluster: ResourcePool | Iterable[Slot] | Iterable
         cluster = ResourcePool("cluster", tuple(slots))
     sizes = plan.pools()
     if sum(sizes.values()) > len(cluster):
-        raise PlanError(f"the plan needs {sum(sizes.values())} device slots but the cluster has {len(cluster)}: "
-                        f"start more workers or shrink the pools {sizes}")
+        raise PlanError(
+            f"the plan needs {sum(sizes.values())} device slots but the cluster has {len(cluster)}: "
+            f"start more workers or shrink the pools {sizes}"
+        )
     largest_first = dict(sorted(sizes.items(), key=lambda kv: -kv[1]))
     pools = cluster.split(largest_first)
     return {name: pools[name] for name in sizes}

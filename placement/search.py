@@ -59,7 +59,7 @@ def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
     for partition in set_partitions(rest):
         yield [(first,)] + partition
         for i in range(len(partition)):
-            yield partition[:i] + [(first,) + partition[i]] + partition[i + 1:]
+            yield partition[:i] + [(first,) + partition[i]] + partition[i + 1 :]
 
 
 def device_counts(total: int, gpus_per_node: int) -> list[int]:
@@ -174,24 +174,49 @@ class SearchResult:
         return plan_engine(self.plan)
 
     def to_dict(self) -> dict[str, Any]:
-        models = {m.role: {"generate_s": m.generate_s, "transition_s": m.transition_s,
-                           "inference_s": m.inference_s, "train_s": m.train_s,
-                           **({"generation_batch": m.generation_batch} if m.generation_batch else {})}
-                  for s in self.sets for m in s.models}
-        pools = {"+".join(s.roles): {"gpus": s.gpus, "peak_gib": s.peak_bytes / 2**30,
-                                     "stages": dict(zip(STAGES, s.stages))} for s in self.sets}
-        return {**self.plan.to_dict(), "engine": self.engine, "engine_note": engine_note(self.plan),
-                "estimated_iteration_s": self.estimated_iteration_s, "stages": self.stages,
-                "search_s": self.search_s, "placements_searched": self.placements, "pools": pools, "models": models,
-                "ranking": [{"placement": [list(s) for s in p], "gpus": list(g), "estimated_iteration_s": c}
-                            for (p, c), g in zip(self.ranking, self.ranking_gpus)]}
+        models = {
+            m.role: {
+                "generate_s": m.generate_s,
+                "transition_s": m.transition_s,
+                "inference_s": m.inference_s,
+                "train_s": m.train_s,
+                **({"generation_batch": m.generation_batch} if m.generation_batch else {}),
+            }
+            for s in self.sets
+            for m in s.models
+        }
+        pools = {
+            "+".join(s.roles): {"gpus": s.gpus, "peak_gib": s.peak_bytes / 2**30, "stages": dict(zip(STAGES, s.stages))}
+            for s in self.sets
+        }
+        return {
+            **self.plan.to_dict(),
+            "engine": self.engine,
+            "engine_note": engine_note(self.plan),
+            "estimated_iteration_s": self.estimated_iteration_s,
+            "stages": self.stages,
+            "search_s": self.search_s,
+            "placements_searched": self.placements,
+            "pools": pools,
+            "models": models,
+            "ranking": [
+                {"placement": [list(s) for s in p], "gpus": list(g), "estimated_iteration_s": c}
+                for (p, c), g in zip(self.ranking, self.ranking_gpus)
+            ],
+        }
 
 
 class AutoMapper:
     """Searches placements, allocations and parallel sizes for `models` (role -> spec) on one hardware type."""
 
-    def __init__(self, models: Mapping[str, LlamaSpec], hardware: Hardware | None = None,
-                 workload: Workload | None = None, *, pipeline: bool = True) -> None:
+    def __init__(
+        self,
+        models: Mapping[str, LlamaSpec],
+        hardware: Hardware | None = None,
+        workload: Workload | None = None,
+        *,
+        pipeline: bool = True,
+    ) -> None:
         """`pipeline=False` keeps every model at p = 1: plans the torch engine runs."""
         if not models:
             raise ValueError("give at least one model (role -> size)")
@@ -259,11 +284,21 @@ class AutoMapper:
         for role in roles:
             if get_role(role).generates:
                 continue
-            combos = _pareto([_Combo(c.total + sum(o.stages), c.static + o.static, max(c.working, o.working),
-                                     _add(c.stages, o.stages), c.options + (o,))
-                              for c in combos for o in self.options(role, n)
-                              if c.static + o.static + max(c.working, o.working) <= usable],
-                             key=lambda c: (c.total, c.static, c.working))
+            combos = _pareto(
+                [
+                    _Combo(
+                        c.total + sum(o.stages),
+                        c.static + o.static,
+                        max(c.working, o.working),
+                        _add(c.stages, o.stages),
+                        c.options + (o,),
+                    )
+                    for c in combos
+                    for o in self.options(role, n)
+                    if c.static + o.static + max(c.working, o.working) <= usable
+                ],
+                key=lambda c: (c.total, c.static, c.working),
+            )
         actor = next((r for r in roles if get_role(r).generates), None)
         if actor is None:
             best = min(combos, key=lambda c: c.total, default=None)
@@ -310,10 +345,22 @@ class AutoMapper:
         for role in roles:
             o = by_role[role]
             batch = sim.generation_batch(self.models[role], o.cfg, free) if role in gen else 0
-            models.append(ModelChoice(role, o.cfg, gen.get(role, 0.0), o.stages[0] if role in gen else 0.0,
-                                      o.stages[1], o.stages[2], batch))
-        stages = (sum(o.stages[0] for o in options) + sum(gen.values()),
-                  sum(o.stages[1] for o in options), sum(o.stages[2] for o in options))
+            models.append(
+                ModelChoice(
+                    role,
+                    o.cfg,
+                    gen.get(role, 0.0),
+                    o.stages[0] if role in gen else 0.0,
+                    o.stages[1],
+                    o.stages[2],
+                    batch,
+                )
+            )
+        stages = (
+            sum(o.stages[0] for o in options) + sum(gen.values()),
+            sum(o.stages[1] for o in options),
+            sum(o.stages[2] for o in options),
+        )
         peak = sim.colocated_peak_bytes([(self.models[o.role], get_role(o.role), o.cfg) for o in options])
         return SetChoice(roles, n, stages, tuple(models), peak)
 
@@ -368,17 +415,32 @@ class AutoMapper:
             if best is None or cost < best[0]:
                 best = (cost, [dict(t)[c] for t, c in zip(tables, alloc)])
         if best is None:
-            raise ValueError(f"no placement of {', '.join(self.models)} fits on {gpus} x {self.hw.name}; the "
-                             "models need more devices (or devices with more memory)")
+            raise ValueError(
+                f"no placement of {', '.join(self.models)} fits on {gpus} x {self.hw.name}; the "
+                "models need more devices (or devices with more memory)"
+            )
         cost, sets = best
         stages = {name: max(s.stages[i] for s in sets) for i, name in enumerate(STAGES)}
-        plan = Plan(tuple(s.roles for s in sets), tuple(
-            ModelPlan(m.role, s.gpus, m.parallel.train, m.parallel.generate) for s in sets for m in s.models))
-        ranking = [r for i, r in enumerate(sorted(ranking, key=lambda x: x[1]))
-                   if i < 2 or r[1] <= cost * (1 + runner_up_margin)]
-        return SearchResult(plan, cost, stages, tuple(sets), tuple((p, c) for p, c, _ in ranking),
-                            time.perf_counter() - start, placements, evaluated, tuple(a for _, _, a in ranking))
-
+        plan = Plan(
+            tuple(s.roles for s in sets),
+            tuple(ModelPlan(m.role, s.gpus, m.parallel.train, m.parallel.generate) for s in sets for m in s.models),
+        )
+        ranking = [
+            r
+            for i, r in enumerate(sorted(ranking, key=lambda x: x[1]))
+            if i < 2 or r[1] <= cost * (1 + runner_up_margin)
+        ]
+        return SearchResult(
+            plan,
+            cost,
+            stages,
+            tuple(sets),
+            tuple((p, c) for p, c, _ in ranking),
+            time.perf_counter() - start,
+            placements,
+            evaluated,
+            tuple(a for _, _, a in ranking),
+        )
 
     def _tables(self, placement: Sequence[tuple[str, ...]], gpus: int) -> list[list[tuple[int, SetChoice]]] | None:
         """Per set, (count, its choice) for every count the set can take on `gpus` devices; None if they cannot
@@ -387,8 +449,15 @@ class AutoMapper:
         if None in floors or sum(floors) > gpus:
             return None
         counts = device_counts(gpus, self.hw.gpus_per_node)
-        return [[(c, choice) for c in counts if f <= c <= gpus - sum(floors) + f
-                 if (choice := self.solve_set(s, c)) is not None] for s, f in zip(placement, floors)]
+        return [
+            [
+                (c, choice)
+                for c in counts
+                if f <= c <= gpus - sum(floors) + f
+                if (choice := self.solve_set(s, c)) is not None
+            ]
+            for s, f in zip(placement, floors)
+        ]
 
     def cost_placement(self, placement: Sequence[Sequence[str]], gpus: int) -> tuple[float, tuple[int, ...]] | None:
         """One placement's best iteration time on `gpus` devices and its devices per set (None if it does not
@@ -403,8 +472,14 @@ class AutoMapper:
         return found
 
 
-def auto_map(models: Mapping[str, LlamaSpec], gpus: int, hardware: Hardware | None = None,
-             workload: Workload | None = None, *, pipeline: bool = True) -> SearchResult:
+def auto_map(
+    models: Mapping[str, LlamaSpec],
+    gpus: int,
+    hardware: Hardware | None = None,
+    workload: Workload | None = None,
+    *,
+    pipeline: bool = True,
+) -> SearchResult:
     """Cheapest plan for `models` (role -> spec) on `gpus` devices of `hardware` (default: A100-80GB)."""
     return AutoMapper(models, hardware, workload, pipeline=pipeline).search(gpus)
 
@@ -472,8 +547,9 @@ def _lower_bound(tables: list[list[tuple[int, Vec]]], total: int) -> float:
     return _Bounds(tables).after(0, (0.0, 0.0, 0.0), total)
 
 
-def _best_allocation(tables: list[list[tuple[int, Vec]]], total: int,
-                     cutoff: float = _INF) -> tuple[tuple[float, tuple[int, ...]] | None, int]:
+def _best_allocation(
+    tables: list[list[tuple[int, Vec]]], total: int, cutoff: float = _INF
+) -> tuple[tuple[float, tuple[int, ...]] | None, int]:
     """Branch and bound over allocations: returns ((cost, counts) or None if none beats `cutoff`, allocations
     costed). `tables[i]` lists (count, stage vector) of set i by increasing count; a partial allocation is dropped
     as soon as `_Bounds.after` shows it cannot beat the best found."""

@@ -103,15 +103,24 @@ class Workload:
     activation_recompute: bool = True
 
     def __post_init__(self) -> None:
-        for field in ("prompts_per_step", "prompt_tokens", "response_tokens", "samples_per_prompt",
-                      "mini_batches_per_step", "epochs_per_step", "micro_batch_tokens"):
+        for field in (
+            "prompts_per_step",
+            "prompt_tokens",
+            "response_tokens",
+            "samples_per_prompt",
+            "mini_batches_per_step",
+            "epochs_per_step",
+            "micro_batch_tokens",
+        ):
             if getattr(self, field) < 1:
                 raise ValueError(f"Workload.{field} must be >= 1, got {getattr(self, field)}")
         if self.baseline_samples_per_prompt < 0:
             raise ValueError("Workload.baseline_samples_per_prompt must be >= 0")
         if self.trained_sequences % self.mini_batches_per_step:
-            raise ValueError(f"Workload: {self.trained_sequences} trained sequences do not split into "
-                             f"mini_batches_per_step={self.mini_batches_per_step}; pick a divisor")
+            raise ValueError(
+                f"Workload: {self.trained_sequences} trained sequences do not split into "
+                f"mini_batches_per_step={self.mini_batches_per_step}; pick a divisor"
+            )
 
     @property
     def seq_tokens(self) -> int:
@@ -339,8 +348,11 @@ class Simulator:
         of one stage (colocated models take turns, so their working sets never coexist)."""
         static = sum(self.static_bytes(spec, role, cfg) for spec, role, cfg in members)
         working = [self.activation_bytes(spec, role, cfg) for spec, role, cfg in members]
-        working += [self.generation_extra_bytes(spec, cfg) + self.kv_bytes_per_sequence(spec, cfg)
-                    for spec, role, cfg in members if role.generates]
+        working += [
+            self.generation_extra_bytes(spec, cfg) + self.kv_bytes_per_sequence(spec, cfg)
+            for spec, role, cfg in members
+            if role.generates
+        ]
         return static + max(working, default=0.0)
 
 

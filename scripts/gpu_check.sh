@@ -183,10 +183,10 @@ def grpo_qwen2_05b():
     tokens/s, step time, memory per role, MFU (6N per trained token, 2N per scored or generated token)."""
     import tempfile
     from pathlib import Path
-    from algorithms.cli import open_controller
-    from algorithms.cli import parse_args
+    from algorithms.run.cli import open_controller
+    from algorithms.run.cli import parse_args
     from algorithms.grpo import GRPO, GRPOConfig
-    from algorithms.loop import Runner
+    from algorithms.run.loop import Runner
     n = 1 if DRY else torch.cuda.device_count()
     shape = ([] if DRY else ["model.arch=qwen2", "model.hidden_size=896", "model.num_layers=24", "model.num_heads=14",
                              "model.num_kv_heads=2", "model.intermediate_size=4864", "model.dtype=bfloat16"])

@@ -35,30 +35,32 @@ def fresh_controller():
     ctl.close()
 
 
-FAST_MODULES = frozenset({
-    "tests/test_layering.py",
-    "tests/algorithms/test_core.py",
-    "tests/checkpoint/test_store.py",
-    "tests/dashboard/test_data.py",
-    "tests/engines/test_models_and_generation.py",
-    "tests/engines/test_pretrained.py",
-    "tests/engines/test_specs_and_registry.py",
-    "tests/examples/test_gold_safe_rlhf.py",
-    "tests/fusion/test_stream.py",
-    "tests/hybrid/test_layout.py",
-    "tests/hybrid/test_shards.py",
-    "tests/placement/test_asynchronous.py",
-    "tests/placement/test_automap.py",
-    "tests/placement/test_fusion_estimate.py",
-    "tests/placement/test_models.py",
-    "tests/placement/test_plan.py",
-    "tests/placement/test_pools.py",
-    "tests/placement/test_search.py",
-    "tests/placement/test_simulator.py",
-    "tests/runtime/test_batch.py",
-    "tests/runtime/test_logging.py",
-    "tests/runtime/test_protocols.py",
-})
+FAST_MODULES = frozenset(
+    {
+        "tests/test_layering.py",
+        "tests/algorithms/test_core.py",
+        "tests/checkpoint/test_store.py",
+        "tests/dashboard/test_data.py",
+        "tests/engines/test_models_and_generation.py",
+        "tests/engines/test_pretrained.py",
+        "tests/engines/test_specs_and_registry.py",
+        "tests/examples/test_gold_safe_rlhf.py",
+        "tests/fusion/test_stream.py",
+        "tests/hybrid/test_layout.py",
+        "tests/hybrid/test_shards.py",
+        "tests/placement/test_asynchronous.py",
+        "tests/placement/test_automap.py",
+        "tests/placement/test_fusion_estimate.py",
+        "tests/placement/test_models.py",
+        "tests/placement/test_plan.py",
+        "tests/placement/test_pools.py",
+        "tests/placement/test_search.py",
+        "tests/placement/test_simulator.py",
+        "tests/runtime/test_batch.py",
+        "tests/runtime/test_logging.py",
+        "tests/runtime/test_protocols.py",
+    }
+)
 """The fast tier (`python -m pytest -m fast`, about a minute on 2 cores): modules that start no Dask cluster and no
 worker process, plus every test that asks for `no_cluster` (it fails if a cluster starts). The full run is still
 what CI runs; the fast tier is for the edit-test loop."""
@@ -72,6 +74,7 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow") or not (module in FAST_MODULES or "no_cluster" in item.fixturenames):
             continue
         if _CLUSTER_FIXTURES & set(item.fixturenames):
-            raise pytest.UsageError(f"{item.nodeid} starts a cluster, so it cannot be in the fast tier "
-                                    f"(tests/conftest.py FAST_MODULES)")
+            raise pytest.UsageError(
+                f"{item.nodeid} starts a cluster, so it cannot be in the fast tier (tests/conftest.py FAST_MODULES)"
+            )
         item.add_marker(pytest.mark.fast)

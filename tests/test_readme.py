@@ -49,7 +49,7 @@ def runnable_blocks(text: str) -> list[Block]:
         end = next((j for j in range(i + 2, len(lines)) if lines[j].strip() == "```"), None)
         if end is None:
             raise ValueError(f"README.md:{i + 2}: the runnable block is never closed with ```")
-        blocks.append(Block(i + 2, "\n".join(lines[i + 2:end]) + "\n"))
+        blocks.append(Block(i + 2, "\n".join(lines[i + 2 : end]) + "\n"))
     return blocks
 
 
@@ -65,8 +65,9 @@ def test_marker_parsing():
 
 
 def test_the_controller_snippet_is_marked_runnable():
-    assert any("fa.Controller.local" in b.code and "ctl.apply" in b.code for b in BLOCKS), \
+    assert any("fa.Controller.local" in b.code and "ctl.apply" in b.code for b in BLOCKS), (
         f"the README's 'single controller, in code' block lost its {MARKER} line"
+    )
 
 
 @pytest.mark.parametrize("how", ["-c", "file"])

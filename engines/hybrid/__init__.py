@@ -19,7 +19,7 @@ from engines.hybrid.accounting import (
 )
 from engines.hybrid.layout import GenCoord, HybridLayout, TrainCoord
 from engines.hybrid.limits import GenerationEngineLimits, transformers_engine_limits, vllm_engine_limits
-from engines.hybrid.reshard import GenerationShard, Method, ReshardGroups, Resharder, ReshardStats
+from engines.hybrid.reshard import GenerationShard, Method, Resharder, ReshardGroups, ReshardStats
 from engines.hybrid.shards import (
     ModelGeometry,
     ShardLayout,

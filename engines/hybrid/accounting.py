@@ -48,8 +48,9 @@ def _replicated(geometry: ModelGeometry, layout: HybridLayout, stage: int) -> in
     return shard_layout(geometry, layout.train_pp, stage, layout.train_tp).replicated_numel
 
 
-def replicated_bytes_missing(geometry: ModelGeometry, layout: HybridLayout, rank: int, method: Method,
-                             itemsize: int) -> int:
+def replicated_bytes_missing(
+    geometry: ModelGeometry, layout: HybridLayout, rank: int, method: Method, itemsize: int
+) -> int:
     """Bytes of the replicated tensors (norms) of the stages this rank's generation set needs but it lacks."""
     mine = layout.train_coord(rank).pp
     if method == "micro-dp":
@@ -59,8 +60,9 @@ def replicated_bytes_missing(geometry: ModelGeometry, layout: HybridLayout, rank
     return itemsize * sum(_replicated(geometry, layout, pp) for pp in stages if pp != mine)
 
 
-def expected_received_bytes(geometry: ModelGeometry, layout: HybridLayout, rank: int, method: Method,
-                            itemsize: int) -> int:
+def expected_received_bytes(
+    geometry: ModelGeometry, layout: HybridLayout, rank: int, method: Method, itemsize: int
+) -> int:
     """Bytes `method` must deliver to `rank`: the sharded payloads it lacks (as the method splits them) plus the
     replicated tensors of the stages it lacks."""
     if method == "micro-dp":
@@ -79,8 +81,9 @@ def expected_received_bytes(geometry: ModelGeometry, layout: HybridLayout, rank:
     return itemsize * sharded + replicated_bytes_missing(geometry, layout, rank, method, itemsize)
 
 
-def expected_gen_param_bytes(geometry: ModelGeometry, layout: HybridLayout, rank: int, method: Method,
-                             itemsize: int) -> int:
+def expected_gen_param_bytes(
+    geometry: ModelGeometry, layout: HybridLayout, rank: int, method: Method, itemsize: int
+) -> int:
     """Bytes of the generation parameter set `method` leaves on `rank` (the local shard included)."""
     if method != "micro-dp":
         return itemsize * geometry.numel

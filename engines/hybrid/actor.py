@@ -24,8 +24,8 @@ so callers see the same rows as without resharding.
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 from collections.abc import Callable, Iterator, Mapping
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from engines.hybrid.layout import HybridLayout
 from engines.hybrid.limits import GenerationEngineLimits, transformers_engine_limits
-from engines.hybrid.reshard import Method, ReshardGroups, Resharder, ReshardStats
+from engines.hybrid.reshard import Method, Resharder, ReshardGroups, ReshardStats
 from engines.hybrid.shards import ModelGeometry, TrainShard, check_model_fits, shard_layout
 from flowactors import Batch
 
@@ -46,14 +46,16 @@ def _split_name(name: str) -> tuple[str, str]:
     return module, attr
 
 
-def _rebind(model: torch.nn.Module, name: str, tensor: torch.Tensor, *, like: torch.Tensor,
-            requires_grad: bool) -> torch.nn.Parameter:
+def _rebind(
+    model: torch.nn.Module, name: str, tensor: torch.Tensor, *, like: torch.Tensor, requires_grad: bool
+) -> torch.nn.Parameter:
     """Make parameter `name` of `model` hold `tensor` (its local shard when `like` is a DTensor), without a copy."""
     module_name, attr = _split_name(name)
     module = model.get_submodule(module_name)
     if isinstance(like, DTensor):
-        tensor = DTensor.from_local(tensor, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                    stride=like.stride())
+        tensor = DTensor.from_local(
+            tensor, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
     param = torch.nn.Parameter(tensor, requires_grad=requires_grad)
     module._parameters[attr] = param
     return param
@@ -72,8 +74,7 @@ def untie_embeddings(model: torch.nn.Module) -> None:
         model.config.tie_word_embeddings = False
 
 
-def bind_training_shard(model: torch.nn.Module, geometry: ModelGeometry, layout: HybridLayout,
-                        rank: int) -> TrainShard:
+def bind_training_shard(model: torch.nn.Module, geometry: ModelGeometry, layout: HybridLayout, rank: int) -> TrainShard:
     """Move rank's parameters into one flat training buffer in the resharder's layout; they become its views.
 
     Call before building the optimizer (it holds the parameter objects)."""
@@ -82,8 +83,10 @@ def bind_training_shard(model: torch.nn.Module, geometry: ModelGeometry, layout:
     spec = shard_layout(geometry, layout.train_pp, coord.pp, t)
     params = dict(model.named_parameters())
     if "lm_head.weight" not in params and "lm_head.weight" in model.state_dict():
-        raise ValueError("the model ties lm_head to embed_tokens; the hybrid engine shards them separately (as "
-                         "Megatron does): untie them first (ModelConfig builds untied models)")
+        raise ValueError(
+            "the model ties lm_head to embed_tokens; the hybrid engine shards them separately (as "
+            "Megatron does): untie them first (ModelConfig builds untied models)"
+        )
     dtype = next(iter(params.values())).dtype
     shard = TrainShard.allocate(spec, dtype=dtype, device=_local(next(iter(params.values()))).device)
     bound = set()
@@ -91,21 +94,27 @@ def bind_training_shard(model: torch.nn.Module, geometry: ModelGeometry, layout:
         rule = entry.rule
         for (hf_name, _), part in zip(rule.parts, rule.part_views(shard.tensors[rule.name], t)):
             if hf_name not in params:
-                raise ValueError(f"the model has no parameter {hf_name!r} that a {geometry} decoder needs; is it a "
-                                 f"Llama/Qwen2 causal LM?")
+                raise ValueError(
+                    f"the model has no parameter {hf_name!r} that a {geometry} decoder needs; is it a "
+                    f"Llama/Qwen2 causal LM?"
+                )
             param = params[hf_name]
             local = _local(param.data)
             if tuple(local.shape) != tuple(part.shape):
-                raise ValueError(f"{hf_name}: this rank holds a {tuple(local.shape)} shard, the training layout "
-                                 f"expects {tuple(part.shape)}; parallelize the model with vocab_parallel=True and "
-                                 f"fsdp=False over the same tp size ({t})")
+                raise ValueError(
+                    f"{hf_name}: this rank holds a {tuple(local.shape)} shard, the training layout "
+                    f"expects {tuple(part.shape)}; parallelize the model with vocab_parallel=True and "
+                    f"fsdp=False over the same tp size ({t})"
+                )
             part.copy_(local)
             _rebind(model, hf_name, part, like=param.data, requires_grad=param.requires_grad)
             bound.add(hf_name)
     extra = sorted(set(params) - bound)
     if extra:
-        raise ValueError(f"parameters outside the Llama/Qwen2 training layout: {extra}; the hybrid engine reshards "
-                         f"causal-LM decoders only")
+        raise ValueError(
+            f"parameters outside the Llama/Qwen2 training layout: {extra}; the hybrid engine reshards "
+            f"causal-LM decoders only"
+        )
     return shard
 
 
@@ -136,10 +145,18 @@ class HybridEngine:
     Collective: every rank of the actor's mesh constructs it, and calls `generation_model`/`release` in step.
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, gen_tp: int,
-                 subgroups: Mapping[tuple[int, ...], dist.ProcessGroup], *, method: Method = "micro-dp",
-                 limits: GenerationEngineLimits | None = None,
-                 pieces: Callable[[], Mapping[str, torch.Tensor]] | None = None, gen_pp: int = 1) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mesh: DeviceMesh,
+        gen_tp: int,
+        subgroups: Mapping[tuple[int, ...], dist.ProcessGroup],
+        *,
+        method: Method = "micro-dp",
+        limits: GenerationEngineLimits | None = None,
+        pieces: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+        gen_pp: int = 1,
+    ) -> None:
         """`subgroups`: this rank's process groups among the mesh's ranks, keyed by mesh rank tuples, created
         beforehand from `HybridEngine.process_groups` (flowactors' `Worker.process_groups` does that).
 
@@ -163,10 +180,12 @@ class HybridEngine:
         self.groups = groups
         self.train_model = model
         self._pieces = pieces
-        self._train_spec = shard_layout(self.geometry, self.layout.train_pp, self.layout.train_coord(self.rank).pp,
-                                        self.layout.train_tp)
-        self.train: TrainShard | None = None if pieces else bind_training_shard(model, self.geometry, self.layout,
-                                                                                 self.rank)
+        self._train_spec = shard_layout(
+            self.geometry, self.layout.train_pp, self.layout.train_coord(self.rank).pp, self.layout.train_tp
+        )
+        self.train: TrainShard | None = (
+            None if pieces else bind_training_shard(model, self.geometry, self.layout, self.rank)
+        )
         self.resharder = Resharder(self.geometry, self.layout, groups, method=method, engine=limits)
         self.gen_tp = gen_tp if method == "micro-dp" else 1  # the baselines gather the whole model
         self._tp_group: dist.ProcessGroup | None = None  # the generation TP group's collectives
@@ -366,8 +385,9 @@ class _PipelineStage(torch.nn.Module):
     of the stages'), as a pipeline does for a single batch; the layout's point is that no rank holds more than
     its stage."""
 
-    def __init__(self, model: torch.nn.Module, stage: int, stages: int, group: dist.ProcessGroup,
-                 vocab_size: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, stage: int, stages: int, group: dist.ProcessGroup, vocab_size: int
+    ) -> None:
         super().__init__()
         from engines.rollout.hf import cache_argument
 
@@ -382,10 +402,21 @@ class _PipelineStage(torch.nn.Module):
         self.lm_head = model.lm_head if self.last else None
         self.hidden_size = model.config.hidden_size
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                use_cache: bool = True, past_key_values: object = None, cache: object = None) -> object:
-        kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": use_cache,
-                  self.cache_arg: cache if cache is not None else past_key_values}
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        use_cache: bool = True,
+        past_key_values: object = None,
+        cache: object = None,
+    ) -> object:
+        kwargs = {
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "use_cache": use_cache,
+            self.cache_arg: cache if cache is not None else past_key_values,
+        }
         if self.first:
             out = self.base(input_ids=input_ids, **kwargs)
         else:
@@ -395,8 +426,9 @@ class _PipelineStage(torch.nn.Module):
         if self.last:
             logits = self.lm_head(out.last_hidden_state[:, -1:]).float().contiguous()
             if logits.shape[-1] != self.vocab_size:
-                raise ValueError(f"the output head gives {logits.shape[-1]} logits, the model's vocabulary is "
-                                 f"{self.vocab_size}")
+                raise ValueError(
+                    f"the output head gives {logits.shape[-1]} logits, the model's vocabulary is {self.vocab_size}"
+                )
         else:
             dist.send(out.last_hidden_state.float().contiguous(), group=self.group, group_dst=self.stage + 1)
             logits = torch.empty((input_ids.shape[0], 1, self.vocab_size), dtype=torch.float32)
@@ -410,8 +442,13 @@ class _ColumnPieces(torch.nn.Module):
     """A column-parallel linear over r sub-shards: their outputs are adjacent blocks of the output features.
     With a group (the output head), the generation TP ranks' blocks are all-gathered into whole logits."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None,
-                 group: dist.ProcessGroup | None = None, order: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor] | None,
+        group: dist.ProcessGroup | None = None,
+        order: list[int] | None = None,
+    ) -> None:
         super().__init__()
         self.weights, self.biases = weights, biases or [None] * len(weights)
         self.group, self.order = group, order
@@ -430,8 +467,7 @@ class _RowPieces(torch.nn.Module):
     """A row-parallel linear over r sub-shards: each takes its block of the input features; the partial sums of
     the generation TP ranks are all-reduced, then the (replicated) bias is added."""
 
-    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None,
-                 group: dist.ProcessGroup | None) -> None:
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.weights, self.bias, self.group = weights, bias, group
 

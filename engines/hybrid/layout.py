@@ -141,9 +141,7 @@ class HybridLayout:
         """The d_g ranks whose training shards tile this rank's generation shard, ordered by micro-DP index."""
         c, g = self.train_coord(rank), self.gen_coord(rank)
         r, s = self.tp_ratio, self.pp_ratio
-        return tuple(
-            self.rank_of(g.pp * s + i, c.dp, g.tp * r + j) for i in range(s) for j in range(r)
-        )
+        return tuple(self.rank_of(g.pp * s + i, c.dp, g.tp * r + j) for i in range(s) for j in range(r))
 
     def micro_dp_groups(self) -> list[tuple[int, ...]]:
         """Every micro-DP group, each once, in ascending order of its first rank."""

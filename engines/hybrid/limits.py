@@ -32,18 +32,24 @@ class GenerationEngineLimits:
         """Raise ValueError, naming the fix, when this engine cannot generate under the layout's (p_g, t_g)."""
         t_g, p_g = layout.gen_tp, layout.gen_pp
         if self.max_tp is not None and t_g > self.max_tp:
-            raise ValueError(f"the {self.name} engine runs at most tensor parallel {self.max_tp}, got gen_tp={t_g}; "
-                             f"lower gen_tp")
+            raise ValueError(
+                f"the {self.name} engine runs at most tensor parallel {self.max_tp}, got gen_tp={t_g}; lower gen_tp"
+            )
         if p_g > 1 and not self.supports_pipeline:
-            raise ValueError(f"the {self.name} engine does not generate over pipeline stages, got gen_pp={p_g}; "
-                             f"use gen_pp=1 (or an engine that pipelines, e.g. vLLM)")
+            raise ValueError(
+                f"the {self.name} engine does not generate over pipeline stages, got gen_pp={p_g}; "
+                f"use gen_pp=1 (or an engine that pipelines, e.g. vLLM)"
+            )
         if geometry.num_kv_heads % t_g or geometry.num_heads % t_g:
-            raise ValueError(f"the {self.name} engine splits attention heads evenly: num_attention_heads="
-                             f"{geometry.num_heads} and num_key_value_heads={geometry.num_kv_heads} must be multiples "
-                             f"of gen_tp={t_g}")
+            raise ValueError(
+                f"the {self.name} engine splits attention heads evenly: num_attention_heads="
+                f"{geometry.num_heads} and num_key_value_heads={geometry.num_kv_heads} must be multiples "
+                f"of gen_tp={t_g}"
+            )
         if geometry.head_dim < self.min_head_dim:
-            raise ValueError(f"the {self.name} engine needs head_dim >= {self.min_head_dim}, the model has "
-                             f"{geometry.head_dim}")
+            raise ValueError(
+                f"the {self.name} engine needs head_dim >= {self.min_head_dim}, the model has {geometry.head_dim}"
+            )
 
 
 def transformers_engine_limits() -> GenerationEngineLimits:

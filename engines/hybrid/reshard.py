@@ -147,8 +147,10 @@ class ReshardGroups:
                 if existing is not None:
                     if rank in members:
                         if members not in existing:
-                            raise ValueError(f"process group {members} (layout ranks) was not created; create every "
-                                             f"group of ReshardGroups.needed(layout, {methods})")
+                            raise ValueError(
+                                f"process group {members} (layout ranks) was not created; create every "
+                                f"group of ReshardGroups.needed(layout, {methods})"
+                            )
                         mine = existing[members]
                     continue
                 group = dist.new_group([ranks[m] for m in members], timeout=timeout)
@@ -225,8 +227,17 @@ class GenerationShard:
         at most one merged tensor at a time."""
         if self._sharded is None:
             raise RuntimeError("this generation shard was released by to_training(); call to_generation() again")
-        return generation_tensors(self.geometry, self.layout, self.gen_stage, self.gen_tp_rank, self._sharded,
-                                  self._replicated, fmt, gen_pp=self.gen_pp, gen_tp=self.gen_tp)
+        return generation_tensors(
+            self.geometry,
+            self.layout,
+            self.gen_stage,
+            self.gen_tp_rank,
+            self._sharded,
+            self._replicated,
+            fmt,
+            gen_pp=self.gen_pp,
+            gen_tp=self.gen_tp,
+        )
 
     def named_pieces(self) -> Iterator[tuple[str, list[torch.Tensor], int | None]]:
         """(HF name, its r sub-shards, split dim) in model order, nothing copied: for an engine that computes on
@@ -234,8 +245,16 @@ class GenerationShard:
         gathered pieces."""
         if self._sharded is None:
             raise RuntimeError("this generation shard was released by to_training(); call to_generation() again")
-        return generation_pieces(self.geometry, self.layout, self.gen_stage, self.gen_tp_rank, self._sharded,
-                                 self._replicated, gen_pp=self.gen_pp, gen_tp=self.gen_tp)
+        return generation_pieces(
+            self.geometry,
+            self.layout,
+            self.gen_stage,
+            self.gen_tp_rank,
+            self._sharded,
+            self._replicated,
+            gen_pp=self.gen_pp,
+            gen_tp=self.gen_tp,
+        )
 
     def state_dict(self, fmt: WeightFormat = "hf") -> dict[str, torch.Tensor]:
         """All tensors at once (merged tensors are copies; single pieces stay views)."""
@@ -273,8 +292,10 @@ class Resharder:
             engine.check(geometry, layout)
         _check_world(layout, groups.global_ranks)
         if groups.layout != layout or method not in groups.methods:
-            raise ValueError(f"groups were created for {groups.layout.describe()} and methods {groups.methods}; "
-                             f"create them with ReshardGroups.create(layout, methods=[..., {method!r}])")
+            raise ValueError(
+                f"groups were created for {groups.layout.describe()} and methods {groups.methods}; "
+                f"create them with ReshardGroups.create(layout, methods=[..., {method!r}])"
+            )
         self.geometry, self.layout, self.groups, self.method = geometry, layout, groups, method
         self.rank = groups.rank
         self.coord = layout.train_coord(self.rank)
@@ -295,8 +316,9 @@ class Resharder:
         """All-gather the generation shard; the local piece is `train.flat` itself. Collective."""
         start = time.perf_counter()
         problem = self._check_train(train)
-        main_group = {"micro-dp": self.groups.micro_dp, "tp-pp": self.groups.model_parallel,
-                      "all": self.groups.world}[self.method]
+        main_group = {"micro-dp": self.groups.micro_dp, "tp-pp": self.groups.model_parallel, "all": self.groups.world}[
+            self.method
+        ]
         _agree(main_group, problem)
         if self.method == "micro-dp":
             gen, received = self._gather_micro_dp(train)
@@ -321,20 +343,27 @@ class Resharder:
         sends: list[tuple[torch.Tensor, int]] = []
         for member in layout.micro_dp_group(self.rank):
             c = layout.train_coord(member)
-            piece = train.sharded if member == self.rank else self._empty(
-                shard_layout(self.geometry, p, c.pp, t).sharded_numel, train)
+            piece = (
+                train.sharded
+                if member == self.rank
+                else self._empty(shard_layout(self.geometry, p, c.pp, t).sharded_numel, train)
+            )
             sharded[(c.pp, c.tp)] = piece
             sends.append((piece, member))
         replicated: dict[int, torch.Tensor] = {}
         peer_sends: list[tuple[torch.Tensor, int]] = []
         for peer in layout.stage_peers(self.rank):
             pp = layout.train_coord(peer).pp
-            piece = train.replicated if peer == self.rank else self._empty(
-                shard_layout(self.geometry, p, pp, t).replicated_numel, train)
+            piece = (
+                train.replicated
+                if peer == self.rank
+                else self._empty(shard_layout(self.geometry, p, pp, t).replicated_numel, train)
+            )
             replicated[pp] = piece
             peer_sends.append((piece, peer))
         received = _broadcast_all(
-            [(self.groups.micro_dp, sends), (self.groups.stage_peers, peer_sends)], self.rank, self.groups.global_ranks)
+            [(self.groups.micro_dp, sends), (self.groups.stage_peers, peer_sends)], self.rank, self.groups.global_ranks
+        )
         g = layout.gen_coord(self.rank)
         gen = GenerationShard(self.geometry, layout, g.pp, g.tp, layout.gen_pp, layout.gen_tp, sharded, replicated)
         return gen, received
@@ -356,19 +385,26 @@ class Resharder:
         me = self.coord
         if self.method == "tp-pp":
             sharded[(me.pp, me.tp)].copy_(train.sharded)
-            sends = [(sharded[(c.pp, c.tp)], r) for r in layout.model_parallel_group(self.rank)
-                     for c in [layout.train_coord(r)]]
+            sends = [
+                (sharded[(c.pp, c.tp)], r)
+                for r in layout.model_parallel_group(self.rank)
+                for c in [layout.train_coord(r)]
+            ]
             main = self.groups.model_parallel
         else:  # "all": rank (pp, dp, tp) contributes part dp of shard (pp, tp)
             torch.tensor_split(sharded[(me.pp, me.tp)], d)[me.dp].copy_(torch.tensor_split(train.sharded, d)[me.dp])
-            sends = [(torch.tensor_split(sharded[(c.pp, c.tp)], d)[c.dp], r) for r in range(layout.world_size)
-                     for c in [layout.train_coord(r)]]
+            sends = [
+                (torch.tensor_split(sharded[(c.pp, c.tp)], d)[c.dp], r)
+                for r in range(layout.world_size)
+                for c in [layout.train_coord(r)]
+            ]
             main = self.groups.world
         replicated[me.pp].copy_(train.replicated)
         column = layout.train_pp_group(self.rank)
         peer_sends = [(replicated[layout.train_coord(r).pp], r) for r in column]
-        received = _broadcast_all([(main, sends), (self.groups.train_pp, peer_sends)], self.rank,
-                                  self.groups.global_ranks)
+        received = _broadcast_all(
+            [(main, sends), (self.groups.train_pp, peer_sends)], self.rank, self.groups.global_ranks
+        )
         return GenerationShard(self.geometry, layout, 0, 0, 1, 1, sharded, replicated), received
 
     # ---- helpers -------------------------------------------------------------------------------------------
@@ -381,8 +417,10 @@ class Resharder:
         if self._generation is not None:
             return f"rank {self.rank}: to_generation() called twice; call to_training() in between"
         if train.layout != self.train_layout:
-            return (f"rank {self.rank}: the training shard is for stage {train.layout.stage} at TP size "
-                    f"{train.layout.tp_size}, this rank holds stage {self.coord.pp} at TP size {self.layout.train_tp}")
+            return (
+                f"rank {self.rank}: the training shard is for stage {train.layout.stage} at TP size "
+                f"{train.layout.tp_size}, this rank holds stage {self.coord.pp} at TP size {self.layout.train_tp}"
+            )
         if train.flat.dim() != 1 or not train.flat.is_contiguous() or train.flat.numel() != train.layout.numel:
             return f"rank {self.rank}: TrainShard.flat must be one contiguous 1-D buffer of {train.layout.numel}"
         try:
@@ -395,18 +433,28 @@ class Resharder:
         base = train.flat.untyped_storage().data_ptr()
         pieces = gen.pieces()
         gen_bytes = sum(piece.numel() * piece.element_size() for piece in pieces)
-        aliased = sum(piece.numel() * piece.element_size() for piece in pieces
-                      if piece.untyped_storage().data_ptr() == base)
+        aliased = sum(
+            piece.numel() * piece.element_size() for piece in pieces if piece.untyped_storage().data_ptr() == base
+        )
         # The generation set always holds the local shard's values (its own stage's replicated payload and its
         # own TP shard); whatever of them is not the training memory itself is a second copy.
         redundant = train.nbytes - aliased
-        return ReshardStats(method=self.method, received_bytes=received, gen_param_bytes=gen_bytes,
-                            fresh_param_bytes=gen_bytes - aliased, redundant_bytes=redundant,
-                            train_param_bytes=train.nbytes, seconds=seconds)
+        return ReshardStats(
+            method=self.method,
+            received_bytes=received,
+            gen_param_bytes=gen_bytes,
+            fresh_param_bytes=gen_bytes - aliased,
+            redundant_bytes=redundant,
+            train_param_bytes=train.nbytes,
+            seconds=seconds,
+        )
 
 
-def _broadcast_all(batches: list[tuple[dist.ProcessGroup | None, list[tuple[torch.Tensor, int]]]], rank: int,
-                   global_ranks: tuple[int, ...]) -> int:
+def _broadcast_all(
+    batches: list[tuple[dist.ProcessGroup | None, list[tuple[torch.Tensor, int]]]],
+    rank: int,
+    global_ranks: tuple[int, ...],
+) -> int:
     """Broadcast each (tensor, source layout rank) in its group, all in flight at once; return the bytes this rank
     received."""
     works, received = [], 0
@@ -428,8 +476,10 @@ def _agree(group: dist.ProcessGroup | None, problem: str | None) -> None:
         flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if problem is None and flag.item():
-            problem = (f"rank {dist.get_rank()}: another rank of its resharding group rejected its training shard "
-                       f"(its own error says why); nothing was exchanged")
+            problem = (
+                f"rank {dist.get_rank()}: another rank of its resharding group rejected its training shard "
+                f"(its own error says why); nothing was exchanged"
+            )
     if problem is not None:
         raise ValueError(problem)
 
@@ -445,8 +495,9 @@ def _check_world(layout: HybridLayout, global_ranks: Iterable[int] | None) -> tu
         raise RuntimeError("torch.distributed is not initialized; call init_process_group before resharding")
     if global_ranks is None or not tuple(global_ranks):
         if dist.get_world_size() != layout.world_size:
-            raise ValueError(f"{layout.describe()} needs {layout.world_size} ranks, the process group has "
-                             f"{dist.get_world_size()}")
+            raise ValueError(
+                f"{layout.describe()} needs {layout.world_size} ranks, the process group has {dist.get_world_size()}"
+            )
         return tuple(range(layout.world_size))
     ranks = tuple(global_ranks)
     if len(ranks) != layout.world_size or len(set(ranks)) != len(ranks):

@@ -260,8 +260,9 @@ def shard_layout(geometry: ModelGeometry, num_stages: int, stage: int, tp_size: 
         entries.append(entry)
         offset += entry.numel
     sharded = sum(e.numel for e in entries if e.rule.split_dim is not None)
-    return ShardLayout(stage=stage, tp_size=tp_size, entries=tuple(entries), sharded_numel=sharded,
-                       replicated_numel=offset - sharded)
+    return ShardLayout(
+        stage=stage, tp_size=tp_size, entries=tuple(entries), sharded_numel=sharded, replicated_numel=offset - sharded
+    )
 
 
 @dataclass
@@ -366,8 +367,10 @@ def _generation_rules(
                 start = entry.offset - spec.sharded_numel
                 yield entry.rule, [replicated[stage][start : start + entry.numel].view(entry.shape)]
             else:
-                yield entry.rule, [sharded[(stage, tp)][entry.offset : entry.offset + entry.numel].view(entry.shape)
-                                   for tp in subs]
+                yield (
+                    entry.rule,
+                    [sharded[(stage, tp)][entry.offset : entry.offset + entry.numel].view(entry.shape) for tp in subs],
+                )
 
 
 def generation_pieces(
@@ -389,8 +392,9 @@ def generation_pieces(
     (gen_pp, gen_tp); the baselines pass (1, 1) to build the full model.
     """
     t = layout.train_tp
-    for rule, pieces in _generation_rules(geometry, layout, gen_stage, gen_tp_rank, sharded, replicated, gen_pp,
-                                          gen_tp):
+    for rule, pieces in _generation_rules(
+        geometry, layout, gen_stage, gen_tp_rank, sharded, replicated, gen_pp, gen_tp
+    ):
         if rule.split_dim is None:
             yield rule.parts[0][0], pieces, None
             continue
@@ -416,13 +420,15 @@ def generation_tensors(
     concatenated here, one tensor at a time. "fused" re-fuses q/k/v and gate/up per generation shard.
     """
     if fmt == "hf":
-        for name, views, dim in generation_pieces(geometry, layout, gen_stage, gen_tp_rank, sharded, replicated,
-                                                  gen_pp, gen_tp):
+        for name, views, dim in generation_pieces(
+            geometry, layout, gen_stage, gen_tp_rank, sharded, replicated, gen_pp, gen_tp
+        ):
             yield name, views[0] if dim is None else _cat(views, dim)
         return
     t = layout.train_tp
-    for rule, pieces in _generation_rules(geometry, layout, gen_stage, gen_tp_rank, sharded, replicated, gen_pp,
-                                          gen_tp):
+    for rule, pieces in _generation_rules(
+        geometry, layout, gen_stage, gen_tp_rank, sharded, replicated, gen_pp, gen_tp
+    ):
         if rule.split_dim is None or len(pieces) == 1:
             yield rule.name, pieces[0]
             continue

@@ -19,15 +19,28 @@ from transformers import PreTrainedTokenizerBase
 
 from engines.models.tokenizer import char_tokenizer, load_tokenizer
 
-__all__ = ["ModelConfig", "build_model", "build_tokenizer", "same_vocabulary", "save_pretrained", "check_model_dir",
-           "freeze_lower_layers", "head_dim", "SUPPORTED_ARCHITECTURES"]
+__all__ = [
+    "ModelConfig",
+    "build_model",
+    "build_tokenizer",
+    "same_vocabulary",
+    "save_pretrained",
+    "check_model_dir",
+    "freeze_lower_layers",
+    "head_dim",
+    "SUPPORTED_ARCHITECTURES",
+]
 
 Head = Literal["lm", "value", "score"]
 _ARCH = {
-    "llama": ("LlamaConfig", {"lm": "LlamaForCausalLM", "value": "LlamaForTokenClassification",
-                              "score": "LlamaForSequenceClassification"}),
-    "qwen2": ("Qwen2Config", {"lm": "Qwen2ForCausalLM", "value": "Qwen2ForTokenClassification",
-                              "score": "Qwen2ForSequenceClassification"}),
+    "llama": (
+        "LlamaConfig",
+        {"lm": "LlamaForCausalLM", "value": "LlamaForTokenClassification", "score": "LlamaForSequenceClassification"},
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        {"lm": "Qwen2ForCausalLM", "value": "Qwen2ForTokenClassification", "score": "Qwen2ForSequenceClassification"},
+    ),
 }
 SUPPORTED_ARCHITECTURES = sorted({cls for _, heads in _ARCH.values() for cls in heads.values()})
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,33 +86,35 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in _ARCH:
             raise ValueError(f"ModelConfig.arch must be one of {sorted(_ARCH)}, got {self.arch!r}")
-        # imported here: the registry's setups name ModelConfig, so a module-level import would close a circle
-        from engines.registry import training_engine, training_engine_names
-
-        try:
-            training_engine(self.engine)
-        except ValueError:
-            raise ValueError(f"ModelConfig.engine must be one of {training_engine_names()} or 'package.module:name' "
-                             f"of a module that registers it (engines.registry), got {self.engine!r}") from None
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.path is None:
-            for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                         "max_position_embeddings"):
+            for name in (
+                "hidden_size",
+                "num_layers",
+                "num_heads",
+                "num_kv_heads",
+                "intermediate_size",
+                "max_position_embeddings",
+            ):
                 if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                     raise ValueError(f"ModelConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
             if self.hidden_size % self.num_heads:
-                raise ValueError(f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads "
-                                 f"({self.num_heads})")
+                raise ValueError(
+                    f"ModelConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+                )
             if self.pad_vocab_to < 1:
                 raise ValueError(f"ModelConfig.pad_vocab_to must be >= 1, got {self.pad_vocab_to}")
             if self.num_heads % self.num_kv_heads:
-                raise ValueError(f"ModelConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads "
-                                 f"({self.num_kv_heads})")
+                raise ValueError(
+                    f"ModelConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+                )
             head_dim = self.hidden_size // self.num_heads
             if head_dim % 2:  # rotary embeddings rotate pairs of dimensions
-                raise ValueError(f"ModelConfig: head size hidden_size / num_heads = {self.hidden_size} / "
-                                 f"{self.num_heads} = {head_dim} must be even (rotary embeddings); change either")
+                raise ValueError(
+                    f"ModelConfig: head size hidden_size / num_heads = {self.hidden_size} / "
+                    f"{self.num_heads} = {head_dim} must be even (rotary embeddings); change either"
+                )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -130,15 +145,19 @@ def check_model_dir(path: str | Path) -> dict:
         raise FileNotFoundError(f"model folder {p} does not exist; give a Hugging Face checkpoint folder")
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{p} has no config.json; it is not a Hugging Face checkpoint folder "
-                                f"(save one with engines.save_pretrained or transformers' save_pretrained)")
+        raise FileNotFoundError(
+            f"{p} has no config.json; it is not a Hugging Face checkpoint folder "
+            f"(save one with engines.save_pretrained or transformers' save_pretrained)"
+        )
     if not (list(p.glob("*.safetensors")) or list(p.glob("*.bin"))):
         raise FileNotFoundError(f"{p} has config.json but no weights (*.safetensors); the checkpoint is incomplete")
     cfg = json.loads(cfg_file.read_text())
     model_type = cfg.get("model_type")
     if model_type not in _ARCH:
-        raise ValueError(f"{p} holds a {model_type!r} model ({cfg.get('architectures')}); supported model types: "
-                         f"{sorted(_ARCH)} (Llama- and Qwen2-style decoders)")
+        raise ValueError(
+            f"{p} holds a {model_type!r} model ({cfg.get('architectures')}); supported model types: "
+            f"{sorted(_ARCH)} (Llama- and Qwen2-style decoders)"
+        )
     return cfg
 
 
@@ -150,8 +169,9 @@ def head_dim(cfg: ModelConfig) -> int:
     return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
 
 
-def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokenizerBase | None = None
-                ) -> torch.nn.Module:
+def build_model(
+    cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokenizerBase | None = None
+) -> torch.nn.Module:
     """A transformers model with the given head, on CPU, in `cfg.dtype`. Value and score heads have no dropout
     (as verl's critics): a critic's values are then a function of its weights alone, on every engine."""
     import transformers
@@ -173,11 +193,19 @@ def build_model(cfg: ModelConfig, head: Head = "lm", tokenizer: PreTrainedTokeni
         config_cls, heads = _ARCH[cfg.arch]
         vocab = -(-len(tokenizer) // cfg.pad_vocab_to) * cfg.pad_vocab_to
         hf_config = getattr(transformers, config_cls)(
-            vocab_size=vocab, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False, num_labels=1, classifier_dropout=0.0,
+            vocab_size=vocab,
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            intermediate_size=cfg.intermediate_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            tie_word_embeddings=False,
+            num_labels=1,
+            classifier_dropout=0.0,
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
@@ -197,10 +225,12 @@ def freeze_lower_layers(model: torch.nn.Module, trainable_layers: int) -> None:
     base = getattr(model, model.base_model_prefix)
     layers = base.layers
     if not 0 < trainable_layers <= len(layers):
-        raise ValueError(f"trainable_layers={trainable_layers} but the model has {len(layers)} decoder layers; give "
-                         f"1..{len(layers)}, or 0 to train every parameter")
+        raise ValueError(
+            f"trainable_layers={trainable_layers} but the model has {len(layers)} decoder layers; give "
+            f"1..{len(layers)}, or 0 to train every parameter"
+        )
     base.embed_tokens.requires_grad_(False)
-    for layer in layers[:len(layers) - trainable_layers]:
+    for layer in layers[: len(layers) - trainable_layers]:
         layer.requires_grad_(False)
 
 
@@ -214,8 +244,12 @@ def _saved_keys(path: str) -> set[str]:
     return keys
 
 
-def save_pretrained(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None, path: str | Path,
-                    state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+def save_pretrained(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    path: str | Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write a Hugging Face folder (config, safetensors, tokenizer) that transformers and vLLM load."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)

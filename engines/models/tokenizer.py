@@ -35,8 +35,14 @@ def build_char_tokenizer_file(path: Path = CHAR_TOKENIZER_PATH) -> Path:
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """The committed character tokenizer, with pad/bos/eos set and left padding (for batched generation)."""
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(CHAR_TOKENIZER_PATH), pad_token="<pad>", bos_token="<bos>",
-                                  eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(CHAR_TOKENIZER_PATH),
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
     return tok
 
 
@@ -46,10 +52,14 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer in {path} has no eos token; generation cannot stop without one. Set "
-                         f"`eos_token` in its tokenizer_config.json")
+        raise ValueError(
+            f"tokenizer in {path} has no eos token; generation cannot stop without one. Set "
+            f"`eos_token` in its tokenizer_config.json"
+        )
     if tok.pad_token_id is None:
-        raise ValueError(f"tokenizer in {path} has no pad token; batched generation needs one. Set `pad_token` in "
-                         f"its tokenizer_config.json (reusing the eos token is common)")
+        raise ValueError(
+            f"tokenizer in {path} has no pad token; batched generation needs one. Set `pad_token` in "
+            f"its tokenizer_config.json (reusing the eos token is common)"
+        )
     tok.padding_side = "left"
     return tok

@@ -1,6 +1,6 @@
 """Multi-turn rollouts: episodes in which the model calls tools and reads their answers, run inside the actor.
 
-An `Environment` (algorithms.tools builds them) turns a prompt row into an episode: after each model turn that
+An `Environment` (engines.rollout.tools builds them) turns a prompt row into an episode: after each model turn that
 ends with a tool call (one of its `stop` texts), `step` parses the turn into calls, the calls run, and `observe`
 renders their outputs as text that is appended to the episode as context; a turn that ends with EOS (or runs out of
 tokens) ends the episode. Rewards are the task's, on the episode's text (the reward role's business).
@@ -16,7 +16,7 @@ turn-by-turn loop instead: the whole turn decodes, then its calls run on the poo
 A tool that raises, hangs past `tool_timeout_s`, a call that does not parse and a call to an unknown tool each
 become an error observation the model reads, counted in `tool_errors`; the episode goes on. A hung tool's thread
 cannot be killed (Python threads cannot be): it is abandoned, a daemon, and its slot in the pool is freed; tools
-that must be killable run in a subprocess (algorithms.tools' code execution does).
+that must be killable run in a subprocess (algorithms.environments.sandbox's code execution does).
 
 Samples from a turn are reproducible: each episode's turn k draws from its own seed (the row's seed and k), and the
 hf engine's rows do not depend on their batch, so the tokens do not depend on which episodes share a turn's batch
@@ -102,8 +102,10 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or self.tool_workers < 1 or self.max_turn_tokens < 0:
-            raise ValueError(f"AgentConfig: max_turns and tool_workers must be >= 1 and max_turn_tokens >= 0, got "
-                             f"{self.max_turns}, {self.tool_workers}, {self.max_turn_tokens}")
+            raise ValueError(
+                f"AgentConfig: max_turns and tool_workers must be >= 1 and max_turn_tokens >= 0, got "
+                f"{self.max_turns}, {self.tool_workers}, {self.max_turn_tokens}"
+            )
         if not self.tool_timeout_s > 0:
             raise ValueError(f"AgentConfig.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
 
@@ -129,7 +131,7 @@ class _Tools:
         def target() -> None:
             try:
                 box.append((str(call.run()), None))
-            except BaseException as e:  # noqa: BLE001 - any failure of a tool is the model's observation
+            except BaseException as e:
                 box.append((None, f"{type(e).__name__}: {e}"))
 
         t0 = time.perf_counter()
@@ -179,17 +181,35 @@ class EpisodeEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def generate(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, *, greedy: bool = False,
-                 seed: int = 0, seed_offset: int = 0) -> Batch:
+    def generate(
+        self,
+        model: torch.nn.Module | None,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        *,
+        greedy: bool = False,
+        seed: int = 0,
+        seed_offset: int = 0,
+    ) -> Batch:
         """One episode per prompt row, in row order."""
         run = _Run(self, model, prompts, cfg, greedy=greedy, seed=seed, seed_offset=seed_offset)
         for _ in run.episodes():
             pass
         return run.samples(list(range(len(prompts))))
 
-    def stream(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
-               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0,
-               **migration: Any) -> Iterator[Batch]:
+    def stream(
+        self,
+        model: torch.nn.Module | None,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        chunk_rows: int,
+        *,
+        greedy: bool = False,
+        seed: int = 0,
+        row_offset: int = 0,
+        seed_offset: int = 0,
+        **migration: Any,
+    ) -> Iterator[Batch]:
         """The episodes of `generate`, in chunks of `chunk_rows` in the order they end, each row with `row_index`
         (its index in `prompts` plus `row_offset`)."""
         if any(v is not None for v in migration.values()):
@@ -213,8 +233,17 @@ class EpisodeEngine:
 class _Run:
     """The episodes of one generate/stream call."""
 
-    def __init__(self, engine: EpisodeEngine, model: Any, prompts: Batch, cfg: SamplingConfig, *, greedy: bool,
-                 seed: int, seed_offset: int) -> None:
+    def __init__(
+        self,
+        engine: EpisodeEngine,
+        model: Any,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        *,
+        greedy: bool,
+        seed: int,
+        seed_offset: int,
+    ) -> None:
         self.engine, self.model, self.prompts, self.cfg, self.greedy = engine, model, prompts, cfg, greedy
         self.agent = engine.agent
         tok = engine.tokenizer
@@ -299,9 +328,9 @@ class _Run:
         ids = torch.full((len(eps), width), self.engine.pad, dtype=torch.long)
         mask = torch.zeros((len(eps), width), dtype=torch.long)
         for r, ctx in enumerate(contexts):
-            ids[r, width - len(ctx):] = torch.tensor(ctx)
-            mask[r, width - len(ctx):] = 1
-        seeds = torch.tensor([(ep.seed * 1_000_003 + ep.turns) % (2 ** 62) for ep in eps])
+            ids[r, width - len(ctx) :] = torch.tensor(ctx)
+            mask[r, width - len(ctx) :] = 1
+        seeds = torch.tensor([(ep.seed * 1_000_003 + ep.turns) % (2**62) for ep in eps])
         batch = Batch({"input_ids": ids, "attention_mask": mask, "seed": seeds, STOP_AT: torch.tensor(budget)})
         turn_cfg = dataclasses.replace(cfg, max_new_tokens=max(budget), stop_sequences=self.stops)
         for chunk in self.engine.inner.stream(self.model, batch, turn_cfg, 1, greedy=self.greedy):
@@ -320,8 +349,8 @@ class _Run:
         """After episode i's turn: its calls, or None when the episode ended (EOS, no stop text, out of turns or
         tokens)."""
         ep = self.episodes_[i]
-        turn = ep.tokens[ep.turn_start:]
-        called = any(tuple(turn[-len(s):]) == s for s in self.stops) if turn else False
+        turn = ep.tokens[ep.turn_start :]
+        called = any(tuple(turn[-len(s) :]) == s for s in self.stops) if turn else False
         if not called or ep.turns >= self.agent.max_turns or len(ep.tokens) >= self.cfg.max_new_tokens:
             ep.done = True
             ep.calls = []
@@ -359,16 +388,32 @@ class _Run:
     def samples(self, rows: list[int]) -> Batch:
         eps = [self.episodes_[i] for i in rows]
         part = self.prompts.take(torch.tensor(rows, dtype=torch.long))
-        return episode_samples(part, [ep.tokens for ep in eps], [ep.model for ep in eps], [ep.logp for ep in eps],
-                               self.cfg.max_new_tokens, pad=self.engine.pad,
-                               counts={"turns": [ep.turns for ep in eps],
-                                       "tool_calls": [ep.tool_calls for ep in eps],
-                                       "tool_errors": [ep.tool_errors for ep in eps],
-                                       "tool_seconds": [ep.tool_seconds for ep in eps]})
+        return episode_samples(
+            part,
+            [ep.tokens for ep in eps],
+            [ep.model for ep in eps],
+            [ep.logp for ep in eps],
+            self.cfg.max_new_tokens,
+            pad=self.engine.pad,
+            counts={
+                "turns": [ep.turns for ep in eps],
+                "tool_calls": [ep.tool_calls for ep in eps],
+                "tool_errors": [ep.tool_errors for ep in eps],
+                "tool_seconds": [ep.tool_seconds for ep in eps],
+            },
+        )
 
 
-def episode_samples(prompts: Batch, tokens: list[list[int]], model_mask: list[list[int]], logp: list[list[float]],
-                    width: int, *, pad: int, counts: dict[str, list[float]] | None = None) -> Batch:
+def episode_samples(
+    prompts: Batch,
+    tokens: list[list[int]],
+    model_mask: list[list[int]],
+    logp: list[list[float]],
+    width: int,
+    *,
+    pad: int,
+    counts: dict[str, list[float]] | None = None,
+) -> Batch:
     """Episodes in the rollout layout (module docstring): each row's episode tokens after its prompt, right-padded
     to `width`; `model_mask` 1 on the model's own tokens (the response_mask), 0 on observations. Also lays out
     multi-turn demonstrations for the supervised warm start."""
@@ -386,10 +431,17 @@ def episode_samples(prompts: Batch, tokens: list[list[int]], model_mask: list[li
     ids, mask = prompts["input_ids"], prompts["attention_mask"]
     full_mask = torch.cat([mask, valid], dim=1)
     model_tokens = loss.sum(-1).float()
-    tensors = {"prompts": ids, "responses": resp, "input_ids": torch.cat([ids, resp], dim=1),
-               "attention_mask": full_mask, "position_ids": position_ids_from_mask(full_mask),
-               "response_mask": loss, "rollout_log_probs": lp * loss,
-               "model_tokens": model_tokens, "tool_tokens": valid.sum(-1).float() - model_tokens}
+    tensors = {
+        "prompts": ids,
+        "responses": resp,
+        "input_ids": torch.cat([ids, resp], dim=1),
+        "attention_mask": full_mask,
+        "position_ids": position_ids_from_mask(full_mask),
+        "response_mask": loss,
+        "rollout_log_probs": lp * loss,
+        "model_tokens": model_tokens,
+        "tool_tokens": valid.sum(-1).float() - model_tokens,
+    }
     for name in EPISODE_FIELDS:
         if name not in tensors:
             tensors[name] = torch.tensor((counts or {}).get(name, [0.0] * b), dtype=torch.float32)

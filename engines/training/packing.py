@@ -69,11 +69,11 @@ def pack(mb: Batch, pad_token_id: int, width: int | None = None) -> Packed:
     out_ids = torch.full((bins * width,), pad_token_id, dtype=ids.dtype)
     out_pos = torch.zeros(bins * width, dtype=pos.dtype)
     for b, used in enumerate(fill):  # a bin's pad tail: positions of a sequence of its own
-        out_pos[b * width + used:(b + 1) * width] = torch.arange(width - used)
+        out_pos[b * width + used : (b + 1) * width] = torch.arange(width - used)
     for r in range(rows):
         n = lengths[r]
-        out_ids[place[r]:place[r] + n] = ids[r][mask[r]]
-        out_pos[place[r]:place[r] + n] = pos[r][mask[r]]
+        out_ids[place[r] : place[r] + n] = ids[r][mask[r]]
+        out_pos[place[r] : place[r] + n] = pos[r][mask[r]]
     start = torch.tensor(place, dtype=torch.long)
     length = torch.tensor(lengths, dtype=torch.long)
     # the last non-pad token, where transformers' sequence-classification heads read a padded row
@@ -83,7 +83,7 @@ def pack(mb: Batch, pad_token_id: int, width: int | None = None) -> Packed:
     response_index = None
     if "responses" in mb:
         resp = mb["responses"].shape[1]
-        prompt = mask[:, :total - resp].sum(-1)  # valid prompt tokens per row
+        prompt = mask[:, : total - resp].sum(-1)  # valid prompt tokens per row
         # logits at position t predict token t+1: the response's come from prompt-1 .. prompt+R-2, clamped
         # inside the row's own tokens for the pad positions past its response
         offsets = (prompt.unsqueeze(1) - 1 + torch.arange(resp)).clamp(max=(length - 1).unsqueeze(1))
@@ -119,9 +119,13 @@ def check_packable(model: torch.nn.Module) -> None:
     except (OSError, TypeError):
         source = ""
     if "create_causal_mask" not in source:
-        raise ValueError(f"pack_sequences: {type(model).__name__}'s attention cannot take packed rows (its decoder "
-                         f"does not build its mask with transformers' create_causal_mask, which separates rows by "
-                         f"position ids); set pack_sequences=false")
+        raise ValueError(
+            f"pack_sequences: {type(model).__name__}'s attention cannot take packed rows (its decoder "
+            f"does not build its mask with transformers' create_causal_mask, which separates rows by "
+            f"position ids); set pack_sequences=false"
+        )
     if attn not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
-        raise ValueError(f"pack_sequences: attention implementation {attn!r} of {type(model).__name__} cannot take "
-                         f"packed rows; use sdpa or eager, or set pack_sequences=false")
+        raise ValueError(
+            f"pack_sequences: attention implementation {attn!r} of {type(model).__name__} cannot take "
+            f"packed rows; use sdpa or eager, or set pack_sequences=false"
+        )

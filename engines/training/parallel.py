@@ -29,8 +29,9 @@ def check_divisible(config, tp: int) -> None:
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         v = getattr(config, field, None)
         if v is not None and v % tp:
-            raise ValueError(f"tensor-parallel size {tp} does not divide the model's {field} ({v}); choose a tp "
-                             f"that divides {field}")
+            raise ValueError(
+                f"tensor-parallel size {tp} does not divide the model's {field} ({v}); choose a tp that divides {field}"
+            )
 
 
 def tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel: bool = False) -> torch.nn.Module:
@@ -47,8 +48,10 @@ def tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, *, vocab_parall
     if vocab_parallel:
         vocab = model.config.vocab_size
         if vocab % tp:
-            raise ValueError(f"vocab_size={vocab} cannot be split over tp={tp}; pad the vocabulary to a multiple of "
-                             f"{tp} (ModelConfig.pad_vocab_to)")
+            raise ValueError(
+                f"vocab_size={vocab} cannot be split over tp={tp}; pad the vocabulary to a multiple of "
+                f"{tp} (ModelConfig.pad_vocab_to)"
+            )
         base = getattr(model, model.base_model_prefix)
         parallelize_module(base.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
         head = getattr(model, "lm_head", None)
@@ -62,13 +65,16 @@ def _layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return base.layers
 
 
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, fsdp: bool = True,
-                vocab_parallel: bool = False) -> torch.nn.Module:
+def parallelize(
+    model: torch.nn.Module, mesh: DeviceMesh, *, fsdp: bool = True, vocab_parallel: bool = False
+) -> torch.nn.Module:
     """Apply TP over mesh["tp"] and FSDP2 over mesh["dp"] in place; returns the model."""
     pp, dp, tp = (mesh.size(mesh.mesh_dim_names.index(d)) for d in ("pp", "dp", "tp"))
     if pp > 1:
-        raise ValueError(f"the torch-native engine has no pipeline parallel (pp={pp}); use pp=1 here or the "
-                         f"megatron engine for pipeline stages")
+        raise ValueError(
+            f"the torch-native engine has no pipeline parallel (pp={pp}); use pp=1 here or the "
+            f"megatron engine for pipeline stages"
+        )
     if tp > 1:
         tensor_parallel(model, mesh["tp"], vocab_parallel=vocab_parallel)
     if dp > 1 and fsdp:
@@ -77,8 +83,9 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, *, fsdp: bool = True,
         # FSDP2 warns when the root's output is a view: the value/score heads' logits are one (nn.Linear on a
         # (B, T, H) input views its 2-D matmul). The hazard it names, an in-place op on that output dropping the
         # pre-backward hook, cannot happen here: the engines only slice, squeeze and cast outputs (new tensors).
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
-                                category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning
+        )
         dp_mesh = mesh["dp"]
         for layer in _layers(model):
             fully_shard(layer, mesh=dp_mesh)

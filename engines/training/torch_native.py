@@ -33,10 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engines.ops import compute_precision, entropy_from_logits, position_ids_from_mask, response_logits, token_log_probs
 from engines.training.common import LossFn, OptimConfig, token_mean
 from engines.training.packing import pack, packed_micro_batches
-from engines.ops import (compute_precision, entropy_from_logits, position_ids_from_mask, response_logits,
-                         token_log_probs)
 from flowactors import Batch
 
 __all__ = ["TrainEngine", "assign_owners"]
@@ -51,8 +50,9 @@ def assign_owners(model: torch.nn.Module, dp_size: int) -> dict[str, int]:
     """ZeRO-1 ownership: each trainable parameter to one DP rank, largest first to the least loaded (ties: the lower
     rank), so every rank keeps about 1/dp_size of the optimizer state. Global shapes only, so every rank of every TP
     and DP coordinate computes the same map."""
-    params = sorted(((n, p.numel()) for n, p in model.named_parameters() if p.requires_grad),
-                    key=lambda x: (-x[1], x[0]))
+    params = sorted(
+        ((n, p.numel()) for n, p in model.named_parameters() if p.requires_grad), key=lambda x: (-x[1], x[0])
+    )
     load = [0] * dp_size
     owners = {}
     for name, numel in params:
@@ -65,10 +65,21 @@ def assign_owners(model: torch.nn.Module, dp_size: int) -> dict[str, int]:
 class TrainEngine:
     """A (possibly sharded) transformers model with its optimiser. `dp_group` is the data-parallel group."""
 
-    def __init__(self, model: torch.nn.Module, optim: OptimConfig | None, *, dp_group: Any = None,
-                 dp_size: int = 1, trainable: bool = True, sync_grads: bool = False,
-                 shard_optimizer: bool = True, compute_dtype: torch.dtype | None = None,
-                 pack_sequences: bool = False, pad_token_id: int = 0, lora_scale: float | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: OptimConfig | None,
+        *,
+        dp_group: Any = None,
+        dp_size: int = 1,
+        trainable: bool = True,
+        sync_grads: bool = False,
+        shard_optimizer: bool = True,
+        compute_dtype: torch.dtype | None = None,
+        pack_sequences: bool = False,
+        pad_token_id: int = 0,
+        lora_scale: float | None = None,
+    ) -> None:
         """`compute_dtype`: autocast dtype of forward passes (bfloat16/float16), for a model whose float32
         parameters are the master weights; a plain trainable model given in low precision is converted here.
         `pack_sequences`: forward passes over packed rows (engines.training.packing), micro-batches by valid
@@ -82,8 +93,10 @@ class TrainEngine:
             from torch.distributed.tensor import DTensor
 
             if any(isinstance(p, DTensor) for p in low):
-                raise ValueError("a sharded model in low precision has no float32 master weights to train: build it "
-                                 "in float32 before parallelizing and pass compute_dtype (the roles do)")
+                raise ValueError(
+                    "a sharded model in low precision has no float32 master weights to train: build it "
+                    "in float32 before parallelizing and pass compute_dtype (the roles do)"
+                )
             compute_dtype = compute_dtype or low[0].dtype
             model.float()
         self.compute_dtype = compute_dtype
@@ -107,10 +120,14 @@ class TrainEngine:
                 self.owners = assign_owners(model, dp_size)
                 mine = dist.get_rank(dp_group)
                 params = [p for n, p in model.named_parameters() if self.owners.get(n) == mine]
-                self._owner_ranks = [(p, dist.get_global_rank(dp_group, self.owners[n]))
-                                     for n, p in model.named_parameters() if n in self.owners]
-            self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=self.cfg.betas,
-                                               eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
+                self._owner_ranks = [
+                    (p, dist.get_global_rank(dp_group, self.owners[n]))
+                    for n, p in model.named_parameters()
+                    if n in self.owners
+                ]
+            self.optimizer = torch.optim.AdamW(
+                params, lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay
+            )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         else:
             model.requires_grad_(False)
@@ -189,8 +206,9 @@ class TrainEngine:
         return {"scores": packed.gather(caught[-1], packed.last_index).squeeze(-1).float()}
 
     # -- updates ----------------------------------------------------------------------------------------------
-    def update(self, mini_batches: list[Batch], loss_fn: LossFn,
-               outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
+    def update(
+        self, mini_batches: list[Batch], loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]
+    ) -> dict[str, float]:
         """One optimizer step per mini-batch; returns metrics averaged over the steps (token-weighted)."""
         if self.optimizer is None:
             raise RuntimeError("this engine was built without an optimizer (trainable=False); it cannot update")
@@ -261,8 +279,9 @@ class TrainEngine:
     def _broadcast_from_owners(self) -> None:
         """Every owner's stepped parameters to the other replicas (in place: the hybrid engine's parameters are
         views of its training buffer)."""
-        works = [dist.broadcast(_local(p.data), src=src, group=self.dp_group, async_op=True)
-                 for p, src in self._owner_ranks]
+        works = [
+            dist.broadcast(_local(p.data), src=src, group=self.dp_group, async_op=True) for p, src in self._owner_ranks
+        ]
         for work in works:
             work.wait()
 
@@ -270,8 +289,12 @@ class TrainEngine:
         """Bytes of optimizer state this rank holds (its shard under ZeRO-1)."""
         if self.optimizer is None:
             return 0
-        return sum(_local(v).numel() * v.element_size() for state in self.optimizer.state.values()
-                   for v in state.values() if isinstance(v, torch.Tensor))
+        return sum(
+            _local(v).numel() * v.element_size()
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
 
     def _clip(self, over: Any = None) -> float:
         """Global gradient norm over all parameters (sharded DTensors and plain tensors alike), then clip.
@@ -302,8 +325,9 @@ class TrainEngine:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         opt = self.optimizer
-        model_sd, optim_sd = get_state_dict(self.model, opt if opt is not None and self.owners is None else [],
-                                            options=self._state_options())
+        model_sd, optim_sd = get_state_dict(
+            self.model, opt if opt is not None and self.owners is None else [], options=self._state_options()
+        )
         state = {"model": model_sd}
         if opt is not None:
             state["optim"] = optim_sd if self.owners is None else self._owned_optim_state()
@@ -320,9 +344,11 @@ class TrainEngine:
             if id(param) not in mine:
                 continue
             held = self.optimizer.state.get(param) or {}
-            state[name] = {"step": held.get("step", torch.zeros((), dtype=torch.float32)),
-                           "exp_avg": held.get("exp_avg", torch.zeros_like(param.data)),
-                           "exp_avg_sq": held.get("exp_avg_sq", torch.zeros_like(param.data))}
+            state[name] = {
+                "step": held.get("step", torch.zeros((), dtype=torch.float32)),
+                "exp_avg": held.get("exp_avg", torch.zeros_like(param.data)),
+                "exp_avg_sq": held.get("exp_avg_sq", torch.zeros_like(param.data)),
+            }
         group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         return {"state": state, "param_groups": [{**group, "params": names}]}
@@ -333,9 +359,13 @@ class TrainEngine:
 
         opt = self.optimizer
         sharded = self.owners is not None
-        set_state_dict(self.model, opt if opt is not None and not sharded else [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}) if not sharded else {},
-                       options=self._state_options(loading=True))
+        set_state_dict(
+            self.model,
+            opt if opt is not None and not sharded else [],
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}) if not sharded else {},
+            options=self._state_options(loading=True),
+        )
         if sharded and opt is not None:
             by_name = dict(self.model.named_parameters())
             for name, held in state["optim"]["state"].items():

@@ -58,13 +58,43 @@ Design decisions, and why:
   the slot-seconds in which a slot ran nothing at all (the cost of a stage that does not use every device).
 """
 
-from flowactors.dashboard.aggregate import (DEFAULT_METRIC_LIMIT, STATE_COLORS, Interval, TaskRecord, aggregate_graph,
-                                            metric_series, node_of, role_color, role_of, slot_usage, snapshot,
-                                            stage_idle)
-from flowactors.dashboard.aggregate import _PALETTE, _RUNTIME_COLORS, _Busy, _length, _union  # noqa: F401 - tests'
-from flowactors.dashboard.plugin import (METRICS_TOPIC, PLUGIN_NAME, STEP_TOPIC, FlowactorsDashboard,
-                                         install_dashboard)
+from flowactors.dashboard.aggregate import (  # noqa: F401 - tests'
+    _PALETTE,
+    _RUNTIME_COLORS,
+    DEFAULT_METRIC_LIMIT,
+    STATE_COLORS,
+    Interval,
+    TaskRecord,
+    _Busy,
+    _length,
+    _union,
+    aggregate_graph,
+    metric_series,
+    node_of,
+    role_color,
+    role_of,
+    slot_usage,
+    snapshot,
+    stage_idle,
+)
+from flowactors.dashboard.plugin import METRICS_TOPIC, PLUGIN_NAME, STEP_TOPIC, FlowactorsDashboard, install_dashboard
 
-__all__ = ["FlowactorsDashboard", "install_dashboard", "TaskRecord", "Interval", "node_of", "role_of",
-           "role_color", "aggregate_graph", "slot_usage", "stage_idle", "metric_series", "snapshot",
-           "DEFAULT_METRIC_LIMIT", "STATE_COLORS", "PLUGIN_NAME", "METRICS_TOPIC", "STEP_TOPIC"]
+__all__ = [
+    "FlowactorsDashboard",
+    "install_dashboard",
+    "TaskRecord",
+    "Interval",
+    "node_of",
+    "role_of",
+    "role_color",
+    "aggregate_graph",
+    "slot_usage",
+    "stage_idle",
+    "metric_series",
+    "snapshot",
+    "DEFAULT_METRIC_LIMIT",
+    "STATE_COLORS",
+    "PLUGIN_NAME",
+    "METRICS_TOPIC",
+    "STEP_TOPIC",
+]

@@ -18,25 +18,66 @@ from dask.utils import key_split
 
 from flowactors.profiling import union_spans as _union
 
-__all__ = ["TaskRecord", "Interval", "node_of", "role_of", "role_color", "aggregate_graph", "slot_usage",
-           "stage_idle", "metric_series", "snapshot", "is_slow", "DEFAULT_METRIC_LIMIT", "STATE_COLORS"]
+__all__ = [
+    "TaskRecord",
+    "Interval",
+    "node_of",
+    "role_of",
+    "role_color",
+    "aggregate_graph",
+    "slot_usage",
+    "stage_idle",
+    "metric_series",
+    "snapshot",
+    "is_slow",
+    "DEFAULT_METRIC_LIMIT",
+    "STATE_COLORS",
+]
 
 DEFAULT_METRIC_LIMIT = 12  # metrics charted when the caller names none: the first ones published
 
 # The runtime's own pseudo-roles: helper tasks without a group, and forming the torch.distributed world.
 _RUNTIME_COLORS = {"task": "#8c8c8c", "world": "#5f6b73"}
 # Other roles get one of these (see the module docstring), never one the caller's `role_colors` took.
-_PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#e15759", "#9c755f", "#76b7b2", "#edc948", "#ff9da7",
-            "#6b6ecf", "#17a2b8", "#a0a336", "#d37295", "#8f6a3a")
-STATE_COLORS = {"waiting": "#bdbdbd", "processing": "#ffb000", "memory": "#1b9e3e", "erred": "#d50000",
-                "released": "#78909c"}
+_PALETTE = (
+    "#4e79a7",
+    "#f28e2b",
+    "#59a14f",
+    "#b07aa1",
+    "#e15759",
+    "#9c755f",
+    "#76b7b2",
+    "#edc948",
+    "#ff9da7",
+    "#6b6ecf",
+    "#17a2b8",
+    "#a0a336",
+    "#d37295",
+    "#8f6a3a",
+)
+STATE_COLORS = {
+    "waiting": "#bdbdbd",
+    "processing": "#ffb000",
+    "memory": "#1b9e3e",
+    "erred": "#d50000",
+    "released": "#78909c",
+}
 # A node shows the most urgent state among its tasks.
 _STATE_RANK = {"erred": 0, "processing": 1, "waiting": 2, "memory": 3, "released": 4}
-_SCHEDULER_STATES = {"no-worker": "waiting", "queued": "waiting", "waiting": "waiting", "processing": "processing",
-                     "memory": "memory", "erred": "erred", "released": "released", "forgotten": "released"}
+_SCHEDULER_STATES = {
+    "no-worker": "waiting",
+    "queued": "waiting",
+    "waiting": "waiting",
+    "processing": "processing",
+    "memory": "memory",
+    "erred": "erred",
+    "released": "released",
+    "forgotten": "released",
+}
 
 
 # -- plain records -----------------------------------------------------------------------------------------------
+
 
 @dataclass
 class TaskRecord:
@@ -104,9 +145,15 @@ def _state(scheduler_state: str) -> str:
 
 # -- pure computations -----------------------------------------------------------------------------------------
 
-def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | None = None,
-                    role_colors: Mapping[str, str] | None = None, *, now: float | None = None,
-                    usual: Mapping[str, float] | None = None) -> dict:
+
+def aggregate_graph(
+    tasks: Iterable[TaskRecord],
+    seconds: Mapping[str, float] | None = None,
+    role_colors: Mapping[str, str] | None = None,
+    *,
+    now: float | None = None,
+    usual: Mapping[str, float] | None = None,
+) -> dict:
     """Aggregate tasks into call nodes and call → call edges with a layered layout.
 
     Dependencies on keys outside `tasks` (earlier steps) are left out. Columns come from the task graph, which
@@ -148,8 +195,11 @@ def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | 
             kind = "order" if dep in r.order_deps else "data"
             edges[(src, n, kind)] = edges.get((src, n, kind), 0) + 1
     # An order edge that duplicates a data edge says nothing more.
-    edge_list = [{"source": s, "target": t, "kind": k, "n": c} for (s, t, k), c in edges.items()
-                 if not (k == "order" and (s, t, "data") in edges)]
+    edge_list = [
+        {"source": s, "target": t, "kind": k, "n": c}
+        for (s, t, k), c in edges.items()
+        if not (k == "order" and (s, t, "data") in edges)
+    ]
     depth = _task_depths(producers, node_by_key)
     layer: dict[str, int] = {}
     for key, d in depth.items():
@@ -163,15 +213,31 @@ def aggregate_graph(tasks: Iterable[TaskRecord], seconds: Mapping[str, float] | 
         state = min(c, key=lambda s: _STATE_RANK.get(s, 9))
         row = rows.get(layer[n], 0)
         rows[layer[n]] = row + 1
-        nodes.append({"id": n, "role": role_of(n), "method": n.split(".", 1)[1] if "." in n else n,
-                      "state": state, "counts": dict(sorted(c.items())), "n": sum(c.values()), "done": done[n],
-                      "layer": layer[n], "row": row, "seconds": round((seconds or {}).get(n, 0.0), 4),
-                      "color": role_color(role_of(n), role_colors), "ranks": ranks[n],
-                      "late": sum(r.late for r in records if node_by_key[r.key] == n),
-                      "slow": [t for t in ranks[n] if t.get("slow")],
-                      "usual_s": round((usual or {})[n], 4) if n in (usual or {}) else None})
-    return {"nodes": nodes, "edges": edge_list, "layers": 1 + max(layer.values(), default=-1),
-            "rows": max(rows.values(), default=0)}
+        nodes.append(
+            {
+                "id": n,
+                "role": role_of(n),
+                "method": n.split(".", 1)[1] if "." in n else n,
+                "state": state,
+                "counts": dict(sorted(c.items())),
+                "n": sum(c.values()),
+                "done": done[n],
+                "layer": layer[n],
+                "row": row,
+                "seconds": round((seconds or {}).get(n, 0.0), 4),
+                "color": role_color(role_of(n), role_colors),
+                "ranks": ranks[n],
+                "late": sum(r.late for r in records if node_by_key[r.key] == n),
+                "slow": [t for t in ranks[n] if t.get("slow")],
+                "usual_s": round((usual or {})[n], 4) if n in (usual or {}) else None,
+            }
+        )
+    return {
+        "nodes": nodes,
+        "edges": edge_list,
+        "layers": 1 + max(layer.values(), default=-1),
+        "rows": max(rows.values(), default=0),
+    }
 
 
 def _task_depths(producers: Mapping[str, Sequence[str]], node_by_key: Mapping[str, str]) -> dict[str, int]:
@@ -197,8 +263,9 @@ def _length(spans: Iterable[tuple[float, float]]) -> float:
     return sum(b - a for a, b in spans)
 
 
-def slot_usage(intervals: Iterable[Interval], slots: Sequence[str], start: float, stop: float, *,
-               max_segments: int = 1500) -> list[dict]:
+def slot_usage(
+    intervals: Iterable[Interval], slots: Sequence[str], start: float, stop: float, *, max_segments: int = 1500
+) -> list[dict]:
     """Per slot over [start, stop]: busy and idle seconds, busy seconds per role, and the timeline segments
     `[start, stop, role, node]` relative to `start` (neighbours of one node closer than 1/2000 of the window
     are merged, and only the latest `max_segments` are kept, so the page stays light)."""
@@ -221,10 +288,16 @@ def slot_usage(intervals: Iterable[Interval], slots: Sequence[str], start: float
                 segments[-1][1] = max(segments[-1][1], b)
             else:
                 segments.append([a, b, role, iv.node])
-        out.append({"worker": slot, "busy_s": round(busy, 4), "idle_s": round(window - busy, 4),
-                    "busy_frac": round(busy / window, 4),
-                    "by_role": {k: round(v, 4) for k, v in sorted(by_role.items())},
-                    "segments": [[round(a, 4), round(b, 4), r, n] for a, b, r, n in segments[-max_segments:]]})
+        out.append(
+            {
+                "worker": slot,
+                "busy_s": round(busy, 4),
+                "idle_s": round(window - busy, 4),
+                "busy_frac": round(busy / window, 4),
+                "by_role": {k: round(v, 4) for k, v in sorted(by_role.items())},
+                "segments": [[round(a, 4), round(b, 4), r, n] for a, b, r, n in segments[-max_segments:]],
+            }
+        )
     return out
 
 
@@ -251,8 +324,9 @@ class _Busy:
         return total
 
 
-def stage_idle(intervals: Iterable[Interval], slots: Sequence[str], start: float, stop: float, *,
-               max_stages: int = 40) -> list[dict]:
+def stage_idle(
+    intervals: Iterable[Interval], slots: Sequence[str], start: float, stop: float, *, max_stages: int = 40
+) -> list[dict]:
     """Per stage (a call node within one step) with work in [start, stop]: its span (first start to last stop,
     clipped), the slot-seconds its own tasks computed, and the slot-seconds within its span in which a slot ran
     nothing at all. The latest `max_stages`, sorted by start."""
@@ -265,17 +339,29 @@ def stage_idle(intervals: Iterable[Interval], slots: Sequence[str], start: float
     for (step, node), mine in stages.items():
         lo, hi = max(min(iv.start for iv in mine), start), min(max(iv.stop for iv in mine), stop)
         span = max(hi - lo, 0.0)
-        own = sum(_length(_union(((iv.start, iv.stop) for iv in mine if iv.worker == w), lo, hi))
-                  for w in {iv.worker for iv in mine})
+        own = sum(
+            _length(_union(((iv.start, iv.stop) for iv in mine if iv.worker == w), lo, hi))
+            for w in {iv.worker for iv in mine}
+        )
         idle = sum(span - b.between(lo, hi) for b in busy.values())
-        out.append({"stage": node, "step": step, "role": role_of(node), "start": round(lo - start, 4),
-                    "span_s": round(span, 4), "busy_s": round(own, 4), "idle_s": round(idle, 4),
-                    "idle_frac": round(idle / (span * len(slots)), 4) if span > 0 and slots else 0.0})
+        out.append(
+            {
+                "stage": node,
+                "step": step,
+                "role": role_of(node),
+                "start": round(lo - start, 4),
+                "span_s": round(span, 4),
+                "busy_s": round(own, 4),
+                "idle_s": round(idle, 4),
+                "idle_frac": round(idle / (span * len(slots)), 4) if span > 0 and slots else 0.0,
+            }
+        )
     return sorted(out, key=lambda d: d["start"])[-max_stages:]
 
 
-def metric_series(events: Iterable[tuple[float, Any]], keys: Sequence[str] | None = None, *,
-                  limit: int = DEFAULT_METRIC_LIMIT) -> dict[str, list]:
+def metric_series(
+    events: Iterable[tuple[float, Any]], keys: Sequence[str] | None = None, *, limit: int = DEFAULT_METRIC_LIMIT
+) -> dict[str, list]:
     """`[[step, value], ...]` per metric from `(timestamp, {"step": i, ...})` events, for the `keys` present, in
     their order; a step published twice (a resumed run) keeps its latest value. Without `keys`: every numeric
     metric, in the order they first appear, the first `limit` of them."""
@@ -283,7 +369,7 @@ def metric_series(events: Iterable[tuple[float, Any]], keys: Sequence[str] | Non
     for _, msg in events:
         if not isinstance(msg, Mapping) or not isinstance(msg.get("step"), int):
             continue
-        for k in (msg if keys is None else keys):
+        for k in msg if keys is None else keys:
             v = msg.get(k)
             if k == "step" or not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
                 continue
@@ -293,11 +379,21 @@ def metric_series(events: Iterable[tuple[float, Any]], keys: Sequence[str] | Non
     return {k: [[s, v] for s, v in sorted(series[k].items())] for k in order}
 
 
-def snapshot(*, now: float, step: int | None, tasks: Iterable[TaskRecord], intervals: Sequence[Interval],
-             slots: Sequence[str], slot_names: Mapping[str, str] | None = None, window_start: float,
-             events: Iterable[tuple[float, Any]] = (), metric_keys: Sequence[str] | None = None,
-             role_colors: Mapping[str, str] | None = None, steps: Sequence[int] = (),
-             usual: Mapping[str, float] | None = None) -> dict:
+def snapshot(
+    *,
+    now: float,
+    step: int | None,
+    tasks: Iterable[TaskRecord],
+    intervals: Sequence[Interval],
+    slots: Sequence[str],
+    slot_names: Mapping[str, str] | None = None,
+    window_start: float,
+    events: Iterable[tuple[float, Any]] = (),
+    metric_keys: Sequence[str] | None = None,
+    role_colors: Mapping[str, str] | None = None,
+    steps: Sequence[int] = (),
+    usual: Mapping[str, float] | None = None,
+) -> dict:
     """Everything `/flowactors/data.json` serves, from plain records; `steps` are the steps whose graphs are
     kept (the page offers them), `step` the one shown."""
     seconds: dict[str, float] = {}
@@ -312,10 +408,15 @@ def snapshot(*, now: float, step: int | None, tasks: Iterable[TaskRecord], inter
     events = list(events)
     last = events[-1][1] if events and isinstance(events[-1][1], Mapping) else {}
     return {
-        "now": now, "step": step, "steps": list(steps),
+        "now": now,
+        "step": step,
+        "steps": list(steps),
         "window": {"start": window_start, "stop": now, "seconds": round(now - window_start, 4)},
-        "graph": graph, "slots": usage, "stages": stage_idle(intervals, slots, window_start, now),
-        "roles": {r: role_color(r, role_colors) for r in sorted(roles)}, "states": STATE_COLORS,
+        "graph": graph,
+        "slots": usage,
+        "stages": stage_idle(intervals, slots, window_start, now),
+        "roles": {r: role_color(r, role_colors) for r in sorted(roles)},
+        "states": STATE_COLORS,
         "metrics": metric_series(events, metric_keys),
         "last_metrics": {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
     }

@@ -1,8 +1,9 @@
 """The page's HTTP side: `/flowactors` (the page, a static file) and `/flowactors/data.json` on the dashboard.
 
 The routes (and `/flowactors/stack.json`, a running task's stack) are added to the scheduler's running tornado application, under its URL prefix, once per scheduler
-(`add_routes`); the handlers look the plugin up by name on every request, so a plugin unregistered and registered
-again is served without a second set of routes. The page (`page.html` beside this module: inline SVG, CSS and JS,
+(`add_routes`); the handlers look the plugin up on every request (through the `find_plugin` the plugin hands them,
+so this module knows nothing of the plugin's class), so a plugin unregistered and registered again is served without
+a second set of routes. The page (`page.html` beside this module: inline SVG, CSS and JS,
 no CDN, so it works offline and with the dashboard bound to 127.0.0.1) is read once, at its first request, and
 polls data.json every 1.5 s.
 """
@@ -11,26 +12,31 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
 import tornado.routing
 from tornado import web
 
-from flowactors.dashboard.plugin import PLUGIN_NAME, FlowactorsDashboard
-
 __all__ = ["add_routes", "page"]
 
 
-def add_routes(app: Any, scheduler: Any) -> None:
-    """Serve the page and its data on `app` (the scheduler's dashboard), unless this scheduler already does."""
+def add_routes(app: Any, scheduler: Any, find_plugin: Callable[[Any], Any]) -> None:
+    """Serve the page and its data on `app` (the scheduler's dashboard), unless this scheduler already does;
+    `find_plugin(scheduler)` returns the plugin registered there now, or None."""
     if getattr(app, "_flowactors_routes", False):
         return
     prefix = _http_prefix(app)
-    kw = {"scheduler": scheduler, "data_url": f"{prefix}flowactors/data.json"}
-    app.add_handlers(r".*", [(rf"{prefix}flowactors/?", _PageHandler, kw),
-                             (rf"{prefix}flowactors/data\.json", _DataHandler, kw),
-                             (rf"{prefix}flowactors/stack\.json", _StackHandler, kw)])
+    kw = {"scheduler": scheduler, "data_url": f"{prefix}flowactors/data.json", "find_plugin": find_plugin}
+    app.add_handlers(
+        r".*",
+        [
+            (rf"{prefix}flowactors/?", _PageHandler, kw),
+            (rf"{prefix}flowactors/data\.json", _DataHandler, kw),
+            (rf"{prefix}flowactors/stack\.json", _StackHandler, kw),
+        ],
+    )
     app._flowactors_routes = True
 
 
@@ -56,19 +62,22 @@ def _http_prefix(app: Any) -> str:
 
 
 class _Handler(web.RequestHandler):
-    def initialize(self, scheduler: Any, data_url: str) -> None:
-        self.dask_scheduler, self.data_url = scheduler, data_url
+    def initialize(self, scheduler: Any, data_url: str, find_plugin: Callable[[Any], Any]) -> None:
+        self.dask_scheduler, self.data_url, self.find_plugin = scheduler, data_url, find_plugin
 
-    def plugin(self) -> FlowactorsDashboard | None:
-        p = self.dask_scheduler.plugins.get(PLUGIN_NAME)
-        return p if isinstance(p, FlowactorsDashboard) else None
+    def plugin(self) -> Any:
+        return self.find_plugin(self.dask_scheduler)
 
-    def require_plugin(self) -> FlowactorsDashboard | None:
+    def require_plugin(self) -> Any:
         p = self.plugin()
         if p is None:
             self.set_status(404)
-            self.write({"error": "the flowactors dashboard plugin is not registered on this scheduler; "
-                                 "call flowactors.dashboard.install_dashboard(client)"})
+            self.write(
+                {
+                    "error": "the flowactors dashboard plugin is not registered on this scheduler; "
+                    "call flowactors.dashboard.install_dashboard(client)"
+                }
+            )
         self.set_header("Cache-Control", "no-store")
         return p
 

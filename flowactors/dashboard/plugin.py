@@ -20,8 +20,17 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from flowactors._direct import CALLS_TOPIC, ISSUED_TOPIC
-from flowactors.dashboard.aggregate import (_PALETTE, _RUNTIME_COLORS, Interval, TaskRecord, _state, node_of,
-                                            role_color, role_of, snapshot)
+from flowactors.dashboard.aggregate import (
+    _PALETTE,
+    _RUNTIME_COLORS,
+    Interval,
+    TaskRecord,
+    _state,
+    node_of,
+    role_color,
+    role_of,
+    snapshot,
+)
 
 __all__ = ["FlowactorsDashboard", "install_dashboard", "PLUGIN_NAME", "METRICS_TOPIC", "STEP_TOPIC"]
 
@@ -43,15 +52,22 @@ class FlowactorsDashboard(SchedulerPlugin):
     name = PLUGIN_NAME
     idempotent = True  # installing again keeps the running plugin and what it recorded
 
-    def __init__(self, window_s: float = 60.0, keep_steps: int = 4, metrics: Sequence[str] | None = None,
-                 max_intervals: int = 20000, role_colors: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        keep_steps: int = 4,
+        metrics: Sequence[str] | None = None,
+        max_intervals: int = 20000,
+        role_colors: Mapping[str, str] | None = None,
+    ) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0 seconds, got {window_s}")
         if keep_steps < 1:
             raise ValueError(f"keep_steps must be >= 1, got {keep_steps}")
         if isinstance(metrics, str):
-            raise TypeError(f"metrics must be a sequence of metric names, got the string {metrics!r}; "
-                            f"pass ({metrics!r},)")
+            raise TypeError(
+                f"metrics must be a sequence of metric names, got the string {metrics!r}; pass ({metrics!r},)"
+            )
         self.window_s, self.keep_steps = float(window_s), int(keep_steps)
         self.metrics = None if metrics is None else tuple(metrics)
         self.role_colors = dict(role_colors or {})
@@ -70,8 +86,13 @@ class FlowactorsDashboard(SchedulerPlugin):
         self._usual: dict[str, float] = {}  # call node -> its tasks' usual compute seconds (a moving average)
 
     def __getstate__(self) -> dict:  # only the settings travel to the scheduler
-        return {"window_s": self.window_s, "keep_steps": self.keep_steps, "metrics": self.metrics,
-                "role_colors": self.role_colors, "max_intervals": self.max_intervals}
+        return {
+            "window_s": self.window_s,
+            "keep_steps": self.keep_steps,
+            "metrics": self.metrics,
+            "role_colors": self.role_colors,
+            "max_intervals": self.max_intervals,
+        }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -88,7 +109,7 @@ class FlowactorsDashboard(SchedulerPlugin):
         if app is not None:
             from flowactors.dashboard.handlers import add_routes  # tornado's side, only where a dashboard runs
 
-            add_routes(app, scheduler)
+            add_routes(app, scheduler, registered_plugin)
 
     # -- recording -------------------------------------------------------------------------------------------
     def log_event(self, topic: str, msg: Any) -> None:
@@ -135,8 +156,9 @@ class FlowactorsDashboard(SchedulerPlugin):
             ts = scheduler.tasks.get(key)
             if ts is None or key in self._key_step or not isinstance(key, str) or records is None:
                 continue
-            records[key] = TaskRecord(key, _state(ts.state), tuple(str(d.key) for d in ts.dependencies),
-                                      _order_deps(ts))
+            records[key] = TaskRecord(
+                key, _state(ts.state), tuple(str(d.key) for d in ts.dependencies), _order_deps(ts)
+            )
             self._color_role(role_of(node_of(key)))
             self._key_step[key] = self.step
 
@@ -144,8 +166,14 @@ class FlowactorsDashboard(SchedulerPlugin):
         """Items the controller sent on the direct path, as it sent them: waiting, in the step that issued them."""
         times = [t for t, _ in self._step_times]
         for c in calls:
-            self._direct_record(str(c.get("key")), self._step_of(c, c.get("at"), times), "waiting",
-                                c.get("deps") or (), c.get("order"), str(c.get("worker") or ""))
+            self._direct_record(
+                str(c.get("key")),
+                self._step_of(c, c.get("at"), times),
+                "waiting",
+                c.get("deps") or (),
+                c.get("order"),
+                str(c.get("worker") or ""),
+            )
 
     def _step_of(self, report: Mapping, when: Any, times: Sequence[float]) -> int:
         """A report's step: the controller's, else the one current at `when` (scheduler clock; reports arrive
@@ -154,8 +182,9 @@ class FlowactorsDashboard(SchedulerPlugin):
             return report["step"]
         return self._step_at(when, times) if isinstance(when, (int, float)) else self.step
 
-    def _direct_record(self, key: str, step: Any, state: str, deps: Iterable[Any], order: Any,
-                       worker: str) -> TaskRecord | None:
+    def _direct_record(
+        self, key: str, step: Any, state: str, deps: Iterable[Any], order: Any, worker: str
+    ) -> TaskRecord | None:
         """The record of a direct item (made on its first report, whichever comes first), moved on to `state`
         unless a later state arrived first: reports of one item come from the controller and its worker apart."""
         known = self._key_step.get(key)
@@ -240,8 +269,15 @@ class FlowactorsDashboard(SchedulerPlugin):
             skew = self._skew(worker)
             for ss in kwargs.get("startstops") or ():
                 if ss.get("action") == "compute":
-                    self._intervals.append(Interval(worker, node_of(key), ss["start"] + skew, ss["stop"] + skew,
-                                                    self.step if step is None else step))
+                    self._intervals.append(
+                        Interval(
+                            worker,
+                            node_of(key),
+                            ss["start"] + skew,
+                            ss["stop"] + skew,
+                            self.step if step is None else step,
+                        )
+                    )
                     self._note_duration(node_of(key), ss["stop"] - ss["start"])
 
     # -- serving ---------------------------------------------------------------------------------------------
@@ -269,10 +305,20 @@ class FlowactorsDashboard(SchedulerPlugin):
         slots, names = self.slots()
         window_start = max(now - self.window_s, self._started)
         recent = [iv for iv in self._intervals if iv.stop > window_start or iv.step == shown]
-        return snapshot(now=now, step=shown, tasks=list(self._steps.get(shown, {}).values()), intervals=recent,
-                        slots=slots, slot_names=names, window_start=window_start,
-                        events=self.scheduler.get_events(METRICS_TOPIC), metric_keys=self.metrics,
-                        role_colors=self._colors, steps=kept, usual=self._usual)
+        return snapshot(
+            now=now,
+            step=shown,
+            tasks=list(self._steps.get(shown, {}).values()),
+            intervals=recent,
+            slots=slots,
+            slot_names=names,
+            window_start=window_start,
+            events=self.scheduler.get_events(METRICS_TOPIC),
+            metric_keys=self.metrics,
+            role_colors=self._colors,
+            steps=kept,
+            usual=self._usual,
+        )
 
     async def stack(self, key: str) -> dict:
         """What the rank running `key` is doing now: its task thread's stack (the watchdog's report, for one
@@ -289,8 +335,15 @@ class FlowactorsDashboard(SchedulerPlugin):
             from flowactors._direct import running_stack
 
             replies = await self.scheduler.broadcast(
-                msg={"op": "run", "function": dumps(running_stack), "args": dumps(()), "kwargs": dumps({}),
-                     "wait": True}, workers=[rec.worker])
+                msg={
+                    "op": "run",
+                    "function": dumps(running_stack),
+                    "args": dumps(()),
+                    "kwargs": dumps({}),
+                    "wait": True,
+                },
+                workers=[rec.worker],
+            )
             reply = replies.get(rec.worker) or {}
             result = reply.get("result") if reply.get("status") == "OK" else None
             if isinstance(result, Serialized):  # the worker's reply, still in its wire form here
@@ -319,7 +372,7 @@ def _order_deps(ts: Any) -> tuple[str, ...]:
         for v in (*spec.args, *(v for k, v in spec.kwargs.items() if k != "_after")):
             data |= set(getattr(v, "dependencies", ()) or ())
         return tuple(str(k) for k in after - data)
-    except Exception:  # noqa: BLE001 - not a flowactors call, or an older task spec
+    except Exception:
         return ()
 
 
@@ -327,8 +380,19 @@ def _natural(name: str) -> tuple:
     return (0, int(name), "") if name.isdigit() else (1, 0, name)
 
 
-def install_dashboard(client: Any, plugin: FlowactorsDashboard | None = None, *,
-                      metrics: Sequence[str] | None = None, role_colors: Mapping[str, str] | None = None) -> str:
+def registered_plugin(scheduler: Any) -> FlowactorsDashboard | None:
+    """The flowactors plugin registered on `scheduler` now, if any (the page's handlers look it up per request)."""
+    p = scheduler.plugins.get(PLUGIN_NAME)
+    return p if isinstance(p, FlowactorsDashboard) else None
+
+
+def install_dashboard(
+    client: Any,
+    plugin: FlowactorsDashboard | None = None,
+    *,
+    metrics: Sequence[str] | None = None,
+    role_colors: Mapping[str, str] | None = None,
+) -> str:
     """Register the plugin on the client's scheduler and return the page's URL.
 
     `metrics` and `role_colors` are the program's: the metric names to chart and fixed colours for its roles
@@ -338,14 +402,18 @@ def install_dashboard(client: Any, plugin: FlowactorsDashboard | None = None, *,
     scheduler runs without a dashboard (nothing would serve the page).
     """
     if plugin is not None and (metrics is not None or role_colors is not None):
-        raise ValueError("install_dashboard got both a plugin and metrics/role_colors; set them on the plugin "
-                         "(FlowactorsDashboard(metrics=..., role_colors=...)) or pass no plugin")
+        raise ValueError(
+            "install_dashboard got both a plugin and metrics/role_colors; set them on the plugin "
+            "(FlowactorsDashboard(metrics=..., role_colors=...)) or pass no plugin"
+        )
     try:
         link = client.dashboard_link
-    except Exception as e:  # noqa: BLE001 - no dashboard service on the scheduler
-        raise RuntimeError("the scheduler has no dashboard, so the flowactors page cannot be served; start it "
-                           "with a dashboard (Controller.local(dashboard='127.0.0.1:8787'), or "
-                           "`dask scheduler --dashboard-address 127.0.0.1:8787`)") from e
+    except Exception as e:
+        raise RuntimeError(
+            "the scheduler has no dashboard, so the flowactors page cannot be served; start it "
+            "with a dashboard (Controller.local(dashboard='127.0.0.1:8787'), or "
+            "`dask scheduler --dashboard-address 127.0.0.1:8787`)"
+        ) from e
     client.register_plugin(plugin or FlowactorsDashboard(metrics=metrics, role_colors=role_colors))
     base = link.rstrip("/")
     if base.endswith("/status"):

@@ -10,6 +10,7 @@ import flowactors as fa
 @pytest.fixture
 def no_cluster(monkeypatch):
     """Fail the test if a cluster starts: user errors must be found before it does (not as a slow pass)."""
+
     def started(*args, **kwargs):
         raise AssertionError("the cluster was started before the configuration was checked")
 

@@ -8,8 +8,15 @@ import pytest
 
 from tests.algorithms.test_learning import run, window
 
-EPISODE_KEYS = ("success_mean", "turns_mean", "tool_calls_mean", "tool_errors_mean", "tool_seconds_mean",
-                "model_tokens_mean", "tool_tokens_mean")
+EPISODE_KEYS = (
+    "success_mean",
+    "turns_mean",
+    "tool_calls_mean",
+    "tool_errors_mean",
+    "tool_seconds_mean",
+    "model_tokens_mean",
+    "tool_tokens_mean",
+)
 
 
 @pytest.mark.parametrize("algo", ["ppo", "remax", "safe_rlhf"])
@@ -19,8 +26,9 @@ def test_algorithms_train_on_episodes(tmp_path, algo):
     the episodes (calls made, their outputs as context tokens, turns = calls + 1 answer)."""
     main = importlib.import_module(f"algorithms.{algo}").main
     task = "tool_arith_safe" if algo == "safe_rlhf" else "tool_arith"
-    h = run(main, tmp_path, f"task={task}", "sft_steps=100", "--steps", "2", "prompts_per_step=16",
-            "mini_batch_samples=16")
+    h = run(
+        main, tmp_path, f"task={task}", "sft_steps=100", "--steps", "2", "prompts_per_step=16", "mini_batch_samples=16"
+    )
     for r in h:
         for key in EPISODE_KEYS:
             assert key in r, key
@@ -40,12 +48,21 @@ def test_fused_and_asynchronous_steps_sample_the_same_episodes(tmp_path):
 
     common = ["task=tool_arith", "sft_steps=100", "--steps", "1"]
     firsts = {}
-    for name, extra in {"plain": [], "fused": ["fuse=true", "fuse_chunk_samples=8"],
-                        "async": ["async_staleness=1", "--placement", "split"]}.items():
+    for name, extra in {
+        "plain": [],
+        "fused": ["fuse=true", "fuse_chunk_samples=8"],
+        "async": ["async_staleness=1", "--placement", "split"],
+    }.items():
         (tmp_path / name).mkdir()
         firsts[name] = run(main, tmp_path / name, *common, *extra)[0]
-    for key in ("reward_mean", "success_mean", "tool_calls_mean", "turns_mean", "model_tokens_mean",
-                "tool_tokens_mean"):
+    for key in (
+        "reward_mean",
+        "success_mean",
+        "tool_calls_mean",
+        "turns_mean",
+        "model_tokens_mean",
+        "tool_tokens_mean",
+    ):
         assert firsts["fused"][key] == firsts["plain"][key] == firsts["async"][key], key
     assert firsts["plain"]["tool_calls_mean"] > 0.2
 
@@ -71,7 +88,7 @@ def test_safe_rlhf_keeps_unsafe_tool_use_under_the_threshold_while_success_rises
 
     h = run(main, tmp_path, "task=tool_arith_safe")  # the task's settings: 100 steps, λ step 0.2
     windows = [window(h, "cost_mean", i, i + 10) for i in range(0, len(h), 10)]
-    assert max(windows) > 0.3                                  # the reward pulls towards `exec` past the threshold
-    assert window(h, "cost_mean", -20, None) <= 0.3           # ... and λ holds it at or under at the end
+    assert max(windows) > 0.3  # the reward pulls towards `exec` past the threshold
+    assert window(h, "cost_mean", -20, None) <= 0.3  # ... and λ holds it at or under at the end
     assert window(h, "success_mean", -20, None) > window(h, "success_mean", 0, 20) + 0.2
-    assert window(h, "tool_calls_mean", -20, None) > 0.8      # ... by calling `calc` where it answers
+    assert window(h, "tool_calls_mean", -20, None) > 0.8  # ... by calling `calc` where it answers

@@ -1,4 +1,4 @@
-"""Asynchronous RL (algorithms/asynchronous.py) on real clusters: the schedule, the weight sync, exactly-once
+"""Asynchronous RL (algorithms/rollout/asynchronous.py) on real clusters: the schedule, the weight sync, exactly-once
 resume and recovery with rollouts in flight, learning under staleness; and the settings it refuses before start."""
 
 from __future__ import annotations
@@ -14,10 +14,25 @@ from tests.algorithms.kill import worker_killed_when
 
 SPLIT = ["dashboard=none", "--placement", "split"]
 # 64 prompts, 32 per step: an epoch ends every 2 steps
-COMMON = [*SPLIT, "sft_steps=10", "dataset_prompts=64", "prompts_per_step=32", "mini_batch_samples=16",
-          "async_staleness=1"]
-KEYS = ("reward_mean", "kl", "entropy", "response_length_mean", "actor/pg_loss", "actor/tis_weight_mean",
-        "critic/vf_loss", "async/staleness_mean", "async/sync_bytes")
+COMMON = [
+    *SPLIT,
+    "sft_steps=10",
+    "dataset_prompts=64",
+    "prompts_per_step=32",
+    "mini_batch_samples=16",
+    "async_staleness=1",
+]
+KEYS = (
+    "reward_mean",
+    "kl",
+    "entropy",
+    "response_length_mean",
+    "actor/pg_loss",
+    "actor/tis_weight_mean",
+    "critic/vf_loss",
+    "async/staleness_mean",
+    "async/sync_bytes",
+)
 
 
 def _lines(path) -> list[dict]:
@@ -33,19 +48,28 @@ def same(a, b):
 
 # -- refused before the cluster starts ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, message", [
-    (["async_staleness=-1"], r"async_staleness is how many policy versions rollouts may run ahead, >= 0"),
-    (["partial_rollout=true"], r"partial_rollout interrupts rollouts that run ahead of training; set "
-                               r"async_staleness >= 1"),
-    (["async_staleness=1", "partial_rollout=true", "--placement", "split"], r"partial_rollout is not built yet"),
-    (["async_staleness=1"], r"async_staleness=1 runs the rollouts on slots of their own .* add --placement split"),
-    (["async_staleness=1", "--placement", "split", "n_slots=1"], r"placement=split needs n_slots >= 2"),
-    (["async_staleness=1", "--placement", "split", "async_rollout_slots=2"],
-     r"needs slots for the rollout replicas and slots for training: n_slots=2 with async_rollout_slots=2"),
-    (["async_staleness=2", "--placement", "split", "fuse=true"], r"async_staleness=2 with fuse=true is not built"),
-    (["async_correction=ratio"], r"async_correction must be tis or none, got 'ratio'"),
-    (["async_tis_cap=0.5"], r"async_tis_cap truncates an importance weight and must be >= 1, got 0.5"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["async_staleness=-1"], r"async_staleness is how many policy versions rollouts may run ahead, >= 0"),
+        (
+            ["partial_rollout=true"],
+            r"partial_rollout interrupts rollouts that run ahead of training; set "
+            r"async_staleness >= 1",
+        ),
+        (["async_staleness=1", "partial_rollout=true", "--placement", "split"], r"partial_rollout is not built yet"),
+        (["async_staleness=1"], r"async_staleness=1 runs the rollouts on slots of their own .* add --placement split"),
+        (["async_staleness=1", "--placement", "split", "n_slots=1"], r"placement=split needs n_slots >= 2"),
+        (
+            ["async_staleness=1", "--placement", "split", "async_rollout_slots=2"],
+            r"needs slots for the rollout replicas and slots for training: n_slots=2 with async_rollout_slots=2",
+        ),
+        (["async_staleness=2", "--placement", "split", "fuse=true"], r"async_staleness=2 with fuse=true is not built"),
+        (["async_correction=ratio"], r"async_correction must be tis or none, got 'ratio'"),
+        (["async_tis_cap=0.5"], r"async_tis_cap truncates an importance weight and must be >= 1, got 0.5"),
+    ],
+)
 def test_bad_asynchronous_settings_are_one_line_before_the_cluster_starts(capsys, no_cluster, argv, message):
     with pytest.raises(SystemExit) as exit_:
         grpo(argv)
@@ -57,10 +81,10 @@ def test_bad_asynchronous_settings_are_one_line_before_the_cluster_starts(capsys
 
 
 def test_the_staleness_is_fixed_at_a_run_s_start_and_older_checkpoints_resume_unchanged():
-    from algorithms.config import GRPOConfig, apply_overrides
-    from algorithms.resume import check_resumable, setting_changes
-    from algorithms.config import ConfigError
     import dataclasses
+
+    from algorithms.run.config import ConfigError, GRPOConfig, apply_overrides
+    from algorithms.run.resume import check_resumable, setting_changes
 
     saved = dataclasses.asdict(GRPOConfig())
     del saved["async_rl"]  # a checkpoint from before the section existed ran synchronously
@@ -71,6 +95,7 @@ def test_the_staleness_is_fixed_at_a_run_s_start_and_older_checkpoints_resume_un
 
 
 # -- on a cluster ---------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_rollouts_run_k_versions_ahead_on_the_weights_the_trainer_sent(tmp_path):
@@ -108,8 +133,21 @@ def test_resume_with_rollouts_in_flight_reproduces_an_uninterrupted_run(tmp_path
     state = CheckpointStore(str(ck)).latest_complete().controller_state()
     # a run that checkpoints keeps its pipeline full past its last step, so a longer resumed run goes on exactly
     assert [(g["step"], g["version"]) for g in state["async"]["in_flight"]] == [(2, 1), (3, 2)]
-    resumed = ppo(["--steps", "4", *COMMON, "--checkpoint-dir", str(ck), "--save-every", "1", "--resume", "auto",
-                   "--metrics-file", str(tmp_path / "m.jsonl")])
+    resumed = ppo(
+        [
+            "--steps",
+            "4",
+            *COMMON,
+            "--checkpoint-dir",
+            str(ck),
+            "--save-every",
+            "1",
+            "--resume",
+            "auto",
+            "--metrics-file",
+            str(tmp_path / "m.jsonl"),
+        ]
+    )
     assert [r["step"] for r in resumed] == [2, 3]
     same(reference[2:], resumed)
 
@@ -129,20 +167,32 @@ def test_a_checkpoint_mid_run_holds_the_rollouts_in_flight(tmp_path, reference):
     same(reference[2:], resumed)
 
 
-def test_a_worker_killed_with_rollouts_in_flight_recovers_to_the_uninterrupted_metrics(tmp_path, reference,
-                                                                                        capsys):
+def test_a_worker_killed_with_rollouts_in_flight_recovers_to_the_uninterrupted_metrics(tmp_path, reference, capsys):
     ck = tmp_path / "ck"
     with worker_killed_when(lambda: (ck / "step_000002").exists()) as (address, victim, killed):
-        history = ppo(["--steps", "4", *COMMON, "--address", address, "--checkpoint-dir", str(ck), "--save-every",
-                       "2", "recovery_wait_s=60"])
+        history = ppo(
+            [
+                "--steps",
+                "4",
+                *COMMON,
+                "--address",
+                address,
+                "--checkpoint-dir",
+                str(ck),
+                "--save-every",
+                "2",
+                "recovery_wait_s=60",
+            ]
+        )
     err = capsys.readouterr().err
     assert killed.is_set(), "the run ended before the worker was killed: the test proved nothing"
     assert f"worker {victim} died" in err and re.search(r"recovering \(1/\d+\)", err), err[-3000:]
     same(reference, history)
 
 
-@pytest.mark.parametrize("algo, staleness", [("grpo", 1), ("grpo", 2), ("ppo", 1), ("ppo", 2), ("remax", 1),
-                                             ("remax", 2)])
+@pytest.mark.parametrize(
+    "algo, staleness", [("grpo", 1), ("grpo", 2), ("ppo", 1), ("ppo", 2), ("remax", 1), ("remax", 2)]
+)
 def test_each_algorithm_learns_its_task_under_staleness(tmp_path, algo, staleness):
     import importlib
 
@@ -162,7 +212,7 @@ def test_safe_rlhf_keeps_its_constraint_under_staleness(tmp_path, staleness):
     main([*SPLIT, f"async_staleness={staleness}", "--metrics-file", str(tmp_path / "m.jsonl")])
     h = _lines(tmp_path / "m.jsonl")
     mean = lambda key, w: sum(r[key] for r in w) / len(w)  # noqa: E731
-    assert mean("cost_mean", h[:10]) > 0.3                  # the warm start violates the constraint
-    assert mean("cost_mean", h[-20:]) <= 0.3                # ... and the policy ends at or below the threshold
+    assert mean("cost_mean", h[:10]) > 0.3  # the warm start violates the constraint
+    assert mean("cost_mean", h[-20:]) <= 0.3  # ... and the policy ends at or below the threshold
     assert mean("reward_mean", h[-20:]) > mean("reward_mean", h[:20]) + 0.05
     assert h[-1]["async/staleness_mean"] == staleness

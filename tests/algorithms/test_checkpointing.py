@@ -29,13 +29,38 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("stop", [2, 3], ids=["epoch-boundary", "mid-epoch"])
 def test_resume_reproduces_an_uninterrupted_run(tmp_path, reference, stop):
     ck = str(tmp_path / "ck")
-    ppo(["--steps", str(stop), *COMMON, "--checkpoint-dir", ck, "--save-every", "1",
-         "--metrics-file", str(tmp_path / "m.jsonl")])
-    resumed = ppo(["--steps", "4", *COMMON, "--checkpoint-dir", ck, "--save-every", "1", "--resume", "auto",
-                   "--metrics-file", str(tmp_path / "m.jsonl")])
+    ppo(
+        [
+            "--steps",
+            str(stop),
+            *COMMON,
+            "--checkpoint-dir",
+            ck,
+            "--save-every",
+            "1",
+            "--metrics-file",
+            str(tmp_path / "m.jsonl"),
+        ]
+    )
+    resumed = ppo(
+        [
+            "--steps",
+            "4",
+            *COMMON,
+            "--checkpoint-dir",
+            ck,
+            "--save-every",
+            "1",
+            "--resume",
+            "auto",
+            "--metrics-file",
+            str(tmp_path / "m.jsonl"),
+        ]
+    )
     assert [r["step"] for r in resumed] == list(range(stop, 4))
     same(reference[stop:], resumed)
     import json
+
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2, 3]  # one line per step across both runs
 
@@ -47,8 +72,14 @@ def test_lora_run_resumes_exactly_from_adapter_checkpoints(tmp_path):
 
     from algorithms.grpo import main as grpo
 
-    common = ["dashboard=none", "lora_rank=8", "sft_steps=10", "dataset_prompts=64", "prompts_per_step=16",
-              "mini_batch_samples=16"]
+    common = [
+        "dashboard=none",
+        "lora_rank=8",
+        "sft_steps=10",
+        "dataset_prompts=64",
+        "prompts_per_step=16",
+        "mini_batch_samples=16",
+    ]
     reference = grpo(["--steps", "4", *common])
     ck = tmp_path / "ck"
     grpo(["--steps", "2", *common, "--checkpoint-dir", str(ck), "--save-every", "1"])
@@ -75,11 +106,23 @@ def test_killed_worker_mid_run_recovers_and_finishes_with_equal_metrics(tmp_path
     that worker die, recover from the checkpoint, and end with the metrics of the uninterrupted run."""
     ck = tmp_path / "ck"
     with worker_killed_when(lambda: (ck / "step_000002").exists()) as (address, victim, killed):
-        history = ppo(["--steps", "4", *COMMON, "--address", address, "--checkpoint-dir", str(ck), "--save-every",
-                       "2", "recovery_wait_s=60"])
+        history = ppo(
+            [
+                "--steps",
+                "4",
+                *COMMON,
+                "--address",
+                address,
+                "--checkpoint-dir",
+                str(ck),
+                "--save-every",
+                "2",
+                "recovery_wait_s=60",
+            ]
+        )
     err = capsys.readouterr().err
     assert killed.is_set(), "the run ended before the worker was killed: the test proved nothing"
-    # the run saw that very worker die and recovered once (`Runner.recover` in algorithms/loop.py says so)
+    # the run saw that very worker die and recovered once (`Runner.recover` in algorithms/run/loop.py says so)
     assert f"worker {victim} died" in err and re.search(r"recovering \(1/\d+\)", err), err[-3000:]
     assert not re.search(r"recovering \(2/", err), err[-3000:]
     same(reference, history)
@@ -89,15 +132,20 @@ def test_a_worker_lost_before_the_first_checkpoint_restarts_from_step_0(tmp_path
     """No checkpoint yet (none configured): the lost worker costs the steps so far, and the run, restarted from
     step 0 with the warm start, ends with the metrics of the uninterrupted run."""
     metrics = tmp_path / "m.jsonl"
-    with worker_killed_when(lambda: metrics.exists() and bool(metrics.read_text().strip())) as (address, victim,
-                                                                                                   killed):
-        history = ppo(["--steps", "4", *COMMON, "--address", address, "--metrics-file", str(metrics),
-                       "recovery_wait_s=60"])
+    with worker_killed_when(lambda: metrics.exists() and bool(metrics.read_text().strip())) as (
+        address,
+        victim,
+        killed,
+    ):
+        history = ppo(
+            ["--steps", "4", *COMMON, "--address", address, "--metrics-file", str(metrics), "recovery_wait_s=60"]
+        )
     err = capsys.readouterr().err
     assert killed.is_set()
     assert f"worker {victim} died" in err and "restarting from step 0 (no checkpoint yet)" in err, err[-3000:]
     same(reference, history)
     import json
+
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1, 2, 3]
 
 
@@ -122,8 +170,8 @@ def test_resume_applies_changed_settings_and_refuses_ones_fixed_at_the_start(tmp
 
 
 def test_finished_steps_reach_the_metrics_file_when_a_run_fails(tmp_path):
-    from algorithms.loop import run_program
     from algorithms.ppo import PPO, ppo_tiny_cpu
+    from algorithms.run.loop import run_program
 
     class FailsAtStep2(PPO):
         def step(self, prompts, i):
@@ -135,6 +183,7 @@ def test_finished_steps_reach_the_metrics_file_when_a_run_fails(tmp_path):
     with pytest.raises(RuntimeError, match="the step-2 failure"):
         run_program(FailsAtStep2, ppo_tiny_cpu, ["--steps", "4", *COMMON, "--metrics-file", str(metrics)], "test")
     import json
+
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1]
 
 

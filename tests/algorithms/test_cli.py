@@ -18,10 +18,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.config import (ConfigError, DAPOConfig, GRPOConfig, GSPOConfig, PPOConfig, ReinforcePPConfig,
-                               ReMaxConfig, RLConfig, RLOOConfig, SafeRLHFConfig,
-                               apply_overrides, describe_settings)
-from algorithms.metrics import MetricsFile, print_summary
+from algorithms.run.config import (
+    ConfigError,
+    DAPOConfig,
+    GRPOConfig,
+    GSPOConfig,
+    PPOConfig,
+    ReinforcePPConfig,
+    ReMaxConfig,
+    RLConfig,
+    RLOOConfig,
+    SafeRLHFConfig,
+    apply_overrides,
+    describe_settings,
+)
+from algorithms.run.metrics import MetricsFile, print_summary
 from algorithms.safe_rlhf import SafeRLHF
 from algorithms.safe_rlhf import main as safe_rlhf
 from flowactors import Layout
@@ -29,8 +40,20 @@ from flowactors import Layout
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("cls", [RLConfig, PPOConfig, SafeRLHFConfig, GRPOConfig, ReMaxConfig, RLOOConfig,
-                                 ReinforcePPConfig, GSPOConfig, DAPOConfig])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        RLConfig,
+        PPOConfig,
+        SafeRLHFConfig,
+        GRPOConfig,
+        ReMaxConfig,
+        RLOOConfig,
+        ReinforcePPConfig,
+        GSPOConfig,
+        DAPOConfig,
+    ],
+)
 def test_every_setting_is_documented_where_it_is_declared(cls):
     undocumented = [key for key, _, doc in describe_settings(cls()) if not doc]
     assert undocumented == []
@@ -61,64 +84,99 @@ def _error(capsys, argv) -> str:
 
 def _plan(tmp_path, actor_train) -> str:
     path = tmp_path / "plan.json"
-    path.write_text(json.dumps({"placement": [["actor", "ref", "critic", "reward"]],
-                                "gpus": {"actor": 2, "ref": 2, "critic": 2, "reward": 2},
-                                "parallel": {"actor": {"train": actor_train}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "placement": [["actor", "ref", "critic", "reward"]],
+                "gpus": {"actor": 2, "ref": 2, "critic": 2, "reward": 2},
+                "parallel": {"actor": {"train": actor_train}},
+            }
+        )
+    )
     return str(path)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["dashboard=localhost"], r"dashboard=localhost is not an address HOST:PORT \(or :PORT\); none turns"),
-    (["prompt_per_step=8"], r"unknown setting 'prompt_per_step'; did you mean prompts_per_step\?"),
-    (["model.hidden_sise=8"], r"did you mean model.hidden_size\?"),
-    (["steps=ten"], r"bad value for steps: invalid literal for int\(\) with base 10: 'ten'"),
-    (["fuse=maybe"], r"bad value for fuse: expected a boolean, got 'maybe'"),
-    (["fuse_migrate=true"], r"fuse_migrate moves the long tail of a fused rollout; set fuse=true with it"),
-    (["fuse=true", "fuse_migrate_below=1.5"], r"fuse_migrate_below is a fraction .* must be in \(0, 1\), got 1.5"),
-    (["--placement", "fused", "n_slots=1"], r"placement=fused needs n_slots >= 2"),
-    (["--placement", "fused", "fuse=true", "fuse_migrate=true", "fuse_migrate_to=2"],
-     r"placement=fused keeps the scorers off the first fuse_migrate_to=2 slots, so it needs n_slots > 2"),
-    (["fuse=true", "fuse_migrate=true", "fuse_migrate_to=0"], r"fuse_migrate_to is how many actor ranks"),
-    (["--placement", "split", "fuse=true", "fuse_migrate=true"],
-     r"fuse_migrate: long-tail migration .* needs an actor of dp >= 2 .* --placement fused puts the actor on every"),
-    (["fuse=true", "fuse_migrate=true", "rollout_tp=1"], r"fuse_migrate moves decoding rows between actor ranks"),
-    (["fuse_train=true"], r"fuse_train fuses the actor's and the critic's pipeline-parallel training; give a --plan"),
-    (["n_slots=3"], r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3; use a multiple of 3"),
-    (["--placement", "split", "n_slots=6"],
-     r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3"),
-    (["model.num_heads=3"], r"ModelConfig.hidden_size \(64\) must be divisible by num_heads \(3\)"),
-    (["model.path=/no/such/model"], r"model.path: model folder /no/such/model does not exist"),
-    (["--plan", "/no/such/plan.json"], r"plan file /no/such/plan.json does not exist"),
-    (["--metrics-file", "/no/such/dir/m.jsonl"], r"the directory /no/such/dir does not exist"),
-    (["--resume", "/no/such/ckpt"], r"resume=/no/such/ckpt is not a checkpoint directory"),
-    (["log_level=loud"], r"log_level must be debug, info, warning or error"),
-    (["model=5"], r"model is a group of settings, not one"),
-    (["model.hidden_size=-4"], r"ModelConfig.hidden_size must be a positive integer, got -4"),
-    (["model.hidden_size=12"], r"head size hidden_size / num_heads = 12 / 4 = 3 must be even"),
-    (["call_timeout_s=0"], r"call_timeout_s must be > 0 seconds"),
-    (["actor_lr=nan"], r"actor_lr=nan is not a finite number; give one in \(0, inf\)$"),
-    (["actor_lr=-1"], r"actor_lr=-1.0 is outside \(0, inf\); give a number in \(0, inf\)$"),
-    (["critic_lr=0"], r"critic_lr=0.0 is outside \(0, inf\)"),
-    (["cost_threshold=nan"], r"cost_threshold=nan is not a finite number; give one$"),
-    (["cost_threshold=inf"], r"cost_threshold=inf is not a finite number"),
-    (["cost_threshold=-inf"], r"cost_threshold=-inf is not a finite number"),
-    (["lambda_lr=inf"], r"lambda_lr=inf is not a finite number; give one in \[0, inf\)$"),
-    (["gamma=1.5"], r"gamma=1.5 is outside \[0, 1\]"),
-    (["temperature=0"], r"temperature=0.0 is outside \(0, inf\)"),
-    (["dual_clip=1"], r"dual_clip=1.0 is outside \(1, inf\)"),
-    (["kl_coef=-0.1"], r"kl_coef=-0.1 is outside \[0, inf\)"),
-    (["recovery_wait_s=nan"], r"recovery_wait_s=nan is not a finite number"),
-    (["slurm.startup_timeout_s=-5"], r"slurm.startup_timeout_s=-5.0 is outside \(0, inf\)"),
-    (["rollout_engine=sglang"], r"rollout_engine must be hf or vllm"),
-    (["max_turns=2"], r"max_turns=2 applies to multi-turn tasks .*; task 'digit_sum' samples one response"),
-    (["tool_workers=0"], r"tool_workers >= 1 and tool_timeout_s > 0; got 0, 0, 0, 5.0$"),
-    *([(["rollout_engine=vllm"], r"rollout_engine: vLLM's CPU attention needs head_dim >= 32, the model has 16 "
-                                 r".*or rollout_engine='hf' \(the tiny default with model.hidden_size=128 "
-                                 r"model.intermediate_size=256\)$")] if not torch.cuda.is_available() else []),
-    *([(["rollout_engine=vllm", "model.hidden_size=128", "model.intermediate_size=256"],
-        r"rollout_engine: rollout_engine='vllm' needs vllm, which is not installed here: .*scripts/vllm_cpu_check.sh")]
-      if importlib.util.find_spec("vllm") is None else []),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["dashboard=localhost"], r"dashboard=localhost is not an address HOST:PORT \(or :PORT\); none turns"),
+        (["prompt_per_step=8"], r"unknown setting 'prompt_per_step'; did you mean prompts_per_step\?"),
+        (["model.hidden_sise=8"], r"did you mean model.hidden_size\?"),
+        (["steps=ten"], r"bad value for steps: invalid literal for int\(\) with base 10: 'ten'"),
+        (["fuse=maybe"], r"bad value for fuse: expected a boolean, got 'maybe'"),
+        (["fuse_migrate=true"], r"fuse_migrate moves the long tail of a fused rollout; set fuse=true with it"),
+        (["fuse=true", "fuse_migrate_below=1.5"], r"fuse_migrate_below is a fraction .* must be in \(0, 1\), got 1.5"),
+        (["--placement", "fused", "n_slots=1"], r"placement=fused needs n_slots >= 2"),
+        (
+            ["--placement", "fused", "fuse=true", "fuse_migrate=true", "fuse_migrate_to=2"],
+            r"placement=fused keeps the scorers off the first fuse_migrate_to=2 slots, so it needs n_slots > 2",
+        ),
+        (["fuse=true", "fuse_migrate=true", "fuse_migrate_to=0"], r"fuse_migrate_to is how many actor ranks"),
+        (
+            ["--placement", "split", "fuse=true", "fuse_migrate=true"],
+            r"fuse_migrate: long-tail migration .* needs an actor of dp >= 2 .* --placement fused puts the actor on every",
+        ),
+        (["fuse=true", "fuse_migrate=true", "rollout_tp=1"], r"fuse_migrate moves decoding rows between actor ranks"),
+        (
+            ["fuse_train=true"],
+            r"fuse_train fuses the actor's and the critic's pipeline-parallel training; give a --plan",
+        ),
+        (["n_slots=3"], r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3; use a multiple of 3"),
+        (
+            ["--placement", "split", "n_slots=6"],
+            r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3",
+        ),
+        (["model.num_heads=3"], r"ModelConfig.hidden_size \(64\) must be divisible by num_heads \(3\)"),
+        (["model.path=/no/such/model"], r"model.path: model folder /no/such/model does not exist"),
+        (["--plan", "/no/such/plan.json"], r"plan file /no/such/plan.json does not exist"),
+        (["--metrics-file", "/no/such/dir/m.jsonl"], r"the directory /no/such/dir does not exist"),
+        (["--resume", "/no/such/ckpt"], r"resume=/no/such/ckpt is not a checkpoint directory"),
+        (["log_level=loud"], r"log_level must be debug, info, warning or error"),
+        (["model=5"], r"model is a group of settings, not one"),
+        (["model.hidden_size=-4"], r"ModelConfig.hidden_size must be a positive integer, got -4"),
+        (["model.hidden_size=12"], r"head size hidden_size / num_heads = 12 / 4 = 3 must be even"),
+        (["call_timeout_s=0"], r"call_timeout_s must be > 0 seconds"),
+        (["actor_lr=nan"], r"actor_lr=nan is not a finite number; give one in \(0, inf\)$"),
+        (["actor_lr=-1"], r"actor_lr=-1.0 is outside \(0, inf\); give a number in \(0, inf\)$"),
+        (["critic_lr=0"], r"critic_lr=0.0 is outside \(0, inf\)"),
+        (["cost_threshold=nan"], r"cost_threshold=nan is not a finite number; give one$"),
+        (["cost_threshold=inf"], r"cost_threshold=inf is not a finite number"),
+        (["cost_threshold=-inf"], r"cost_threshold=-inf is not a finite number"),
+        (["lambda_lr=inf"], r"lambda_lr=inf is not a finite number; give one in \[0, inf\)$"),
+        (["gamma=1.5"], r"gamma=1.5 is outside \[0, 1\]"),
+        (["temperature=0"], r"temperature=0.0 is outside \(0, inf\)"),
+        (["dual_clip=1"], r"dual_clip=1.0 is outside \(1, inf\)"),
+        (["kl_coef=-0.1"], r"kl_coef=-0.1 is outside \[0, inf\)"),
+        (["recovery_wait_s=nan"], r"recovery_wait_s=nan is not a finite number"),
+        (["slurm.startup_timeout_s=-5"], r"slurm.startup_timeout_s=-5.0 is outside \(0, inf\)"),
+        (["rollout_engine=sglang"], r"rollout_engine must be hf or vllm"),
+        (["model.engine=jax"], r"model.engine=jax: unknown training engine .jax.; known: \[.*megatron.*torch"),
+        (["max_turns=2"], r"max_turns=2 applies to multi-turn tasks .*; task 'digit_sum' samples one response"),
+        (["tool_workers=0"], r"tool_workers >= 1 and tool_timeout_s > 0; got 0, 0, 0, 5.0$"),
+        *(
+            [
+                (
+                    ["rollout_engine=vllm"],
+                    r"rollout_engine: vLLM's CPU attention needs head_dim >= 32, the model has 16 "
+                    r".*or rollout_engine='hf' \(the tiny default with model.hidden_size=128 "
+                    r"model.intermediate_size=256\)$",
+                )
+            ]
+            if not torch.cuda.is_available()
+            else []
+        ),
+        *(
+            [
+                (
+                    ["rollout_engine=vllm", "model.hidden_size=128", "model.intermediate_size=256"],
+                    r"rollout_engine: rollout_engine='vllm' needs vllm, which is not installed here: .*scripts/vllm_cpu_check.sh",
+                )
+            ]
+            if importlib.util.find_spec("vllm") is None
+            else []
+        ),
+    ],
+)
 def test_a_user_error_is_one_line_and_status_2_before_the_cluster_starts(capsys, no_cluster, argv, message):
     import re
 
@@ -140,13 +198,20 @@ def test_migration_on_a_plan_with_a_tensor_parallel_actor_fails_before_any_worke
     assert "fuse_migrate: long-tail migration" in line and "tp = pp = 1" in line
 
 
-@pytest.mark.parametrize("actor_train, message", [
-    ([2, 1, 1], r"same train sizes and p >= 2; the plan has actor \(2, 1, 1\) in actor\+ref\+critic\+reward, critic "
-                r"\(1, 1, 2\)"),
-    ([1, 1, 2], r"same train sizes and p >= 2; the plan has actor \(1, 1, 2\)"),
-])
-def test_fused_training_on_a_plan_that_cannot_fuse_fails_before_any_worker(capsys, no_cluster, tmp_path,
-                                                                            actor_train, message):
+@pytest.mark.parametrize(
+    "actor_train, message",
+    [
+        (
+            [2, 1, 1],
+            r"same train sizes and p >= 2; the plan has actor \(2, 1, 1\) in actor\+ref\+critic\+reward, critic "
+            r"\(1, 1, 2\)",
+        ),
+        ([1, 1, 2], r"same train sizes and p >= 2; the plan has actor \(1, 1, 2\)"),
+    ],
+)
+def test_fused_training_on_a_plan_that_cannot_fuse_fails_before_any_worker(
+    capsys, no_cluster, tmp_path, actor_train, message
+):
     import re
 
     line = _error(capsys, ["--plan", _plan(tmp_path, actor_train), "model.engine=megatron", "fuse_train=true"])
@@ -154,7 +219,7 @@ def test_fused_training_on_a_plan_that_cannot_fuse_fails_before_any_worker(capsy
 
 
 def test_reverse_stages_puts_stage_0_on_the_last_stage_s_slots():
-    from algorithms.run_plan import reverse_stages
+    from algorithms.run.plan import reverse_stages
 
     slots = [f"w{i}" for i in range(8)]  # (pp, dp, tp) = (2, 2, 2): group rank (p·2 + d)·2 + t
     assert reverse_stages(slots, Layout(pp=2, dp=2, tp=2)) == ["w4", "w5", "w6", "w7", "w0", "w1", "w2", "w3"]
@@ -191,8 +256,10 @@ def _listener(accept: bool) -> tuple[socket.socket, str]:
     return sock, f"tcp://127.0.0.1:{port}"
 
 
-@pytest.mark.parametrize("accept, message", [(False, "Connection refused"),
-                                             (True, "accepts connections but did not answer as a Dask scheduler")])
+@pytest.mark.parametrize(
+    "accept, message",
+    [(False, "Connection refused"), (True, "accepts connections but did not answer as a Dask scheduler")],
+)
 def test_a_dead_address_fails_within_5_s_saying_why(capsys, accept, message):
     sock, address = _listener(accept)
     try:
@@ -206,8 +273,13 @@ def test_a_dead_address_fails_within_5_s_saying_why(capsys, accept, message):
 
 
 def test_the_program_itself_exits_2_without_a_traceback():
-    proc = subprocess.run([sys.executable, "algorithms/safe_rlhf.py", "prompt_per_step=8"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "algorithms/safe_rlhf.py", "prompt_per_step=8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("safe_rlhf: error: unknown setting 'prompt_per_step'")
@@ -226,10 +298,26 @@ def test_ctrl_c_and_sigterm_end_with_one_line_saying_what_was_saved(tmp_path, si
     from flowactors.checkpoint import CheckpointStore
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    proc = subprocess.Popen([sys.executable, "algorithms/safe_rlhf.py", "--steps", "400", "dashboard=none",
-                             "sft_steps=2", "--checkpoint-dir", str(ckpt), "save_every=2", "--metrics-file",
-                             str(metrics)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "algorithms/safe_rlhf.py",
+            "--steps",
+            "400",
+            "dashboard=none",
+            "sft_steps=2",
+            "--checkpoint-dir",
+            str(ckpt),
+            "save_every=2",
+            "--metrics-file",
+            str(metrics),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -242,15 +330,16 @@ def test_ctrl_c_and_sigterm_end_with_one_line_saying_what_was_saved(tmp_path, si
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + getattr(signal, sig)
-    lines = [x for x in err.replace("\r", "\n").splitlines() if x.strip() and "%|" not in x
-             and "roles (" not in x]
+    lines = [x for x in err.replace("\r", "\n").splitlines() if x.strip() and "%|" not in x and "roles (" not in x]
     assert lines and "Traceback" not in err and len(lines) == 1, err[-3000:]
     steps = len(metrics.read_text().splitlines())
     saved = CheckpointStore(ckpt).steps()
     how = "Ctrl-C" if sig == "SIGINT" else "SIGTERM"
-    assert lines[0] == (f"safe_rlhf: interrupted ({how}) after {steps} of 400 steps; the checkpoint of step "
-                        f"{saved[-1]} is in {ckpt} (--resume auto --checkpoint-dir {ckpt} continues from it); "
-                        f"metrics of {steps} steps in {metrics}")
+    assert lines[0] == (
+        f"safe_rlhf: interrupted ({how}) after {steps} of 400 steps; the checkpoint of step "
+        f"{saved[-1]} is in {ckpt} (--resume auto --checkpoint-dir {ckpt} continues from it); "
+        f"metrics of {steps} steps in {metrics}"
+    )
     assert saved[-1] in (steps, steps - 1)
     CheckpointStore(ckpt).acquire()  # the run's lock was released
     _, alive = psutil.wait_procs(children, timeout=15)  # a worker may take a moment to end on a loaded machine
@@ -262,8 +351,10 @@ def test_dapo_refuses_what_dynamic_sampling_cannot_do(capsys, no_cluster):
 
     with pytest.raises(SystemExit):
         dapo(["samples_per_prompt=1", "mini_batch_samples=8"])
-    assert "dynamic_sampling keeps the groups whose rewards vary, which needs samples_per_prompt >= 2" in \
-        capsys.readouterr().err
+    assert (
+        "dynamic_sampling keeps the groups whose rewards vary, which needs samples_per_prompt >= 2"
+        in capsys.readouterr().err
+    )
     with pytest.raises(SystemExit):
         dapo(["overlong_buffer=8"])
     assert "overlong_buffer=8 needs max_new_tokens > it" in capsys.readouterr().err
@@ -277,26 +368,35 @@ def test_dapo_that_cannot_fill_its_batch_stops_with_the_reason(capsys):
         dapo(["--steps", "2", "dashboard=none", "sft_steps=0", "temperature=1e-6", "max_gen_rounds=2"])
     assert exit_.value.code == 2
     lines = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
-    assert lines == ["dapo: error: dynamic sampling kept 0 of the 8 groups a step needs after 2 generation rounds "
-                     "at step 0 (the others' rewards were all equal); raise max_gen_rounds or samples_per_prompt, "
-                     "or dynamic_sampling=false"]
+    assert lines == [
+        "dapo: error: dynamic sampling kept 0 of the 8 groups a step needs after 2 generation rounds "
+        "at step 0 (the others' rewards were all equal); raise max_gen_rounds or samples_per_prompt, "
+        "or dynamic_sampling=false"
+    ]
 
 
 def test_a_worker_process_that_dies_while_the_cluster_starts_is_one_line(tmp_path):
     """Every spawned worker process exits at once (a sitecustomize on its path, as a broken environment would):
     the run ends with one line naming what failed, not Dask's "Nanny failed to start" traceback."""
-    (tmp_path / "sitecustomize.py").write_text("import os, sys\nif '--multiprocessing-fork' in sys.argv:\n"
-                                               "    os._exit(3)\n")
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\nif '--multiprocessing-fork' in sys.argv:\n    os._exit(3)\n"
+    )
     import os
 
-    proc = subprocess.run([sys.executable, "algorithms/safe_rlhf.py", "--steps", "2", "dashboard=none"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    proc = subprocess.run(
+        [sys.executable, "algorithms/safe_rlhf.py", "--steps", "2", "dashboard=none"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith(
         "safe_rlhf: error: the embedded cluster of 2 worker process(es) did not start: a worker process ended or "
-        "failed while starting (RuntimeError: Nanny failed to start"), proc.stderr
+        "failed while starting (RuntimeError: Nanny failed to start"
+    ), proc.stderr
 
 
 def test_safe_rlhf_summary_shows_the_threshold_and_whether_the_constraint_holds(capsys):
@@ -325,12 +425,30 @@ def test_metrics_file_keeps_earlier_steps_and_replaces_redone_ones(tmp_path):
 
 def test_the_demo_prints_no_warnings_and_no_per_model_loading_bars(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.run([sys.executable, "algorithms/safe_rlhf.py", "--steps", "2", "sft_steps=2",
-                           "prompts_per_step=8", "mini_batch_samples=8", "dashboard=none", "--metrics-file",
-                           str(metrics)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "algorithms/safe_rlhf.py",
+            "--steps",
+            "2",
+            "sft_steps=2",
+            "prompts_per_step=8",
+            "mini_batch_samples=8",
+            "dashboard=none",
+            "--metrics-file",
+            str(metrics),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
-    noise = [x for x in proc.stderr.splitlines()
-             if "Warning" in x or "Loading weights" in x or "Writing model shards" in x or "still alive" in x]
+    noise = [
+        x
+        for x in proc.stderr.splitlines()
+        if "Warning" in x or "Loading weights" in x or "Writing model shards" in x or "still alive" in x
+    ]
     assert noise == []
     assert "roles (actor, ref, reward, critic, cost_critic, cost) ready" in proc.stderr
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [0, 1]
@@ -357,15 +475,27 @@ def test_resume_from_a_path_saves_on_into_its_directory():
 
 
 def test_fusion_is_a_section_of_every_rl_program_with_its_short_forms(capsys):
-    short = apply_overrides(GRPOConfig(), ["fuse=true", "fuse_chunk_samples=4", "fuse_migrate=true",
-                                           "fuse_migrate_below=0.5", "fuse_migrate_to=1"])
-    dotted = apply_overrides(GRPOConfig(), ["fusion.enabled=true", "fusion.chunk_samples=4", "fusion.migrate=true",
-                                            "fusion.migrate_below=0.5", "fusion.migrate_to=1"])
+    short = apply_overrides(
+        GRPOConfig(),
+        ["fuse=true", "fuse_chunk_samples=4", "fuse_migrate=true", "fuse_migrate_below=0.5", "fuse_migrate_to=1"],
+    )
+    dotted = apply_overrides(
+        GRPOConfig(),
+        [
+            "fusion.enabled=true",
+            "fusion.chunk_samples=4",
+            "fusion.migrate=true",
+            "fusion.migrate_below=0.5",
+            "fusion.migrate_to=1",
+        ],
+    )
     assert short.fusion == dotted.fusion and (short.fusion.enabled, short.fusion.chunk_samples) == (True, 4)
     assert GRPOConfig().fusion.enabled is False  # the preset untouched
     for cls in (GRPOConfig, ReMaxConfig):  # no critic to fuse with: refused with the reason
-        with pytest.raises(ConfigError, match=f"fuse_train fuses the actor's and the critic's training; "
-                                              f"{cls.__name__} trains no critic"):
+        with pytest.raises(
+            ConfigError,
+            match=f"fuse_train fuses the actor's and the critic's training; {cls.__name__} trains no critic",
+        ):
             apply_overrides(cls(), ["fuse_train=true"])
     with pytest.raises(SystemExit):
         safe_rlhf(["--help"])

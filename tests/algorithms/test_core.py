@@ -5,9 +5,24 @@ import math
 import pytest
 import torch
 
-from algorithms.core import (AdaptiveKL, LagrangeMultiplier, PolicyLoss, ValueLoss, gae, grpo_advantages,
-                             kl_penalty, masked_mean, masked_whiten, policy_loss, reinforce_pp_advantages,
-                             remax_advantages, rloo_advantages, sequence_ratio, token_rewards, value_loss)
+from algorithms.objectives.losses import (
+    AdaptiveKL,
+    LagrangeMultiplier,
+    PolicyLoss,
+    ValueLoss,
+    gae,
+    grpo_advantages,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+    reinforce_pp_advantages,
+    remax_advantages,
+    rloo_advantages,
+    sequence_ratio,
+    token_rewards,
+    value_loss,
+)
 from flowactors import Batch
 
 
@@ -88,9 +103,16 @@ def test_grpo_and_remax_advantages():
 
 
 def test_loss_objects_read_batch_fields():
-    mb = Batch({"response_mask": torch.tensor([[1, 1], [1, 0]]), "old_log_probs": torch.zeros(2, 2),
-                "advantages": torch.ones(2, 2), "ref_log_probs": torch.zeros(2, 2), "values": torch.zeros(2, 2),
-                "returns": torch.ones(2, 2)})
+    mb = Batch(
+        {
+            "response_mask": torch.tensor([[1, 1], [1, 0]]),
+            "old_log_probs": torch.zeros(2, 2),
+            "advantages": torch.ones(2, 2),
+            "ref_log_probs": torch.zeros(2, 2),
+            "values": torch.zeros(2, 2),
+            "returns": torch.ones(2, 2),
+        }
+    )
     out = {"log_probs": torch.zeros(2, 2), "entropy": torch.full((2, 2), 2.0)}
     loss, w, metrics = PolicyLoss(entropy_coef=0.1, kl_coef=0.5)(out, mb)
     assert loss.flatten().tolist() == pytest.approx([-1.2] * 4)  # -A·1 - 0.1·2 + 0.5·0
@@ -124,21 +146,32 @@ def _scored_batch(reward_scale: float, cost_scale: float) -> Batch:
     b, r = 6, 4
     mask = torch.ones(b, r)
     mask[0, 3:] = 0
-    return Batch({"response_mask": mask, "old_log_probs": -torch.rand(b, r, generator=g),
-                  "ref_log_probs": -torch.rand(b, r, generator=g), "values": torch.randn(b, r, generator=g),
-                  "cost_values": torch.randn(b, r, generator=g),
-                  "rewards": reward_scale * torch.randn(b, generator=g),
-                  "costs": cost_scale * torch.randn(b, generator=g)})
+    return Batch(
+        {
+            "response_mask": mask,
+            "old_log_probs": -torch.rand(b, r, generator=g),
+            "ref_log_probs": -torch.rand(b, r, generator=g),
+            "values": torch.randn(b, r, generator=g),
+            "cost_values": torch.randn(b, r, generator=g),
+            "rewards": reward_scale * torch.randn(b, generator=g),
+            "costs": cost_scale * torch.randn(b, generator=g),
+        }
+    )
 
 
 def test_whiten_rewards_divides_the_scores_by_their_batch_std_without_shifting():
-    from algorithms.advantages import ppo_advantages, safe_rlhf_advantages
+    from algorithms.objectives.advantages import ppo_advantages, safe_rlhf_advantages
 
     kw = dict(gamma=1.0, lam=0.95, kl_coef=0.1, kl_estimator="k1")
     small = _scored_batch(0.05, 0.02)
     # the reference: the same call on scores divided by hand (unbiased std over the batch's samples)
-    by_hand = Batch({**small.tensors, "rewards": small["rewards"] / small["rewards"].std(),
-                     "costs": small["costs"] / small["costs"].std()})
+    by_hand = Batch(
+        {
+            **small.tensors,
+            "rewards": small["rewards"] / small["rewards"].std(),
+            "costs": small["costs"] / small["costs"].std(),
+        }
+    )
     for fn, extra in ((ppo_advantages, {"whiten": True}), (safe_rlhf_advantages, {"lagrange_lambda": 0.7})):
         out = fn(small, whiten_rewards=True, **kw, **extra)
         ref = fn(by_hand, **kw, **extra)
@@ -154,15 +187,16 @@ def test_whiten_rewards_divides_the_scores_by_their_batch_std_without_shifting()
 def test_off_policy_corrections_of_the_policy_loss():
     """Stale samples (asynchronous RL): `tis` weights each token's surrogate, clipped against the proximal
     log-probs, by min(pi_prox / pi_behaviour, cap); `behaviour_old` clips against the behaviour log-probs."""
-    from algorithms.metrics import staleness_metrics
-    from algorithms.core import policy_loss, truncated_importance_weight
+    from algorithms.objectives.losses import policy_loss, truncated_importance_weight
+    from algorithms.run.metrics import staleness_metrics
 
     new = torch.tensor([[-1.0, -0.5, -2.0]], requires_grad=True)
     prox = torch.tensor([[-1.1, -0.7, -2.0]])
     behaviour = torch.tensor([[-1.0, -2.0, -1.0]])  # token 1: ratio e^1.3 > 2 is truncated; token 2: e^-1
     adv = torch.tensor([[1.0, -1.0, 0.5]])
-    mb = Batch({"response_mask": torch.ones(1, 3), "old_log_probs": prox, "rollout_log_probs": behaviour,
-                "advantages": adv})
+    mb = Batch(
+        {"response_mask": torch.ones(1, 3), "old_log_probs": prox, "rollout_log_probs": behaviour, "advantages": adv}
+    )
     weight, truncated = truncated_importance_weight(prox, behaviour, 2.0)
     assert weight.tolist()[0] == pytest.approx([math.exp(-0.1), 2.0, math.exp(-1.0)])
     assert truncated.tolist() == [[0.0, 1.0, 0.0]]
@@ -205,8 +239,10 @@ def test_reinforce_pp_returns_to_go_with_token_kl_whitened_over_the_batch():
     kl = torch.tensor([[0.5, 0.0, 1.0], [2.0, 1.0, 9.0]])
     beta = 0.1
     # per token: -beta * kl, plus the score at the last response token; then the sum from each token on
-    raw = [[1 - beta * (0.5 + 0.0 + 1.0), 1 - beta * (0.0 + 1.0), 1 - beta * 1.0],
-           [-1 - beta * (2.0 + 1.0), -1 - beta * 1.0]]
+    raw = [
+        [1 - beta * (0.5 + 0.0 + 1.0), 1 - beta * (0.0 + 1.0), 1 - beta * 1.0],
+        [-1 - beta * (2.0 + 1.0), -1 - beta * 1.0],
+    ]
     flat = torch.tensor([v for row in raw for v in row])
     whitened = (flat - flat.mean()) / flat.std(unbiased=True)
     adv = reinforce_pp_advantages(scores, mask, kl, beta)
@@ -243,12 +279,18 @@ def test_clip_higher_and_sequence_level_clipping():
 
 
 def test_dapo_keeps_the_groups_whose_rewards_vary_and_shapes_overlong_responses():
-    from algorithms.advantages import fill_groups, varied_groups
+    from algorithms.objectives.advantages import fill_groups, varied_groups
 
     lengths = [10, 6, 8, 10, 3, 3]
     mask = torch.tensor([[1] * n + [0] * (10 - n) for n in lengths])
-    batch = Batch({"group": torch.tensor([0, 0, 1, 1, 2, 2]), "rewards": torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]),
-                   "response_mask": mask, "x": torch.arange(6)})
+    batch = Batch(
+        {
+            "group": torch.tensor([0, 0, 1, 1, 2, 2]),
+            "rewards": torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]),
+            "response_mask": mask,
+            "x": torch.arange(6),
+        }
+    )
     kept = varied_groups(batch, offset=5)
     assert kept["x"].tolist() == [2, 3] and kept["group"].tolist() == [5, 5]
     assert len(varied_groups(batch, offset=0, keep_all=True)) == 6

@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from algorithms.config import ConfigError
-from algorithms.datasets import load_examples
+from algorithms.data.datasets import load_examples
+from algorithms.run.config import ConfigError
 from engines import ModelConfig, build_model, save_pretrained
 from engines.models.tokenizer import CHARS, SPECIALS, char_tokenizer
 
-TEMPLATE = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
-            "{% if add_generation_prompt %}<a>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<a>{% endif %}"
+)
 
 
 def _jsonl(path: Path, rows: list[dict]) -> str:
@@ -27,8 +29,9 @@ def _jsonl(path: Path, rows: list[dict]) -> str:
 
 
 def _digit_rows(n: int, start: int = 0) -> list[dict]:
-    return [{"prompt": f"sum {10 + (i % 14)}:", "response": "55", "target": 10 + (i % 14)} for i in range(start,
-                                                                                                   start + n)]
+    return [
+        {"prompt": f"sum {10 + (i % 14)}:", "response": "55", "target": 10 + (i % 14)} for i in range(start, start + n)
+    ]
 
 
 def _score_model(path: Path, seed: int, tokenizer=None) -> str:
@@ -47,8 +50,14 @@ def _permuted_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
 
 
 def _hf_scores(model_dir: str, texts_or_ids, tokenizer=None) -> torch.Tensor:
@@ -68,6 +77,7 @@ def _hf_scores(model_dir: str, texts_or_ids, tokenizer=None) -> torch.Tensor:
 
 # -- datasets -------------------------------------------------------------------------------------------------------
 
+
 def test_jsonl_and_parquet_rows_become_prompts_demonstrations_and_row_values(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -76,20 +86,34 @@ def test_jsonl_and_parquet_rows_become_prompts_demonstrations_and_row_values(tmp
     tok.chat_template = TEMPLATE
     plain = _jsonl(tmp_path / "a.jsonl", [{"prompt": "sum 12:", "response": "39", "target": 12, "tags": ["x"]}])
     chat = tmp_path / "b.parquet"
-    pq.write_table(pa.Table.from_pylist([
-        {"messages": [{"role": "user", "content": "rev ab:"}, {"role": "assistant", "content": "ba"}],
-         "target": "ba"}]), chat)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "messages": [{"role": "user", "content": "rev ab:"}, {"role": "assistant", "content": "ba"}],
+                    "target": "ba",
+                }
+            ]
+        ),
+        chat,
+    )
     examples = load_examples([plain, str(chat)], tok)
     # lists are not row values (a rule reward reads scalars); the chat's last assistant turn is its demonstration
     assert examples == [("sum 12:", "39", {"target": 12}), ("<u>rev ab:<a>", "ba", {"target": "ba"})]
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([], r"train_files=.* holds no rows"),
-    ([{"text": "sum 3:"}], r"row 0 of .* has neither a `prompt` .* nor a `messages` column; its columns: \['text'\]"),
-    ([{"messages": [{"role": "user", "content": "hi"}]}], r"the policy's tokenizer has no chat template"),
-    ([{"prompt": "  "}], r"row 0 of .* has an empty prompt"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([], r"train_files=.* holds no rows"),
+        (
+            [{"text": "sum 3:"}],
+            r"row 0 of .* has neither a `prompt` .* nor a `messages` column; its columns: \['text'\]",
+        ),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], r"the policy's tokenizer has no chat template"),
+        ([{"prompt": "  "}], r"row 0 of .* has an empty prompt"),
+    ],
+)
 def test_bad_dataset_rows_are_named(tmp_path, rows, message):
     with pytest.raises(ConfigError, match=message):
         load_examples([_jsonl(tmp_path / "d.jsonl", rows)], char_tokenizer())
@@ -132,8 +156,8 @@ def test_bad_data_and_model_settings_fail_before_any_worker(capsys, no_cluster, 
 
 
 def test_critics_get_critic_trainable_layers():
-    from algorithms.config import PPOConfig, SafeRLHFConfig
-    from algorithms.build import critic_optim
+    from algorithms.run.build import critic_optim
+    from algorithms.run.config import PPOConfig, SafeRLHFConfig
 
     assert critic_optim(PPOConfig()).trainable_layers == 0
     optim = critic_optim(SafeRLHFConfig(critic_trainable_layers=2, critic_lr=3e-4, zero_stage=1))
@@ -141,6 +165,7 @@ def test_critics_get_critic_trainable_layers():
 
 
 # -- learned reward models ------------------------------------------------------------------------------------------
+
 
 def test_reward_model_of_another_vocabulary_scores_the_decoded_text(controller4, tmp_path):
     """Token ids are never scored across vocabularies: the worker decodes with the policy's tokenizer and
@@ -156,13 +181,21 @@ def test_reward_model_of_another_vocabulary_scores_the_decoded_text(controller4,
     responses = tok(["39", "7", "ba", "992"], padding=True, return_tensors="pt", add_special_tokens=False)
     ids = torch.cat([prompts.input_ids, responses.input_ids], 1)
     mask = torch.cat([prompts.attention_mask, responses.attention_mask], 1)
-    batch = Batch({"prompts": prompts.input_ids, "responses": responses.input_ids, "input_ids": ids,
-                   "attention_mask": mask})
+    batch = Batch(
+        {"prompts": prompts.input_ids, "responses": responses.input_ids, "input_ids": ids, "attention_mask": mask}
+    )
     texts = ["sum 12:39", "sum 7:7", "rev ab:ba", "sum 20:992"]
-    for name, folder, reference in (("rm_same", same_dir, _hf_scores(same_dir, (ids, mask))),
-                                    ("rm_other", other_dir, _hf_scores(other_dir, texts, other))):
-        group = fa.ActorGroup(controller4, RewardModelWorker, name=name, slots=controller4.slots[:2],
-                              args=(ModelConfig(path=folder), ModelConfig()))
+    for name, folder, reference in (
+        ("rm_same", same_dir, _hf_scores(same_dir, (ids, mask))),
+        ("rm_other", other_dir, _hf_scores(other_dir, texts, other)),
+    ):
+        group = fa.ActorGroup(
+            controller4,
+            RewardModelWorker,
+            name=name,
+            slots=controller4.slots[:2],
+            args=(ModelConfig(path=folder), ModelConfig()),
+        )
         try:
             scores = group.compute_reward(batch).result()["rewards"]
         finally:
@@ -176,18 +209,29 @@ def test_ppo_on_files_with_a_learned_reward_model_and_held_out_evaluation(tmp_pa
     """A run whose prompts come from a JSONL file, scored by a reward-model folder, evaluated every step on other
     prompts: the step's rewards are the model's scores of its samples, and the last evaluation's greedy reward is
     what the final actor's greedy responses score."""
-    from algorithms.config import PPOConfig, apply_overrides
-    from algorithms.loop import Runner
-    from algorithms.ppo import PPO
-    from engines import GenerationSpec
     import flowactors as fa
+    from algorithms.ppo import PPO
+    from algorithms.run.config import PPOConfig, apply_overrides
+    from algorithms.run.loop import Runner
+    from engines import GenerationSpec
 
     rm = _score_model(tmp_path / "rm", 11)
     train = _jsonl(tmp_path / "train.jsonl", _digit_rows(32))
     held_out = _jsonl(tmp_path / "eval.jsonl", _digit_rows(6, start=100))
-    cfg = apply_overrides(PPOConfig(), ["steps=2", "sft_steps=2", "prompts_per_step=8", "mini_batch_samples=8",
-                                        "dashboard=none", f"train_files={train}", f"eval_files={held_out}",
-                                        "eval_every=1", f"reward_model={rm}"])
+    cfg = apply_overrides(
+        PPOConfig(),
+        [
+            "steps=2",
+            "sft_steps=2",
+            "prompts_per_step=8",
+            "mini_batch_samples=8",
+            "dashboard=none",
+            f"train_files={train}",
+            f"eval_files={held_out}",
+            "eval_every=1",
+            f"reward_model={rm}",
+        ],
+    )
     with fa.Controller.local(2, dashboard=None) as ctl:
         run = Runner(PPO(cfg), ctl, tmp_path)
         history = run.run()
@@ -196,8 +240,9 @@ def test_ppo_on_files_with_a_learned_reward_model_and_held_out_evaluation(tmp_pa
         greedy = run.roles.actor.generate_sequences(prompts, GenerationSpec(greedy=True))
         greedy_rewards = run.roles.reward.compute_reward(greedy).result()["rewards"]
     assert len(run.data.examples) == 32 and run.data.row_keys == ["target"]
-    torch.testing.assert_close(batch["rewards"], _hf_scores(rm, (batch["input_ids"], batch["attention_mask"])),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        batch["rewards"], _hf_scores(rm, (batch["input_ids"], batch["attention_mask"])), atol=1e-5, rtol=1e-5
+    )
     assert history[-1]["reward_mean"] == pytest.approx(float(batch["rewards"].mean()), abs=1e-6)
     assert [("eval/reward_greedy" in r, "eval/reward_sampled" in r) for r in history] == [(True, True)] * 2
     assert history[-1]["eval/reward_greedy"] == pytest.approx(float(greedy_rewards.mean()), abs=1e-6)

@@ -23,17 +23,37 @@ def test_safe_rlhf_cost_ends_below_threshold_while_reward_rises(tmp_path):
     from algorithms.safe_rlhf import main
 
     h = run(main, tmp_path)
-    for key in ("reward_mean", "cost_mean", "lagrange_lambda", "kl", "entropy", "response_length_mean",
-                "tokens_per_s", "generate_s", "score_s", "update_s"):
+    for key in (
+        "reward_mean",
+        "cost_mean",
+        "lagrange_lambda",
+        "kl",
+        "entropy",
+        "response_length_mean",
+        "tokens_per_s",
+        "generate_s",
+        "score_s",
+        "update_s",
+    ):
         assert key in h[0], key
-    assert window(h, "cost_mean", 0, 10) > 0.3                 # the warm start violates the constraint
-    assert window(h, "cost_mean", -20, None) < 0.3             # ... and the policy ends below the threshold
+    assert window(h, "cost_mean", 0, 10) > 0.3  # the warm start violates the constraint
+    assert window(h, "cost_mean", -20, None) < 0.3  # ... and the policy ends below the threshold
     assert window(h, "reward_mean", -20, None) > window(h, "reward_mean", 0, 20) + 0.05
     assert max(r["lagrange_lambda"] for r in h[:40]) > h[0]["lagrange_lambda"]  # λ rose while violated
 
 
-@pytest.mark.parametrize("algo, margin", [("ppo", 0.05), ("grpo", 0.05), ("remax", 0.05), ("rloo", 0.05),
-                                          ("reinforce_pp", 0.05), ("gspo", 0.05), ("dapo", 0.05)])
+@pytest.mark.parametrize(
+    "algo, margin",
+    [
+        ("ppo", 0.05),
+        ("grpo", 0.05),
+        ("remax", 0.05),
+        ("rloo", 0.05),
+        ("reinforce_pp", 0.05),
+        ("gspo", 0.05),
+        ("dapo", 0.05),
+    ],
+)
 @pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_algorithm_learns_its_task(tmp_path, algo, margin):
     import importlib
@@ -79,8 +99,15 @@ def test_packed_ppo_run_matches_the_padded_run(tmp_path):
     packed = run(main, tmp_path / "b", "pack_sequences=true", *common)
     for a, b in zip(padded, packed):
         assert a["response_length_mean"] == b["response_length_mean"], a["step"]
-        for key in ("reward_mean", "kl", "entropy", "actor/pg_loss", "actor/grad_norm", "critic/vf_loss",
-                    "critic/grad_norm"):
+        for key in (
+            "reward_mean",
+            "kl",
+            "entropy",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "critic/vf_loss",
+            "critic/grad_norm",
+        ):
             assert a[key] == pytest.approx(b[key], abs=2e-3), (a["step"], key)
 
 
@@ -93,12 +120,14 @@ def test_grpo_on_policy_steps_skip_the_old_log_prob_pass_and_update_alike(tmp_pa
 
     calls = []
     issue = fa.ActorGroup._call
-    monkeypatch.setattr(fa.ActorGroup, "_call", lambda self, method, *a: calls.append(method) or issue(self, method, *a))
+    monkeypatch.setattr(
+        fa.ActorGroup, "_call", lambda self, method, *a: calls.append(method) or issue(self, method, *a)
+    )
     common = ["--steps", "3", "sft_steps=10"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     skipped = run(grpo.main, tmp_path / "a", *common)
-    rl = calls[calls.index("generate_sequences"):]  # after the warm start
+    rl = calls[calls.index("generate_sequences") :]  # after the warm start
     assert "compute_log_prob" not in calls and rl.count("update_actor") == rl.count("generate_sequences") == 3
     calls.clear()
     monkeypatch.setattr(grpo.GRPO, "on_policy", property(lambda self: False))
@@ -119,15 +148,34 @@ def test_plan_with_tensor_parallel_actor_matches_data_parallel(tmp_path):
     from placement import ModelPlan, Plan
 
     runs = []
-    for name, actor_train, generate in (("hybrid", (1, 2, 1), (1, 1)), ("tp", (1, 2, 1), None),
-                                        ("dp", (1, 1, 2), None)):
-        plan = Plan(placement=[["actor", "ref", "critic", "reward"]],
-                    models=[ModelPlan("actor", 2, actor_train, generate), ModelPlan("ref", 2, (1, 1, 2)),
-                            ModelPlan("critic", 2, (1, 2, 1)), ModelPlan("reward", 2, (1, 1, 2))])
+    for name, actor_train, generate in (
+        ("hybrid", (1, 2, 1), (1, 1)),
+        ("tp", (1, 2, 1), None),
+        ("dp", (1, 1, 2), None),
+    ):
+        plan = Plan(
+            placement=[["actor", "ref", "critic", "reward"]],
+            models=[
+                ModelPlan("actor", 2, actor_train, generate),
+                ModelPlan("ref", 2, (1, 1, 2)),
+                ModelPlan("critic", 2, (1, 2, 1)),
+                ModelPlan("reward", 2, (1, 1, 2)),
+            ],
+        )
         (tmp_path / name).mkdir()
         plan.save(tmp_path / name / "plan.json")
-        runs.append(run(main, tmp_path / name, "--plan", str(tmp_path / name / "plan.json"), "--steps", "3",
-                        "sft_steps=10", "model.pad_vocab_to=2"))  # the hybrid actor's vocab splits over tp=2
+        runs.append(
+            run(
+                main,
+                tmp_path / name,
+                "--plan",
+                str(tmp_path / name / "plan.json"),
+                "--steps",
+                "3",
+                "sft_steps=10",
+                "model.pad_vocab_to=2",
+            )
+        )  # the hybrid actor's vocab splits over tp=2
     for a, b, c in zip(*runs):
         for key in ("reward_mean", "kl", "entropy", "response_length_mean"):
             assert a[key] == pytest.approx(c[key], abs=2e-3), (a["step"], key)

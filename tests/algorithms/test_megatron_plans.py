@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]' pulls it)")
 
-from placement import ModelPlan, Plan  # noqa: E402
-from tests.engines.megatron_probes import MEGATRON_CPU  # noqa: E402
+from placement import ModelPlan, Plan
+from tests.engines.megatron_probes import MEGATRON_CPU
 
 EXACT = ("reward_mean", "cost_mean", "response_length_mean")
 CLOSE = ("kl", "entropy", "lagrange_lambda")
@@ -26,22 +26,40 @@ def _run(main, workdir, plan: Plan, *overrides: str) -> list[dict]:
     workdir.mkdir()
     plan.save(workdir / "plan.json")
     metrics = workdir / "m.jsonl"
-    main(["dashboard=none", "--plan", str(workdir / "plan.json"), "--metrics-file", str(metrics), "--steps", "2",
-          "sft_steps=10", *overrides])
+    main(
+        [
+            "dashboard=none",
+            "--plan",
+            str(workdir / "plan.json"),
+            "--metrics-file",
+            str(metrics),
+            "--steps",
+            "2",
+            "sft_steps=10",
+            *overrides,
+        ]
+    )
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def _plans(placement: list[list[str]], staged: tuple[str, ...], per_pool: int,
-           generate: tuple[int, int] | None = None) -> tuple[Plan, Plan]:
+def _plans(
+    placement: list[list[str]], staged: tuple[str, ...], per_pool: int, generate: tuple[int, int] | None = None
+) -> tuple[Plan, Plan]:
     """The plan with `staged` models on (p, t, d) = (2, 1, 1) and the same plan with (1, 1, 2) instead; the actor
     generates with `generate` (p_g, t_g) where given, as automap's plans say (the p = 1 plan with p_g = 1)."""
     roles = [r for pool in placement for r in pool]
     out = []
     for train in ((2, 1, 1), (1, 1, 2)):
         gen = generate if generate is None or train[0] >= generate[0] else (1, generate[1])
-        out.append(Plan(placement=placement, models=[
-            ModelPlan(r, per_pool, train if r in staged else (1, 1, per_pool), gen if r == "actor" else None)
-            for r in roles]))
+        out.append(
+            Plan(
+                placement=placement,
+                models=[
+                    ModelPlan(r, per_pool, train if r in staged else (1, 1, per_pool), gen if r == "actor" else None)
+                    for r in roles
+                ],
+            )
+        )
     return out[0], out[1]
 
 
@@ -94,12 +112,29 @@ def test_ppo_on_a_colocated_plan_with_pipeline_stages(tmp_path, p_g):
 def _resume_args(workdir) -> list[str]:
     plan, _ = _plans([["actor", "ref", "critic", "reward"]], ("actor", "ref", "critic"), 2)
     plan.save(workdir / "plan.json")
-    return ["dashboard=none", "--plan", str(workdir / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
-            "sft_steps=10", "dataset_prompts=64", "prompts_per_step=32", "mini_batch_samples=16"]
+    return [
+        "dashboard=none",
+        "--plan",
+        str(workdir / "plan.json"),
+        "n_slots=2",
+        f"model.engine={MEGATRON_CPU}",
+        "sft_steps=10",
+        "dataset_prompts=64",
+        "prompts_per_step=32",
+        "mini_batch_samples=16",
+    ]
 
 
-RESUME_KEYS = ("reward_mean", "kl", "entropy", "response_length_mean", "actor/pg_loss", "critic/vf_loss",
-               "actor/grad_norm", "critic/grad_norm")
+RESUME_KEYS = (
+    "reward_mean",
+    "kl",
+    "entropy",
+    "response_length_mean",
+    "actor/pg_loss",
+    "critic/vf_loss",
+    "actor/grad_norm",
+    "critic/grad_norm",
+)
 
 
 @pytest.mark.e2e  # whole program runs: CI's second tier (.ci/run)
@@ -126,12 +161,30 @@ def test_safe_rlhf_with_fused_actor_critic_training_gives_the_unfused_run(tmp_pa
 
     plan, _ = _plans([["actor", "ref", "critic", "cost_critic", "reward", "cost"]], staged, 2)
     plan.save(tmp_path / "plan.json")
-    common = ["dashboard=none", "--plan", str(tmp_path / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
-              "sft_steps=10", "--steps", "2"]
+    common = [
+        "dashboard=none",
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "n_slots=2",
+        f"model.engine={MEGATRON_CPU}",
+        "sft_steps=10",
+        "--steps",
+        "2",
+    ]
     plain, fused = main(common), main([*common, "fuse_train=true"])
     for x, y in zip(plain, fused, strict=True):
-        for k in ("reward_mean", "cost_mean", "kl", "lagrange_lambda", "actor/pg_loss", "actor/grad_norm",
-                  "critic/vf_loss", "critic/grad_norm", "cost_critic/vf_loss", "cost_critic/grad_norm"):
+        for k in (
+            "reward_mean",
+            "cost_mean",
+            "kl",
+            "lagrange_lambda",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "critic/vf_loss",
+            "critic/grad_norm",
+            "cost_critic/vf_loss",
+            "cost_critic/grad_norm",
+        ):
             assert x[k] == y[k], (x["step"], k, x[k], y[k])
 
 
@@ -140,12 +193,14 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
     """With fuse_train the critic's group runs its stages down the slots; the scorers the plan leaves out take the
     critic's pool the usual way round (they are not fused), the actor's side is untouched."""
     import flowactors as fa
-    from algorithms.config import FusionConfig, PPOConfig
-    from algorithms.run_plan import place
+    from algorithms.run.config import FusionConfig, PPOConfig
+    from algorithms.run.plan import place
     from engines import ModelConfig
 
-    plan = Plan(placement=[["actor", "ref", "critic"]], models=[
-        ModelPlan("actor", 2, (2, 1, 1)), ModelPlan("ref", 2, (2, 1, 1)), ModelPlan("critic", 2, (2, 1, 1))])
+    plan = Plan(
+        placement=[["actor", "ref", "critic"]],
+        models=[ModelPlan("actor", 2, (2, 1, 1)), ModelPlan("ref", 2, (2, 1, 1)), ModelPlan("critic", 2, (2, 1, 1))],
+    )
     plan.save(tmp_path / "plan.json")
     ctl = fa.Controller.local(2, dashboard=None)
     try:
@@ -161,13 +216,15 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
 
 
 def test_fused_critics_are_those_with_the_actor_s_pool_and_sizes(tmp_path):
-    from algorithms.config import FusionConfig, PPOConfig, SafeRLHFConfig
-    from algorithms.run_plan import resolve
+    from algorithms.run.config import FusionConfig, PPOConfig, SafeRLHFConfig
+    from algorithms.run.plan import resolve
     from engines import ModelConfig
 
     roles = [["actor", "ref", "critic", "cost_critic", "reward", "cost"]]
-    for staged, want in ((("actor", "critic"), ("critic",)), (("actor", "critic", "cost_critic"),
-                                                              ("critic", "cost_critic"))):
+    for staged, want in (
+        (("actor", "critic"), ("critic",)),
+        (("actor", "critic", "cost_critic"), ("critic", "cost_critic")),
+    ):
         plan, _ = _plans(roles, staged, 2)
         path = tmp_path / f"plan{len(want)}.json"
         plan.save(path)
@@ -225,8 +282,20 @@ def test_ppo_on_megatron_recovers_from_a_killed_worker(tmp_path, uninterrupted, 
 
     common, ck = _resume_args(tmp_path), tmp_path / "ck"
     with worker_killed_when(lambda: (ck / "step_000002").exists()) as (address, victim, killed):
-        history = main(["--steps", "4", *[a for a in common if a != "n_slots=2"], "--address", address,
-                        "--checkpoint-dir", str(ck), "--save-every", "2", "recovery_wait_s=60"])
+        history = main(
+            [
+                "--steps",
+                "4",
+                *[a for a in common if a != "n_slots=2"],
+                "--address",
+                address,
+                "--checkpoint-dir",
+                str(ck),
+                "--save-every",
+                "2",
+                "recovery_wait_s=60",
+            ]
+        )
     err = capsys.readouterr().err
     assert killed.is_set() and f"worker {victim} died" in err, err[-3000:]
     for x, y in zip(uninterrupted, history):
@@ -244,8 +313,19 @@ def test_ppo_learns_on_megatron_with_pipeline_stages(tmp_path):
     plan, _ = _plans([["actor", "ref", "critic", "reward"]], ("actor", "ref", "critic"), 2, generate=(1, 1))
     plan.save(tmp_path / "plan.json")
     metrics = tmp_path / "m.jsonl"
-    main(["dashboard=none", "--plan", str(tmp_path / "plan.json"), "n_slots=2", f"model.engine={MEGATRON_CPU}",
-          "--steps", "40", "--metrics-file", str(metrics)])
+    main(
+        [
+            "dashboard=none",
+            "--plan",
+            str(tmp_path / "plan.json"),
+            "n_slots=2",
+            f"model.engine={MEGATRON_CPU}",
+            "--steps",
+            "40",
+            "--metrics-file",
+            str(metrics),
+        ]
+    )
     h = [json.loads(line) for line in metrics.read_text().splitlines()]
     first, last = (sum(r["reward_mean"] for r in rows) / len(rows) for rows in (h[:10], h[-10:]))
     assert last > first + 0.05, (first, last)

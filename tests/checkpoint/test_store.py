@@ -32,8 +32,14 @@ def _controller_state() -> dict:
         "data": {"epoch": 2, "index_in_epoch": 37, "shuffle_seed": 1234},
         "rng": {"controller": capture_rng(), "actor": [capture_rng(), capture_rng()]},
         "algorithm": {"kl_coef": 0.0375, "lagrange_multiplier": 1.25, "global_step": 12, "updates": 48},
-        "config": {"model": {"hidden": 64, "layers": 2}, "lr": 1e-5, "roles": ["actor", "critic"], "seed": None,
-                   "nan_ok": float("nan"), "flags": (True, False)},
+        "config": {
+            "model": {"hidden": 64, "layers": 2},
+            "lr": 1e-5,
+            "roles": ["actor", "critic"],
+            "seed": None,
+            "nan_ok": float("nan"),
+            "flags": (True, False),
+        },
         "tensor_state": {"running_mean": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)},
         "array": np.arange(10, dtype=np.int64).reshape(2, 5),
         "blob": b"\x00\x01binary",
@@ -80,8 +86,11 @@ def test_round_trip_of_every_piece_of_state(store: CheckpointStore) -> None:
         loaded.role_dir("reward")
 
     manifest = json.loads((committed.path / "MANIFEST.json").read_text())
-    on_disk = {p.relative_to(committed.path).as_posix(): p.stat().st_size
-               for p in committed.path.rglob("*") if p.is_file() and p.name != "MANIFEST.json"}
+    on_disk = {
+        p.relative_to(committed.path).as_posix(): p.stat().st_size
+        for p in committed.path.rglob("*")
+        if p.is_file() and p.name != "MANIFEST.json"
+    }
     assert {rel: entry["size"] for rel, entry in manifest["files"].items()} == on_disk
     assert "controller/state.json" in on_disk and "controller/tensors.pt" in on_disk
     assert manifest["step"] == 12 and manifest["roles"] == ["actor", "critic"]
@@ -133,8 +142,10 @@ def _flip_one_byte(path: Path, offset: int) -> None:
 @pytest.mark.parametrize(
     ("damage", "problem"),
     [
-        (lambda p: _flip_one_byte(p / "actor" / "rank1.bin", 1500),
-         r"corrupt: actor/rank1.bin bytes 0\.\.\d+ have CRC-32"),
+        (
+            lambda p: _flip_one_byte(p / "actor" / "rank1.bin", 1500),
+            r"corrupt: actor/rank1.bin bytes 0\.\.\d+ have CRC-32",
+        ),
         (lambda p: _flip_one_byte(p / "controller" / "state.json", 3), r"corrupt: controller/state.json"),
         (lambda p: (p / "critic" / "sub" / "weights.pt").unlink(), r"partial: critic/sub/weights.pt is listed"),
         (lambda p: os.truncate(p / "actor" / "rank0.bin", 10), r"actor/rank0.bin is 10 bytes, MANIFEST.json says 1006"),
@@ -142,8 +153,15 @@ def _flip_one_byte(path: Path, offset: int) -> None:
         (lambda p: _flip_one_byte(p / "MANIFEST.json", 40), r"MANIFEST.json does not parse or fails its own checksum"),
         (lambda p: os.truncate(p / "MANIFEST.json", 50), r"MANIFEST.json does not parse"),
     ],
-    ids=["flipped-byte", "flipped-controller-byte", "missing-file", "truncated-file", "no-manifest",
-         "flipped-manifest-byte", "truncated-manifest"],
+    ids=[
+        "flipped-byte",
+        "flipped-controller-byte",
+        "missing-file",
+        "truncated-file",
+        "no-manifest",
+        "flipped-manifest-byte",
+        "truncated-manifest",
+    ],
 )
 def test_damage_is_detected_and_the_previous_checkpoint_used(store: CheckpointStore, damage, problem) -> None:
     save_step(store, 1)
@@ -185,10 +203,13 @@ def test_all_damaged_means_no_checkpoint_and_resume_auto_refuses_to_start_over(s
     with capture_logs():
         assert store.latest_complete() is None
         # starting from step 0 would silently discard the run: the error lists what was found and why it failed
-        with pytest.raises(CheckpointError, match=r"(?s)resume=auto found 2 checkpoint directories under .* and none "
-                                                  r"verifies:\n  - step_000002: .*partial: it has no MANIFEST.json.*"
-                                                  r"\n  - step_000001: .*corrupt: actor/rank0.bin.*"
-                                                  r"resume=never starts over"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"(?s)resume=auto found 2 checkpoint directories under .* and none "
+            r"verifies:\n  - step_000002: .*partial: it has no MANIFEST.json.*"
+            r"\n  - step_000001: .*corrupt: actor/rank0.bin.*"
+            r"resume=never starts over",
+        ):
             store.resolve("auto")
     assert store.resolve("never") is None
 
@@ -215,16 +236,27 @@ def test_one_run_at_a_time_holds_a_checkpoint_directory(store: CheckpointStore, 
 
     store.acquire()
     other = CheckpointStore(store.root)
-    with pytest.raises(CheckpointError, match=rf"checkpoint directory {store.root} is in use by another run "
-                                              rf"\(pid {os.getpid()} on .* since .*\); give this run another"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint directory {store.root} is in use by another run "
+        rf"\(pid {os.getpid()} on .* since .*\); give this run another",
+    ):
         other.acquire()
     store.release()
     other.acquire()  # free once released
     other.release()
     # a process that dies holding the lock (SIGKILL: no cleanup) leaves it free: the kernel drops flocks
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from flowactors.checkpoint import "
-                               f"CheckpointStore; s = CheckpointStore({str(store.root)!r}); s.acquire(); print('held', "
-                               "flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from flowactors.checkpoint import "
+            f"CheckpointStore; s = CheckpointStore({str(store.root)!r}); s.acquire(); print('held', "
+            "flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(CheckpointError, match=rf"in use by another run \(pid {holder.pid} "):
@@ -257,7 +289,12 @@ def test_retention_keeps_last_k_and_every_nth(tmp_path: Path) -> None:
     store.close()
     assert store.steps() == [4, 8, 9, 10]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "latest", "step_000004", "step_000008", "step_000009", "step_000010"]
+        "latest",
+        "step_000004",
+        "step_000008",
+        "step_000009",
+        "step_000010",
+    ]
 
 
 def test_retention_keeps_only_the_newest_with_keep_last_1(tmp_path: Path) -> None:
@@ -413,8 +450,11 @@ def test_rank_checksums_are_merged_and_not_read_back(store: CheckpointStore, mon
 
     read_back: list[str] = []
     real = checkpoint._block_crcs
-    monkeypatch.setattr(checkpoint, "_block_crcs",
-                        lambda directory, sizes, **kw: read_back.extend(sizes) or real(directory, sizes, **kw))
+    monkeypatch.setattr(
+        checkpoint,
+        "_block_crcs",
+        lambda directory, sizes, **kw: read_back.extend(sizes) or real(directory, sizes, **kw),
+    )
     done = store.commit(pending, {"x": 1})
     assert sorted(read_back) == ["controller/state.json"]  # the rank's files were taken from its sidecar
     assert not list(done.path.rglob(".flowactors-crc32-*"))
@@ -457,6 +497,6 @@ def test_streamed_block_checksums_equal_read_back_ones(tmp_path: Path, monkeypat
     (tmp_path / "f").write_bytes(data)
     streamed = integrity._BlockCrc()
     for start in range(0, size, 333):  # writes that straddle block boundaries
-        streamed.update(data[start:start + 333])
+        streamed.update(data[start : start + 333])
     read_back = integrity._block_crcs(tmp_path, {"f": size}, threads=2, fsync=False)
     assert streamed.result() == {"size": size, "crc32": read_back["f"]}

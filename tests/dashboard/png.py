@@ -21,8 +21,8 @@ def read_png(data: bytes) -> np.ndarray:
         raise ValueError("not a PNG file")
     pos, idat, header = 8, [], None
     while pos < len(data):
-        (n,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
-        body = data[pos + 8:pos + 8 + n]
+        (n,), kind = struct.unpack(">I", data[pos : pos + 4]), data[pos + 4 : pos + 8]
+        body = data[pos + 8 : pos + 8 + n]
         pos += 12 + n
         if kind == b"IHDR":
             header = struct.unpack(">IIBBBBB", body)

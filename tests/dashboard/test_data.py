@@ -6,9 +6,22 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowactors.dashboard import (_PALETTE, DEFAULT_METRIC_LIMIT, FlowactorsDashboard, Interval, TaskRecord,
-                                  aggregate_graph, install_dashboard, metric_series, node_of, role_color, role_of,
-                                  slot_usage, snapshot, stage_idle)
+from flowactors.dashboard import (
+    _PALETTE,
+    DEFAULT_METRIC_LIMIT,
+    FlowactorsDashboard,
+    Interval,
+    TaskRecord,
+    aggregate_graph,
+    install_dashboard,
+    metric_series,
+    node_of,
+    role_color,
+    role_of,
+    slot_usage,
+    snapshot,
+    stage_idle,
+)
 from flowactors.dashboard.aggregate import is_slow
 
 H = "0123456789abcdef"
@@ -68,12 +81,21 @@ def ppo_like_step() -> list[TaskRecord]:
 def test_graph_aggregates_tasks_into_calls_with_data_and_order_edges():
     g = aggregate_graph(ppo_like_step(), {"actor.generate_sequences": 1.25})
     nodes = {n["id"]: n for n in g["nodes"]}
-    assert list(nodes) == ["actor.generate_sequences", "ref.compute_ref_log_prob", "reward.compute_reward", "join",
-                           "actor.update_actor"]
+    assert list(nodes) == [
+        "actor.generate_sequences",
+        "ref.compute_ref_log_prob",
+        "reward.compute_reward",
+        "join",
+        "actor.update_actor",
+    ]
     # (layer, row): the scorers share a column because only data edges decide columns
     assert {n: (v["layer"], v["row"]) for n, v in nodes.items()} == {
-        "actor.generate_sequences": (0, 0), "ref.compute_ref_log_prob": (1, 0), "reward.compute_reward": (1, 1),
-        "join": (2, 0), "actor.update_actor": (3, 0)}
+        "actor.generate_sequences": (0, 0),
+        "ref.compute_ref_log_prob": (1, 0),
+        "reward.compute_reward": (1, 1),
+        "join": (2, 0),
+        "actor.update_actor": (3, 0),
+    }
     assert (g["layers"], g["rows"]) == (4, 2)
     gen, rew, upd = nodes["actor.generate_sequences"], nodes["reward.compute_reward"], nodes["actor.update_actor"]
     assert gen["counts"] == {"memory": 1, "released": 2} and (gen["n"], gen["done"]) == (3, 3)
@@ -118,23 +140,25 @@ def test_graph_layout_does_not_depend_on_the_order_tasks_were_reported():
 
 def test_slot_usage_busy_idle_and_segments():
     ivs = [
-        Interval("A", "actor.generate_sequences", 9.0, 11.0),   # clipped to [10, 11]
+        Interval("A", "actor.generate_sequences", 9.0, 11.0),  # clipped to [10, 11]
         Interval("A", "actor.generate_sequences", 12.0, 14.0),
         Interval("A", "ref.compute_ref_log_prob", 13.5, 15.0),  # overlaps the previous one: union, not sum
         Interval("A", "join", 16.0, 16.5),
-        Interval("A", "join", 16.504, 17.0),                   # 4 ms after the previous join: one segment
-        Interval("B", "critic.update_critic", 19.0, 25.0),     # clipped to [19, 20]
+        Interval("A", "join", 16.504, 17.0),  # 4 ms after the previous join: one segment
+        Interval("B", "critic.update_critic", 19.0, 25.0),  # clipped to [19, 20]
         Interval("Z", "actor.generate_sequences", 10.0, 20.0),  # not a slot: ignored
-        Interval("C", "actor.generate_sequences", 1.0, 2.0),   # before the window
+        Interval("C", "actor.generate_sequences", 1.0, 2.0),  # before the window
     ]
     a, b, c = slot_usage(ivs, ["A", "B", "C"], 10.0, 20.0)
     # busy: 1 + [12, 15] + 0.5 + 0.496 (the 4 ms gap is idle, even though the timeline merges it)
     assert (a["worker"], a["busy_s"], a["idle_s"], a["busy_frac"]) == ("A", 4.996, 5.004, 0.4996)
     assert a["by_role"] == {"actor": 3.0, "ref": 1.5, "task": 0.996}
-    assert a["segments"] == [[0.0, 1.0, "actor", "actor.generate_sequences"],
-                             [2.0, 4.0, "actor", "actor.generate_sequences"],
-                             [3.5, 5.0, "ref", "ref.compute_ref_log_prob"],
-                             [6.0, 7.0, "task", "join"]]
+    assert a["segments"] == [
+        [0.0, 1.0, "actor", "actor.generate_sequences"],
+        [2.0, 4.0, "actor", "actor.generate_sequences"],
+        [3.5, 5.0, "ref", "ref.compute_ref_log_prob"],
+        [6.0, 7.0, "task", "join"],
+    ]
     assert (b["busy_s"], b["idle_s"], b["segments"]) == (1.0, 9.0, [[9.0, 10.0, "critic", "critic.update_critic"]])
     assert (c["busy_s"], c["idle_s"], c["segments"], c["by_role"]) == (0.0, 10.0, [], {})
     many = [Interval("A", f"r.m{i % 2}", 10 + i * 0.01, 10 + i * 0.01 + 0.001) for i in range(50)]
@@ -149,8 +173,11 @@ def test_stage_idle_per_step_against_hand_computed_numbers():
         Interval("A", "actor.generate_sequences", 6.0, 7.0, step=1),
     ]
     got = {(s["stage"], s["step"]): s for s in stage_idle(ivs, ["A", "B"], 0.0, 10.0)}
-    gen0, ref0, gen1 = (got[("actor.generate_sequences", 0)], got[("ref.compute_ref_log_prob", 0)],
-                        got[("actor.generate_sequences", 1)])
+    gen0, ref0, gen1 = (
+        got[("actor.generate_sequences", 0)],
+        got[("ref.compute_ref_log_prob", 0)],
+        got[("actor.generate_sequences", 1)],
+    )
     # generate, step 0: span [0, 4]; A busy 4, B busy [0,2]+[3,4] = 3 -> 1 idle slot-second of 8
     assert (gen0["span_s"], gen0["busy_s"], gen0["idle_s"], gen0["idle_frac"]) == (4.0, 6.0, 1.0, 0.125)
     # ref, step 0: span [3, 5]; A busy [3, 4] -> idle 1; B busy all along -> idle 0
@@ -159,16 +186,22 @@ def test_stage_idle_per_step_against_hand_computed_numbers():
     assert (gen1["span_s"], gen1["busy_s"], gen1["idle_s"], gen1["idle_frac"]) == (1.0, 1.0, 1.0, 0.5)
     assert [s["start"] for s in stage_idle(ivs, ["A", "B"], 0.0, 10.0)] == [0.0, 3.0, 6.0]
     assert [(s["stage"], s["step"]) for s in stage_idle(ivs, ["A", "B"], 0.0, 10.0, max_stages=2)] == [
-        ("ref.compute_ref_log_prob", 0), ("actor.generate_sequences", 1)]
+        ("ref.compute_ref_log_prob", 0),
+        ("actor.generate_sequences", 1),
+    ]
     # clipped to the window: generate step 0 seen over [2, 10] only
     late = {(s["stage"], s["step"]): s for s in stage_idle(ivs, ["A", "B"], 2.0, 10.0)}
     assert late[("actor.generate_sequences", 0)]["span_s"] == 2.0
 
 
 def test_metric_series_keeps_present_keys_and_latest_value_per_step():
-    events = [(0.0, {"step": 0, "reward_mean": 0.1, "kl": 0.0}), (1.0, "not a dict"),
-              (2.0, {"step": 1, "reward_mean": 0.2, "kl": math.nan, "cost_mean": True}),
-              (3.0, {"step": 1, "reward_mean": 0.25}), (4.0, {"reward_mean": 9.0})]
+    events = [
+        (0.0, {"step": 0, "reward_mean": 0.1, "kl": 0.0}),
+        (1.0, "not a dict"),
+        (2.0, {"step": 1, "reward_mean": 0.2, "kl": math.nan, "cost_mean": True}),
+        (3.0, {"step": 1, "reward_mean": 0.25}),
+        (4.0, {"reward_mean": 9.0}),
+    ]
     # no keys named: every numeric metric (not bools, NaNs, strings or the step itself), in order of appearance
     assert metric_series(events) == {"reward_mean": [[0, 0.1], [1, 0.25]], "kl": [[0, 0.0]]}
     # named keys: those present, in the caller's order
@@ -182,20 +215,38 @@ def test_metric_series_keeps_present_keys_and_latest_value_per_step():
 
 
 def test_snapshot_composes_graph_slots_stages_and_metrics():
-    ivs = [Interval("A", "rt.all_reduce", 1.0, 2.0, step=3), Interval("B", "rt.all_reduce", 1.0, 1.5, step=3),
-           Interval("A", "rt.all_reduce", 0.0, 0.5, step=2)]
-    d = snapshot(now=5.0, step=3, tasks=[TaskRecord(k("rt.all_reduce", 0), "memory", done=True)], intervals=ivs,
-                 slots=["A", "B"], slot_names={"A": "0"}, window_start=1.0,
-                 events=[(0.0, {"step": 2, "reward_mean": 1.0, "note": "x"})])
+    ivs = [
+        Interval("A", "rt.all_reduce", 1.0, 2.0, step=3),
+        Interval("B", "rt.all_reduce", 1.0, 1.5, step=3),
+        Interval("A", "rt.all_reduce", 0.0, 0.5, step=2),
+    ]
+    d = snapshot(
+        now=5.0,
+        step=3,
+        tasks=[TaskRecord(k("rt.all_reduce", 0), "memory", done=True)],
+        intervals=ivs,
+        slots=["A", "B"],
+        slot_names={"A": "0"},
+        window_start=1.0,
+        events=[(0.0, {"step": 2, "reward_mean": 1.0, "note": "x"})],
+    )
     assert d["step"] == 3 and d["window"] == {"start": 1.0, "stop": 5.0, "seconds": 4.0}
     assert d["graph"]["nodes"][0]["seconds"] == 1.5  # this step's compute only
     assert [(s["name"], s["busy_s"]) for s in d["slots"]] == [("0", 1.0), ("1", 0.5)]
     assert d["roles"] == {"rt": role_color("rt")} and d["metrics"] == {"reward_mean": [[2, 1.0]]}
     assert d["last_metrics"] == {"step": 2, "reward_mean": 1.0}
     assert [(s["stage"], s["step"], s["idle_s"]) for s in d["stages"]] == [("rt.all_reduce", 3, 0.5)]
-    mine = snapshot(now=5.0, step=3, tasks=[TaskRecord(k("rt.all_reduce", 0), "memory", done=True)], intervals=ivs,
-                    slots=["A", "B"], window_start=1.0, events=[(0.0, {"step": 2, "reward_mean": 1.0, "kl": 0.5})],
-                    metric_keys=("kl",), role_colors={"rt": "#010203"})
+    mine = snapshot(
+        now=5.0,
+        step=3,
+        tasks=[TaskRecord(k("rt.all_reduce", 0), "memory", done=True)],
+        intervals=ivs,
+        slots=["A", "B"],
+        window_start=1.0,
+        events=[(0.0, {"step": 2, "reward_mean": 1.0, "kl": 0.5})],
+        metric_keys=("kl",),
+        role_colors={"rt": "#010203"},
+    )
     assert mine["roles"] == {"rt": "#010203"} and mine["graph"]["nodes"][0]["color"] == "#010203"
     assert mine["metrics"] == {"kl": [[2, 0.5]]}
 
@@ -206,8 +257,10 @@ def _fake_scheduler(tasks: dict) -> SimpleNamespace:
 
 def _ts(state: str, deps=(), after=None, data=()) -> SimpleNamespace:
     """A scheduler task state: `after` the keys of its `_after` argument, `data` those of its positional input."""
-    spec = SimpleNamespace(args=(SimpleNamespace(dependencies=frozenset(data)),),
-                           kwargs={"_after": SimpleNamespace(dependencies=frozenset(after or ()))})
+    spec = SimpleNamespace(
+        args=(SimpleNamespace(dependencies=frozenset(data)),),
+        kwargs={"_after": SimpleNamespace(dependencies=frozenset(after or ()))},
+    )
     return SimpleNamespace(state=state, dependencies=[SimpleNamespace(key=d) for d in deps], run_spec=spec)
 
 
@@ -215,16 +268,29 @@ def test_plugin_tags_tasks_with_the_step_and_forgets_old_steps():
     p = FlowactorsDashboard(keep_steps=2)
     a, b = k("rt.x", 0), k("rt.y", 0)
     c = k("rt.z", 0)
-    sched = _fake_scheduler({a: _ts("waiting"), b: _ts("waiting", deps=(a,), after=(a,)),
-                             c: _ts("waiting", deps=(b,), after=(b,), data=(b,))})
+    sched = _fake_scheduler(
+        {
+            a: _ts("waiting"),
+            b: _ts("waiting", deps=(a,), after=(a,)),
+            c: _ts("waiting", deps=(b,), after=(b,), data=(b,)),
+        }
+    )
     p.update_graph(sched, tasks=[a, b, c])
     assert p._steps[0][b].order_deps == (a,) and p._steps[0][b].deps == (a,)
     # rank r's part of the previous call on its own process: a data edge, though it is the `_after` key too
     assert p._steps[0][c].order_deps == () and p._steps[0][c].deps == (b,)
     p.transition(a, "waiting", "processing", stimulus_id="s")
-    p.transition(a, "processing", "memory", stimulus_id="s", worker="W",
-                 startstops=[{"action": "transfer", "start": 0.0, "stop": 0.5},
-                             {"action": "compute", "start": 1.0, "stop": 2.0}])
+    p.transition(
+        a,
+        "processing",
+        "memory",
+        stimulus_id="s",
+        worker="W",
+        startstops=[
+            {"action": "transfer", "start": 0.0, "stop": 0.5},
+            {"action": "compute", "start": 1.0, "stop": 2.0},
+        ],
+    )
     p.transition(a, "memory", "forgotten", stimulus_id="s")
     assert (p._steps[0][a].state, p._steps[0][a].done) == ("released", True)
     assert list(p._intervals) == [Interval("W", "rt.x", 1.0, 2.0, 0)]
@@ -250,8 +316,14 @@ def test_plugin_gives_roles_the_free_palette_colours_in_the_order_they_appear():
     sched = _fake_scheduler({key: _ts("waiting") for key in keys})
     p.update_graph(sched, tasks=keys)
     # the caller's and the runtime's colours stay; c then a take the first palette colours the caller left free
-    assert p._colors == {"task": "#8c8c8c", "world": "#5f6b73", "b": _PALETTE[0], "x": "#010203",
-                         "c": _PALETTE[1], "a": _PALETTE[2]}
+    assert p._colors == {
+        "task": "#8c8c8c",
+        "world": "#5f6b73",
+        "b": _PALETTE[0],
+        "x": "#010203",
+        "c": _PALETTE[1],
+        "a": _PALETTE[2],
+    }
     clone = pickle.loads(pickle.dumps(p))  # the settings travel; the colours handed out restart with the plugin
     assert (clone.metrics, clone.role_colors) == (("kl",), {"b": _PALETTE[0], "x": "#010203"})
     assert clone._colors == {"task": "#8c8c8c", "world": "#5f6b73", "b": _PALETTE[0], "x": "#010203"}
@@ -290,8 +362,9 @@ def test_busy_seconds_between_any_bounds_match_a_direct_sum():
 
     rng = random.Random(0)
     for _ in range(200):
-        spans = _union([(a, a + rng.uniform(0, 2)) for a in (rng.uniform(0, 20) for _ in range(rng.randrange(8)))],
-                       0.0, 30.0)
+        spans = _union(
+            [(a, a + rng.uniform(0, 2)) for a in (rng.uniform(0, 20) for _ in range(rng.randrange(8)))], 0.0, 30.0
+        )
         lo = rng.uniform(-1, 25)
         hi = lo + rng.uniform(0, 10)
         assert _Busy(spans).between(lo, hi) == pytest.approx(_length(_union(spans, lo, hi)), abs=1e-9)
@@ -303,27 +376,57 @@ def test_direct_calls_are_waiting_when_issued_processing_when_started_and_done_w
     p = FlowactorsDashboard()
     p.scheduler = _fake_scheduler({})
     a0, a1, b0 = k("actor.gen", 0), k("actor.gen", 1), k("critic.values", 0)
-    p.log_event("flowactors.issued", {"calls": [
-        {"key": a0, "worker": "W0", "deps": [], "step": 3, "order": None},
-        {"key": a1, "worker": "W1", "deps": [], "step": 3, "order": None},
-        {"key": b0, "worker": "W0", "deps": [a0, a1], "step": 3, "order": a0}]})
+    p.log_event(
+        "flowactors.issued",
+        {
+            "calls": [
+                {"key": a0, "worker": "W0", "deps": [], "step": 3, "order": None},
+                {"key": a1, "worker": "W1", "deps": [], "step": 3, "order": None},
+                {"key": b0, "worker": "W0", "deps": [a0, a1], "step": 3, "order": a0},
+            ]
+        },
+    )
     recs = p._steps[3]
     assert [recs[x].state for x in (a0, a1, b0)] == ["waiting"] * 3 and not any(r.late for r in recs.values())
     assert recs[b0].deps == (a0, a1) and recs[b0].order_deps == ()  # a0 is data too: no separate order edge
-    p.log_event("flowactors.calls", {"worker": "W0", "calls": [
-        {"key": a0, "deps": [], "order": None, "state": "waiting", "step": 3},
-        {"key": a0, "state": "processing", "start": 10.0, "step": 3}]})
+    p.log_event(
+        "flowactors.calls",
+        {
+            "worker": "W0",
+            "calls": [
+                {"key": a0, "deps": [], "order": None, "state": "waiting", "step": 3},
+                {"key": a0, "state": "processing", "start": 10.0, "step": 3},
+            ],
+        },
+    )
     assert (recs[a0].state, recs[a0].started, recs[a0].worker) == ("processing", 10.0, "W0")
-    p.log_event("flowactors.calls", {"worker": "W0", "calls": [
-        {"key": a0, "deps": [], "order": None, "start": 10.0, "stop": 12.0, "ok": True, "step": 3}]})
-    p.log_event("flowactors.calls", {"worker": "W0", "calls": [  # a late copy of an earlier report
-        {"key": a0, "state": "processing", "start": 10.0, "step": 3}]})
+    p.log_event(
+        "flowactors.calls",
+        {
+            "worker": "W0",
+            "calls": [{"key": a0, "deps": [], "order": None, "start": 10.0, "stop": 12.0, "ok": True, "step": 3}],
+        },
+    )
+    p.log_event(
+        "flowactors.calls",
+        {
+            "worker": "W0",
+            "calls": [  # a late copy of an earlier report
+                {"key": a0, "state": "processing", "start": 10.0, "step": 3}
+            ],
+        },
+    )
     assert (recs[a0].state, recs[a0].done) == ("memory", True)
     assert list(p._intervals) == [Interval("W0", "actor.gen", 10.0, 12.0, 3)] and p._usual["actor.gen"] == 2.0
     # a worker's end report before the controller's issue report: recorded finished, and counted as late
     c0 = k("reward.score", 0)
-    p.log_event("flowactors.calls", {"worker": "W1", "calls": [
-        {"key": c0, "deps": [], "order": None, "start": 1.0, "stop": 1.5, "ok": False, "step": 3}]})
+    p.log_event(
+        "flowactors.calls",
+        {
+            "worker": "W1",
+            "calls": [{"key": c0, "deps": [], "order": None, "start": 1.0, "stop": 1.5, "ok": False, "step": 3}],
+        },
+    )
     p.log_event("flowactors.issued", {"calls": [{"key": c0, "worker": "W1", "deps": [], "step": 3}]})
     assert (recs[c0].state, recs[c0].late) == ("erred", True)
     g = {n["id"]: n for n in aggregate_graph(recs.values(), now=11.0)["nodes"]}
@@ -337,8 +440,9 @@ def test_calls_keep_the_step_that_issued_them_and_kept_steps_stay_in_order():
     p = FlowactorsDashboard(keep_steps=3)
     p.scheduler = _fake_scheduler({})
     for step in (6, 5, 7, 8):  # step 5's first call arrives after step 6's
-        p.log_event("flowactors.issued", {"calls": [{"key": k("actor.gen", 0, f"{step:016x}"), "worker": "W",
-                                                     "step": step}]})
+        p.log_event(
+            "flowactors.issued", {"calls": [{"key": k("actor.gen", 0, f"{step:016x}"), "worker": "W", "step": step}]}
+        )
     assert list(p._steps) == [6, 7, 8]  # 5 was kept, then dropped as the oldest once 8 came
     p.log_event("flowactors.issued", {"calls": [{"key": k("actor.gen", 1, H), "worker": "W", "step": 2}]})
     assert 2 not in p._steps  # older than every kept step: dropped at once

@@ -60,8 +60,9 @@ def page():
         while True:
             d = json.loads(_get(f"{url}/data.json")[1])
             nodes = d["graph"]["nodes"]
-            if (d["step"] == STEPS - 1 and len(nodes) == 5 and all(n["done"] == n["n"] for n in nodes)) \
-                    or time.monotonic() > deadline:
+            if (
+                d["step"] == STEPS - 1 and len(nodes) == 5 and all(n["done"] == n["n"] for n in nodes)
+            ) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         yield ctl, url, d
@@ -110,9 +111,22 @@ def test_page_is_self_contained(page):
 def _chromium(url: str, tmp_path: Path, *mode: str) -> subprocess.CompletedProcess:
     """One headless chromium run; `--virtual-time-budget` lets the page's fetch and rendering finish first."""
     profile = tmp_path / f"profile{len(list(tmp_path.iterdir()))}"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={profile}", "--window-size=1280,900", "--virtual-time-budget=4000", *mode, url]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--window-size=1280,900",
+        "--virtual-time-budget=4000",
+        *mode,
+        url,
+    ]
     env = {**os.environ, "HOME": str(tmp_path)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, f"chromium failed ({done.returncode}): {done.stderr[-2000:]}"
@@ -176,8 +190,9 @@ def test_a_held_call_shows_processing_on_its_ranks_and_the_calls_behind_it_waiti
         sleep, add, steps = seen["live"]
         assert {r["worker"] for r in sleep["ranks"]} == set(ctl.slots) and steps[-1] == 1
         assert [r["state"] for r in add["ranks"]] == ["waiting"] * 2 and add["done"] == 0
-        assert ("rt.sleep", "rt.add_rank", "order") in {(e["source"], e["target"], e["kind"])
-                                                        for e in d["graph"]["edges"]}
+        assert ("rt.sleep", "rt.add_rank", "order") in {
+            (e["source"], e["target"], e["kind"]) for e in d["graph"]["edges"]
+        }
         assert "slow" in seen, "the held call was never marked slow"
         slow = seen["slow"]["slow"][0]
         assert slow["running_s"] > 1.0 and seen["slow"]["usual_s"] < 0.2
@@ -221,9 +236,22 @@ def test_a_safe_rlhf_run_shows_each_step_live(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}/flowactors"
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "algorithms/safe_rlhf.py", "--steps", "8", "sft_steps=5",
-                             f"dashboard=127.0.0.1:{port}", "--metrics-file", str(tmp_path / "m.jsonl")],
-                            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "algorithms/safe_rlhf.py",
+            "--steps",
+            "8",
+            "sft_steps=5",
+            f"dashboard=127.0.0.1:{port}",
+            "--metrics-file",
+            str(tmp_path / "m.jsonl"),
+        ],
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     states, graphs = set(), {}
     try:
         while proc.poll() is None:
@@ -245,6 +273,10 @@ def test_a_safe_rlhf_run_shows_each_step_live(tmp_path):
     assert len(graphs) >= 3, sorted(graphs)
     for s, g in graphs.items():
         ids = {n["id"] for n in g["nodes"]}
-        assert {"actor.generate_sequences", "actor.update_actor", "critic.update_critic",
-                "cost_critic.update_critic"} <= ids, (s, ids)
+        assert {
+            "actor.generate_sequences",
+            "actor.update_actor",
+            "critic.update_critic",
+            "cost_critic.update_critic",
+        } <= ids, (s, ids)
         assert [n["id"] for n in g["nodes"] if n["late"]] == [], s

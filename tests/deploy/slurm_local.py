@@ -104,10 +104,19 @@ class LocalSlurm:
             (self.root / d).mkdir(exist_ok=True)
         self._write_config()
         try:
-            self._spawn("munged", [_which("munged"), "-F", "--force", f"--key-file={self.root / 'munge.key'}",
-                                   f"--socket={self.root / 'munge.socket.2'}",
-                                   f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'munged.log'}",
-                                   f"--seed-file={self.root / 'munge.seed'}"])
+            self._spawn(
+                "munged",
+                [
+                    _which("munged"),
+                    "-F",
+                    "--force",
+                    f"--key-file={self.root / 'munge.key'}",
+                    f"--socket={self.root / 'munge.socket.2'}",
+                    f"--pid-file={self.root / 'munged.pid'}",
+                    f"--log-file={self.root / 'munged.log'}",
+                    f"--seed-file={self.root / 'munge.seed'}",
+                ],
+            )
             self._wait_for(lambda: (self.root / "munge.socket.2").exists(), 10, "munged did not create its socket")
             self._spawn("slurmctld", [_which("slurmctld"), "-D", "-c", "-f", str(self.conf)])
             self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf)])
@@ -125,45 +134,56 @@ class LocalSlurm:
         key.chmod(0o400)
         gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
         r = self.root
-        self.conf.write_text("\n".join([
-            "ClusterName=flowactors",
-            f"SlurmctldHost={host}(127.0.0.1)",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={r}/munge.socket.2",
-            f"StateSaveLocation={r}/state",
-            f"SlurmdSpoolDir={r}/spool",
-            f"SlurmctldPidFile={r}/slurmctld.pid",
-            f"SlurmdPidFile={r}/slurmd.pid",
-            f"SlurmctldLogFile={r}/slurmctld.log",
-            f"SlurmdLogFile={r}/slurmd.log",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "MpiDefault=none",
-            "ReturnToService=2",
-            "JobCompType=jobcomp/none",
-            "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "SchedulerType=sched/backfill",
-            "GresTypes=gpu",
-            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} RealMemory={_real_memory_mb()}{gres} "
-            "State=UNKNOWN",
-            f"PartitionName={self.partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
-            "",
-        ]))
-        (r / "gres.conf").write_text("".join(f"NodeName={host} Name=gpu File={f}\n"
-                                             for f in _FAKE_GPU_FILES[:self.gpus]))
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=flowactors",
+                    f"SlurmctldHost={host}(127.0.0.1)",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    f"AuthInfo=socket={r}/munge.socket.2",
+                    f"StateSaveLocation={r}/state",
+                    f"SlurmdSpoolDir={r}/spool",
+                    f"SlurmctldPidFile={r}/slurmctld.pid",
+                    f"SlurmdPidFile={r}/slurmd.pid",
+                    f"SlurmctldLogFile={r}/slurmctld.log",
+                    f"SlurmdLogFile={r}/slurmd.log",
+                    f"SlurmctldPort={_free_port()}",
+                    f"SlurmdPort={_free_port()}",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "JobCompType=jobcomp/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "SchedulerType=sched/backfill",
+                    "GresTypes=gpu",
+                    f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} RealMemory={_real_memory_mb()}{gres} "
+                    "State=UNKNOWN",
+                    f"PartitionName={self.partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+                    "",
+                ]
+            )
+        )
+        (r / "gres.conf").write_text(
+            "".join(f"NodeName={host} Name=gpu File={f}\n" for f in _FAKE_GPU_FILES[: self.gpus])
+        )
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / f"{name}.out", "ab")
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, **self.env}, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         log.close()
         (self.root / "pids.json").write_text(json.dumps({n: p.pid for n, p in self.procs.items()}))
 

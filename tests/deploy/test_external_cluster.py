@@ -37,16 +37,50 @@ def dask_cluster(tmp_path):
     def start(nthreads: int = 1, resources: str = "slot=1"):
         sched_file = tmp_path / "scheduler.json"
         log = open(tmp_path / "cluster.log", "ab")
-        procs.append(_start([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                             "--port", "0", "--no-dashboard", "--scheduler-file", str(sched_file)], log))
+        procs.append(
+            _start(
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_scheduler",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--no-dashboard",
+                    "--scheduler-file",
+                    str(sched_file),
+                ],
+                log,
+            )
+        )
         deadline = time.monotonic() + 60
         while not sched_file.exists():  # a scheduler that cannot start fails the test, not hangs it
-            assert procs[-1].poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "cluster.log").read_text()[-2000:]
+            assert procs[-1].poll() is None and time.monotonic() < deadline, (tmp_path / "cluster.log").read_text()[
+                -2000:
+            ]
             time.sleep(0.2)
-        procs.append(_start([sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
-                             str(sched_file), "--nworkers", "2", "--nthreads", str(nthreads), "--resources",
-                             resources, "--no-dashboard", "--host", "127.0.0.1"], log))
+        procs.append(
+            _start(
+                [
+                    sys.executable,
+                    "-m",
+                    "distributed.cli.dask_worker",
+                    "--scheduler-file",
+                    str(sched_file),
+                    "--nworkers",
+                    "2",
+                    "--nthreads",
+                    str(nthreads),
+                    "--resources",
+                    resources,
+                    "--no-dashboard",
+                    "--host",
+                    "127.0.0.1",
+                ],
+                log,
+            )
+        )
         return _wait_workers(sched_file, 2)
 
     yield start
@@ -62,9 +96,23 @@ def dask_cluster(tmp_path):
 def test_algorithm_runs_against_separately_started_scheduler_and_workers(tmp_path, dask_cluster):
     address = dask_cluster()
     metrics = tmp_path / "m.jsonl"
-    out = subprocess.run([sys.executable, str(ROOT / "algorithms" / "grpo.py"), "--address", address, "--steps", "3",
-                          "sft_steps=5", "--metrics-file", str(metrics)], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "algorithms" / "grpo.py"),
+            "--address",
+            address,
+            "--steps",
+            "3",
+            "sft_steps=5",
+            "--metrics-file",
+            str(metrics),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]

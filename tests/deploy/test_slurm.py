@@ -29,19 +29,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # -- device selection (no Slurm) -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, env, device, local_rank", [
-    ("SLURMCluster-0-0", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "0", "0"),
-    ("SLURMCluster-0-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "1", "1"),
-    ("SLURMCluster-12-3", {WORKERS_PER_JOB_ENV: "4", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "7", "3"),
-    # a single-process job whose name ends in a number is process 0, not process 7
-    ("SLURMCluster-7", {WORKERS_PER_JOB_ENV: "1", "CUDA_VISIBLE_DEVICES": "3"}, "3", "0"),
-    # device UUIDs (MIG slices, some sites) pass through
-    ("j-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}, "GPU-bb", "1"),
-    # no CUDA_VISIBLE_DEVICES from Slurm (no gres configuration): process i takes the node's GPU i
-    ("j-2", {WORKERS_PER_JOB_ENV: "8"}, "2", "2"),
-    # more GPUs in the job than processes: the first ones, in order
-    ("j-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "2,3,5"}, "3", "1"),
-])
+
+@pytest.mark.parametrize(
+    "name, env, device, local_rank",
+    [
+        ("SLURMCluster-0-0", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "0", "0"),
+        ("SLURMCluster-0-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0,1"}, "1", "1"),
+        ("SLURMCluster-12-3", {WORKERS_PER_JOB_ENV: "4", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "7", "3"),
+        # a single-process job whose name ends in a number is process 0, not process 7
+        ("SLURMCluster-7", {WORKERS_PER_JOB_ENV: "1", "CUDA_VISIBLE_DEVICES": "3"}, "3", "0"),
+        # device UUIDs (MIG slices, some sites) pass through
+        ("j-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}, "GPU-bb", "1"),
+        # no CUDA_VISIBLE_DEVICES from Slurm (no gres configuration): process i takes the node's GPU i
+        ("j-2", {WORKERS_PER_JOB_ENV: "8"}, "2", "2"),
+        # more GPUs in the job than processes: the first ones, in order
+        ("j-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "2,3,5"}, "3", "1"),
+    ],
+)
 def test_select_device_takes_the_processs_own_gpu_from_the_jobs_list(name, env, device, local_rank):
     out = select_device(name, env)
     assert out["CUDA_VISIBLE_DEVICES"] == device
@@ -57,18 +61,22 @@ def test_select_device_is_idempotent_so_nanny_and_worker_preloads_and_restarts_a
 
 
 def test_select_device_without_pinning_sets_only_local_rank():
-    out = select_device("cpu-0-2", {WORKERS_PER_JOB_ENV: "3", "FLOWACTORS_PIN_DEVICES": "0",
-                                    "CUDA_VISIBLE_DEVICES": "0"})
+    out = select_device(
+        "cpu-0-2", {WORKERS_PER_JOB_ENV: "3", "FLOWACTORS_PIN_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "0"}
+    )
     assert out == {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}
 
 
-@pytest.mark.parametrize("name, env, match", [
-    ("SLURMCluster-0-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0"}, r"1 GPU\(s\).*--gres=gpu:2"),
-    ("SLURMCluster-0-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": ""}, r"0 GPU\(s\)"),
-    ("worker", {WORKERS_PER_JOB_ENV: "2"}, r"does not end in -<index>.*--nworkers 2"),
-    ("SLURMCluster-0-2", {WORKERS_PER_JOB_ENV: "2"}, r"index 2.*only 2 worker processes"),
-    ("SLURMCluster-0-0", {WORKERS_PER_JOB_ENV: "two"}, r"FLOWACTORS_WORKERS_PER_JOB='two'"),
-])
+@pytest.mark.parametrize(
+    "name, env, match",
+    [
+        ("SLURMCluster-0-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0"}, r"1 GPU\(s\).*--gres=gpu:2"),
+        ("SLURMCluster-0-1", {WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": ""}, r"0 GPU\(s\)"),
+        ("worker", {WORKERS_PER_JOB_ENV: "2"}, r"does not end in -<index>.*--nworkers 2"),
+        ("SLURMCluster-0-2", {WORKERS_PER_JOB_ENV: "2"}, r"index 2.*only 2 worker processes"),
+        ("SLURMCluster-0-0", {WORKERS_PER_JOB_ENV: "two"}, r"FLOWACTORS_WORKERS_PER_JOB='two'"),
+    ],
+)
 def test_select_device_errors_say_what_is_wrong(name, env, match):
     with pytest.raises(ValueError, match=match):
         select_device(name, env)
@@ -76,22 +84,26 @@ def test_select_device_errors_say_what_is_wrong(name, env, match):
 
 # -- settings (no Slurm) -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"nodes": 0}, r"SlurmSettings\.nodes must be an integer >= 1"),
-    ({"gpus_per_node": -1}, r"SlurmSettings\.gpus_per_node"),
-    ({"gpus_per_node": 0, "cpu_workers_per_node": 0}, r"SlurmSettings\.cpu_workers_per_node"),
-    ({"gpus_per_node": 4, "cores_per_job": 2}, r"SlurmSettings\.cores_per_job=2 is fewer than the 4 worker"),
-    ({"walltime": "1h"}, r"SlurmSettings\.walltime='1h'.*HH:MM:SS"),
-    ({"memory_per_job": "lots"}, r"SlurmSettings\.memory_per_job='lots'.*'64GB'"),
-    ({"memory_per_job": "0GB"}, r"SlurmSettings\.memory_per_job"),
-    ({"partition": "gpu large"}, r"SlurmSettings\.partition"),
-    ({"account": ""}, r"SlurmSettings\.account"),
-    ({"job_directives": ["#SBATCH --exclusive"]}, r"SlurmSettings\.job_directives.*without '#SBATCH'"),
-    ({"job_directives": ["--gres=gpu:4"]}, r"SlurmSettings\.job_directives.*gpus_per_node already"),
-    ({"job_directives": "--exclusive"}, r"SlurmSettings\.job_directives must be a list"),
-    ({"setup_commands": [""]}, r"SlurmSettings\.setup_commands"),
-    ({"startup_timeout_s": 0}, r"SlurmSettings\.startup_timeout_s must be > 0"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"nodes": 0}, r"SlurmSettings\.nodes must be an integer >= 1"),
+        ({"gpus_per_node": -1}, r"SlurmSettings\.gpus_per_node"),
+        ({"gpus_per_node": 0, "cpu_workers_per_node": 0}, r"SlurmSettings\.cpu_workers_per_node"),
+        ({"gpus_per_node": 4, "cores_per_job": 2}, r"SlurmSettings\.cores_per_job=2 is fewer than the 4 worker"),
+        ({"walltime": "1h"}, r"SlurmSettings\.walltime='1h'.*HH:MM:SS"),
+        ({"memory_per_job": "lots"}, r"SlurmSettings\.memory_per_job='lots'.*'64GB'"),
+        ({"memory_per_job": "0GB"}, r"SlurmSettings\.memory_per_job"),
+        ({"partition": "gpu large"}, r"SlurmSettings\.partition"),
+        ({"account": ""}, r"SlurmSettings\.account"),
+        ({"job_directives": ["#SBATCH --exclusive"]}, r"SlurmSettings\.job_directives.*without '#SBATCH'"),
+        ({"job_directives": ["--gres=gpu:4"]}, r"SlurmSettings\.job_directives.*gpus_per_node already"),
+        ({"job_directives": "--exclusive"}, r"SlurmSettings\.job_directives must be a list"),
+        ({"setup_commands": [""]}, r"SlurmSettings\.setup_commands"),
+        ({"startup_timeout_s": 0}, r"SlurmSettings\.startup_timeout_s must be > 0"),
+    ],
+)
 def test_settings_validation_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SlurmSettings(**kwargs)
@@ -109,14 +121,23 @@ def test_settings_defaults_and_derived_sizes():
 
 
 def test_cluster_kwargs_give_one_single_threaded_pinned_worker_per_gpu():
-    kw = SlurmSettings(gpus_per_node=4, cores_per_job=16, partition="gpu", account="proj", walltime="02:00:00",
-                       memory_per_job="200GB", job_directives=["--exclusive"],
-                       setup_commands=["module load cuda"]).cluster_kwargs()
+    kw = SlurmSettings(
+        gpus_per_node=4,
+        cores_per_job=16,
+        partition="gpu",
+        account="proj",
+        walltime="02:00:00",
+        memory_per_job="200GB",
+        job_directives=["--exclusive"],
+        setup_commands=["module load cuda"],
+    ).cluster_kwargs()
     assert (kw["processes"], kw["cores"], kw["job_cpu"]) == (4, 4, 16)  # 1 thread per process, 16 cores booked
     assert kw["job_extra_directives"] == ["--gres=gpu:4", "--exclusive"]
     assert kw["worker_extra_args"] == ["--resources", "GPU=1,slot=1", "--preload", "flowactors._slurm_preload"]
-    assert kw["job_script_prologue"][:2] == [f"unset {JOB_DEVICES_ENV} LOCAL_RANK LOCAL_WORLD_SIZE",
-                                             f"export {WORKERS_PER_JOB_ENV}=4"]
+    assert kw["job_script_prologue"][:2] == [
+        f"unset {JOB_DEVICES_ENV} LOCAL_RANK LOCAL_WORLD_SIZE",
+        f"export {WORKERS_PER_JOB_ENV}=4",
+    ]
     assert "export OMP_NUM_THREADS=4" in kw["job_script_prologue"]
     assert kw["job_script_prologue"][-1] == "module load cuda"
     cpu = SlurmSettings(gpus_per_node=0, cpu_workers_per_node=2).cluster_kwargs()
@@ -143,15 +164,28 @@ def test_job_script_as_dask_jobqueue_writes_it():
     pytest.importorskip("dask_jobqueue", reason='dask-jobqueue is not installed: pip install "flowactors[slurm]"')
     from dask_jobqueue.slurm import SLURMJob
 
-    kw = SlurmSettings(gpus_per_node=2, partition="debug", memory_per_job="8GB", walltime="00:30:00",
-                       interface="lo").cluster_kwargs()
+    kw = SlurmSettings(
+        gpus_per_node=2, partition="debug", memory_per_job="8GB", walltime="00:30:00", interface="lo"
+    ).cluster_kwargs()
     kw.pop("scheduler_options")
     script = SLURMJob("tcp://127.0.0.1:8786", name="flowactors-0", **kw).job_script()
-    for line in ("#SBATCH -p debug", "#SBATCH --cpus-per-task=2", "#SBATCH --mem=8G", "#SBATCH -t 00:30:00",
-                 "#SBATCH --gres=gpu:2", f"export {WORKERS_PER_JOB_ENV}=2"):
+    for line in (
+        "#SBATCH -p debug",
+        "#SBATCH --cpus-per-task=2",
+        "#SBATCH --mem=8G",
+        "#SBATCH -t 00:30:00",
+        "#SBATCH --gres=gpu:2",
+        f"export {WORKERS_PER_JOB_ENV}=2",
+    ):
         assert line in script.splitlines(), (line, script)
-    for arg in ("--nworkers 2", "--nthreads 1", "--resources GPU=1,slot=1", "--preload flowactors._slurm_preload",
-                "--interface lo", "--nanny"):
+    for arg in (
+        "--nworkers 2",
+        "--nthreads 1",
+        "--resources GPU=1,slot=1",
+        "--preload flowactors._slurm_preload",
+        "--interface lo",
+        "--nanny",
+    ):
         assert arg in script, (arg, script)
 
 
@@ -164,6 +198,7 @@ def test_open_slurm_without_dask_jobqueue_says_how_to_install(monkeypatch):
 
 
 # -- a real Slurm ----------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def local_slurm(tmp_path_factory):
@@ -193,10 +228,21 @@ def local_slurm(tmp_path_factory):
 
 
 def _settings(slurm, tmp_path: Path, **kw) -> SlurmSettings:
-    return SlurmSettings(**{"nodes": 1, "gpus_per_node": 2, "partition": slurm.partition, "memory_per_job": "4GB",
-                            "walltime": "00:10:00", "interface": "lo", "dashboard_address": None,
-                            "log_directory": str(tmp_path / "jobs"), "startup_timeout_s": 60,
-                            "credentials_directory": str(tmp_path), **kw})
+    return SlurmSettings(
+        **{
+            "nodes": 1,
+            "gpus_per_node": 2,
+            "partition": slurm.partition,
+            "memory_per_job": "4GB",
+            "walltime": "00:10:00",
+            "interface": "lo",
+            "dashboard_address": None,
+            "log_directory": str(tmp_path / "jobs"),
+            "startup_timeout_s": 60,
+            "credentials_directory": str(tmp_path),
+            **kw,
+        }
+    )
 
 
 def _wait_no_jobs(slurm, timeout: float = 20) -> list[str]:
@@ -255,16 +301,33 @@ def test_algorithm_program_runs_on_slurm_workers(local_slurm, tmp_path):
         address = ctl.client.scheduler.address
         assert address.startswith("tls://")  # the run's credentials: the program joins with Dask's TLS settings
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        for name, pem in (("CA_FILE", ctl.cluster.security.tls_ca_file),
-                          ("CLIENT__CERT", ctl.cluster.security.tls_client_cert),
-                          ("CLIENT__KEY", ctl.cluster.security.tls_client_key)):
+        for name, pem in (
+            ("CA_FILE", ctl.cluster.security.tls_ca_file),
+            ("CLIENT__CERT", ctl.cluster.security.tls_client_cert),
+            ("CLIENT__KEY", ctl.cluster.security.tls_client_key),
+        ):
             path = tmp_path / name.lower()
             path.write_text(pem)
             path.chmod(0o600)
             env[f"DASK_DISTRIBUTED__COMM__TLS__{name}"] = str(path)
-        out = subprocess.run([sys.executable, str(ROOT / "algorithms" / "grpo.py"), "--address", address,
-                              "--steps", "2", "sft_steps=2", "dashboard=none", "--metrics-file", str(metrics)],
-                             capture_output=True, text=True, timeout=240, env=env)
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "algorithms" / "grpo.py"),
+                "--address",
+                address,
+                "--steps",
+                "2",
+                "sft_steps=2",
+                "dashboard=none",
+                "--metrics-file",
+                str(metrics),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]

@@ -30,9 +30,14 @@ def _build_megatron_cpu(setup):
 
 
 _megatron = registry.training_engine("megatron")
-registry.register_training_engine(MEGATRON_CPU, _build_megatron_cpu, pipeline_parallel=True,
-                                  resharding=_megatron.resharding, subgroups=_megatron.subgroups,
-                                  fused_pipelines=_megatron.fused_pipelines)
+registry.register_training_engine(
+    MEGATRON_CPU,
+    _build_megatron_cpu,
+    pipeline_parallel=True,
+    resharding=_megatron.resharding,
+    subgroups=_megatron.subgroups,
+    fused_pipelines=_megatron.fused_pipelines,
+)
 
 
 class _Shimmed:

@@ -66,7 +66,9 @@ def apply() -> None:
     # Every tensor attribute read passes through the mode below, so torch's warning about reading `.grad` of a
     # non-leaf (megatron reads it on its buffers' views, where it is None as intended) fires here; it never
     # does without the shim.
-    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf", category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"The \.grad attribute of a Tensor that is not a leaf", category=UserWarning
+    )
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: None

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from engines.models.config import ModelConfig, build_model, build_tokenizer
+from engines.roles import ActorWorker
+from engines.training.common import OptimConfig
 from engines.training.parallel import parallelize
 from engines.training.torch_native import TrainEngine
-from engines.training.common import OptimConfig
-from engines.roles import ActorWorker
 from flowactors import ALL_TO_ALL, ONE_TO_ALL, Batch, Worker, endpoint
 
 
@@ -19,8 +19,15 @@ def fixed_batch(n: int = 4, width: int = 10, resp: int = 4, seed: int = 0) -> Ba
     mask[0, :3] = 0  # one left-padded row
     rmask = torch.ones(n, resp, dtype=torch.long)
     rmask[1, -2:] = 0
-    return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, -resp:], "response_mask": rmask,
-                  "advantages": torch.randn(n, resp, generator=g)})
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "responses": ids[:, -resp:],
+            "response_mask": rmask,
+            "advantages": torch.randn(n, resp, generator=g),
+        }
+    )
 
 
 def squared_value_loss(outputs: dict[str, torch.Tensor], mb: Batch):
@@ -39,10 +46,15 @@ class ParallelProbe(Worker):
 
     def __init__(self, cfg: ModelConfig) -> None:
         tok = build_tokenizer(cfg)
-        self.model = parallelize(build_model(cfg, "lm", tok), self.mesh) if self.world_size > 1 \
-            else build_model(cfg, "lm", tok)
-        self.engine = TrainEngine(self.model, OptimConfig(lr=1e-2, micro_batch_tokens=20),
-                                  dp_group=self.mesh["dp"].get_group(), dp_size=self.layout.dp)
+        self.model = (
+            parallelize(build_model(cfg, "lm", tok), self.mesh) if self.world_size > 1 else build_model(cfg, "lm", tok)
+        )
+        self.engine = TrainEngine(
+            self.model,
+            OptimConfig(lr=1e-2, micro_batch_tokens=20),
+            dp_group=self.mesh["dp"].get_group(),
+            dp_size=self.layout.dp,
+        )
 
     @endpoint(protocol=ONE_TO_ALL)
     def logits_and_grads(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -59,8 +71,9 @@ class ParallelProbe(Worker):
     @endpoint(protocol=ALL_TO_ALL)  # rank r gets its own list of mini-batch shares
     def update_then_weights(self, shares: list[Batch]) -> dict[str, torch.Tensor]:
         mb = len(shares[0]) // 2 if len(shares[0]) > 1 else 1
-        self.engine.update([m for s in shares for m in s.chunk(mb)], pg_loss,
-                           lambda b: self.engine.policy_outputs(b, 1.0, False))
+        self.engine.update(
+            [m for s in shares for m in s.chunk(mb)], pg_loss, lambda b: self.engine.policy_outputs(b, 1.0, False)
+        )
         return self.engine.full_state_dict()
 
 
@@ -84,8 +97,9 @@ class HybridActorProbe(ActorWorker):
                 "names_match": sorted(got) == sorted(want),
                 "max_err": max(float((got[k] - want[k]).abs().max()) for k in want),
                 "received": hy.stats.received_bytes,
-                "expected_received": expected_received_bytes(hy.geometry, hy.layout, hy.rank, "micro-dp",
-                                                              flat.element_size()),
+                "expected_received": expected_received_bytes(
+                    hy.geometry, hy.layout, hy.rank, "micro-dp", flat.element_size()
+                ),
                 "redundant": hy.stats.redundant_bytes,
                 "gen_param_bytes": hy.stats.gen_param_bytes,
                 "model_bytes": hy.geometry.numel * flat.element_size(),
@@ -98,7 +112,8 @@ class HybridActorProbe(ActorWorker):
         # training parameters are still the views of the flat buffer
         report["training_params_in_buffer"] = all(
             lo <= (p.to_local() if hasattr(p, "to_local") else p).data_ptr() < hi
-            for p in self.engine.model.parameters())
+            for p in self.engine.model.parameters()
+        )
         return report
 
     @endpoint(protocol=ONE_TO_ALL)
@@ -111,6 +126,8 @@ class HybridActorProbe(ActorWorker):
         parameter shard, and a step each)."""
         params = list(self.engine.model.parameters())
         local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-        return {"state_bytes": self.engine.optimizer_state_bytes(),
-                "replica_bytes": sum(2 * t.numel() * 4 + 4 for t in local),
-                "owners": self.engine.owners}
+        return {
+            "state_bytes": self.engine.optimizer_state_bytes(),
+            "replica_bytes": sum(2 * t.numel() * 4 + 4 for t in local),
+            "owners": self.engine.owners,
+        }

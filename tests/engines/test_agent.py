@@ -1,4 +1,4 @@
-"""Multi-turn, tool-using episodes (engines.rollout.agent, algorithms.tools): stop sequences, the episode layout and
+"""Multi-turn, tool-using episodes (engines.rollout.agent and .tools): stop sequences, the episode layout and
 its loss mask, tool errors of every kind counted without ending the episode, turn and token limits, tools running
 while the batch decodes, and code execution under limits.
 
@@ -9,16 +9,17 @@ are known in advance without training one.
 
 import copy
 import socket
-import threading
 import time
 
 import pytest
 import torch
 
-from algorithms.tools import CompactFormat, Tool, ToolEnvironment, calculator, run_python
+from algorithms.data.tasks import calculator
+from algorithms.environments.sandbox import run_python
 from engines import ModelConfig, SamplingConfig, build_model, build_tokenizer
 from engines.rollout.agent import AgentConfig, EpisodeEngine, ToolCall, episode_samples
 from engines.rollout.hf import HFGenerationEngine
+from engines.rollout.tools import CompactFormat, Tool, ToolEnvironment
 from engines.training.common import OptimConfig
 from engines.training.torch_native import TrainEngine
 from flowactors import Batch
@@ -57,8 +58,7 @@ CALL_THEN_ANSWER = {**chain("sum:2+3!"), ".": "o", "o": "k", "k": "$"}
 
 def prompts(n: int = 2) -> Batch:
     enc = TOK(["go?"] * n, return_tensors="pt")
-    return Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask},
-                 {"target": [5] * n})
+    return Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}, {"target": [5] * n})
 
 
 def engine(env_tools, **agent) -> EpisodeEngine:
@@ -80,6 +80,7 @@ def slow_calc(expression: str) -> str:
 
 # -- stop sequences ------------------------------------------------------------------------------------------------
 
+
 def test_stop_sequence_ends_a_row_and_stays_in_its_response():
     model = chain_model(CALL_THEN_ANSWER)
     gen = HFGenerationEngine(TOK.eos_token_id, TOK.pad_token_id)
@@ -94,10 +95,12 @@ def test_stop_sequence_ends_a_row_and_stays_in_its_response():
 
 # -- episodes ------------------------------------------------------------------------------------------------------
 
+
 def test_episode_layout_tool_output_is_context_not_loss():
     model = chain_model(CALL_THEN_ANSWER)
-    out = engine([Tool(calculator, name_="sum")]).generate(model, prompts(2), SamplingConfig(max_new_tokens=20),
-                                                           greedy=True)
+    out = engine([Tool(calculator, name_="sum")]).generate(
+        model, prompts(2), SamplingConfig(max_new_tokens=20), greedy=True
+    )
     resp = out["responses"][0]
     assert text(resp) == "sum:2+3!=5.ok<eos>"
     n_call, n_obs, n_answer = 8, 3, 3
@@ -106,7 +109,7 @@ def test_episode_layout_tool_output_is_context_not_loss():
     assert out["attention_mask"][0, p:].tolist() == [1] * 14 + [0] * 6  # every episode token is attended
     assert torch.equal(out["input_ids"][:, p:], out["responses"])
     lp = out["rollout_log_probs"][0]
-    assert (lp[n_call:n_call + n_obs] == 0).all() and (lp[:n_call] < 0).all()
+    assert (lp[n_call : n_call + n_obs] == 0).all() and (lp[:n_call] < 0).all()
     assert out["turns"].tolist() == [2, 2] and out["tool_calls"].tolist() == [1, 1]
     assert out["tool_errors"].tolist() == [0, 0]
     assert out["model_tokens"].tolist() == [11, 11] and out["tool_tokens"].tolist() == [3, 3]
@@ -118,8 +121,9 @@ def test_rollout_log_probs_of_model_tokens_equal_a_forward_over_the_episode():
     from engines.ops import response_logits, token_log_probs
 
     with torch.no_grad():
-        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
-                       position_ids=out["position_ids"]).logits
+        logits = model(
+            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
+        ).logits
     lp = token_log_probs(response_logits(logits, out["responses"].shape[1]), out["responses"])
     mask = out["response_mask"].bool()
     assert torch.allclose(lp[mask], out["rollout_log_probs"][mask], atol=1e-5)
@@ -138,14 +142,21 @@ def hang(expression: str) -> str:
 def test_a_bad_call_becomes_an_error_observation_and_the_episode_goes_on(case):
     calls = {"raises": "sum:2+3!", "hangs": "sum:2+3!", "malformed": "sum2+3!", "unknown": "sum:2+3!"}[case]
     model = chain_model({**chain(calls), ".": "o", "o": "k", "k": "$"})
-    tools = {"raises": [Tool(boom, name_="sum")], "hangs": [Tool(hang, name_="sum")],
-             "malformed": [Tool(calculator, name_="sum")], "unknown": [Tool(calculator, name_="add")]}[case]
+    tools = {
+        "raises": [Tool(boom, name_="sum")],
+        "hangs": [Tool(hang, name_="sum")],
+        "malformed": [Tool(calculator, name_="sum")],
+        "unknown": [Tool(calculator, name_="add")],
+    }[case]
     t0 = time.perf_counter()
-    out = engine(tools, tool_timeout_s=0.5).generate(model, prompts(2), SamplingConfig(max_new_tokens=48),
-                                                      greedy=True)
+    out = engine(tools, tool_timeout_s=0.5).generate(model, prompts(2), SamplingConfig(max_new_tokens=48), greedy=True)
     seconds = time.perf_counter() - t0
-    expected = {"raises": "=error valueerror: boom.", "hangs": "=error timed out after 05 s.",
-                "malformed": "=error bad call.", "unknown": "=error no tool sum."}[case]
+    expected = {
+        "raises": "=error valueerror: boom.",
+        "hangs": "=error timed out after 05 s.",
+        "malformed": "=error bad call.",
+        "unknown": "=error no tool sum.",
+    }[case]
     assert text(out["responses"][0]) == f"{calls}{expected}ok<eos>"
     assert out["tool_errors"].tolist() == [1, 1] and out["tool_calls"].tolist() == [1, 1]
     assert out["turns"].tolist() == [2, 2]
@@ -155,18 +166,18 @@ def test_a_bad_call_becomes_an_error_observation_and_the_episode_goes_on(case):
 
 def test_max_turns_ends_an_episode_that_keeps_calling():
     model = chain_model({**chain("sum:2+3!"), ".": "s"})  # after each answer, another call
-    out = engine([Tool(calculator, name_="sum")], max_turns=3).generate(model, prompts(1),
-                                                                         SamplingConfig(max_new_tokens=64),
-                                                                         greedy=True)
+    out = engine([Tool(calculator, name_="sum")], max_turns=3).generate(
+        model, prompts(1), SamplingConfig(max_new_tokens=64), greedy=True
+    )
     assert text(out["responses"][0]) == "sum:2+3!=5.sum:2+3!=5.sum:2+3!"
     assert out["turns"].tolist() == [3] and out["tool_calls"].tolist() == [2]
 
 
 def test_the_token_budget_covers_the_whole_episode():
     model = chain_model({**chain("sum:2+3!"), ".": "s"})
-    out = engine([Tool(calculator, name_="sum")], max_turns=10).generate(model, prompts(1),
-                                                                          SamplingConfig(max_new_tokens=15),
-                                                                          greedy=True)
+    out = engine([Tool(calculator, name_="sum")], max_turns=10).generate(
+        model, prompts(1), SamplingConfig(max_new_tokens=15), greedy=True
+    )
     assert text(out["responses"][0]) == "sum:2+3!=5.sum:"  # cut at 15 tokens, mid-turn
     assert out["response_mask"][0].tolist() == [1] * 8 + [0] * 3 + [1] * 4
 
@@ -206,19 +217,21 @@ def test_tools_run_while_the_batch_decodes():
 
 def test_a_call_is_bound_to_the_tools_signature():
     env = ToolEnvironment([Tool(calculator, name_="calc")], CompactFormat())
-    ok, = env.step("calc:2*21!")
+    (ok,) = env.step("calc:2*21!")
     assert ok.error is None and ok.run() == "42"
-    bad, = env.step("nothing here")
+    (bad,) = env.step("nothing here")
     assert bad.run is None and bad.error == "bad call"
     assert Tool(calculator).schema["function"]["parameters"]["required"] == ["expression"]
 
 
 # -- training on episodes ------------------------------------------------------------------------------------------
 
+
 def episode_batch() -> Batch:
     model = chain_model(CALL_THEN_ANSWER)
-    out = engine([Tool(calculator, name_="sum")]).generate(model, prompts(4), SamplingConfig(max_new_tokens=20),
-                                                           greedy=True)
+    out = engine([Tool(calculator, name_="sum")]).generate(
+        model, prompts(4), SamplingConfig(max_new_tokens=20), greedy=True
+    )
     return Batch({**out.tensors, "advantages": torch.ones(out["responses"].shape)}, out.rows)
 
 
@@ -230,28 +243,33 @@ def loss_fn(outputs, mb):
 def test_tool_tokens_get_no_gradient(packed):
     """The loss mask: anything at the tool outputs' positions (here huge advantages) changes no gradient."""
     batch = episode_batch()
-    tool = (batch["attention_mask"][:, batch["prompts"].shape[1]:] == 1) & (batch["response_mask"] == 0)
+    tool = (batch["attention_mask"][:, batch["prompts"].shape[1] :] == 1) & (batch["response_mask"] == 0)
     assert tool.sum() == 12
     poisoned = Batch({**batch.tensors, "advantages": torch.where(tool, 1e6, batch["advantages"])}, batch.rows)
     base = build_model(CFG, "lm", TOK)
     grads = []
     for b in (batch, poisoned):
-        eng = TrainEngine(copy.deepcopy(base), OptimConfig(lr=1e-3, micro_batch_tokens=4096, grad_clip=0.0),
-                          pack_sequences=packed, pad_token_id=TOK.pad_token_id)
+        eng = TrainEngine(
+            copy.deepcopy(base),
+            OptimConfig(lr=1e-3, micro_batch_tokens=4096, grad_clip=0.0),
+            pack_sequences=packed,
+            pad_token_id=TOK.pad_token_id,
+        )
         eng.update([b], loss_fn, lambda mb, e=eng: e.policy_outputs(mb, 1.0, with_entropy=False))
         grads.append({k: p.detach().clone() for k, p in eng.model.named_parameters()})
     for k in grads[0]:
         assert torch.equal(grads[0][k], grads[1][k]), k
     # and the control: the same poison on the model's own tokens does change the update
-    poisoned_model = Batch({**batch.tensors, "advantages": torch.where(batch["response_mask"].bool(), 1e6, 1.0)},
-                           batch.rows)
+    poisoned_model = Batch(
+        {**batch.tensors, "advantages": torch.where(batch["response_mask"].bool(), 1e6, 1.0)}, batch.rows
+    )
     eng = TrainEngine(copy.deepcopy(base), OptimConfig(lr=1e-3, micro_batch_tokens=4096, grad_clip=0.0))
     eng.update([poisoned_model], loss_fn, lambda mb: eng.policy_outputs(mb, 1.0, with_entropy=False))
     assert any(not torch.equal(p, grads[0][k]) for k, p in eng.model.named_parameters())
 
 
 def test_gae_carries_the_final_reward_across_tool_outputs():
-    from algorithms.core import gae, token_rewards
+    from algorithms.objectives.losses import gae, token_rewards
 
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]], dtype=torch.float32)
     values = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.3, 0.4, 9.0]])
@@ -264,8 +282,8 @@ def test_gae_carries_the_final_reward_across_tool_outputs():
 
 
 def test_multi_turn_demonstrations_train_only_the_models_segments():
-    from algorithms.data import PromptData
-    from algorithms.tasks import get_task
+    from algorithms.data.prompts import PromptData
+    from algorithms.data.tasks import get_task
 
     data = PromptData(get_task("tool_arith"), TOK, 64, 0)
     with_tool = next(ex for ex in data.examples if len(ex[1]) == 3)
@@ -287,6 +305,7 @@ def test_episode_samples_keep_prompt_fields():
 
 # -- code execution ------------------------------------------------------------------------------------------------
 
+
 def test_run_python_returns_output_and_removes_its_directory(tmp_path):
     out = run_python("import os; print(6 * 7); print(os.getcwd())")
     value, cwd = out.split()
@@ -302,16 +321,18 @@ def test_run_python_has_no_network():
     server.listen()
     port = server.getsockname()[1]
     try:
-        out = run_python(f"import socket; s = socket.socket(); s.settimeout(2); s.connect(('127.0.0.1', {port})); "
-                         f"print('connected')")
+        out = run_python(
+            f"import socket; s = socket.socket(); s.settimeout(2); s.connect(('127.0.0.1', {port})); print('connected')"
+        )
     finally:
         server.close()
     assert "connected" not in out and ("Error" in out or "refused" in out.lower() or "unreachable" in out.lower())
 
 
 def test_run_python_limits_cpu_memory_wall_clock_and_output():
-    assert "killed by SIGXCPU" in run_python("while True: pass", cpu_s=1, wall_s=10) or \
-        "killed by SIGKILL" in run_python("while True: pass", cpu_s=1, wall_s=10)
+    assert "killed by SIGXCPU" in run_python(
+        "while True: pass", cpu_s=1, wall_s=10
+    ) or "killed by SIGKILL" in run_python("while True: pass", cpu_s=1, wall_s=10)
     assert "MemoryError" in run_python("x = bytearray(2 * 1024 ** 3)", memory_mb=256)
     with pytest.raises(TimeoutError, match="wall-clock"):
         run_python("import time; time.sleep(10)", wall_s=0.5)
@@ -329,36 +350,42 @@ def test_a_code_tool_that_times_out_is_an_error_observation():
 
 # -- the Hermes call format ----------------------------------------------------------------------------------------
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def test_hermes_calls_parse_with_every_kind_of_mistake_an_observation():
-    from algorithms.tools import HermesFormat
+    from engines.rollout.tools import HermesFormat
 
     env = ToolEnvironment([Tool(calculator)], HermesFormat())
-    two = env.step('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
-                   '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>')
+    two = env.step(
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>'
+    )
     assert [c.run() for c in two] == ["42", "2"]
-    bad_json, = env.step("<tool_call>{name: calculator}</tool_call>")
-    unknown, = env.step('<tool_call>{"name": "search", "arguments": {}}</tool_call>')
-    bad_args, = env.step('<tool_call>{"name": "calculator", "arguments": {"expr": "1+1"}}</tool_call>')
-    nothing, = env.step("I will just answer.")
+    (bad_json,) = env.step("<tool_call>{name: calculator}</tool_call>")
+    (unknown,) = env.step('<tool_call>{"name": "search", "arguments": {}}</tool_call>')
+    (bad_args,) = env.step('<tool_call>{"name": "calculator", "arguments": {"expr": "1+1"}}</tool_call>')
+    (nothing,) = env.step("I will just answer.")
     assert bad_json.error.startswith("the call is not JSON") and "unknown tool 'search'" in unknown.error
     assert "bad arguments for calculator" in bad_args.error and "no <tool_call>" in nothing.error
     assert all(c.run is None for c in (bad_json, unknown, bad_args, nothing))
 
 
 def test_hermes_outputs_are_rendered_as_the_chat_template_renders_a_tool_turn():
-    from algorithms.tools import HermesFormat
+    from engines.rollout.tools import HermesFormat
 
     tok = build_tokenizer(CFG)
     tok.chat_template = CHATML
     env = ToolEnvironment([Tool(calculator)], HermesFormat(), tok)
-    call, = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>')
+    (call,) = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>')
     text = env.observe([(call, "42", None), (call, None, "timed out after 5 s")])
-    assert text == ("<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
-                    "<|im_end|>\n<|im_start|>tool\nerror: timed out after 5 s<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_end|>\n<|im_start|>tool\nerror: timed out after 5 s<|im_end|>\n<|im_start|>assistant\n"
+    )
     plain = build_tokenizer(CFG)  # no chat template: refused, naming why
     with pytest.raises(ValueError, match="does not render tool messages"):
         ToolEnvironment([Tool(calculator)], HermesFormat(), plain).observe([(call, "42", None)])
@@ -367,7 +394,7 @@ def test_hermes_outputs_are_rendered_as_the_chat_template_renders_a_tool_turn():
 def test_chatml_task_demonstrations_are_calls_the_environment_runs_and_the_reward_reads():
     import random
 
-    from algorithms.tasks import get_task
+    from algorithms.data.tasks import get_task
 
     task = get_task("tool_arith_chatml")
     rng = random.Random(0)
@@ -377,7 +404,7 @@ def test_chatml_task_demonstrations_are_calls_the_environment_runs_and_the_rewar
     env = task.environment(tok)
     env.reset(prompt, row)
     (call_text, _), (output, _), (answer, _) = demo
-    call, = env.step(call_text)
+    (call,) = env.step(call_text)
     assert call.run() == str(row["target"]) and output == env.observe([(call, call.run(), None)])
     transcript = f"{call_text}\ntool\n{row['target']}\nassistant\n{answer}"  # as decoded without special tokens
     assert task.success(prompt, transcript, row) and task.reward(prompt, transcript, row) == 1.0

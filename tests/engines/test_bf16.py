@@ -42,16 +42,25 @@ def pg_loss(outputs: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, 
     """A policy-gradient loss that also reports metrics (the engine averages them token-weighted)."""
     lp, m = outputs["log_probs"], mb["response_mask"].float()
     loss = -(lp * mb["advantages"])
-    return loss, m, {"pg_loss": float((loss.detach() * m).sum() / m.sum()),
-                     "log_prob_mean": float((lp.detach() * m).sum() / m.sum())}
+    return (
+        loss,
+        m,
+        {
+            "pg_loss": float((loss.detach() * m).sum() / m.sum()),
+            "log_prob_mean": float((lp.detach() * m).sum() / m.sum()),
+        },
+    )
 
 
-def one_update(model: torch.nn.Module, lr: float) -> tuple[dict[str, float], dict[str, torch.Tensor],
-                                                           dict[str, torch.Tensor]]:
+def one_update(
+    model: torch.nn.Module, lr: float
+) -> tuple[dict[str, float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(metrics, weights before, weights after) of one AdamW step on a copy of `model`."""
     model = copy.deepcopy(model).requires_grad_(True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    eng = TrainEngine(model, OptimConfig(lr=lr, micro_batch_tokens=48))  # 2 micro-batches (bf16 compute, fp32 master weights and grads)
+    eng = TrainEngine(
+        model, OptimConfig(lr=lr, micro_batch_tokens=48)
+    )  # 2 micro-batches (bf16 compute, fp32 master weights and grads)
     metrics = eng.update([scoring_batch()], pg_loss, lambda mb: eng.policy_outputs(mb, 1.0, False))
     return metrics, before, model.state_dict()
 
@@ -86,7 +95,7 @@ def test_bf16_update_step_matches_the_fp32_step(models):
     total = agree = 0
     for k in w32:
         diff = (w16[k].float() - w32[k]).abs()
-        rounding = 2.0 ** -7 * torch.maximum(w32_before[k].abs(), w32[k].abs())
+        rounding = 2.0**-7 * torch.maximum(w32_before[k].abs(), w32[k].abs())
         assert bool((diff <= rounding + 2 * 1e-3 * 1.01).all()), k
         agree += int((diff <= rounding + 1e-5).sum())
         total += diff.numel()
@@ -125,12 +134,12 @@ def test_tensor_parallel_bf16_logits_match_tp1(controller4, models):
     f32, b16 = models
     batch = scoring_batch()
     with torch.no_grad():  # TP=1 references in this process: the same weights as the workers build
-        ref, exact = (m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
-                      for m in (b16, f32))
+        ref, exact = (
+            m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float() for m in (b16, f32)
+        )
     bf16_err = float((ref - exact).abs().max())
     assert 1e-3 < bf16_err <= 0.2, bf16_err
-    two = fa.ActorGroup(controller4, Bf16LogitsProbe, name="bf16_tp2", slots=controller4.slots[:2],
-                        layout=Layout(tp=2))
+    two = fa.ActorGroup(controller4, Bf16LogitsProbe, name="bf16_tp2", slots=controller4.slots[:2], layout=Layout(tp=2))
     try:
         for logits in two.logits(batch).result():
             tp_err, tp_vs_fp32 = float((logits - ref).abs().max()), float((logits - exact).abs().max())

@@ -54,13 +54,16 @@ def test_merged_weights_score_as_the_adapted_model():
     plain = build_model(CFG, "lm")
     plain.load_state_dict(merged)  # strict: exactly a plain model's keys
     expected = engine.log_probs(b)["log_probs"]
-    torch.testing.assert_close(TrainEngine(plain, None, trainable=False).log_probs(b)["log_probs"], expected,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        TrainEngine(plain, None, trainable=False).log_probs(b)["log_probs"], expected, atol=1e-5, rtol=1e-5
+    )
     # the merge is W + scale * B @ A, per adapted layer
     state = {k: v.detach() for k, v in engine.model.state_dict().items()}
     q = "model.layers.0.self_attn.q_proj."
-    torch.testing.assert_close(merged_state_dict(state, 2.0)[q + "weight"],
-                               state[q + "weight"] + 2.0 * state[q + "lora_B"] @ state[q + "lora_A"])
+    torch.testing.assert_close(
+        merged_state_dict(state, 2.0)[q + "weight"],
+        state[q + "weight"] + 2.0 * state[q + "lora_B"] @ state[q + "lora_A"],
+    )
 
 
 def test_a_critic_trains_its_head_and_adapters():
@@ -82,8 +85,14 @@ def test_fsdp2_and_zero1_adapters_train_as_on_one_process(controller4, tmp_path,
     optim = OptimConfig(lr=1e-2, lora_rank=4, lora_alpha=8.0, zero_stage=zero_stage)
     merged, stats = {}, {}
     for dp in (1, 2):
-        g = fa.ActorGroup(controller4, ActorWorker, name=f"lora_dp{dp}_z{zero_stage}", slots=controller4.slots[:dp],
-                          layout=Layout(dp=dp), args=(CFG, optim))
+        g = fa.ActorGroup(
+            controller4,
+            ActorWorker,
+            name=f"lora_dp{dp}_z{zero_stage}",
+            slots=controller4.slots[:dp],
+            layout=Layout(dp=dp),
+            args=(CFG, optim),
+        )
         try:
             g.update_actor(b, pg_loss, spec).result()
             stats[dp] = g.memory_stats().result()
@@ -120,8 +129,9 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly_on_the_reference_base
     b, spec = long_tailed(n=8, seed=4), UpdateSpec(mini_batch_samples=8, epochs=1, shuffle_seed=0)
     slots = controller4.slots[:2]
     ref = fa.ActorGroup(controller4, RefWorker, name="lora_ref", slots=slots, layout=Layout(dp=2), args=(sft,))
-    actor = fa.ActorGroup(controller4, ActorWorker, name="lora_actor", slots=slots, layout=Layout(dp=2),
-                          args=(sft, LORA))
+    actor = fa.ActorGroup(
+        controller4, ActorWorker, name="lora_actor", slots=slots, layout=Layout(dp=2), args=(sft, LORA)
+    )
     try:
         actor.update_actor(b, pg_loss, spec).result()
         actor.save_checkpoint(str(tmp_path / "ck" / "actor")).result()
@@ -134,8 +144,9 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly_on_the_reference_base
     weights = [k for k in keys if k.startswith("model.")]
     assert weights and all(k.endswith((".lora_A", ".lora_B")) for k in weights)
     assert any(k.startswith("optim.state.") and "lora" in k for k in keys)
-    fresh = fa.ActorGroup(controller4, ActorWorker, name="lora_fresh", slots=slots, layout=Layout(dp=2),
-                          args=(CFG, LORA))  # the config's random base, until the reference's is loaded
+    fresh = fa.ActorGroup(
+        controller4, ActorWorker, name="lora_fresh", slots=slots, layout=Layout(dp=2), args=(CFG, LORA)
+    )  # the config's random base, until the reference's is loaded
     try:
         fresh.load_checkpoint(str(tmp_path / "ck" / "actor"), str(tmp_path / "ck" / "ref")).result()
         fresh.update_actor(b, pg_loss, spec).result()
@@ -146,7 +157,7 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly_on_the_reference_base
 
 
 def test_impossible_lora_combinations_are_refused():
-    from algorithms.config import ConfigError, PPOConfig, RLConfig
+    from algorithms.run.config import ConfigError, PPOConfig, RLConfig
 
     with pytest.raises(ConfigError, match="lora_rank=8 runs on the torch engine"):
         RLConfig(lora_rank=8, model=ModelConfig(engine="megatron"))
@@ -162,6 +173,12 @@ def test_impossible_lora_combinations_are_refused():
 
 def test_lora_on_tensor_parallel_ranks_is_refused_before_the_model_trains(controller4):
     with pytest.raises(fa.RemoteError, match="lora_rank=4 runs on tp = 1"):
-        g = fa.ActorGroup(controller4, CriticWorker, name="lora_tp", slots=controller4.slots[:2],
-                          layout=Layout(tp=2), args=(CFG, LORA))
+        g = fa.ActorGroup(
+            controller4,
+            CriticWorker,
+            name="lora_tp",
+            slots=controller4.slots[:2],
+            layout=Layout(tp=2),
+            args=(CFG, LORA),
+        )
         g.close()

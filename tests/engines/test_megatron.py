@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.training.megatron.engine import megatron_available
+from engines.ops import entropy_from_logits, position_ids_from_mask, response_logits, token_log_probs
 from engines.training.megatron.convert import check_megatron_fits, hf_to_megatron, megatron_geometry, megatron_to_hf
-from engines.ops import position_ids_from_mask, response_logits, token_log_probs, entropy_from_logits
+from engines.training.megatron.engine import megatron_available
 from flowactors import Batch
 from tests.ranks import free_port, join_world, leave_world
 
-needs_megatron = pytest.mark.skipif(not megatron_available(),
-                                    reason="megatron-core is not installed (pip install '.[megatron]')")
+needs_megatron = pytest.mark.skipif(
+    not megatron_available(), reason="megatron-core is not installed (pip install '.[megatron]')"
+)
 
 LR, MICRO_BATCH_TOKENS = 1e-2, 20  # fixed_batch rows are 10 tokens wide: 2 rows per micro-batch
 
@@ -40,8 +41,15 @@ def fixed_batch(n: int = 4, width: int = 10, resp: int = 4, seed: int = 0) -> Ba
     mask[0, :3] = 0
     rmask = torch.ones(n, resp, dtype=torch.long)
     rmask[1, -2:] = 0
-    return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, -resp:], "response_mask": rmask,
-                  "advantages": torch.randn(n, resp, generator=g)})
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "responses": ids[:, -resp:],
+            "response_mask": rmask,
+            "advantages": torch.randn(n, resp, generator=g),
+        }
+    )
 
 
 def pg_loss(outputs: dict[str, torch.Tensor], mb: Batch):
@@ -52,8 +60,15 @@ def pg_loss(outputs: dict[str, torch.Tensor], mb: Batch):
 def hf_config(arch: str):
     import transformers
 
-    common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=96, vocab_size=64, max_position_embeddings=64)
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
     if arch == "llama":
         return transformers.LlamaConfig(**common, tie_word_embeddings=False)
     return transformers.Qwen2Config(**common, tie_word_embeddings=True)  # qkv biases and tied embeddings
@@ -70,8 +85,13 @@ def hf_model(arch: str):
 # ---- what the spawned processes run ---------------------------------------------------------------------------
 
 # (name, arch, tp, pp, what): on a 2-process world the rest is data parallel
-TWO_RANKS = [("llama_tp2", "llama", 2, 1), ("llama_pp2", "llama", 1, 2), ("llama_dp2", "llama", 1, 1),
-             ("qwen2_tp2", "qwen2", 2, 1), ("qwen2_pp2", "qwen2", 1, 2)]
+TWO_RANKS = [
+    ("llama_tp2", "llama", 2, 1),
+    ("llama_pp2", "llama", 1, 2),
+    ("llama_dp2", "llama", 1, 1),
+    ("qwen2_tp2", "qwen2", 2, 1),
+    ("qwen2_pp2", "qwen2", 1, 2),
+]
 ONE_RANK = [("llama_1", "llama", 1, 1), ("qwen2_1", "qwen2", 1, 1)]
 
 
@@ -79,22 +99,31 @@ def _run_layouts(rank: int, world: int, port: int, runs: list, out_dir: str) -> 
     join_world(rank, world, port, megatron=True)
     import torch.distributed as dist
 
-    from engines.training.megatron.engine import MegatronEngine
     from engines.training.common import OptimConfig
+    from engines.training.megatron.engine import MegatronEngine
 
     try:
         for name, arch, tp, pp in runs:
             model = hf_model(arch)
-            engine = MegatronEngine.from_hf_model(model, OptimConfig(lr=LR, micro_batch_tokens=MICRO_BATCH_TOKENS),
-                                                  tp=tp, pp=pp)
+            engine = MegatronEngine.from_hf_model(
+                model, OptimConfig(lr=LR, micro_batch_tokens=MICRO_BATCH_TOKENS), tp=tp, pp=pp
+            )
             batch = fixed_batch()
             dp, dp_rank = engine.dp_size, engine.dp_rank
             lp = engine.log_probs(batch, with_entropy=True)
             share = batch.chunk(len(batch) // dp)[dp_rank]  # what a DP protocol hands this rank
-            metrics = engine.update([share], pg_loss, lambda mb: engine.policy_outputs(mb, 1.0, False))
+            metrics = engine.update([share], pg_loss, lambda mb, e=engine: e.policy_outputs(mb, 1.0, False))
             weights = engine.full_state_dict()
-            torch.save({"log_probs": lp["log_probs"], "entropy": lp["entropy"], "metrics": metrics,
-                        "weights": weights, "dp": dp}, Path(out_dir) / f"{name}.{rank}.pt")
+            torch.save(
+                {
+                    "log_probs": lp["log_probs"],
+                    "entropy": lp["entropy"],
+                    "metrics": metrics,
+                    "weights": weights,
+                    "dp": dp,
+                },
+                Path(out_dir) / f"{name}.{rank}.pt",
+            )
             del engine
     except BaseException:
         dist.destroy_process_group()
@@ -121,13 +150,15 @@ def one_rank(tmp_path_factory):
 
 # ---- references in this process ------------------------------------------------------------------------------
 
+
 def reference(arch: str) -> dict:
     """transformers forward for log-probs; one clipped torch AdamW step on the token-mean pg loss."""
     model = hf_model(arch)
     batch = fixed_batch()
     mask = batch["attention_mask"]
-    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                   use_cache=False).logits
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
+    ).logits
     resp = response_logits(logits, batch["responses"].shape[1])
     log_probs = token_log_probs(resp, batch["responses"])
     out = {"log_probs": log_probs.detach(), "entropy": entropy_from_logits(resp).detach()}
@@ -158,6 +189,7 @@ def assert_weights_match(got: dict, want: dict, grads: dict, initial: dict) -> N
 
 # ---- tests ----------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)])
 def test_conversion_round_trip_is_exact(arch, tp, pp):
@@ -179,20 +211,23 @@ def test_fused_qkv_is_interleaved_per_query_group():
     for tp_rank in range(2):
         fused = hf_to_megatron(sd, cfg, tp_rank, 2, 0, 1)["decoder.layers.0.self_attention.linear_qkv.weight"]
         group = tp_rank  # 2 kv groups over tp=2: one group per rank
-        assert torch.equal(fused[:qpg * d], q[group * qpg * d:(group + 1) * qpg * d])
-        assert torch.equal(fused[qpg * d:(qpg + 1) * d], k[group * d:(group + 1) * d])
-        assert torch.equal(fused[(qpg + 1) * d:], v[group * d:(group + 1) * d])
+        assert torch.equal(fused[: qpg * d], q[group * qpg * d : (group + 1) * qpg * d])
+        assert torch.equal(fused[qpg * d : (qpg + 1) * d], k[group * d : (group + 1) * d])
+        assert torch.equal(fused[(qpg + 1) * d :], v[group * d : (group + 1) * d])
         fc1 = hf_to_megatron(sd, cfg, tp_rank, 2, 0, 1)["decoder.layers.0.mlp.linear_fc1.weight"]
         half = g.intermediate_size // 2
-        assert torch.equal(fc1[:half], sd["model.layers.0.mlp.gate_proj.weight"][tp_rank * half:(tp_rank + 1) * half])
-        assert torch.equal(fc1[half:], sd["model.layers.0.mlp.up_proj.weight"][tp_rank * half:(tp_rank + 1) * half])
+        assert torch.equal(fc1[:half], sd["model.layers.0.mlp.gate_proj.weight"][tp_rank * half : (tp_rank + 1) * half])
+        assert torch.equal(fc1[half:], sd["model.layers.0.mlp.up_proj.weight"][tp_rank * half : (tp_rank + 1) * half])
 
 
-@pytest.mark.parametrize("tp,pp,field,fix", [
-    (3, 1, "num_attention_heads", "choose a tp that divides"),
-    (4, 1, "num_key_value_heads", "choose a tp that divides"),
-    (1, 3, "num_hidden_layers", "choose a pp that divides 4"),
-])
+@pytest.mark.parametrize(
+    "tp,pp,field,fix",
+    [
+        (3, 1, "num_attention_heads", "choose a tp that divides"),
+        (4, 1, "num_key_value_heads", "choose a tp that divides"),
+        (1, 3, "num_hidden_layers", "choose a pp that divides 4"),
+    ],
+)
 def test_bad_layout_is_a_clear_error_before_any_collective(tp, pp, field, fix):
     cfg = hf_config("llama")
     with pytest.raises(ValueError, match=field) as info:
@@ -208,24 +243,35 @@ def test_bad_layout_is_a_clear_error_before_any_collective(tp, pp, field, fix):
 
 def test_import_without_megatron_core():
     """`import engines` and `import engines.training.megatron.engine` must not need megatron-core; building the engine does."""
-    code = ("import sys; sys.modules['megatron'] = None\n"
-            "import engines, engines.training.megatron.engine\n"
-            "assert not engines.training.megatron.engine.megatron_available()\n"
-            "from tests.engines.test_megatron import hf_model\n"
-            "m = hf_model('llama')\n"
-            "try:\n"
-            "    engines.training.megatron.engine.MegatronEngine.from_hf_model(m, None)\n"
-            "except ImportError as e:\n"
-            "    assert 'megatron-core==0.16.1' in str(e), e\n"
-            "else:\n"
-            "    raise AssertionError('no ImportError')\n")
+    code = (
+        "import sys; sys.modules['megatron'] = None\n"
+        "import engines, engines.training.megatron.engine\n"
+        "assert not engines.training.megatron.engine.megatron_available()\n"
+        "from tests.engines.test_megatron import hf_model\n"
+        "m = hf_model('llama')\n"
+        "try:\n"
+        "    engines.training.megatron.engine.MegatronEngine.from_hf_model(m, None)\n"
+        "except ImportError as e:\n"
+        "    assert 'megatron-core==0.16.1' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no ImportError')\n"
+    )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=120)
 
 
 @needs_megatron
-@pytest.mark.parametrize("name,arch", [("llama_1", "llama"), ("qwen2_1", "qwen2"), ("llama_tp2", "llama"),
-                                       ("qwen2_tp2", "qwen2"), ("llama_pp2", "llama"), ("qwen2_pp2", "qwen2")])
+@pytest.mark.parametrize(
+    "name,arch",
+    [
+        ("llama_1", "llama"),
+        ("qwen2_1", "qwen2"),
+        ("llama_tp2", "llama"),
+        ("qwen2_tp2", "qwen2"),
+        ("llama_pp2", "llama"),
+        ("qwen2_pp2", "qwen2"),
+    ],
+)
 def test_log_probs_equal_transformers(one_rank, two_ranks, refs, name, arch):
     results = (one_rank | two_ranks)[name]
     for r in results:  # every rank, including the first PP stage, returns the last stage's values
@@ -234,9 +280,18 @@ def test_log_probs_equal_transformers(one_rank, two_ranks, refs, name, arch):
 
 
 @needs_megatron
-@pytest.mark.parametrize("name,arch", [("llama_1", "llama"), ("qwen2_1", "qwen2"), ("llama_tp2", "llama"),
-                                       ("qwen2_tp2", "qwen2"), ("llama_pp2", "llama"), ("qwen2_pp2", "qwen2"),
-                                       ("llama_dp2", "llama")])
+@pytest.mark.parametrize(
+    "name,arch",
+    [
+        ("llama_1", "llama"),
+        ("qwen2_1", "qwen2"),
+        ("llama_tp2", "llama"),
+        ("qwen2_tp2", "qwen2"),
+        ("llama_pp2", "llama"),
+        ("qwen2_pp2", "qwen2"),
+        ("llama_dp2", "llama"),
+    ],
+)
 def test_update_equals_torch_adamw_step(one_rank, two_ranks, refs, name, arch):
     initial = hf_model(arch).state_dict()
     results = (one_rank | two_ranks)[name]
@@ -248,8 +303,16 @@ def test_update_equals_torch_adamw_step(one_rank, two_ranks, refs, name, arch):
 
 
 @needs_megatron
-@pytest.mark.parametrize("name,base", [("llama_tp2", "llama_1"), ("llama_pp2", "llama_1"), ("llama_dp2", "llama_1"),
-                                       ("qwen2_tp2", "qwen2_1"), ("qwen2_pp2", "qwen2_1")])
+@pytest.mark.parametrize(
+    "name,base",
+    [
+        ("llama_tp2", "llama_1"),
+        ("llama_pp2", "llama_1"),
+        ("llama_dp2", "llama_1"),
+        ("qwen2_tp2", "qwen2_1"),
+        ("qwen2_pp2", "qwen2_1"),
+    ],
+)
 def test_parallel_update_equals_tp1_pp1_dp1(one_rank, two_ranks, refs, name, base):
     arch = base.split("_")[0]
     single = one_rank[base][0]

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines.training.common import OptimConfig
 from engines.training.megatron.convert import hf_to_megatron, megatron_to_hf
 from engines.training.torch_native import TrainEngine
-from engines.training.common import OptimConfig
 from flowactors import Batch
-from tests.ranks import free_port, join_world, leave_world
 from tests.engines.probes import squared_value_loss
 from tests.engines.test_megatron import needs_megatron
+from tests.ranks import free_port, join_world, leave_world
 
 PAD = 0
 OPTIM = OptimConfig(lr=1e-2, eps=1e-4, micro_batch_tokens=20)  # 10-token rows: 2 rows per micro-batch
@@ -34,9 +34,19 @@ def hf_model(arch: str, head: str):
     import transformers
 
     config_cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
-    config = config_cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=96, vocab_size=64, max_position_embeddings=64, num_labels=1,
-                        pad_token_id=PAD, classifier_dropout=0.0, tie_word_embeddings=arch == "qwen2")
+    config = config_cls(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=64,
+        max_position_embeddings=64,
+        num_labels=1,
+        pad_token_id=PAD,
+        classifier_dropout=0.0,
+        tie_word_embeddings=arch == "qwen2",
+    )
     kind = "ForTokenClassification" if head == "value" else "ForSequenceClassification"
     torch.manual_seed(0)
     model = getattr(transformers, f"{'Llama' if arch == 'llama' else 'Qwen2'}{kind}")(config)
@@ -53,16 +63,27 @@ def head_batch(n: int = 4, width: int = 10, resp: int = 4) -> Batch:
     mask[0, :3] = 0
     mask[1, -2:] = 0
     ids[mask == 0] = PAD
-    return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, -resp:],
-                  "response_mask": mask[:, -resp:].clone(), "returns": torch.randn(n, resp, generator=g)})
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "responses": ids[:, -resp:],
+            "response_mask": mask[:, -resp:].clone(),
+            "returns": torch.randn(n, resp, generator=g),
+        }
+    )
 
 
 # ---- what the spawned processes run ---------------------------------------------------------------------------
 
 # (name, arch, head, tp, pp): on a 2-process world the rest is data parallel
-RUNS = [("value_llama_tp2", "llama", "value", 2, 1), ("value_qwen2_pp2", "qwen2", "value", 1, 2),
-        ("value_llama_dp2", "llama", "value", 1, 1),
-        ("score_qwen2_tp2", "qwen2", "score", 2, 1), ("score_llama_pp2", "llama", "score", 1, 2)]
+RUNS = [
+    ("value_llama_tp2", "llama", "value", 2, 1),
+    ("value_qwen2_pp2", "qwen2", "value", 1, 2),
+    ("value_llama_dp2", "llama", "value", 1, 1),
+    ("score_qwen2_tp2", "qwen2", "score", 2, 1),
+    ("score_llama_pp2", "llama", "score", 1, 2),
+]
 
 
 def _run_layouts(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -104,6 +125,7 @@ def two_ranks(tmp_path_factory):
 
 # ---- references in this process ------------------------------------------------------------------------------
 
+
 def reference(arch: str, head: str) -> dict:
     model = hf_model(arch, head)
     batch = head_batch()
@@ -117,6 +139,7 @@ def reference(arch: str, head: str) -> dict:
 
 
 # ---- tests ----------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("head", ["value", "score"])
@@ -143,8 +166,9 @@ def test_reference_scores_pool_the_last_non_pad_token():
     """Guards the batch: the padded rows' scores are not read at the last column."""
     model, batch = hf_model("llama", "score"), head_batch()
     with torch.no_grad():
-        per_token = model.score(model.model(input_ids=batch["input_ids"],
-                                            attention_mask=batch["attention_mask"]).last_hidden_state)
+        per_token = model.score(
+            model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        )
     scores = TrainEngine(model, None, trainable=False).scores(batch)
     assert torch.allclose(scores[1], per_token[1, -3, 0], atol=1e-5)
     assert not torch.allclose(scores[1], per_token[1, -1, 0], atol=1e-3)

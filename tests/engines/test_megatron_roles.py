@@ -9,18 +9,17 @@ import pytest
 import torch
 
 import flowactors as fa
-from engines.rollout.stream import SamplingConfig
 from engines.models.config import ModelConfig, build_tokenizer
 from engines.roles import RewardModelWorker
+from engines.rollout.stream import SamplingConfig
 from engines.specs import GenerationSpec, UpdateSpec
 from engines.training.common import OptimConfig
 from tests.engines.probes import HybridActorProbe, pg_loss
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[test]' pulls it)")
 
-from tests.engines.megatron_probes import (ShimmedActor, ShimmedCritic, ShimmedRewardModel,  # noqa: E402
-                                           TorchCritic)
-from tests.engines.probes import squared_value_loss  # noqa: E402
+from tests.engines.megatron_probes import ShimmedActor, ShimmedCritic, ShimmedRewardModel, TorchCritic
+from tests.engines.probes import squared_value_loss
 
 CFG = dict(num_heads=4, num_kv_heads=2, pad_vocab_to=2, seed=7)
 SAMPLING = SamplingConfig(max_new_tokens=5)
@@ -36,10 +35,17 @@ def _prompts(tok) -> fa.Batch:
 def test_megatron_actor_matches_torch_actor(fresh_controller, layout):
     ctl = fresh_controller
     tok = build_tokenizer(ModelConfig(**CFG))
-    mega = fa.ActorGroup(ctl, ShimmedActor, name="mega", slots=ctl.slots, layout=layout,
-                         args=(ModelConfig(engine="megatron", **CFG), OPTIM, SAMPLING))
-    ref = fa.ActorGroup(ctl, HybridActorProbe, name="torch_ref", slots=ctl.slots[:1],
-                        args=(ModelConfig(**CFG), OPTIM, SAMPLING))
+    mega = fa.ActorGroup(
+        ctl,
+        ShimmedActor,
+        name="mega",
+        slots=ctl.slots,
+        layout=layout,
+        args=(ModelConfig(engine="megatron", **CFG), OPTIM, SAMPLING),
+    )
+    ref = fa.ActorGroup(
+        ctl, HybridActorProbe, name="torch_ref", slots=ctl.slots[:1], args=(ModelConfig(**CFG), OPTIM, SAMPLING)
+    )
     try:
         assert all(mega.implements_training_engine().result())
         prompts = _prompts(tok)
@@ -72,10 +78,15 @@ def _scored(tok) -> fa.Batch:
     response_mask = torch.ones_like(responses)
     response_mask[1, -2:] = 0
     responses[response_mask == 0] = tok.pad_token_id
-    return fa.Batch({"input_ids": torch.cat([prompts["input_ids"], responses], 1),
-                     "attention_mask": torch.cat([prompts["attention_mask"], response_mask], 1),
-                     "responses": responses, "response_mask": response_mask,
-                     "returns": torch.randn(responses.shape, generator=g)})
+    return fa.Batch(
+        {
+            "input_ids": torch.cat([prompts["input_ids"], responses], 1),
+            "attention_mask": torch.cat([prompts["attention_mask"], response_mask], 1),
+            "responses": responses,
+            "response_mask": response_mask,
+            "returns": torch.randn(responses.shape, generator=g),
+        }
+    )
 
 
 @pytest.mark.parametrize("layout", [fa.Layout(tp=2), fa.Layout(pp=2)], ids=["tp2", "pp2"])
@@ -85,10 +96,17 @@ def test_megatron_critic_and_reward_model_match_torch(fresh_controller, layout):
     batch = _scored(tok)
     mask = batch["response_mask"].bool()
     groups = {
-        "mega_critic": fa.ActorGroup(ctl, ShimmedCritic, name="mega_critic", slots=ctl.slots, layout=layout,
-                                     args=(ModelConfig(engine="megatron", **CFG), OPTIM)),
-        "torch_critic": fa.ActorGroup(ctl, TorchCritic, name="torch_critic", slots=ctl.slots[:1],
-                                      args=(ModelConfig(**CFG), OPTIM)),
+        "mega_critic": fa.ActorGroup(
+            ctl,
+            ShimmedCritic,
+            name="mega_critic",
+            slots=ctl.slots,
+            layout=layout,
+            args=(ModelConfig(engine="megatron", **CFG), OPTIM),
+        ),
+        "torch_critic": fa.ActorGroup(
+            ctl, TorchCritic, name="torch_critic", slots=ctl.slots[:1], args=(ModelConfig(**CFG), OPTIM)
+        ),
     }
     try:
         v_m = groups["mega_critic"].compute_values(batch).result()
@@ -105,10 +123,17 @@ def test_megatron_critic_and_reward_model_match_torch(fresh_controller, layout):
         for g in groups.values():
             g.close()
         groups = {
-            "mega_rm": fa.ActorGroup(ctl, ShimmedRewardModel, name="mega_rm", slots=ctl.slots, layout=layout,
-                                     args=(ModelConfig(engine="megatron", **CFG),)),
-            "torch_rm": fa.ActorGroup(ctl, RewardModelWorker, name="torch_rm", slots=ctl.slots[:1],
-                                      args=(ModelConfig(**CFG),)),
+            "mega_rm": fa.ActorGroup(
+                ctl,
+                ShimmedRewardModel,
+                name="mega_rm",
+                slots=ctl.slots,
+                layout=layout,
+                args=(ModelConfig(engine="megatron", **CFG),),
+            ),
+            "torch_rm": fa.ActorGroup(
+                ctl, RewardModelWorker, name="torch_rm", slots=ctl.slots[:1], args=(ModelConfig(**CFG),)
+            ),
         }
         r_m, r_t = groups["mega_rm"].compute_reward(batch).result(), groups["torch_rm"].compute_reward(batch).result()
         torch.testing.assert_close(r_m["rewards"], r_t["rewards"], atol=1e-5, rtol=0)
@@ -127,26 +152,37 @@ def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_
     tok = build_tokenizer(ModelConfig(**CFG))
     mega_cfg = ModelConfig(engine="megatron", **CFG)
     groups = {
-        "actor": fa.ActorGroup(ctl, ShimmedActor, name="actor", slots=ctl.slots, layout=fa.Layout(pp=2),
-                               args=(mega_cfg, OPTIM, SAMPLING)),
-        "critic": fa.ActorGroup(ctl, ShimmedCritic, name="critic", slots=ctl.slots, layout=fa.Layout(tp=2),
-                                args=(mega_cfg, OPTIM)),
+        "actor": fa.ActorGroup(
+            ctl, ShimmedActor, name="actor", slots=ctl.slots, layout=fa.Layout(pp=2), args=(mega_cfg, OPTIM, SAMPLING)
+        ),
+        "critic": fa.ActorGroup(
+            ctl, ShimmedCritic, name="critic", slots=ctl.slots, layout=fa.Layout(tp=2), args=(mega_cfg, OPTIM)
+        ),
         "rm": fa.ActorGroup(ctl, ShimmedRewardModel, name="rm", slots=ctl.slots[1:], args=(mega_cfg,)),
         # trainable on one slot: megatron's optimizer set-up must not wait for the idle rank 0 (see
         # engines.training.megatron.engine._default_group_is)
         "critic1": fa.ActorGroup(ctl, ShimmedCritic, name="critic1", slots=ctl.slots[1:], args=(mega_cfg, OPTIM)),
-        "t_actor": fa.ActorGroup(ctl, HybridActorProbe, name="t_actor", slots=ctl.slots[:1],
-                                 args=(ModelConfig(**CFG), OPTIM, SAMPLING)),
-        "t_critic": fa.ActorGroup(ctl, TorchCritic, name="t_critic", slots=ctl.slots[:1],
-                                  args=(ModelConfig(**CFG), OPTIM)),
+        "t_actor": fa.ActorGroup(
+            ctl, HybridActorProbe, name="t_actor", slots=ctl.slots[:1], args=(ModelConfig(**CFG), OPTIM, SAMPLING)
+        ),
+        "t_critic": fa.ActorGroup(
+            ctl, TorchCritic, name="t_critic", slots=ctl.slots[:1], args=(ModelConfig(**CFG), OPTIM)
+        ),
         "t_rm": fa.ActorGroup(ctl, RewardModelWorker, name="t_rm", slots=ctl.slots[:1], args=(ModelConfig(**CFG),)),
     }
     try:
         batch = _scored(tok)
         mask = batch["response_mask"].bool()
-        torch.testing.assert_close(groups["rm"].compute_reward(batch).result()["rewards"],
-                                   groups["t_rm"].compute_reward(batch).result()["rewards"], atol=1e-5, rtol=0)
-        lp_m, lp_t = groups["actor"].compute_log_prob(batch).result(), groups["t_actor"].compute_log_prob(batch).result()
+        torch.testing.assert_close(
+            groups["rm"].compute_reward(batch).result()["rewards"],
+            groups["t_rm"].compute_reward(batch).result()["rewards"],
+            atol=1e-5,
+            rtol=0,
+        )
+        lp_m, lp_t = (
+            groups["actor"].compute_log_prob(batch).result(),
+            groups["t_actor"].compute_log_prob(batch).result(),
+        )
         torch.testing.assert_close(lp_m["old_log_probs"][mask], lp_t["old_log_probs"][mask], atol=1e-5, rtol=0)
         v_m, v_t = groups["critic"].compute_values(batch).result(), groups["t_critic"].compute_values(batch).result()
         torch.testing.assert_close(v_m["values"][mask], v_t["values"][mask], atol=1e-5, rtol=0)
@@ -156,9 +192,12 @@ def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_
         g = torch.Generator().manual_seed(1)
         train = fa.Batch({**batch.tensors, "advantages": torch.randn(batch["responses"].shape, generator=g)})
         spec = UpdateSpec(mini_batch_samples=4)
-        updates = {name: groups[name].update_actor(train, pg_loss, spec) if "actor" in name
-                   else groups[name].update_critic(train, squared_value_loss, spec)
-                   for name in ("actor", "critic", "t_actor", "t_critic")}
+        updates = {
+            name: groups[name].update_actor(train, pg_loss, spec)
+            if "actor" in name
+            else groups[name].update_critic(train, squared_value_loss, spec)
+            for name in ("actor", "critic", "t_actor", "t_critic")
+        }
         for mine, ref in (("actor", "t_actor"), ("critic", "t_critic")):
             assert updates[mine].result()["grad_norm"] == pytest.approx(updates[ref].result()["grad_norm"], rel=1e-4)
             w_m, w_t = groups[mine].full_weights().result()[0], groups[ref].full_weights().result()[0]
@@ -170,8 +209,9 @@ def test_megatron_groups_on_any_slots_with_different_layouts_side_by_side(fresh_
             g.close()
 
 
-@pytest.mark.parametrize("layout,p_g", [(fa.Layout(tp=2), 1), (fa.Layout(pp=2), 1), (fa.Layout(pp=2), 2)],
-                         ids=["tp2", "pp2", "pp2-gen-pp2"])
+@pytest.mark.parametrize(
+    "layout,p_g", [(fa.Layout(tp=2), 1), (fa.Layout(pp=2), 1), (fa.Layout(pp=2), 2)], ids=["tp2", "pp2", "pp2-gen-pp2"]
+)
 def test_megatron_actor_generates_through_the_3d_hybrid_engine(fresh_controller, layout, p_g):
     """(p, t, d) = (1, 2, 1) or (2, 1, 1) → (p_g, t_g) = (1, 1): each rank gathers, inside its micro-DP group of
     2, the other rank's shard (Table 2: (t − t_g)/(t_g·t) of the model for TP, the other stage for PP) and
@@ -185,10 +225,17 @@ def test_megatron_actor_generates_through_the_3d_hybrid_engine(fresh_controller,
 
     ctl = fresh_controller
     tok = build_tokenizer(ModelConfig(**CFG))
-    mega = fa.ActorGroup(ctl, ShimmedActor, name="mega_hy", slots=ctl.slots, layout=layout,
-                         args=(ModelConfig(engine="megatron", **CFG), OPTIM, SAMPLING, 1, "hf", p_g))
-    ref = fa.ActorGroup(ctl, HybridActorProbe, name="torch_hy", slots=ctl.slots[:1],
-                        args=(ModelConfig(**CFG), OPTIM, SAMPLING))
+    mega = fa.ActorGroup(
+        ctl,
+        ShimmedActor,
+        name="mega_hy",
+        slots=ctl.slots,
+        layout=layout,
+        args=(ModelConfig(engine="megatron", **CFG), OPTIM, SAMPLING, 1, "hf", p_g),
+    )
+    ref = fa.ActorGroup(
+        ctl, HybridActorProbe, name="torch_hy", slots=ctl.slots[:1], args=(ModelConfig(**CFG), OPTIM, SAMPLING)
+    )
     try:
         prompts = _prompts(tok)
         out_m = mega.generate_sequences(prompts, GenerationSpec(greedy=True)).result()

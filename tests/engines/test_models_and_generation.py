@@ -5,8 +5,16 @@ import json
 import pytest
 import torch
 
-from engines import (HFGenerationEngine, ModelConfig, SamplingConfig, TrainEngine, build_model, build_tokenizer,
-                     check_model_dir, save_pretrained)
+from engines import (
+    HFGenerationEngine,
+    ModelConfig,
+    SamplingConfig,
+    TrainEngine,
+    build_model,
+    build_tokenizer,
+    check_model_dir,
+    save_pretrained,
+)
 from engines.ops import response_mask_from_tokens
 from engines.training.parallel import check_divisible
 from flowactors import Batch
@@ -46,10 +54,16 @@ def test_greedy_generation_equals_transformers_generate(tiny):
     p = prompts(tok, ["sum 17:", "ab", "hello world"])
     eng = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id)
     out = eng.generate(model, p, SamplingConfig(max_new_tokens=12), greedy=True)
-    ref = model.generate(input_ids=p["input_ids"], attention_mask=p["attention_mask"], do_sample=False,
-                         max_new_tokens=12, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    ref_resp = ref[:, p["input_ids"].shape[1]:]
-    got = out["responses"][:, :ref_resp.shape[1]]
+    ref = model.generate(
+        input_ids=p["input_ids"],
+        attention_mask=p["attention_mask"],
+        do_sample=False,
+        max_new_tokens=12,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    ref_resp = ref[:, p["input_ids"].shape[1] :]
+    got = out["responses"][:, : ref_resp.shape[1]]
     assert torch.equal(got, ref_resp)
 
 
@@ -57,12 +71,13 @@ def test_generation_log_probs_equal_compute_log_prob_and_masks(tiny):
     cfg, tok, model = tiny
     p = prompts(tok, ["sum 3:", "x", "abc def", "q"])
     out = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(
-        model, p, SamplingConfig(max_new_tokens=10, temperature=0.8), seed=3)
+        model, p, SamplingConfig(max_new_tokens=10, temperature=0.8), seed=3
+    )
     lp = TrainEngine(model, None, trainable=False).log_probs(out, temperature=0.8)["log_probs"]
     m = out["response_mask"]
     assert torch.allclose(lp * m, out["rollout_log_probs"], atol=1e-5)
     # masks: the prompt's left padding is excluded, the response mask ends at EOS and pads after it
-    assert torch.equal(out["attention_mask"][:, :p["input_ids"].shape[1]], p["attention_mask"])
+    assert torch.equal(out["attention_mask"][:, : p["input_ids"].shape[1]], p["attention_mask"])
     assert torch.equal(m, response_mask_from_tokens(out["responses"], tok.eos_token_id))
     assert bool((out["responses"][m == 0] == tok.pad_token_id).all())
 
@@ -102,7 +117,8 @@ def test_bad_model_inputs_say_the_fix(tmp_path):
     tok = build_tokenizer(cfg)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         HFGenerationEngine(tok.eos_token_id, tok.pad_token_id, max_context=8).generate(
-            model, prompts(tok, ["abcdef"]), SamplingConfig(max_new_tokens=4))
+            model, prompts(tok, ["abcdef"]), SamplingConfig(max_new_tokens=4)
+        )
 
 
 def test_tokenizer_without_pad_is_rejected(tmp_path):
@@ -125,8 +141,15 @@ def test_critic_and_reward_heads_from_any_causal_lm_folder_have_no_dropout(tmp_p
     import transformers
 
     tok = build_tokenizer(ModelConfig())
-    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=64, pad_token_id=tok.pad_token_id)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        pad_token_id=tok.pad_token_id,
+    )
     assert "classifier_dropout" not in config.to_dict()
     lm = transformers.LlamaForCausalLM(config)
     lm.save_pretrained(tmp_path)

@@ -27,12 +27,20 @@ def long_tailed(n: int = 16, prompt: int = 8, resp: int = 24, seed: int = 0) -> 
     r_len = (torch.distributions.Exponential(0.25).sample((n,)).long() + 1).clamp(max=resp)
     r_len[0] = resp  # one full-length row sets the width
     for i in range(n):
-        mask[i, :prompt - p_len[i]] = 0
-        mask[i, prompt + r_len[i]:] = 0
+        mask[i, : prompt - p_len[i]] = 0
+        mask[i, prompt + r_len[i] :] = 0
     ids = ids * mask  # pad id 0 where masked
-    return Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, prompt:],
-                  "response_mask": mask[:, prompt:].clone(), "advantages": torch.randn(n, resp, generator=g),
-                  "returns": torch.randn(n, resp, generator=g), "scores_target": torch.randn(n, generator=g)})
+    return Batch(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "responses": ids[:, prompt:],
+            "response_mask": mask[:, prompt:].clone(),
+            "advantages": torch.randn(n, resp, generator=g),
+            "returns": torch.randn(n, resp, generator=g),
+            "scores_target": torch.randn(n, generator=g),
+        }
+    )
 
 
 def engines(head: str, budget: int = 96) -> tuple[TrainEngine, TrainEngine]:
@@ -56,8 +64,8 @@ def test_pack_lays_each_row_end_to_end_with_its_own_positions():
     for r in range(len(b)):
         n = int(mask[r].sum())
         start = int(p.last_index[r]) - n + 1  # every row here ends on a non-pad token
-        assert torch.equal(flat_ids[start:start + n], b["input_ids"][r][mask[r]])
-        assert flat_pos[start:start + n].tolist() == list(range(n))
+        assert torch.equal(flat_ids[start : start + n], b["input_ids"][r][mask[r]])
+        assert flat_pos[start : start + n].tolist() == list(range(n))
         assert start // width == (start + n - 1) // width  # a row never spans two bins
     assert int((p.input_ids != PAD).sum()) == int((b["input_ids"] != PAD).sum())
 
@@ -108,6 +116,7 @@ def test_packed_gradients_equal_padded(head):
         def score_loss(outputs, mb):
             err = (outputs["scores"] - mb["scores_target"]) ** 2
             return err.unsqueeze(1), torch.ones_like(err).unsqueeze(1), {}
+
         return score_loss, engine.score_outputs
 
     for engine in (padded, packed):
@@ -122,18 +131,29 @@ def test_packed_gradients_equal_padded(head):
 def test_packed_roles_on_sharded_groups_equal_padded(controller4):
     """The actor on the 3D-HybridEngine (tp=2, Megatron's layout) and an FSDP2 critic over dp=2, packed, score
     the actor's own samples as their padded twins do."""
-    cfg = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=5,
-               pad_vocab_to=2)
+    cfg = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=5, pad_vocab_to=2)
     plain, packed = ModelConfig(**cfg), ModelConfig(**cfg, pack_sequences=True)
     tok = build_tokenizer(plain)
     enc = tok([f"sum {'7' * (i % 5)} {i}:" for i in range(8)], padding=True, return_tensors="pt")
     prompts = Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "seed": torch.arange(8)})
     out = {}
     for name, model in (("plain", plain), ("packed", packed)):
-        actor = fa.ActorGroup(controller4, ActorWorker, name=f"pk_actor_{name}", slots=controller4.slots[:2],
-                              layout=Layout(tp=2), args=(model, None, SamplingConfig(max_new_tokens=12), 1))
-        critic = fa.ActorGroup(controller4, CriticWorker, name=f"pk_critic_{name}", slots=controller4.slots[2:],
-                               layout=Layout(dp=2), args=(model,))
+        actor = fa.ActorGroup(
+            controller4,
+            ActorWorker,
+            name=f"pk_actor_{name}",
+            slots=controller4.slots[:2],
+            layout=Layout(tp=2),
+            args=(model, None, SamplingConfig(max_new_tokens=12), 1),
+        )
+        critic = fa.ActorGroup(
+            controller4,
+            CriticWorker,
+            name=f"pk_critic_{name}",
+            slots=controller4.slots[2:],
+            layout=Layout(dp=2),
+            args=(model,),
+        )
         try:
             samples = actor.generate_sequences(prompts).result()
             out[name] = (samples, actor.compute_log_prob(samples).result(), critic.compute_values(samples).result())
@@ -163,7 +183,7 @@ def test_models_that_cannot_pack_are_refused():
 
 
 def test_pack_sequences_on_megatron_is_refused_before_start():
-    from algorithms.config import ConfigError, RLConfig
+    from algorithms.run.config import ConfigError, RLConfig
 
     with pytest.raises(ConfigError, match="pack_sequences=true runs on the torch engine"):
         RLConfig(pack_sequences=True, model=ModelConfig(engine="megatron"))

@@ -24,8 +24,14 @@ def reference(controller4):
 def test_tensor_parallel_logits_and_grads_equal_tp1(controller4, reference, layout):
     batch = fixed_batch()
     ref_logits, ref_grads = reference.logits_and_grads(batch).result()[0]
-    g = fa.ActorGroup(controller4, ParallelProbe, name=f"tp_{layout.dp}x{layout.tp}",
-                      slots=controller4.slots[:layout.world_size], layout=layout, args=(CFG,))
+    g = fa.ActorGroup(
+        controller4,
+        ParallelProbe,
+        name=f"tp_{layout.dp}x{layout.tp}",
+        slots=controller4.slots[: layout.world_size],
+        layout=layout,
+        args=(CFG,),
+    )
     try:
         for logits, grads in g.logits_and_grads(batch).result():
             assert torch.allclose(logits, ref_logits, atol=1e-5)
@@ -42,8 +48,9 @@ def test_fsdp2_dp2_update_equals_single_process_update(controller4, reference):
     initial = build_model(CFG, "lm").state_dict()
     ref = reference.update_then_weights([plan_minibatches(batch, 1, spec)[0]]).result()[0]
     assert any(not torch.allclose(ref[n], initial[n]) for n in ref)  # four optimizer steps moved the weights
-    g = fa.ActorGroup(controller4, ParallelProbe, name="fsdp2", slots=controller4.slots[:2], layout=Layout(dp=2),
-                      args=(CFG,))
+    g = fa.ActorGroup(
+        controller4, ParallelProbe, name="fsdp2", slots=controller4.slots[:2], layout=Layout(dp=2), args=(CFG,)
+    )
     try:
         for weights in g.update_then_weights(plan_minibatches(batch, 2, spec)).result():
             for name, w in ref.items():

@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.training.megatron.pipeline_fusion import plan_pipelines
 from engines.training.common import OptimConfig
+from engines.training.megatron.pipeline_fusion import plan_pipelines
 from flowactors import Batch
 from tests.engines.probes import squared_value_loss
 from tests.engines.test_megatron import fixed_batch, needs_megatron, pg_loss
 from tests.engines.test_megatron_heads import hf_model as head_model
 from tests.ranks import free_port, join_world, leave_world
 
-
 # ---- the planner ---------------------------------------------------------------------------------------------
+
 
 def _check_valid(plan, micro_batches, forward_only=False) -> None:
     """Every step once, each after what it needs (in the slots' orders, simulated at unit speed), and never more
@@ -92,8 +92,9 @@ def test_fused_opposite_pipelines_fill_each_others_bubbles(p: int, m: int) -> No
     assert (first.job, first.kind, first.stage) == (1, "F", 0)
 
 
-@pytest.mark.parametrize("p,m,costs", [(4, 4, ((2.0, 4.0), (1.0, 2.0))), (4, 8, ((1.0, 2.0), (3.0, 6.0))),
-                                         (2, 3, ((1.0, 3.0), (1.0, 1.0)))])
+@pytest.mark.parametrize(
+    "p,m,costs", [(4, 4, ((2.0, 4.0), (1.0, 2.0))), (4, 8, ((1.0, 2.0), (3.0, 6.0))), (2, 3, ((1.0, 3.0), (1.0, 1.0)))]
+)
 def test_unequal_models_are_never_planned_slower_than_in_turn(p: int, m: int, costs) -> None:
     (fa, ba), (fc, bc) = costs
     fused = plan_pipelines(p, [m, m], forward_cost=[fa, fc], backward_cost=[ba, bc])
@@ -155,10 +156,23 @@ def _models():
     import transformers
 
     torch.manual_seed(1)
-    lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
-        k: getattr(actor.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                              "num_key_value_heads", "intermediate_size", "vocab_size",
-                                              "max_position_embeddings")}, tie_word_embeddings=False)).eval()
+    lm = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **{
+                k: getattr(actor.config, k)
+                for k in (
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "intermediate_size",
+                    "vocab_size",
+                    "max_position_embeddings",
+                )
+            },
+            tie_word_embeddings=False,
+        )
+    ).eval()
     return lm, head_model("qwen2", "value")
 
 
@@ -178,21 +192,32 @@ def _run(rank: int, world: int, port: int, out_dir: str, tp: int) -> None:
         out = {}
         for mode in ("separate", "fused"):
             actor = MegatronEngine.from_hf_model(lm, OPTIM, tp=tp, pp=2)
-            critic = MegatronEngine.from_hf_model(value, OPTIM, tp=tp, pp=2,
-                                                  groups=world_groups(tp, 2, reverse_stages=mode == "fused"))
+            critic = MegatronEngine.from_hf_model(
+                value, OPTIM, tp=tp, pp=2, groups=world_groups(tp, 2, reverse_stages=mode == "fused")
+            )
             values = critic.values(minis[0])
             log_probs = actor.log_probs(minis[0])["log_probs"]
             if mode == "separate":
-                metrics = [actor.update(minis, pg_loss, lambda mb: actor.policy_outputs(mb, 1.0, False)),
-                           critic.update(minis, squared_value_loss, critic.value_outputs)]
+                metrics = [
+                    actor.update(minis, pg_loss, lambda mb, a=actor: a.policy_outputs(mb, 1.0, False)),
+                    critic.update(minis, squared_value_loss, critic.value_outputs),
+                ]
             else:
-                metrics, timings = fused_update([
-                    (actor, minis, pg_loss, lambda mb: actor.policy_outputs(mb, 1.0, False)),
-                    (critic, minis, squared_value_loss, critic.value_outputs)])
+                metrics, timings = fused_update(
+                    [
+                        (actor, minis, pg_loss, lambda mb, a=actor: a.policy_outputs(mb, 1.0, False)),
+                        (critic, minis, squared_value_loss, critic.value_outputs),
+                    ]
+                )
                 out["fused_stage"] = critic.pp_rank
                 out["timings"] = [(t.wall_s, t.wait_s) for t in timings]
-            out[mode] = {"actor": actor.full_state_dict(), "critic": critic.full_state_dict(), "metrics": metrics,
-                         "values": values, "log_probs": log_probs}
+            out[mode] = {
+                "actor": actor.full_state_dict(),
+                "critic": critic.full_state_dict(),
+                "metrics": metrics,
+                "values": values,
+                "log_probs": log_probs,
+            }
             del actor, critic
         from tests.engines.test_megatron import hf_model as lm_model
 
@@ -242,8 +267,9 @@ def test_fused_step_equals_separate_updates(fused_run) -> None:
                 torch.testing.assert_close(fused[model][k], sep[model][k], rtol=0, atol=0, msg=f"{model} {k}")
         assert fused["metrics"] == sep["metrics"]
         # and the step did train: the weights moved
-    assert not torch.equal(fused_run[0]["fused"]["critic"]["score.weight"],
-                           head_model("qwen2", "value").state_dict()["score.weight"])
+    assert not torch.equal(
+        fused_run[0]["fused"]["critic"]["score.weight"], head_model("qwen2", "value").state_dict()["score.weight"]
+    )
 
 
 @needs_megatron
@@ -263,8 +289,12 @@ def test_fused_step_with_data_or_tensor_parallel_pipelines_equals_separate_updat
         sep, fused = r["separate"], r["fused"]
         for model in ("actor", "critic"):
             for k in sep[model]:
-                torch.testing.assert_close(fused[model][k], sep[model][k], msg=f"{model} {k}",
-                                           **({"rtol": 0, "atol": 0} if model == "actor" or tp == 1 else tol))
+                torch.testing.assert_close(
+                    fused[model][k],
+                    sep[model][k],
+                    msg=f"{model} {k}",
+                    **({"rtol": 0, "atol": 0} if model == "actor" or tp == 1 else tol),
+                )
         assert fused["metrics"][0] == sep["metrics"][0]
         assert fused["metrics"][1] == (sep["metrics"][1] if tp == 1 else pytest.approx(sep["metrics"][1], rel=1e-6))
         torch.testing.assert_close(fused["values"], sep["values"], rtol=0, atol=0)

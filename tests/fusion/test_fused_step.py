@@ -3,7 +3,7 @@ order, scoring beside the long tail, and a failed chunk failing the step by name
 
 Bit-identical scores need batch-invariant kernels. On this CPU every op of the models is, except the one-column
 value and score heads, and those too when a sequence (prompt width + max_new_tokens) is a multiple of 8 tokens
-(see algorithms/fusion.py); the exact tests use such a width, the others check samples exactly and scores to
+(see algorithms/rollout/fusion.py); the exact tests use such a width, the others check samples exactly and scores to
 rounding."""
 
 import pytest
@@ -12,15 +12,23 @@ from distributed import get_task_stream
 from distributed.metrics import time as metrics_time
 
 import flowactors as fa
-from algorithms.config import ConfigError, FusionConfig, PPOConfig, apply_overrides
-from algorithms.fusion import fused_rollout, overlap_note
+from algorithms.data.prompts import PromptData
+from algorithms.data.tasks import get_task
+from algorithms.objectives.advantages import join
 from algorithms.ppo import PPO
-from algorithms.advantages import join
-from algorithms.data import PromptData
-from algorithms.build import Roles
-from algorithms.tasks import get_task
-from engines import (ActorWorker, CriticWorker, ModelConfig, OptimConfig, RefWorker, RuleRewardWorker, SamplingConfig,
-                     build_tokenizer)
+from algorithms.rollout.fusion import fused_rollout, overlap_note
+from algorithms.run.build import Roles
+from algorithms.run.config import ConfigError, FusionConfig, PPOConfig, apply_overrides
+from engines import (
+    ActorWorker,
+    CriticWorker,
+    ModelConfig,
+    OptimConfig,
+    RefWorker,
+    RuleRewardWorker,
+    SamplingConfig,
+    build_tokenizer,
+)
 from engines.rollout.stream import ROW_INDEX, share_tails
 from flowactors import Batch, Layout
 from tests.fusion.workers import FailingReward, SlowDecodeActor
@@ -44,19 +52,30 @@ def data():
 
 def long_tail(prompts: Batch) -> Batch:
     """Most rows stop after a few tokens, a few run to the maximum (EOS may end any of them earlier)."""
-    stop = torch.tensor([2, 3, 16, 1, 4, 2, 12, 3, 2, 5, 1, 16, 3, 2, 8, 4])[:len(prompts)]
+    stop = torch.tensor([2, 3, 16, 1, 4, 2, 12, 3, 2, 5, 1, 16, 3, 2, 8, 4])[: len(prompts)]
     return Batch({**prompts.tensors, "stop_at": stop}, prompts.rows, prompts.meta)
 
 
 ALIGNED = 24 - 7  # digit_sum prompts are 7 tokens wide: 24-token sequences
 
 
-def groups(ctl, tag, *, actor_slots, scorer_slots, actor_cls=ActorWorker, reward=None, actor_kwargs=None,
-           max_new_tokens=ALIGNED):
+def groups(
+    ctl,
+    tag,
+    *,
+    actor_slots,
+    scorer_slots,
+    actor_cls=ActorWorker,
+    reward=None,
+    actor_kwargs=None,
+    max_new_tokens=ALIGNED,
+):
     """actor + ref on `actor_slots`, critic + reward on `scorer_slots`, all from the same seeded initialisation."""
+
     def group(role, cls, slots, *args, kwargs=None):
-        return fa.ActorGroup(ctl, cls, name=f"{role}_{tag}", slots=slots, layout=Layout(dp=len(slots)), args=args,
-                             kwargs=kwargs)
+        return fa.ActorGroup(
+            ctl, cls, name=f"{role}_{tag}", slots=slots, layout=Layout(dp=len(slots)), args=args, kwargs=kwargs
+        )
 
     optim = OptimConfig(lr=1e-3, micro_batch_tokens=512)
     sampling = SamplingConfig(max_new_tokens=max_new_tokens)
@@ -83,8 +102,15 @@ def close(g):
 
 
 def ppo(ctl, g, fuse, data, migrate=False):
-    algo = PPO(PPOConfig(prompts_per_step=N, mini_batch_samples=8, ppo_epochs=2, dashboard="none",
-                         fusion=FusionConfig(fuse, chunk_samples=3, migrate=migrate and fuse)))
+    algo = PPO(
+        PPOConfig(
+            prompts_per_step=N,
+            mini_batch_samples=8,
+            ppo_epochs=2,
+            dashboard="none",
+            fusion=FusionConfig(fuse, chunk_samples=3, migrate=migrate and fuse),
+        )
+    )
     algo.setup(ctl, Roles(**g), data)
     return algo
 
@@ -98,8 +124,10 @@ def assert_fused_equals_unfused(prompts, build, trained, approx=()) -> dict:
     for fuse in (False, True):
         g, algo = build(fuse)
         try:
-            steps = [(algo.step(p, i), algo.last_batch.result() if hasattr(algo, "last_batch") else None)
-                     for i, p in enumerate(prompts)]
+            steps = [
+                (algo.step(p, i), algo.last_batch.result() if hasattr(algo, "last_batch") else None)
+                for i, p in enumerate(prompts)
+            ]
             runs[fuse] = steps, [g[r].parameter_digest().result() for r in trained]  # the updates
         finally:
             close(g)
@@ -127,8 +155,15 @@ def test_fused_steps_give_the_unfused_batches_and_updates(ctl, data):
 
 
 def test_chunks_arrive_in_completion_order_while_scorers_run(ctl, data):
-    g = groups(ctl, "slow", actor_slots=ctl.slots[:1], scorer_slots=ctl.slots[1:], actor_cls=SlowDecodeActor,
-               actor_kwargs={"step_s": 0.03}, max_new_tokens=16)  # 23-token sequences
+    g = groups(
+        ctl,
+        "slow",
+        actor_slots=ctl.slots[:1],
+        scorer_slots=ctl.slots[1:],
+        actor_cls=SlowDecodeActor,
+        actor_kwargs={"step_s": 0.03},
+        max_new_tokens=16,
+    )  # 23-token sequences
     try:
         prompts = long_tail(data.next_batch(N, 1))
         scorers = [g["ref"].compute_ref_log_prob, g["critic"].compute_values, g["reward"].compute_reward]
@@ -173,8 +208,9 @@ def test_failed_chunk_scoring_fails_the_step_by_name(ctl, data):
             algo.step(long_tail(data.next_batch(N, 1)), 0)
         assert (err.value.group, err.value.method) == ("reward_bad", "compute_reward")
         # the actor is left clean: its decoding thread was joined and it generates again
-        rollout = fused_rollout(ctl, g["actor"], long_tail(data.next_batch(N, 1)), [g["critic"].compute_values],
-                                chunk_samples=5)
+        rollout = fused_rollout(
+            ctl, g["actor"], long_tail(data.next_batch(N, 1)), [g["critic"].compute_values], chunk_samples=5
+        )
         assert len(rollout.parts[0].result()) == N
     finally:
         close(g)
@@ -205,7 +241,7 @@ def test_data_parallel_actor_offsets_rows_and_colocated_scorers_wait(ctl, data):
 def test_safe_rlhf_fused_steps_give_the_unfused_metrics_and_updates(ctl, data, migrate):
     """Safe-RLHF's six scorers (log-probs, reference, two critics, reward, cost) through the fused stage; with
     migration, actor and reference on both slots, the other scorers on the second."""
-    from algorithms.config import SafeRLHFConfig
+    from algorithms.run.config import SafeRLHFConfig
     from algorithms.safe_rlhf import SafeRLHF
 
     prompts = [long_tail(data.next_batch(N, 1)) for _ in range(2)]
@@ -213,39 +249,66 @@ def test_safe_rlhf_fused_steps_give_the_unfused_metrics_and_updates(ctl, data, m
     def build(fuse):
         tag = f"safe{int(fuse)}{'m' * migrate}"
         g = groups(ctl, tag, actor_slots=ctl.slots if migrate else ctl.slots[:1], scorer_slots=ctl.slots[1:])
-        g["cost_critic"] = fa.ActorGroup(ctl, CriticWorker, name=f"cost_critic_{tag}", slots=ctl.slots[1:],
-                                         args=(MODEL, OptimConfig(lr=1e-3, micro_batch_tokens=512), "cost_values"))
-        g["cost"] = fa.ActorGroup(ctl, RuleRewardWorker, name=f"cost_{tag}", slots=ctl.slots[1:],
-                                  args=(TASK.cost, MODEL))
-        algo = SafeRLHF(SafeRLHFConfig(prompts_per_step=N, mini_batch_samples=8, dashboard="none",
-                                       fusion=FusionConfig(fuse, chunk_samples=3, migrate=fuse and migrate)))
+        g["cost_critic"] = fa.ActorGroup(
+            ctl,
+            CriticWorker,
+            name=f"cost_critic_{tag}",
+            slots=ctl.slots[1:],
+            args=(MODEL, OptimConfig(lr=1e-3, micro_batch_tokens=512), "cost_values"),
+        )
+        g["cost"] = fa.ActorGroup(
+            ctl, RuleRewardWorker, name=f"cost_{tag}", slots=ctl.slots[1:], args=(TASK.cost, MODEL)
+        )
+        algo = SafeRLHF(
+            SafeRLHFConfig(
+                prompts_per_step=N,
+                mini_batch_samples=8,
+                dashboard="none",
+                fusion=FusionConfig(fuse, chunk_samples=3, migrate=fuse and migrate),
+            )
+        )
         algo.setup(ctl, Roles(**g), data)
         return g, algo
 
-    runs = assert_fused_equals_unfused(prompts, build, ("actor", "critic", "cost_critic"),
-                                       approx=("rollout_log_probs",) if migrate else ())
+    runs = assert_fused_equals_unfused(
+        prompts, build, ("actor", "critic", "cost_critic"), approx=("rollout_log_probs",) if migrate else ()
+    )
     assert runs[True][0][0][0]["cost_mean"] > 0  # the cost scorer ran on the fused chunks
 
 
 def test_hybrid_actor_streams_split_rows_and_matches_unfused(ctl, data):
     """A TP=2 actor under the 3D-HybridEngine (rollout_tp=1: two generation replicas) streams each replica's rows
     and joins chunk k of both: the fused step's batch and update equal the unfused step's."""
-    model = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                        pad_vocab_to=2)  # the vocabulary splits over tp=2
+    model = ModelConfig(
+        hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, pad_vocab_to=2
+    )  # the vocabulary splits over tp=2
     prompts = [long_tail(data.next_batch(N, 1)) for _ in range(2)]
     optim = OptimConfig(lr=1e-3, micro_batch_tokens=512)
 
     def build(fuse):
         tag, two = f"hyfuse{int(fuse)}", Layout(dp=2)
-        g = {"actor": fa.ActorGroup(ctl, ActorWorker, name=f"actor_{tag}", layout=Layout(tp=2),
-                                    args=(model, optim, SamplingConfig(max_new_tokens=ALIGNED)),
-                                    kwargs={"rollout_tp": 1}),
-             "ref": fa.ActorGroup(ctl, RefWorker, name=f"ref_{tag}", layout=two, args=(model,)),
-             "critic": fa.ActorGroup(ctl, CriticWorker, name=f"critic_{tag}", layout=two, args=(model, optim)),
-             "reward": fa.ActorGroup(ctl, RuleRewardWorker, name=f"reward_{tag}", layout=two,
-                                     args=(TASK.reward, model))}
-        algo = PPO(PPOConfig(prompts_per_step=N, mini_batch_samples=8, ppo_epochs=2, dashboard="none",
-                             fusion=FusionConfig(fuse, chunk_samples=4)))  # 4 = 2 rows from each replica
+        g = {
+            "actor": fa.ActorGroup(
+                ctl,
+                ActorWorker,
+                name=f"actor_{tag}",
+                layout=Layout(tp=2),
+                args=(model, optim, SamplingConfig(max_new_tokens=ALIGNED)),
+                kwargs={"rollout_tp": 1},
+            ),
+            "ref": fa.ActorGroup(ctl, RefWorker, name=f"ref_{tag}", layout=two, args=(model,)),
+            "critic": fa.ActorGroup(ctl, CriticWorker, name=f"critic_{tag}", layout=two, args=(model, optim)),
+            "reward": fa.ActorGroup(ctl, RuleRewardWorker, name=f"reward_{tag}", layout=two, args=(TASK.reward, model)),
+        }
+        algo = PPO(
+            PPOConfig(
+                prompts_per_step=N,
+                mini_batch_samples=8,
+                ppo_epochs=2,
+                dashboard="none",
+                fusion=FusionConfig(fuse, chunk_samples=4),
+            )
+        )  # 4 = 2 rows from each replica
         algo.setup(ctl, Roles(**g), data)
         return g, algo
 
@@ -266,8 +329,15 @@ def test_migrated_tails_give_the_unfused_batches_and_updates(ctl, data):
 
 
 def test_freed_slot_scores_while_rank_zero_finishes_the_tail(ctl, data):
-    g = groups(ctl, "migslow", actor_slots=ctl.slots, scorer_slots=ctl.slots[1:], actor_cls=SlowDecodeActor,
-               actor_kwargs={"step_s": 0.05}, max_new_tokens=16)
+    g = groups(
+        ctl,
+        "migslow",
+        actor_slots=ctl.slots,
+        scorer_slots=ctl.slots[1:],
+        actor_cls=SlowDecodeActor,
+        actor_kwargs={"step_s": 0.05},
+        max_new_tokens=16,
+    )
     try:
         prompts = long_tail(data.next_batch(N, 1))
         scorers = [g["actor"].compute_log_prob, g["critic"].compute_values, g["reward"].compute_reward]
@@ -312,13 +382,19 @@ def test_two_receiving_ranks_finish_the_tails_of_the_other_two(data):
     """dp = 4, migrate_to = 2: ranks 2 and 3 pause (at steps 2 and 3) and their tails go one to rank 0, one to
     rank 1, which finish them beside their own rows; the rollout is generate_sequences' (tokens exactly, the
     moved rows' log-probs to rounding), by the endpoints and through fused_rollout."""
-    from algorithms.fusion import migration_threshold, reassemble
+    from algorithms.rollout.fusion import migration_threshold, reassemble
 
     stop = torch.tensor([16, 1, 12, 2, 1, 16, 2, 8, 2, 1, 16, 16, 1, 3, 16, 4])  # 4 rows per rank
     prompts = Batch({**data.next_batch(N, 1).tensors, "stop_at": stop})
     with fa.Controller.local(4, dashboard=None, collective_timeout_s=60) as c4:
-        actor = fa.ActorGroup(c4, ActorWorker, name="actor_mig4", slots=c4.slots, layout=Layout(dp=4),
-                              args=(MODEL, OptimConfig(), SamplingConfig(max_new_tokens=16, ignore_eos=True)))
+        actor = fa.ActorGroup(
+            c4,
+            ActorWorker,
+            name="actor_mig4",
+            slots=c4.slots,
+            layout=Layout(dp=4),
+            args=(MODEL, OptimConfig(), SamplingConfig(max_new_tokens=16, ignore_eos=True)),
+        )
         ref = actor.generate_sequences(prompts).result()
         keep = migration_threshold(actor.layout, 4, 0.5, 2)
         actor.start_generation(prompts, 1, None, keep, 2).result()
@@ -340,18 +416,31 @@ def test_migration_refuses_a_layout_it_cannot_run(ctl, data):
     g = groups(ctl, "mig1", actor_slots=ctl.slots[:1], scorer_slots=ctl.slots[1:])
     try:
         with pytest.raises(ValueError, match="needs an actor of dp >= 2"):
-            fused_rollout(ctl, g["actor"], long_tail(data.next_batch(N, 1)), [g["critic"].compute_values],
-                          chunk_samples=3, migrate_below=0.25)
+            fused_rollout(
+                ctl,
+                g["actor"],
+                long_tail(data.next_batch(N, 1)),
+                [g["critic"].compute_values],
+                chunk_samples=3,
+                migrate_below=0.25,
+            )
         with pytest.raises(ValueError, match=r"must be in \(0, 1\)"):
-            fused_rollout(ctl, g["actor"], long_tail(data.next_batch(N, 1)), [g["critic"].compute_values],
-                          chunk_samples=3, migrate_below=1.5)
+            fused_rollout(
+                ctl,
+                g["actor"],
+                long_tail(data.next_batch(N, 1)),
+                [g["critic"].compute_values],
+                chunk_samples=3,
+                migrate_below=1.5,
+            )
     finally:
         close(g)
     with pytest.raises(ConfigError, match="set fuse=true"):
         apply_overrides(PPOConfig(), ["fuse_migrate=true"])
     with pytest.raises(ConfigError, match="fuse_migrate_to is how many actor ranks"):
         PPOConfig(fusion=FusionConfig(True, migrate=True, migrate_to=0))
-    from algorithms.fusion import migration_threshold
+    from algorithms.rollout.fusion import migration_threshold
+
     with pytest.raises(ValueError, match="some rank must hand over"):
         migration_threshold(Layout(dp=2), 8, 0.25, 2)
 
@@ -368,8 +457,17 @@ def assert_the_ppo_program_migrates_and_changes_nothing(tmp_path, *overrides: st
     from algorithms.ppo import main
     from tests.algorithms.test_learning import run
 
-    common = [*overrides, "--placement", "fused", "--steps", "2", f"max_new_tokens={ALIGNED}", "prompts_per_step=16",
-              "mini_batch_samples=8", "fuse_chunk_samples=2"]
+    common = [
+        *overrides,
+        "--placement",
+        "fused",
+        "--steps",
+        "2",
+        f"max_new_tokens={ALIGNED}",
+        "prompts_per_step=16",
+        "mini_batch_samples=8",
+        "fuse_chunk_samples=2",
+    ]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     plain = run(main, tmp_path / "a", *common, "fuse=false")
@@ -387,11 +485,21 @@ def test_the_ppo_program_fuses_on_a_planned_placement_and_changes_nothing(tmp_pa
     from placement import ModelPlan, Plan
     from tests.algorithms.test_learning import run
 
-    plan = Plan(placement=[["actor", "ref"], ["critic", "reward"]],
-                models=[ModelPlan(r, 1, (1, 1, 1)) for r in ("actor", "ref", "critic", "reward")])
+    plan = Plan(
+        placement=[["actor", "ref"], ["critic", "reward"]],
+        models=[ModelPlan(r, 1, (1, 1, 1)) for r in ("actor", "ref", "critic", "reward")],
+    )
     plan.save(tmp_path / "plan.json")
-    common = ["--plan", str(tmp_path / "plan.json"), "--steps", "2", f"max_new_tokens={ALIGNED}",
-              "prompts_per_step=16", "mini_batch_samples=8", "fuse_chunk_samples=4"]
+    common = [
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "--steps",
+        "2",
+        f"max_new_tokens={ALIGNED}",
+        "prompts_per_step=16",
+        "mini_batch_samples=8",
+        "fuse_chunk_samples=4",
+    ]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     plain = run(main, tmp_path / "a", *common, "fuse=false")

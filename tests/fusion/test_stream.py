@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from algorithms.fusion import merge_chunks, reassemble
+from algorithms.rollout.fusion import merge_chunks, reassemble
 from engines import HFGenerationEngine, ModelConfig, SamplingConfig, build_model, build_tokenizer
 from engines.rollout.stream import ROW_INDEX, TAIL_STEP, GenerationStream, is_tail
 from flowactors import Batch
@@ -33,11 +33,15 @@ def prompts(tok, stop_at=None):
 STOPS = [3, 1, 12, 2, 7, 3, 20, 1, 5, 9]  # a few long rows among short ones
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingConfig(max_new_tokens=20),
-    SamplingConfig(max_new_tokens=20, ignore_eos=True, temperature=0.7, top_k=8),
-    SamplingConfig(max_new_tokens=20, evict_finished=True),
-], ids=["eos", "ignore_eos", "evict"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(max_new_tokens=20),
+        SamplingConfig(max_new_tokens=20, ignore_eos=True, temperature=0.7, top_k=8),
+        SamplingConfig(max_new_tokens=20, evict_finished=True),
+    ],
+    ids=["eos", "ignore_eos", "evict"],
+)
 @pytest.mark.parametrize("chunk_rows", [1, 3, 10])
 def test_stream_yields_generate_rows_in_completion_order(tiny, sampling, chunk_rows):
     tok, model, eng = tiny
@@ -103,8 +107,10 @@ def test_generation_stream_raises_a_decoding_error_at_take():
 
 
 def test_merge_chunks_joins_scores_and_checks_rows():
-    chunks = [Batch({"a": torch.tensor([2.0, 0.0]), ROW_INDEX: torch.tensor([2, 0])}),
-              Batch({"a": torch.tensor([1.0]), ROW_INDEX: torch.tensor([1])})]
+    chunks = [
+        Batch({"a": torch.tensor([2.0, 0.0]), ROW_INDEX: torch.tensor([2, 0])}),
+        Batch({"a": torch.tensor([1.0]), ROW_INDEX: torch.tensor([1])}),
+    ]
     scores = [[Batch({"s": torch.tensor([20.0, 0.0])}), Batch({"s": torch.tensor([10.0])})]]
     out = merge_chunks(None, chunks, *scores)
     assert out["a"].tolist() == [0.0, 1.0, 2.0] and out["s"].tolist() == [0.0, 10.0, 20.0]
@@ -113,10 +119,14 @@ def test_merge_chunks_joins_scores_and_checks_rows():
         reassemble(chunks[0])
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingConfig(max_new_tokens=20),
-    SamplingConfig(max_new_tokens=20, ignore_eos=True, temperature=0.7, top_k=8, evict_finished=True),
-], ids=["eos", "ignore_eos_evict"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(max_new_tokens=20),
+        SamplingConfig(max_new_tokens=20, ignore_eos=True, temperature=0.7, top_k=8, evict_finished=True),
+    ],
+    ids=["eos", "ignore_eos_evict"],
+)
 @pytest.mark.parametrize("polls", [0, 8])
 def test_tails_of_two_ranks_join_rank_zero_with_the_same_samples(tiny, sampling, polls):
     """Long-tail migration in one process: 'ranks' 1 (rows 5-7) and 2 (rows 8-9) pause once one row is left,
@@ -127,8 +137,9 @@ def test_tails_of_two_ranks_join_rank_zero_with_the_same_samples(tiny, sampling,
     whole = eng.generate(model, p, sampling)
     sent, inbox = [], _LateQueue(polls)
     for rows in (slice(5, 8), slice(8, 10)):
-        *chunks, tail = eng.stream(model, p.slice(rows.start, rows.stop), sampling, 2, row_offset=rows.start,
-                                   pause_below=1)
+        *chunks, tail = eng.stream(
+            model, p.slice(rows.start, rows.stop), sampling, 2, row_offset=rows.start, pause_below=1
+        )
         assert is_tail(tail) and len(tail) == 1 and not any(is_tail(c) for c in chunks)
         sent += chunks
         inbox.put(tail)

@@ -35,7 +35,8 @@ class SlowDecodeActor(ActorWorker):
     def _generation_model(self) -> torch.nn.Module:
         model = super()._generation_model()
         if not getattr(model, "_slow_decode", False):
-            def slow_decode(module, args, kwargs):  # noqa: ARG001 - hook signature
+
+            def slow_decode(module, args, kwargs):
                 ids = kwargs.get("input_ids")
                 if ids is not None and ids.shape[1] == 1:
                     time.sleep(self.step_s)

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from engines.hybrid import (
     HybridLayout,
     ModelGeometry,
-    ReshardGroups,
     Resharder,
+    ReshardGroups,
     build_train_shard,
     expected_generation_state_dict,
 )

@@ -18,8 +18,9 @@ from tests.ranks import free_port, leave_world
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=90))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=90)
+    )
     try:
         result = fn(rank, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -32,6 +33,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
 def run_ranks(world_size: int, fn, *args) -> list:
     """fn(rank, *args) on every rank; returns the per-rank results (torch.save-able), raising if any rank fails."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
-                           start_method="spawn")
+        mp.start_processes(
+            _entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size, start_method="spawn"
+        )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import flowactors as fa
-from engines.rollout.hf import HFGenerationEngine
-from engines.rollout.stream import SamplingConfig
 from engines.hybrid import ModelGeometry
 from engines.models.config import ModelConfig, build_model, build_tokenizer
 from engines.roles import ActorWorker
+from engines.rollout.hf import HFGenerationEngine
+from engines.rollout.stream import SamplingConfig
 from engines.specs import GenerationSpec, UpdateSpec
 from engines.training.common import OptimConfig
 from tests.engines.probes import HybridActorProbe, pg_loss
@@ -46,8 +46,15 @@ def _reference(tok, prompts: fa.Batch, spec: GenerationSpec, state: dict | None 
 
 
 def _group(controller, name: str, dp: int, tp: int, t_g: int) -> fa.ActorGroup:
-    return fa.ActorGroup(controller, HybridActorProbe, name=name, slots=controller.slots[:dp * tp],
-                         layout=fa.Layout(dp=dp, tp=tp), args=(CFG, OPTIM, SAMPLING), kwargs={"rollout_tp": t_g})
+    return fa.ActorGroup(
+        controller,
+        HybridActorProbe,
+        name=name,
+        slots=controller.slots[: dp * tp],
+        layout=fa.Layout(dp=dp, tp=tp),
+        args=(CFG, OPTIM, SAMPLING),
+        kwargs={"rollout_tp": t_g},
+    )
 
 
 @pytest.mark.parametrize("dp,tp,t_g", LAYOUTS)
@@ -80,8 +87,13 @@ def test_train_generate_cycle_serves_updated_weights(controller4, dp, tp, t_g):
     actor's after the same update, and the next generation samples from them."""
     tok = build_tokenizer(CFG)
     hybrid = _group(controller4, f"hy_cycle_{dp}{tp}{t_g}", dp, tp, t_g)
-    plain = fa.ActorGroup(controller4, HybridActorProbe, name=f"hy_plain_{dp}{tp}{t_g}",
-                          slots=controller4.slots[:1], args=(CFG, OPTIM, SAMPLING))  # no rollout_tp: unsharded
+    plain = fa.ActorGroup(
+        controller4,
+        HybridActorProbe,
+        name=f"hy_plain_{dp}{tp}{t_g}",
+        slots=controller4.slots[:1],
+        args=(CFG, OPTIM, SAMPLING),
+    )  # no rollout_tp: unsharded
     try:
         sampled = _prompts(tok, seeded=dp > 1)
         first = hybrid.generate_sequences(sampled, SAMPLED).result()
@@ -112,7 +124,7 @@ def test_train_generate_cycle_serves_updated_weights(controller4, dp, tp, t_g):
         plain.close()
 
 
-def ActorWorker_initial(tok) -> dict[str, torch.Tensor]:  # noqa: N802 - reads as "the actor's initial weights"
+def ActorWorker_initial(tok) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in build_model(CFG, "lm", tok).state_dict().items()}
 
 
@@ -124,8 +136,15 @@ def test_bad_rollout_tp_fails_before_any_collective(controller4):
     # a model the layout cannot cut is refused by every rank before its first collective
     odd_vocab = ModelConfig(num_heads=4, num_kv_heads=4)  # 51 characters: not divisible by tp 2
     with pytest.raises(fa.RemoteError, match="pad the vocabulary"):
-        fa.ActorGroup(controller4, ActorWorker, name="hy_bad_vocab", slots=controller4.slots[:2],
-                      layout=fa.Layout(dp=1, tp=2), args=(odd_vocab,), kwargs={"rollout_tp": 1})
+        fa.ActorGroup(
+            controller4,
+            ActorWorker,
+            name="hy_bad_vocab",
+            slots=controller4.slots[:2],
+            layout=fa.Layout(dp=1, tp=2),
+            args=(odd_vocab,),
+            kwargs={"rollout_tp": 1},
+        )
     # the slots are still usable: a valid group forms on them afterwards
     ok = _group(controller4, "hy_after_bad", 1, 2, 1)
     ok.close()
@@ -136,8 +155,9 @@ def test_hybrid_actor_checkpoint_round_trip_and_reshard_on_load(controller4, tmp
     buffer (parameters still its views, generation serves them); the same checkpoint loads into an unsharded actor."""
     tok = build_tokenizer(CFG)
     hybrid = _group(controller4, "hy_ckpt", 2, 2, 1)
-    plain = fa.ActorGroup(controller4, HybridActorProbe, name="hy_ckpt_plain", slots=controller4.slots[:1],
-                          args=(CFG, OPTIM, SAMPLING))
+    plain = fa.ActorGroup(
+        controller4, HybridActorProbe, name="hy_ckpt_plain", slots=controller4.slots[:1], args=(CFG, OPTIM, SAMPLING)
+    )
     try:
         greedy = _prompts(tok, seeded=True)
         first = hybrid.generate_sequences(greedy, GREEDY).result()
@@ -150,8 +170,9 @@ def test_hybrid_actor_checkpoint_round_trip_and_reshard_on_load(controller4, tmp
         hybrid.load_checkpoint(str(tmp_path / "ckpt")).result()
         for k, v in hybrid.full_weights().result()[0].items():
             assert torch.equal(v, saved[k]), k
-        assert all(rep["training_params_in_buffer"] and rep["max_err"] == 0.0
-                   for rep in hybrid.reshard_report().result())
+        assert all(
+            rep["training_params_in_buffer"] and rep["max_err"] == 0.0 for rep in hybrid.reshard_report().result()
+        )
         assert torch.equal(hybrid.generate_sequences(greedy, GREEDY).result()["responses"], first["responses"])
         plain.load_checkpoint(str(tmp_path / "ckpt")).result()
         for k, v in plain.full_weights().result()[0].items():
@@ -173,8 +194,9 @@ def test_zero1_optimizer_state_sharded_over_dp_and_checkpoints_load_under_any_dp
     unsharded actor's, with the same next update as the uninterrupted run."""
     tok = build_tokenizer(CFG)
     hybrid = _group(controller4, "hy_zero", 2, 2, 1)
-    plain = fa.ActorGroup(controller4, HybridActorProbe, name="hy_zero_plain", slots=controller4.slots[:1],
-                          args=(CFG, OPTIM, SAMPLING))
+    plain = fa.ActorGroup(
+        controller4, HybridActorProbe, name="hy_zero_plain", slots=controller4.slots[:1], args=(CFG, OPTIM, SAMPLING)
+    )
     resumed = _group(controller4, "hy_zero_resumed", 2, 2, 1)
     spec = UpdateSpec(mini_batch_samples=4)
     try:
@@ -225,10 +247,17 @@ def test_zero_stage_1_actor_keeps_replicas_without_the_hybrid_engine(controller4
     from dataclasses import replace
 
     tok = build_tokenizer(CFG)
-    zero1 = fa.ActorGroup(controller4, HybridActorProbe, name=f"z1_actor_{tp}", slots=controller4.slots[:2 * tp],
-                          layout=fa.Layout(dp=2, tp=tp), args=(CFG, replace(OPTIM, zero_stage=1), SAMPLING))
-    plain = fa.ActorGroup(controller4, HybridActorProbe, name=f"z1_plain_{tp}", slots=controller4.slots[:1],
-                          args=(CFG, OPTIM, SAMPLING))
+    zero1 = fa.ActorGroup(
+        controller4,
+        HybridActorProbe,
+        name=f"z1_actor_{tp}",
+        slots=controller4.slots[: 2 * tp],
+        layout=fa.Layout(dp=2, tp=tp),
+        args=(CFG, replace(OPTIM, zero_stage=1), SAMPLING),
+    )
+    plain = fa.ActorGroup(
+        controller4, HybridActorProbe, name=f"z1_plain_{tp}", slots=controller4.slots[:1], args=(CFG, OPTIM, SAMPLING)
+    )
     spec = UpdateSpec(mini_batch_samples=4)
     try:
         prompts = _prompts(tok, seeded=True)
@@ -275,14 +304,22 @@ def test_qwen2_biases_through_the_generation_pieces(controller4, tmp_path):
                 param.copy_(torch.randn(param.shape, generator=g) * 0.5)
     save_pretrained(model, tok, tmp_path / "qwen2")
     cfg = ModelConfig(path=str(tmp_path / "qwen2"))
-    actor = fa.ActorGroup(controller4, HybridActorProbe, name="hy_qwen2", slots=controller4.slots[:4],
-                          layout=fa.Layout(tp=4), args=(cfg, OPTIM, SAMPLING), kwargs={"rollout_tp": 2})
+    actor = fa.ActorGroup(
+        controller4,
+        HybridActorProbe,
+        name="hy_qwen2",
+        slots=controller4.slots[:4],
+        layout=fa.Layout(tp=4),
+        args=(cfg, OPTIM, SAMPLING),
+        kwargs={"rollout_tp": 2},
+    )
     try:
         prompts = _prompts(tok, seeded=False)
         out = actor.generate_sequences(prompts, GREEDY).result()
     finally:
         actor.close()
-    ref = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(model, prompts, SAMPLING,
-                                                                           greedy=GREEDY.greedy, seed=GREEDY.seed)
+    ref = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id).generate(
+        model, prompts, SAMPLING, greedy=GREEDY.greedy, seed=GREEDY.seed
+    )
     assert torch.equal(out["responses"], ref["responses"])
     torch.testing.assert_close(out["rollout_log_probs"], ref["rollout_log_probs"], atol=1e-5, rtol=0)

@@ -34,7 +34,15 @@ def test_paper_figure_8_example():
 def test_training_rank_order_is_tp_then_dp_then_pp():
     layout = HybridLayout(2, 2, 2)
     assert [tuple(layout.train_coord(r)) for r in range(8)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+    ]
     assert all(layout.rank_of(*layout.train_coord(r)) == r for r in range(8))
 
 
@@ -42,8 +50,11 @@ def test_training_rank_order_is_tp_then_dp_then_pp():
 def test_groups_partition_the_world_with_the_paper_strides(layout):
     world = set(range(layout.world_size))
     r, s = layout.tp_ratio, layout.pp_ratio
-    for groups, size in ((layout.micro_dp_groups(), layout.micro_dp), (layout.gen_tp_groups(), layout.gen_tp),
-                         (layout.gen_pp_groups(), layout.gen_pp)):
+    for groups, size in (
+        (layout.micro_dp_groups(), layout.micro_dp),
+        (layout.gen_tp_groups(), layout.gen_tp),
+        (layout.gen_pp_groups(), layout.gen_pp),
+    ):
         assert all(len(g) == size for g in groups)
         assert sorted(x for g in groups for x in g) == sorted(world)
     for group in layout.gen_tp_groups():  # training TP ranks at stride t / t_g

@@ -47,8 +47,16 @@ CASE_IDS = [f"{m}-{'x'.join(map(str, s))}" for m, s, _ in ALL_CASES]
 
 def tiny_config(model: str):
     config_cls, _ = MODELS[model]
-    return config_cls(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
-                      intermediate_size=128, num_hidden_layers=4, vocab_size=128, tie_word_embeddings=False)
+    return config_cls(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    )
 
 
 def tiny_model(model: str):
@@ -76,8 +84,11 @@ def _run_world(world_size: int, specs, case_files, extra=()) -> list[list]:
 def results(case_files):
     """{case id: [per-rank result]} for every case, plus "bad-shard"; three spawns in all."""
     out = {}
-    for world, specs, extra in ((8, EIGHT, ()), (4, FOUR, ()),
-                                (2, TWO, [(cases.bad_shard_case, (case_files["llama"],))])):
+    for world, specs, extra in (
+        (8, EIGHT, ()),
+        (4, FOUR, ()),
+        (2, TWO, [(cases.bad_shard_case, (case_files["llama"],))]),
+    ):
         per_rank = _run_world(world, specs, case_files, extra)
         for i, (model, sizes, _) in enumerate(specs):
             out[f"{model}-{'x'.join(map(str, sizes))}"] = [rank_out[i] for rank_out in per_rank]

@@ -14,8 +14,8 @@ from engines.hybrid import (
     GenerationEngineLimits,
     HybridLayout,
     ModelGeometry,
-    ReshardGroups,
     Resharder,
+    ReshardGroups,
     build_train_shard,
     check_model_fits,
     expected_gen_param_bytes,
@@ -29,8 +29,15 @@ from engines.hybrid import (
     vllm_engine_limits,
 )
 
-SMALL = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8, intermediate_size=96,
-             num_hidden_layers=4, vocab_size=64)
+SMALL = dict(
+    hidden_size=64,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    vocab_size=64,
+)
 MODELS = {
     "llama": (LlamaConfig(**SMALL), LlamaForCausalLM),
     "llama-biases": (LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True), LlamaForCausalLM),
@@ -50,8 +57,10 @@ def model(request):
 LAYOUTS = [
     HybridLayout(p, t, 1, pg, tg)
     for p, t in itertools.product((1, 2, 4), (1, 2, 4))
-    for pg in (1, 2, 4) if p % pg == 0
-    for tg in (1, 2, 4) if t % tg == 0
+    for pg in (1, 2, 4)
+    if p % pg == 0
+    for tg in (1, 2, 4)
+    if t % tg == 0
 ] + [HybridLayout(1, 4, 2, 1, 2), HybridLayout(2, 2, 2, 1, 1)]
 
 
@@ -83,8 +92,10 @@ def test_generation_shard_from_member_training_shards_equals_full_weight_slice(m
         members = [layout.train_coord(m) for m in layout.micro_dp_group(rank)]
         sharded = {(c.pp, c.tp): train[layout.rank_of(*c)].sharded for c in members}
         replicated = {c.pp: train[layout.rank_of(*c)].replicated for c in members}
-        for fmt, want in (("hf", expected_generation_state_dict(state, geometry, layout, rank)),
-                          ("fused", _fused_expected(state, geometry, layout, rank))):
+        for fmt, want in (
+            ("hf", expected_generation_state_dict(state, geometry, layout, rank)),
+            ("fused", _fused_expected(state, geometry, layout, rank)),
+        ):
             got = dict(generation_tensors(geometry, layout, g.pp, g.tp, sharded, replicated, fmt))
             assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in got), (rank, fmt)
         if layout.tp_ratio == 1:  # no TP merge: every tensor is a view of a gathered piece, nothing copied
@@ -93,12 +104,14 @@ def test_generation_shard_from_member_training_shards_equals_full_weight_slice(m
             assert all(t.untyped_storage().data_ptr() in pieces for _, t in got)
 
 
-@pytest.mark.parametrize("layout", [HybridLayout(2, 4, 1), HybridLayout(4, 2, 1), HybridLayout(1, 4, 1)],
-                         ids=lambda lay: lay.describe())
+@pytest.mark.parametrize(
+    "layout", [HybridLayout(2, 4, 1), HybridLayout(4, 2, 1), HybridLayout(1, 4, 1)], ids=lambda lay: lay.describe()
+)
 def test_training_shards_reassemble_to_the_full_model(model, layout):
     geometry, state = model
-    train = {layout.train_coord(r)[::2]: build_train_shard(state, geometry, layout, r)
-             for r in range(layout.world_size)}
+    train = {
+        layout.train_coord(r)[::2]: build_train_shard(state, geometry, layout, r) for r in range(layout.world_size)
+    }
     sharded = {key: shard.sharded for key, shard in train.items()}
     replicated = {pp: shard.replicated for (pp, _), shard in train.items()}
     full = dict(generation_tensors(geometry, layout, 0, 0, sharded, replicated, "hf", gen_pp=1, gen_tp=1))
@@ -195,16 +208,29 @@ def test_table2_for_the_paper_example():
 def test_the_package_imports_only_torch_and_itself():
     """engines.hybrid's resharding core sits below the runtime: no flowactors, no dask, no transformers. Only its
     binding to the actor (actor.py) uses the runtime, and importing the package does not load it."""
-    allowed = {"torch", "engines", "__future__", "collections", "dataclasses", "datetime", "fractions", "functools",
-               "time", "typing"}
+    allowed = {
+        "torch",
+        "engines",
+        "__future__",
+        "collections",
+        "dataclasses",
+        "datetime",
+        "fractions",
+        "functools",
+        "time",
+        "typing",
+    }
     package = Path(__file__).parents[2] / "engines" / "hybrid"
     assert "engines.hybrid.actor" not in (package / "__init__.py").read_text()
     for path in package.glob("*.py"):
         if path.name == "actor.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            )
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name}"
                 if name.startswith("engines"):

@@ -10,8 +10,19 @@ from placement.automap import main
 
 
 def test_json_output_has_the_documented_keys(capsys):
-    argv = ["--model", "actor=13b", "--model", "critic=70b", "--model", "ref=13b", "--model", "reward=70b",
-            "--gpus", "64", "--json"]
+    argv = [
+        "--model",
+        "actor=13b",
+        "--model",
+        "critic=70b",
+        "--model",
+        "ref=13b",
+        "--model",
+        "reward=70b",
+        "--gpus",
+        "64",
+        "--json",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"placement", "gpus", "parallel", "estimated_iteration_s", "stages", "search_s"} <= out.keys()
@@ -38,13 +49,12 @@ def test_plans_say_which_engine_runs_them(capsys, tmp_path):
 def test_the_runner_refuses_a_megatron_plan_on_the_torch_engine_as_marked(tmp_path, capsys):
     # The mark and the runner agree: a plan marked megatron is refused on the default torch engine before any
     # worker starts, with the fix named; a plan marked torch passes that check.
-    roles = pytest.importorskip("algorithms.run_plan")
-    from algorithms.config import RLConfig
+    roles = pytest.importorskip("algorithms.run.plan")
+    from algorithms.run.config import RLConfig
 
     piped, flat = tmp_path / "piped.json", tmp_path / "flat.json"
     assert main(["--algorithm", "ppo", "--size", "13b", "--gpus", "64", "--save", str(piped)]) == 0
-    assert main(["--algorithm", "ppo", "--size", "13b", "--gpus", "64", "--engine", "torch", "--save",
-                 str(flat)]) == 0
+    assert main(["--algorithm", "ppo", "--size", "13b", "--gpus", "64", "--engine", "torch", "--save", str(flat)]) == 0
     with pytest.raises(roles.ConfigError, match="model.engine=megatron"):
         roles.check_before_start(RLConfig(plan=str(piped)))
     try:
@@ -94,8 +104,12 @@ def test_errors_say_what_to_fix(capsys):
 
 
 def test_runs_as_a_module():
-    out = subprocess.run([sys.executable, "-m", "placement.automap", "--algorithm", "grpo", "--gpus", "8", "--json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "placement.automap", "--algorithm", "grpo", "--gpus", "8", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert json.loads(out)["placement"] == [["actor", "ref", "reward"]]
 
 
@@ -126,11 +140,22 @@ def test_table_columns_stay_aligned_with_long_pool_names(capsys):
     assert main(["--algorithm", "safe_rlhf", "--gpus", "16"]) == 0
     lines = capsys.readouterr().out.splitlines()
     top = next(i for i, line in enumerate(lines) if line.startswith("pool "))
-    table = lines[top:lines.index("", top)]
+    table = lines[top : lines.index("", top)]
     rows = [[row[a:b].strip() for a, b in _columns(table)] for row in table]
     # every header is a column of its own and every row has a cell (or blank) under each
-    assert rows[0] == ["pool", "gpus", "model", "train p,t,d", "gen p,t", "engine", "generate s", "transit s",
-                       "infer s", "train s", "peak GiB"]
+    assert rows[0] == [
+        "pool",
+        "gpus",
+        "model",
+        "train p,t,d",
+        "gen p,t",
+        "engine",
+        "generate s",
+        "transit s",
+        "infer s",
+        "train s",
+        "peak GiB",
+    ]
     pools = [r[0] for r in rows[1:] if r[0]]
     assert max(map(len, pools)) > 34, f"this case should have a pool name longer than the old 34 columns: {pools}"
     assert sorted(r[2] for r in rows[1:]) == sorted(ALGORITHMS["safe-rlhf"])

@@ -39,8 +39,11 @@ def test_a_long_tail_migrates_to_one_replica_and_the_freed_devices_score_meanwhi
     # fused: generation up to step 8, the tail re-prefilled (prompt + 8 tokens), or its KV caches (2 · 40 layers ·
     # 40 heads · 128 · 2 bytes a token) moved over one node's link, and decoded on one replica of 4 devices while
     # the other 12 score the 60 finished samples; what is left is scored on all 16
-    move = sim.prefill_s(spec, cfgs["actor"], 4) * (256 + 8) / 256 if migrate_by == "prefill" else \
-        4 * (256 + 8) * (2 * 40 * 40 * 128 * 2) / sim.hw.network_busbw
+    move = (
+        sim.prefill_s(spec, cfgs["actor"], 4) * (256 + 8) / 256
+        if migrate_by == "prefill"
+        else 4 * (256 + 8) * (2 * 40 * 40 * 128 * 2) / sim.hw.network_busbw
+    )
     tail = move + 248 * sim.decode_step_s(spec, cfgs["actor"], 4)
     work = e.inference_s * 16
     left = work - min(work * 60 / 64, 12 * tail)
@@ -71,8 +74,9 @@ def test_a_fused_pipeline_planner_sets_the_fused_update():
 
     def planner(stages, micro_batches, step_s):
         calls.append((stages, list(micro_batches), list(step_s)))
-        plan = plan_pipelines(stages, list(micro_batches), forward_cost=[t / 3 for t in step_s],
-                              backward_cost=[2 * t / 3 for t in step_s])
+        plan = plan_pipelines(
+            stages, list(micro_batches), forward_cost=[t / 3 for t in step_s], backward_cost=[2 * t / 3 for t in step_s]
+        )
         return plan.makespan
 
     planned = estimate_fusion(sim, specs, cfgs, [256] * 64, fused_pipeline=planner)
@@ -81,7 +85,8 @@ def test_a_fused_pipeline_planner_sets_the_fused_update():
     c, mc = sim.pass_work(spec, ROLES["critic"], cfgs["critic"], backward=True)
     assert calls == [(2, [ma, mc], [pytest.approx(a / ma), pytest.approx(c / mc)])]
     sync = sim.gradient_sync_s(spec, ROLES["actor"], cfgs["actor"]) + sim.gradient_sync_s(
-        spec, ROLES["critic"], cfgs["critic"])
+        spec, ROLES["critic"], cfgs["critic"]
+    )
     assert planned.fused_train_s == pytest.approx(2 * (planner(2, [ma, mc], [a / ma, c / mc]) + sync))
     # each stage's busy time (a + c per update, 2 updates) bounds it below; paying the bubble once, above
     assert 2 * (a + c + sync) <= planned.fused_train_s < default.fused_train_s

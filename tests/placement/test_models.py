@@ -3,10 +3,16 @@ import pytest
 from placement import LlamaSpec, llama_7b, llama_13b, llama_34b, llama_70b, parse_model
 
 
-@pytest.mark.parametrize("preset, params", [
-    # Published parameter counts of Llama-2-7B, Llama-2-13B, CodeLlama-34B and Llama-2-70B.
-    (llama_7b, 6_738_415_616), (llama_13b, 13_015_864_320), (llama_34b, 33_743_970_304),
-    (llama_70b, 68_976_648_192)])
+@pytest.mark.parametrize(
+    "preset, params",
+    [
+        # Published parameter counts of Llama-2-7B, Llama-2-13B, CodeLlama-34B and Llama-2-70B.
+        (llama_7b, 6_738_415_616),
+        (llama_13b, 13_015_864_320),
+        (llama_34b, 33_743_970_304),
+        (llama_70b, 68_976_648_192),
+    ],
+)
 def test_preset_parameter_counts_match_the_released_models(preset, params):
     assert preset().params() == params
 

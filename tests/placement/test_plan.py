@@ -5,10 +5,16 @@ import pytest
 from placement import LlamaSpec, ModelPlan, Plan, PlanError, Workload, a100_80gb, llama_7b, llama_70b, validate
 from placement.automap import main
 
-PLAN = {"placement": [["actor", "ref"], ["critic", "reward"]],
-        "gpus": {"actor": 8, "ref": 8, "critic": 8, "reward": 8},
-        "parallel": {"actor": {"train": [1, 4, 2], "generate": [1, 2]}, "ref": {"train": [1, 1, 8]},
-                     "critic": {"train": [2, 4, 1]}, "reward": {"train": [1, 2, 4]}}}
+PLAN = {
+    "placement": [["actor", "ref"], ["critic", "reward"]],
+    "gpus": {"actor": 8, "ref": 8, "critic": 8, "reward": 8},
+    "parallel": {
+        "actor": {"train": [1, 4, 2], "generate": [1, 2]},
+        "ref": {"train": [1, 1, 8]},
+        "critic": {"train": [2, 4, 1]},
+        "reward": {"train": [1, 2, 4]},
+    },
+}
 
 
 def test_json_round_trip():
@@ -57,16 +63,21 @@ def test_automap_output_is_a_plan(capsys, tmp_path):
     validate(plan, 16, models={r: llama_7b() for r in plan.roles}, hardware=a100_80gb())
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"placement": [["actor", "ref"], ["ref"]]}, "names ref more than once"),
-    ({"gpus": {"actor": 8, "ref": 4, "critic": 8, "reward": 8}, "parallel": {"ref": {"train": [1, 1, 4]}}},
-     "need the same gpus"),
-    ({"parallel": {"actor": {"train": [1, 4, 1]}}}, r"p·t·d = 1·4·1 = 4 must equal its 8 GPUs; change d to 2"),
-    ({"parallel": {"actor": {"train": [1, 4, 2], "generate": [1, 3]}}}, "must divide the training sizes"),
-    ({"parallel": {"ref": {"train": [1, 1, 8], "generate": [1, 1]}}}, "only the actor generates"),
-    ({"colour": "red"}, r"unknown plan keys \['colour'\]"),
-    ({"placement": ["actor", "ref", "critic", "reward"]}, "placement must be a list of colocated sets"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"placement": [["actor", "ref"], ["ref"]]}, "names ref more than once"),
+        (
+            {"gpus": {"actor": 8, "ref": 4, "critic": 8, "reward": 8}, "parallel": {"ref": {"train": [1, 1, 4]}}},
+            "need the same gpus",
+        ),
+        ({"parallel": {"actor": {"train": [1, 4, 1]}}}, r"p·t·d = 1·4·1 = 4 must equal its 8 GPUs; change d to 2"),
+        ({"parallel": {"actor": {"train": [1, 4, 2], "generate": [1, 3]}}}, "must divide the training sizes"),
+        ({"parallel": {"ref": {"train": [1, 1, 8], "generate": [1, 1]}}}, "only the actor generates"),
+        ({"colour": "red"}, r"unknown plan keys \['colour'\]"),
+        ({"placement": ["actor", "ref", "critic", "reward"]}, "placement must be a list of colocated sets"),
+    ],
+)
 def test_malformed_plans_say_what_to_fix(change, message):
     data = {**PLAN, **change}
     if "parallel" in change:
@@ -98,9 +109,11 @@ def test_validate_sizes_against_the_models():
 def test_validate_memory():
     # 70B actor and reference on one node: 16 B/param of the actor over 8 GPUs alone is 128 GiB per device.
     plan = Plan((("actor", "ref"),), (ModelPlan("actor", 8, (1, 8, 1)), ModelPlan("ref", 8, (1, 8, 1))))
-    with pytest.raises(PlanError, match=r"pool actor\+ref needs \d+\.\d GiB per device but a a100-80gb has 72.0 GiB "
-                                        "usable: give it more GPUs"):
-        validate(plan, 8, models={"actor": llama_70b(), "ref": llama_70b()}, hardware=a100_80gb(),
-                 workload=Workload())
+    with pytest.raises(
+        PlanError,
+        match=r"pool actor\+ref needs \d+\.\d GiB per device but a a100-80gb has 72.0 GiB "
+        "usable: give it more GPUs",
+    ):
+        validate(plan, 8, models={"actor": llama_70b(), "ref": llama_70b()}, hardware=a100_80gb(), workload=Workload())
     roomy = Plan((("actor", "ref"),), (ModelPlan("actor", 64, (8, 8, 1)), ModelPlan("ref", 64, (1, 8, 8))))
     validate(roomy, 64, models={"actor": llama_70b(), "ref": llama_70b()}, hardware=a100_80gb())

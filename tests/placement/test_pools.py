@@ -5,8 +5,11 @@ from placement import Plan, PlanError, ResourcePool, Slot, pools_for_plan, slots
 
 def _cluster(hosts=2, per_host=4):
     # Given out of order on purpose: pools order slots by host, then device.
-    return [Slot(f"tcp://{h}:{9000 + d}", h, d) for d in reversed(range(per_host)) for h in
-            [f"node{i}" for i in reversed(range(hosts))]]
+    return [
+        Slot(f"tcp://{h}:{9000 + d}", h, d)
+        for d in reversed(range(per_host))
+        for h in [f"node{i}" for i in reversed(range(hosts))]
+    ]
 
 
 def test_pool_orders_slots_by_host_then_device():
@@ -34,8 +37,12 @@ def test_slot_validation():
 
 
 def test_pools_for_plan_keep_pools_on_whole_nodes():
-    plan = Plan.from_dict({"placement": [["ref"], ["actor", "critic"], ["reward"]],
-                           "gpus": {"ref": 2, "actor": 4, "critic": 4, "reward": 2}})
+    plan = Plan.from_dict(
+        {
+            "placement": [["ref"], ["actor", "critic"], ["reward"]],
+            "gpus": {"ref": 2, "actor": 4, "critic": 4, "reward": 2},
+        }
+    )
     pools = pools_for_plan(plan, _cluster())
     assert list(pools) == ["ref", "actor+critic", "reward"]
     assert pools["actor+critic"].hosts == ("node0",)  # the largest pool goes first, on a node of its own

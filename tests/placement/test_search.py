@@ -6,8 +6,23 @@ import time
 
 import pytest
 
-from placement import (ALGORITHMS, ROLES, AutoMapper, Hardware, LlamaSpec, Parallel, Workload, allocations, auto_map,
-                       device_counts, iteration_cost, llama_7b, llama_13b, llama_70b, set_partitions)
+from placement import (
+    ALGORITHMS,
+    ROLES,
+    AutoMapper,
+    Hardware,
+    LlamaSpec,
+    Parallel,
+    Workload,
+    allocations,
+    auto_map,
+    device_counts,
+    iteration_cost,
+    llama_7b,
+    llama_13b,
+    llama_70b,
+    set_partitions,
+)
 from placement.search import _best_allocation, _pareto
 
 GIB = 2**30
@@ -81,8 +96,13 @@ def _random_tables(rng, k):
     tables = []
     for _ in range(k):
         floor = rng.choice(counts[:4])
-        tables.append([(c, tuple(rng.choice([0.0, rng.uniform(0, 10)]) for _ in range(3)))
-                       for c in counts if c >= floor and rng.random() < 0.85])
+        tables.append(
+            [
+                (c, tuple(rng.choice([0.0, rng.uniform(0, 10)]) for _ in range(3)))
+                for c in counts
+                if c >= floor and rng.random() < 0.85
+            ]
+        )
     return tables
 
 
@@ -91,8 +111,9 @@ def test_branch_and_bound_equals_exhaustive_enumeration(seed):
     # Arbitrary stage vectors, neither monotone nor smooth in the count, so every bound must hold in general.
     rng = random.Random(seed)
     tables = [t for t in _random_tables(rng, rng.choice([2, 3, 4, 5])) if t]
-    exhaustive = min((iteration_cost([dict(t)[c] for t, c in zip(tables, alloc)]) for alloc in _complete(tables, 32)),
-                     default=None)
+    exhaustive = min(
+        (iteration_cost([dict(t)[c] for t, c in zip(tables, alloc)]) for alloc in _complete(tables, 32)), default=None
+    )
     found, _ = _best_allocation(tables, 32)
     if exhaustive is None or found is None:
         assert exhaustive is None and found is None
@@ -199,8 +220,8 @@ def test_parallel_config_enumeration():
     mapper = AutoMapper({"actor": llama_13b(), "ref": llama_13b()})
     # 13B: 40 heads and 40 layers. On 8 devices t in {1, 2, 4, 8}, p in {1, 2, 4, 8} dividing 40 and 8/t.
     assert sorted(c.train for c in mapper.configs("ref", 8)) == sorted(
-        [(1, 1, 8), (2, 1, 4), (4, 1, 2), (8, 1, 1), (1, 2, 4), (2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 4, 1),
-         (1, 8, 1)])
+        [(1, 1, 8), (2, 1, 4), (4, 1, 2), (8, 1, 1), (1, 2, 4), (2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 4, 1), (1, 8, 1)]
+    )
     # The actor adds every t_g dividing t, with p_g = 1 (pipelined decoding, one batch in flight, pays every stage per
     # step; docs/placement.md): for
     # (2, 4, 1), t_g in {1, 2, 4}.
@@ -217,9 +238,13 @@ def test_a_sets_stages_are_its_models_stages_summed():
     mapper = AutoMapper(HETEROGENEOUS)
     choice = mapper.solve_set(tuple(mapper.models), 64)
     sim = mapper.sim
-    assert choice.stages == pytest.approx((sum(m.generate_s + m.transition_s for m in choice.models),
-                                           sum(m.inference_s for m in choice.models),
-                                           sum(m.train_s for m in choice.models)))
+    assert choice.stages == pytest.approx(
+        (
+            sum(m.generate_s + m.transition_s for m in choice.models),
+            sum(m.inference_s for m in choice.models),
+            sum(m.train_s for m in choice.models),
+        )
+    )
     for m in choice.models:
         spec, role = HETEROGENEOUS[m.role], ROLES[m.role]
         assert m.inference_s == pytest.approx(sim.inference_s(spec, role, m.parallel))
@@ -239,18 +264,23 @@ def test_concurrent_sets_take_the_maximum_stage_by_stage():
     # and no other allocation of the two pools does better
     for n in device_counts(128, 8):
         if n < 128 and mapper.solve_set(placement[0], n) and mapper.solve_set(placement[1], 128 - n):
-            other = iteration_cost([mapper.solve_set(placement[0], n).stages,
-                                    mapper.solve_set(placement[1], 128 - n).stages])
+            other = iteration_cost(
+                [mapper.solve_set(placement[0], n).stages, mapper.solve_set(placement[1], 128 - n).stages]
+            )
             assert other >= cost * (1 - 1e-12)
 
 
-@pytest.mark.parametrize("models, gpus", [({r: llama_7b() for r in ALGORITHMS["ppo"]}, 32), (HETEROGENEOUS, 64)],
-                         ids=["7b-32", "13b70b-64"])
+@pytest.mark.parametrize(
+    "models, gpus", [({r: llama_7b() for r in ALGORITHMS["ppo"]}, 32), (HETEROGENEOUS, 64)], ids=["7b-32", "13b70b-64"]
+)
 def test_runner_up_is_the_best_other_placement(models, gpus):
     mapper = AutoMapper(models)
     result = mapper.search(gpus)
-    costs = {tuple(p): found[0] for p in set_partitions(list(mapper.models))
-             if (found := mapper.cost_placement(p, gpus)) is not None}
+    costs = {
+        tuple(p): found[0]
+        for p in set_partitions(list(mapper.models))
+        if (found := mapper.cost_placement(p, gpus)) is not None
+    }
     ordered = sorted(costs.items(), key=lambda kv: kv[1])
     assert result.ranking[0] == (ordered[0][0], pytest.approx(ordered[0][1]))
     assert result.runner_up == (ordered[1][0], pytest.approx(ordered[1][1]))
@@ -259,8 +289,11 @@ def test_runner_up_is_the_best_other_placement(models, gpus):
 
 def test_small_clusters_colocate_all_the_papers_cases():
     # HybridFlow §8.4: with few GPUs every model's memory floor already takes devices; sharing them all wins.
-    for models, gpus in (({r: llama_7b() for r in ALGORITHMS["ppo"]}, 16),
-                         ({r: llama_13b() for r in ALGORITHMS["ppo"]}, 16), (HETEROGENEOUS, 64)):
+    for models, gpus in (
+        ({r: llama_7b() for r in ALGORITHMS["ppo"]}, 16),
+        ({r: llama_13b() for r in ALGORITHMS["ppo"]}, 16),
+        (HETEROGENEOUS, 64),
+    ):
         assert auto_map(models, gpus).plan.to_dict()["placement"] == [list(models)]
 
 
@@ -302,9 +335,12 @@ def test_why_the_heterogeneous_case_stays_colocated():
     assert split > 1.3 * colocated  # the paper's best at 128 (measured), costed here: 233 s against 171 s
 
 
-@pytest.mark.xfail(strict=True, reason="HybridFlow measured split ahead from 96 GPUs; under its d_cost with "
-                                       "published A100 figures colocation stays ahead to 128 (docs/placement.md, "
-                                       "'Why the 13B/70B crossover is not reproduced')")
+@pytest.mark.xfail(
+    strict=True,
+    reason="HybridFlow measured split ahead from 96 GPUs; under its d_cost with "
+    "published A100 figures colocation stays ahead to 128 (docs/placement.md, "
+    "'Why the 13B/70B crossover is not reproduced')",
+)
 def test_heterogeneous_case_switches_from_colocated_to_split_between_64_and_96_gpus():
     mapper = AutoMapper(HETEROGENEOUS)
     assert len(mapper.search(64).plan.placement) == 1
@@ -318,7 +354,9 @@ def test_plans_with_pipeline_stages_say_they_need_megatron():
     out = result.to_dict()
     assert out["engine"] == "megatron" and "model.engine=megatron" in out["engine_note"]
     assert all(f"{r} (p=" in out["engine_note"] for r in piped)
-    assert all(m.generate[0] == 1 for m in result.plan.models if m.generate)  # p_g = 1: the search proposes no pipelined decoding
+    assert all(
+        m.generate[0] == 1 for m in result.plan.models if m.generate
+    )  # p_g = 1: the search proposes no pipelined decoding
 
 
 def test_torch_only_search_keeps_p_1():
@@ -334,6 +372,9 @@ def test_pareto_frontier_equals_brute_force(seed):
     rng = random.Random(seed)
     points = [tuple(rng.choice(range(6)) for _ in range(3)) for _ in range(rng.choice([1, 5, 40, 120]))]
     kept = _pareto(points, key=lambda p: p)
-    brute = [p for i, p in enumerate(points)
-             if not any(all(a <= b for a, b in zip(q, p)) and (q != p or j < i) for j, q in enumerate(points))]
+    brute = [
+        p
+        for i, p in enumerate(points)
+        if not any(all(a <= b for a, b in zip(q, p)) and (q != p or j < i) for j, q in enumerate(points))
+    ]
     assert sorted(kept) == sorted(brute)

@@ -6,8 +6,20 @@ import dataclasses
 
 import pytest
 
-from placement import (ROLES, AutoMapper, Parallel, Simulator, Workload, a100_80gb, h100, h200, iteration_cost,
-                       llama_7b, llama_13b, llama_70b)
+from placement import (
+    ROLES,
+    AutoMapper,
+    Parallel,
+    Simulator,
+    Workload,
+    a100_80gb,
+    h100,
+    h200,
+    iteration_cost,
+    llama_7b,
+    llama_13b,
+    llama_70b,
+)
 
 ACTOR, REF = ROLES["actor"], ROLES["ref"]
 P = 177_216  # toy parameters (LM head included)
@@ -65,12 +77,15 @@ def test_scoring_is_one_forward_pass(toy_sim, toy_spec):
     assert toy_sim.inference_s(toy_spec, REF, Parallel(1, 1, 4)) == pytest.approx(F32 * 64 / 1e12)
 
 
-@pytest.mark.parametrize("cfg, fraction", [
-    (Parallel(1, 8, 1, 1, 2), (8 - 2) / (2 * 8)),  # TP 8 -> 2: each rank gathers 3/8 of the model
-    (Parallel(2, 4, 1, 1, 2), (8 - 2) / (2 * 8)),  # PP 2 x TP 4 -> TP 2
-    (Parallel(4, 4, 1, 2, 2), (16 - 4) / (4 * 16)),  # p_g > 1 too
-    (Parallel(2, 2, 1, 2, 2), 0.0),  # generation keeps the training sizes: nothing moves
-])
+@pytest.mark.parametrize(
+    "cfg, fraction",
+    [
+        (Parallel(1, 8, 1, 1, 2), (8 - 2) / (2 * 8)),  # TP 8 -> 2: each rank gathers 3/8 of the model
+        (Parallel(2, 4, 1, 1, 2), (8 - 2) / (2 * 8)),  # PP 2 x TP 4 -> TP 2
+        (Parallel(4, 4, 1, 2, 2), (16 - 4) / (4 * 16)),  # p_g > 1 too
+        (Parallel(2, 2, 1, 2, 2), 0.0),  # generation keeps the training sizes: nothing moves
+    ],
+)
 def test_transition_bytes_are_hybridflow_table_2(toy_sim, toy_spec, cfg, fraction):
     # (t·p − t_g·p_g)/(t_g·p_g·t·p)·M bytes received per rank, M the bf16 weights.
     assert toy_sim.transition_bytes(toy_spec, cfg) == pytest.approx(fraction * 2 * P)
@@ -116,10 +131,12 @@ def test_decoding_waits_for_the_engine_host_work(toy_hw, toy_workload, toy_spec)
     cfg = Parallel(1, 1, 1, 1, 1)
     for batch in (1, 8):
         assert host.decode_step_s(toy_spec, cfg, batch) == pytest.approx(
-            bare.decode_step_s(toy_spec, cfg, batch) + 1e-3 + 1e-4 * batch)
+            bare.decode_step_s(toy_spec, cfg, batch) + 1e-3 + 1e-4 * batch
+        )
     # 8 sequences, one wave of 16 steps.
-    assert host.generation_s(toy_spec, cfg, 1e9) == pytest.approx(bare.generation_s(toy_spec, cfg, 1e9)
-                                                                   + 16 * (1e-3 + 8e-4))
+    assert host.generation_s(toy_spec, cfg, 1e9) == pytest.approx(
+        bare.generation_s(toy_spec, cfg, 1e9) + 16 * (1e-3 + 8e-4)
+    )
 
 
 def test_generation_shard_and_kv_split(toy_sim, toy_spec):
@@ -139,8 +156,11 @@ def test_iteration_cost_sums_stages_of_the_slowest_set():
 def test_colocated_peak_is_all_state_plus_the_largest_working_set(toy_sim, toy_spec):
     a, r = Parallel(1, 1, 1, 1, 1), Parallel(1, 1, 1)
     static = toy_sim.static_bytes(toy_spec, ACTOR, a) + toy_sim.static_bytes(toy_spec, REF, r)
-    working = max(toy_sim.activation_bytes(toy_spec, ACTOR, a), toy_sim.activation_bytes(toy_spec, REF, r),
-                  toy_sim.kv_bytes_per_sequence(toy_spec, a))
+    working = max(
+        toy_sim.activation_bytes(toy_spec, ACTOR, a),
+        toy_sim.activation_bytes(toy_spec, REF, r),
+        toy_sim.kv_bytes_per_sequence(toy_spec, a),
+    )
     assert toy_sim.colocated_peak_bytes([(toy_spec, ACTOR, a), (toy_spec, REF, r)]) == static + working
 
 
@@ -153,9 +173,14 @@ def test_links_follow_megatrons_rank_order():
     assert sim._link(2, 16)[0] == pytest.approx(network / 2)  # t = 2: 4 ranks a node, the 2 TP ranks' groups share
 
 
-@pytest.mark.parametrize("profile, flops, hbm", [(a100_80gb, 312e12 * 0.5, 2.039e12 * 0.6),
-                                                 (h100, 989e12 * 0.4, 3.35e12 * 0.6),
-                                                 (h200, 989e12 * 0.4, 4.8e12 * 0.6)])
+@pytest.mark.parametrize(
+    "profile, flops, hbm",
+    [
+        (a100_80gb, 312e12 * 0.5, 2.039e12 * 0.6),
+        (h100, 989e12 * 0.4, 3.35e12 * 0.6),
+        (h200, 989e12 * 0.4, 4.8e12 * 0.6),
+    ],
+)
 def test_profiles_are_datasheet_peaks_times_measured_fractions(profile, flops, hbm):
     hw = profile()
     assert hw.flops_s == pytest.approx(flops)

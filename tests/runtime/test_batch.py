@@ -12,8 +12,12 @@ from flowactors import Batch
 def make(n: int, seed: int = 0) -> Batch:
     g = torch.Generator().manual_seed(seed)
     return Batch(
-        {"ids": torch.randint(0, 100, (n, 5), generator=g), "logp": torch.randn(n, 5, generator=g),
-         "mask": torch.rand(n, 5, generator=g) > 0.5, "half": torch.randn(n, 3, generator=g).to(torch.bfloat16)},
+        {
+            "ids": torch.randint(0, 100, (n, 5), generator=g),
+            "logp": torch.randn(n, 5, generator=g),
+            "mask": torch.rand(n, 5, generator=g) > 0.5,
+            "half": torch.randn(n, 3, generator=g).to(torch.bfloat16),
+        },
         {"text": [f"row{i}" for i in range(n)], "score": [float(i) for i in range(n)]},
         {"step": 3, "note": "x"},
     )

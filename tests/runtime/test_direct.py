@@ -166,8 +166,14 @@ def test_on_a_cluster_it_joined_the_controller_leaves_no_listener_behind():
 
     from distributed import Client, LocalCluster
 
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address=None, resources={"slot": 1})
+    cluster = LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        resources={"slot": 1},
+    )
     try:
         client = Client(cluster, set_as_default=False)
         ctl = fa.Controller(client, None, direct_calls=True)

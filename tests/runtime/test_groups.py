@@ -117,8 +117,8 @@ def test_killed_worker_fails_pending_calls_promptly_naming_role_and_rank(fresh_c
     ctl = fresh_controller
     g = fa.ActorGroup(ctl, Reducer, name="victim")
     pids = g.pid().result()
-    pending = g.sleep(30.0)          # running on both ranks
-    queued = g.all_reduce(1.0)       # waiting behind it
+    pending = g.sleep(30.0)  # running on both ranks
+    queued = g.all_reduce(1.0)  # waiting behind it
     time.sleep(0.5)
     t0 = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
@@ -140,12 +140,14 @@ def test_watchdog_reports_where_each_rank_is_stuck(fresh_controller):
     assert time.monotonic() - t0 < 5
     report = info.value.report
     rank0, rank1 = report.split("- hang rank 1")
-    assert "hang rank 0" in rank0 and "all_reduce" in rank0        # blocked in the collective
-    assert "sleep" in rank1 or "straggle" in rank1                  # the straggler, in its own code
-    assert g.straggle(0.0).result() == [2.0, 2.0]                    # the group works again afterwards
+    assert "hang rank 0" in rank0 and "all_reduce" in rank0  # blocked in the collective
+    assert "sleep" in rank1 or "straggle" in rank1  # the straggler, in its own code
+    assert g.straggle(0.0).result() == [2.0, 2.0]  # the group works again afterwards
 
 
-@pytest.mark.parametrize("stride, pairs", [(1, [(0, 1), (0, 1), (2, 3), (2, 3)]), (2, [(0, 2), (1, 3), (0, 2), (1, 3)])])
+@pytest.mark.parametrize(
+    "stride, pairs", [(1, [(0, 1), (0, 1), (2, 3), (2, 3)]), (2, [(0, 2), (1, 3), (0, 2), (1, 3)])]
+)
 def test_declared_subgroups_are_created_with_the_group(controller4, groups, stride, pairs):
     """Worker.process_groups: extra groups among a group's ranks, created on every world rank with the group (while
     other groups live on the same processes), each rank holding its own."""

@@ -29,7 +29,7 @@ def listeners(pid: int) -> set[tuple[str, int]]:
         except OSError:  # closed meanwhile
             continue
         if link.startswith("socket:["):
-            inodes.add(link[len("socket:["):-1])
+            inodes.add(link[len("socket:[") : -1])
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
@@ -43,8 +43,10 @@ def listeners(pid: int) -> set[tuple[str, int]]:
 def _address(hex_address: str) -> tuple[str, int]:
     """'0100007F:1F90' -> ('127.0.0.1', 8080): /proc prints each 32-bit word of the address in host byte order."""
     addr, port = hex_address.split(":")
-    raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] if sys.byteorder == "little" else bytes.fromhex(addr[i:i + 8])
-                   for i in range(0, len(addr), 8))
+    raw = b"".join(
+        bytes.fromhex(addr[i : i + 8])[::-1] if sys.byteorder == "little" else bytes.fromhex(addr[i : i + 8])
+        for i in range(0, len(addr), 8)
+    )
     return str(ipaddress.ip_address(raw)), int(port, 16)
 
 
@@ -76,8 +78,10 @@ def test_a_default_run_listens_on_loopback_only():
         gloo_ifname = ctl.client.run(_gloo_ifname)
     assert any(port == store for _, port in workers[ctl.slots[0]])  # rank 0 serves the store: it is looked at
     assert all(len(found) >= 2 for found in workers.values())  # Dask's own listener and gloo's, at least
-    wide = {where: sorted(a for a in found if not _is_loopback(a[0]))
-            for where, found in [*workers.items(), ("controller", ours)]}
+    wide = {
+        where: sorted(a for a in found if not _is_loopback(a[0]))
+        for where, found in [*workers.items(), ("controller", ours)]
+    }
     assert not any(wide.values()), f"listening beyond loopback: {wide}"
     assert set(gloo_ifname.values()) == {"lo"}  # gloo binds the loopback interface, whatever the host name is
 
@@ -87,9 +91,18 @@ def test_close_leaves_no_listener_in_a_long_lived_cluster():
     what they listened on before the first run (no rendezvous store or gloo listener left behind)."""
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", resources={"slot": 1},
-                      dashboard_address=None, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"}) as cluster, \
-            Client(cluster, set_as_default=False) as client:
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            resources={"slot": 1},
+            dashboard_address=None,
+            scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+        ) as cluster,
+        Client(cluster, set_as_default=False) as client,
+    ):
         pids = client.run(os.getpid)
         before = {addr: listeners(pid) for addr, pid in pids.items()}
         for run in range(2):
@@ -101,5 +114,5 @@ def test_close_leaves_no_listener_in_a_long_lived_cluster():
             deadline = time.monotonic() + 10  # the store's thread closes its socket as it stops
             while (after := {a: listeners(p) for a, p in pids.items()}) != before and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert after == before, f"run {run}: left listening: {({a: after[a] - before[a] for a in after})}"
+            assert after == before, f"run {run}: left listening: { ({a: after[a] - before[a] for a in after}) }"
         assert set(client.run(_gloo_ifname).values()) == {None}  # undone with the world

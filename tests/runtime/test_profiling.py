@@ -30,19 +30,33 @@ def test_busy_seconds_match_a_fine_grid():
     rng = random.Random(0)
     step = 0.01
     for _ in range(100):
-        spans = [(a, a + rng.choice([0, 1, 2, 5, 30]) * step)
-                 for a in (rng.randrange(-100, 1100) * step for _ in range(rng.randrange(10)))]
+        spans = [
+            (a, a + rng.choice([0, 1, 2, 5, 30]) * step)
+            for a in (rng.randrange(-100, 1100) * step for _ in range(rng.randrange(10)))
+        ]
         lo, hi = rng.randrange(0, 500) * step, rng.randrange(500, 1000) * step
         cells = sum(any(a <= lo + (i + 0.5) * step < b for a, b in spans) for i in range(round((hi - lo) / step)))
         assert busy_seconds(spans, lo, hi) == pytest.approx(cells * step, abs=1e-9)
 
 
 def test_compute_spans_take_only_compute_from_the_task_stream():
-    tasks = [{"key": "a", "startstops": [{"action": "transfer", "start": 0.0, "stop": 1.0},
-                                         {"action": "compute", "start": 1.0, "stop": 2.0}]},
-             {"key": "b", "startstops": [{"action": "disk-read", "start": 2.0, "stop": 3.0},
-                                         {"action": "compute", "start": 1.5, "stop": 4.0}]},
-             {"key": "c"}]
+    tasks = [
+        {
+            "key": "a",
+            "startstops": [
+                {"action": "transfer", "start": 0.0, "stop": 1.0},
+                {"action": "compute", "start": 1.0, "stop": 2.0},
+            ],
+        },
+        {
+            "key": "b",
+            "startstops": [
+                {"action": "disk-read", "start": 2.0, "stop": 3.0},
+                {"action": "compute", "start": 1.5, "stop": 4.0},
+            ],
+        },
+        {"key": "c"},
+    ]
     assert compute_spans(tasks) == [(1.0, 2.0), (1.5, 4.0)]
 
 

@@ -1,8 +1,19 @@
 import pytest
 import torch
 
-from flowactors import (ALL_TO_ALL, DP, MESH, ONE_TO_ALL, RANK_ZERO, Batch, Layout, Protocol, ProtocolError,
-                        get_protocol, register_protocol)
+from flowactors import (
+    ALL_TO_ALL,
+    DP,
+    MESH,
+    ONE_TO_ALL,
+    RANK_ZERO,
+    Batch,
+    Layout,
+    Protocol,
+    ProtocolError,
+    get_protocol,
+    register_protocol,
+)
 
 
 def rows(n):
@@ -53,8 +64,9 @@ def test_custom_protocol_registration_and_checks():
     bad = Protocol("test_bad_count", lambda a, k, lay: [(a, k)], lambda o, lay: o)
     with pytest.raises(ProtocolError, match="returned 1 per-rank inputs for a group of 2 ranks"):
         bad.split((), {}, Layout(dp=2))
-    p = register_protocol(Protocol("test_reverse", lambda a, k, lay: [(a[::-1], k)] * lay.world_size,
-                                   lambda o, lay: o[::-1]))
+    p = register_protocol(
+        Protocol("test_reverse", lambda a, k, lay: [(a[::-1], k)] * lay.world_size, lambda o, lay: o[::-1])
+    )
     assert get_protocol("test_reverse") is p
     with pytest.raises(ValueError, match="already registered"):
         register_protocol(Protocol("test_reverse", p.distribute, p.collect))
@@ -63,8 +75,9 @@ def test_custom_protocol_registration_and_checks():
 
 
 @pytest.mark.parametrize("protocol", [DP, MESH, RANK_ZERO])
-@pytest.mark.parametrize("layout", [Layout(dp=1), Layout(dp=4), Layout(dp=2, tp=2), Layout(pp=2, dp=2, tp=2),
-                                    Layout(pp=3, tp=2)])
+@pytest.mark.parametrize(
+    "layout", [Layout(dp=1), Layout(dp=4), Layout(dp=2, tp=2), Layout(pp=2, dp=2, tp=2), Layout(pp=3, tp=2)]
+)
 def test_declared_parts_and_destinations_match_collect_and_distribute(protocol, layout):
     """Protocol.parts / destinations are promises the runtime routes data by: check them against the functions."""
     w = layout.world_size

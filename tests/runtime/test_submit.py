@@ -12,14 +12,19 @@ def _task_states(keys, dask_scheduler=None):
     out = {}
     for key in keys:
         ts = dask_scheduler.tasks[key]
-        out[key] = {"workers": sorted(ts.worker_restrictions or ()), "loose": ts.loose_restrictions,
-                    "priority": ts.priority, "deps": sorted(str(d.key) for d in ts.dependencies)}
+        out[key] = {
+            "workers": sorted(ts.worker_restrictions or ()),
+            "loose": ts.loose_restrictions,
+            "priority": ts.priority,
+            "deps": sorted(str(d.key) for d in ts.dependencies),
+        }
     return out
 
 
 def _graph_updates(ctl) -> int:
-    return sum(1 for _, e in ctl.client.get_events(ctl.client.id)
-               if isinstance(e, dict) and e.get("action") == "update-graph")
+    return sum(
+        1 for _, e in ctl.client.get_events(ctl.client.id) if isinstance(e, dict) and e.get("action") == "update-graph"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ from tests.runtime.workers import HangInit, Reducer, nap
 
 
 def _controller(collective_timeout_s: float, call_timeout_s: float) -> fa.Controller:
-    ctl = fa.Controller.local(2, dashboard=None, collective_timeout_s=collective_timeout_s,
-                              call_timeout_s=call_timeout_s)
+    ctl = fa.Controller.local(
+        2, dashboard=None, collective_timeout_s=collective_timeout_s, call_timeout_s=call_timeout_s
+    )
     # import torch before the clock starts: on a loaded machine the first import alone can outlast the timeouts
     ctl.client.run(__import__, "torch.distributed")
     return ctl
@@ -91,8 +92,10 @@ def test_hang_report_of_an_apply_task_says_where_it_is(any_path):
         join, slow = report.split("- slow.apply")
         key = waiting.futures[0].key
         if ctl.direct_calls:  # pinned behind the call that produced its first input, on that call's rank 0
-            assert f"- join.apply task {key} on {g.addresses[0]}: waiting; its worker is running: " \
-                   f"{busy.futures[0].key}" in join
+            assert (
+                f"- join.apply task {key} on {g.addresses[0]}: waiting; its worker is running: "
+                f"{busy.futures[0].key}" in join
+            )
             assert running.futures[0].address in ctl.slots[2:]  # the least busy slot: no wait
         else:
             wanted = ", ".join(sorted(f.key for f in busy.futures))

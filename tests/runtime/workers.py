@@ -89,8 +89,13 @@ class Reducer(Worker):
         """A collective over the group: every rank learns how many rows the call had in all."""
         t = torch.tensor([len(batch)])
         dist.all_reduce(t, group=self.process_group)
-        return Batch({"x": batch["x"], "total": torch.full((len(batch),), int(t.item())),
-                      "rank": torch.full((len(batch),), self.rank)})
+        return Batch(
+            {
+                "x": batch["x"],
+                "total": torch.full((len(batch),), int(t.item())),
+                "rank": torch.full((len(batch),), self.rank),
+            }
+        )
 
     @endpoint(protocol=MESH)
     def mesh_fail(self, batch: Batch, rank: int) -> Batch:

@@ -65,13 +65,14 @@ def megatron_geometry(config) -> ModelGeometry:
     Llama-family config), refusing what megatron-core's GPTModel cannot express."""
     model_type = getattr(config, "model_type", "")
     if model_type not in ("llama", "qwen2"):
-        raise ValueError(f"model_type {model_type!r} has no megatron-core conversion here; supported: llama, "
-                         f"qwen2")
+        raise ValueError(f"model_type {model_type!r} has no megatron-core conversion here; supported: llama, qwen2")
     g = ModelGeometry.from_hf_config(config)
     if g.mlp_bias or g.o_bias:
         # megatron's add_bias_linear puts biases on every linear (qkv, proj, fc1, fc2) at once
-        raise ValueError("Llama with attention_bias or mlp_bias has no megatron-core equivalent of its bias "
-                         "layout; use a model without them or the torch-native TrainEngine")
+        raise ValueError(
+            "Llama with attention_bias or mlp_bias has no megatron-core equivalent of its bias "
+            "layout; use a model without them or the torch-native TrainEngine"
+        )
     return g
 
 
@@ -92,17 +93,23 @@ def check_megatron_fits(geometry: ModelGeometry, tp_size: int, pp_size: int) -> 
         raise ValueError(f"tp ({tp_size}) and pp ({pp_size}) must be >= 1")
     for field, size, fix in (
         ("num_attention_heads", g.num_heads, "a tp that divides it"),
-        ("num_key_value_heads", g.num_kv_heads, "a tp that divides it (key/value heads are split, never "
-                                                "replicated, in this conversion)"),
+        (
+            "num_key_value_heads",
+            g.num_kv_heads,
+            "a tp that divides it (key/value heads are split, never replicated, in this conversion)",
+        ),
         ("intermediate_size", g.intermediate_size, "a tp that divides it"),
         ("vocab_size", g.vocab_size, "a tp that divides it, or pad the vocabulary to a multiple of tp"),
     ):
         if size % tp_size:
-            raise ValueError(f"tensor-parallel size tp={tp_size} does not divide the model's {field} ({size}); "
-                             f"choose {fix}")
+            raise ValueError(
+                f"tensor-parallel size tp={tp_size} does not divide the model's {field} ({size}); choose {fix}"
+            )
     if g.num_layers % pp_size:
-        raise ValueError(f"pipeline-parallel size pp={pp_size} does not divide num_hidden_layers "
-                         f"({g.num_layers}); choose a pp that divides {g.num_layers} (stages get equal layer counts)")
+        raise ValueError(
+            f"pipeline-parallel size pp={pp_size} does not divide num_hidden_layers "
+            f"({g.num_layers}); choose a pp that divides {g.num_layers} (stages get equal layer counts)"
+        )
 
 
 def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
@@ -110,17 +117,17 @@ def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
     return t.narrow(dim, rank * n, n)
 
 
-def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: range, qpg: int,
-                    d: int) -> torch.Tensor:
+def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: range, qpg: int, d: int) -> torch.Tensor:
     """[q_g; k_g; v_g] for each query group g in `groups` (rows of q, k, v indexed from group groups[0])."""
     parts = []
     for grp in groups:
-        parts += [q[grp * qpg * d:(grp + 1) * qpg * d], k[grp * d:(grp + 1) * d], v[grp * d:(grp + 1) * d]]
+        parts += [q[grp * qpg * d : (grp + 1) * qpg * d], k[grp * d : (grp + 1) * d], v[grp * d : (grp + 1) * d]]
     return torch.cat(parts)
 
 
-def _deinterleave_qkv(fused: torch.Tensor, groups: int, qpg: int, d: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _deinterleave_qkv(
+    fused: torch.Tensor, groups: int, qpg: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of `_interleave_qkv` over `groups` consecutive query groups."""
     per_group = fused.reshape(groups, (qpg + 2) * d, *fused.shape[1:])
     q, k, v = torch.split(per_group, [qpg * d, d, d], dim=1)
@@ -128,8 +135,9 @@ def _deinterleave_qkv(fused: torch.Tensor, groups: int, qpg: int, d: int
     return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
 
 
-def _fuse_qkv(g: ModelGeometry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp_rank: int,
-              tp_size: int) -> torch.Tensor:
+def _fuse_qkv(
+    g: ModelGeometry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tp_rank: int, tp_size: int
+) -> torch.Tensor:
     """TP shard of the per-group interleaved [q_g; k_g; v_g] tensor (weights or biases: rows are dim 0)."""
     groups = range(tp_rank * g.num_kv_heads // tp_size, (tp_rank + 1) * g.num_kv_heads // tp_size)
     return _interleave_qkv(q, k, v, groups, g.num_heads // g.num_kv_heads, g.head_dim)
@@ -140,8 +148,15 @@ def _split_qkv(g: ModelGeometry, fused: torch.Tensor) -> tuple[torch.Tensor, tor
     return _deinterleave_qkv(fused, g.num_kv_heads, g.num_heads // g.num_kv_heads, g.head_dim)
 
 
-def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int, pp_rank: int,
-                   pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    state_dict: Mapping[str, torch.Tensor],
+    config,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    head: str = "lm",
+) -> dict[str, torch.Tensor]:
     """The GPTModel state dict of shard (pp_rank, tp_rank), cut from a full Hugging Face state dict of a causal LM
     (head "lm") or of a scalar-head model (head "value" / "score", whose `score` must have one output)."""
     g = _geometry(config)
@@ -157,20 +172,30 @@ def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], config, tp_rank: int,
         kinds = ("weight", "bias") if g.qkv_bias else ("weight",)
         for kind in kinds:
             out[f"{mg}.self_attention.linear_qkv.{kind}"] = _fuse_qkv(
-                g, sd[f"{attn}.q_proj.{kind}"], sd[f"{attn}.k_proj.{kind}"], sd[f"{attn}.v_proj.{kind}"],
-                tp_rank, tp_size)
+                g,
+                sd[f"{attn}.q_proj.{kind}"],
+                sd[f"{attn}.k_proj.{kind}"],
+                sd[f"{attn}.v_proj.{kind}"],
+                tp_rank,
+                tp_size,
+            )
         out[f"{mg}.self_attention.linear_proj.weight"] = _rows(sd[f"{attn}.o_proj.weight"], tp_rank, tp_size, 1)
         out[f"{mg}.pre_mlp_layernorm.weight"] = sd[f"{hf}.post_attention_layernorm.weight"]
         out[f"{mg}.mlp.linear_fc1.weight"] = torch.cat(
-            [_rows(sd[f"{hf}.mlp.gate_proj.weight"], tp_rank, tp_size),
-             _rows(sd[f"{hf}.mlp.up_proj.weight"], tp_rank, tp_size)])
+            [
+                _rows(sd[f"{hf}.mlp.gate_proj.weight"], tp_rank, tp_size),
+                _rows(sd[f"{hf}.mlp.up_proj.weight"], tp_rank, tp_size),
+            ]
+        )
         out[f"{mg}.mlp.linear_fc2.weight"] = _rows(sd[f"{hf}.mlp.down_proj.weight"], tp_rank, tp_size, 1)
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
         if head != "lm":
             if sd["score.weight"].shape[0] != 1:
-                raise ValueError(f"the {head} head has {sd['score.weight'].shape[0]} outputs; the megatron engine "
-                                 f"builds scalar heads only (num_labels=1)")
+                raise ValueError(
+                    f"the {head} head has {sd['score.weight'].shape[0]} outputs; the megatron engine "
+                    f"builds scalar heads only (num_labels=1)"
+                )
             out["output_layer.weight"] = sd["score.weight"]
             if "score.bias" in sd:
                 out["output_layer.bias"] = sd["score.bias"]
@@ -181,8 +206,9 @@ def hf_to_megatron(state_dict: Mapping[str, torch.Tensor], config, tp_rank: int,
     return {k: v.clone() for k, v in out.items()}
 
 
-def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], config, tp_size: int,
-                   pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], config, tp_size: int, pp_size: int, head: str = "lm"
+) -> dict[str, torch.Tensor]:
     """Merge every shard {(pp_rank, tp_rank): GPTModel state dict} back into one Hugging Face state dict, named as
     the transformers class of `head` names it (lm_head for "lm", score for "value" / "score")."""
     g = _geometry(config)
@@ -227,8 +253,9 @@ def megatron_to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]],
     return out
 
 
-def megatron_shard_to_hf_local(shard: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int,
-                               pp_rank: int, pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
+def megatron_shard_to_hf_local(
+    shard: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, head: str = "lm"
+) -> dict[str, torch.Tensor]:
     """One causal-LM shard (pp_rank, tp_rank) under Hugging Face names, each tensor this TP rank's slice as a
     vocab- and tensor-parallel transformers model holds it (rows of q/k/v, gate/up, embedding and lm_head; columns
     of o_proj and down_proj; norms whole), with global layer indices: the pieces the 3D-HybridEngine's training
@@ -262,8 +289,9 @@ def megatron_shard_to_hf_local(shard: Mapping[str, torch.Tensor], config, tp_ran
     return out
 
 
-def hf_local_to_megatron_shard(pieces: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int,
-                               pp_rank: int, pp_size: int, head: str = "lm") -> dict[str, torch.Tensor]:
+def hf_local_to_megatron_shard(
+    pieces: Mapping[str, torch.Tensor], config, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, head: str = "lm"
+) -> dict[str, torch.Tensor]:
     """Inverse of `megatron_shard_to_hf_local`: the GPTModel state dict of shard (pp_rank, tp_rank) from this TP
     rank's slices under Hugging Face names (q/k/v interleaved per query group, gate/up fused)."""
     g = _geometry(config)
@@ -280,8 +308,9 @@ def hf_local_to_megatron_shard(pieces: Mapping[str, torch.Tensor], config, tp_ra
             out[f"{mg}.self_attention.linear_qkv.{kind}"] = _interleave_qkv(q, k, v, range(groups), qpg, d)
         out[f"{mg}.self_attention.linear_proj.weight"] = pieces[f"{attn}.o_proj.weight"]
         out[f"{mg}.pre_mlp_layernorm.weight"] = pieces[f"{hf}.post_attention_layernorm.weight"]
-        out[f"{mg}.mlp.linear_fc1.weight"] = torch.cat([pieces[f"{hf}.mlp.gate_proj.weight"],
-                                                        pieces[f"{hf}.mlp.up_proj.weight"]])
+        out[f"{mg}.mlp.linear_fc1.weight"] = torch.cat(
+            [pieces[f"{hf}.mlp.gate_proj.weight"], pieces[f"{hf}.mlp.up_proj.weight"]]
+        )
         out[f"{mg}.mlp.linear_fc2.weight"] = pieces[f"{hf}.mlp.down_proj.weight"]
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = pieces["model.norm.weight"]

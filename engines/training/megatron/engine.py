@@ -67,11 +67,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engines.hybrid.shards import ModelGeometry
-from engines.training.megatron.groups import MegatronGroups, world_groups
-from engines.training.megatron.convert import (HEADS, check_megatron_fits, hf_to_megatron, megatron_geometry,
-                                               megatron_to_hf)
 from engines.ops import response_logits
 from engines.training.common import LossFn, OptimConfig, token_mean
+from engines.training.megatron.convert import (
+    HEADS,
+    check_megatron_fits,
+    hf_to_megatron,
+    megatron_geometry,
+    megatron_to_hf,
+)
+from engines.training.megatron.groups import MegatronGroups, world_groups
 from flowactors import Batch
 
 __all__ = ["MegatronEngine", "megatron_available"]
@@ -81,7 +86,6 @@ _ADAM_STATE = ("param", "exp_avg", "exp_avg_sq")
 
 _GRAD_CLIP_OFF = 1e30
 """megatron computes the gradient norm only when clipping; with grad_clip = 0 we clip at a norm never reached."""
-
 
 
 def megatron_available() -> bool:
@@ -100,8 +104,10 @@ def _check_hf_config(config) -> None:
         raise ValueError(f"hidden_act={act!r}: the megatron engine builds SwiGLU (silu) MLPs only")
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type={rope.get('rope_type')!r} (rope scaling) is not converted to megatron-core here; "
-                         f"use a checkpoint with default rotary embeddings or the torch-native TrainEngine")
+        raise ValueError(
+            f"rope_type={rope.get('rope_type')!r} (rope scaling) is not converted to megatron-core here; "
+            f"use a checkpoint with default rotary embeddings or the torch-native TrainEngine"
+        )
     if getattr(config, "use_sliding_window", False):
         raise ValueError("use_sliding_window=True is not supported by the megatron engine")
 
@@ -115,22 +121,41 @@ def _transformer_config(config, g: ModelGeometry, tp: int, pp: int, dtype: torch
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=g.num_layers, hidden_size=g.hidden_size, ffn_hidden_size=g.intermediate_size,
-        num_attention_heads=g.num_heads, num_query_groups=g.num_kv_heads, kv_channels=g.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=float(config.rms_norm_eps),
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=g.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        num_layers=g.num_layers,
+        hidden_size=g.hidden_size,
+        ffn_hidden_size=g.intermediate_size,
+        num_attention_heads=g.num_heads,
+        num_query_groups=g.num_kv_heads,
+        kv_channels=g.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(config.rms_norm_eps),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=g.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         # micro-batches differ in rows and width; the pipeline exchanges shapes before activations
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # unused (no experts), but the default refuses variable lengths
         calculate_per_token_loss=True,
         # weights are loaded from the HF checkpoint right after construction
-        perform_initialization=False, use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
         # the fused kernels need CUDA (and some Apex / TE); the plain paths are numerically the reference ones
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
     )
 
 
@@ -139,10 +164,11 @@ def _quiet() -> None:
     Engine / Apex are missing (we build the local layer spec and torch optimizers on purpose; on GPU they are used
     where installed), its own deprecated default `cuda_graph_scope`, and torch's renames of the collectives its
     DDP calls (`reduce_scatter_tensor`, `all_gather_into_tensor`; same operations)."""
-    for message, category in ((r".*(Transformer Engine|Apex).* not installed", UserWarning),
-                              (r"full scope is deprecated", UserWarning),
-                              (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
-                               FutureWarning)):
+    for message, category in (
+        (r".*(Transformer Engine|Apex).* not installed", UserWarning),
+        (r"full scope is deprecated", UserWarning),
+        (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning),
+    ):
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
@@ -169,8 +195,9 @@ def _attention_mask(mask: torch.Tensor) -> torch.Tensor:
     return ~(causal[None] & mask.bool()[:, None, :])[:, None]
 
 
-def vocab_parallel_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                             with_entropy: bool, tp_group: Any) -> dict[str, torch.Tensor]:
+def vocab_parallel_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool, tp_group: Any
+) -> dict[str, torch.Tensor]:
     """log p(token) (and entropy) in float32 from logits split over the TP group's vocabulary shards."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
@@ -241,16 +268,20 @@ class _ScalarHead(torch.nn.Linear):
     """A value/score head in place of GPTModel's `output_layer`: TP-replicated, called the way GPTModel calls its
     output layer (`weight` / `runtime_gather_output` keywords, an (output, bias) pair back)."""
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[torch.Tensor, None]:
         return super().forward(hidden), None
 
 
 def _head_of(model: torch.nn.Module) -> str:
     """The engines.models.config head of a transformers model, from its class name."""
     name = type(model).__name__
-    for suffix, head in (("ForCausalLM", "lm"), ("ForTokenClassification", "value"),
-                         ("ForSequenceClassification", "score")):
+    for suffix, head in (
+        ("ForCausalLM", "lm"),
+        ("ForTokenClassification", "value"),
+        ("ForSequenceClassification", "score"),
+    ):
         if name.endswith(suffix):
             return head
     raise ValueError(f"{name} is not a causal-LM, token- or sequence-classification model; pass head= explicitly")
@@ -264,9 +295,20 @@ class MegatronEngine:
     megatron process groups (engines.training.megatron.groups; a flowactors role passes its group's); None builds them
     over the whole torch.distributed world (every rank must then construct the engine)."""
 
-    def __init__(self, hf_config, state_dict: Mapping[str, torch.Tensor], optim: OptimConfig | None, *,
-                 tp: int = 1, pp: int = 1, trainable: bool = True, distributed_optimizer: bool = True,
-                 dtype: torch.dtype | None = None, head: str = "lm", groups: MegatronGroups | None = None) -> None:
+    def __init__(
+        self,
+        hf_config,
+        state_dict: Mapping[str, torch.Tensor],
+        optim: OptimConfig | None,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        trainable: bool = True,
+        distributed_optimizer: bool = True,
+        dtype: torch.dtype | None = None,
+        head: str = "lm",
+        groups: MegatronGroups | None = None,
+    ) -> None:
         _check_hf_config(hf_config)
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, got {head!r}")
@@ -277,23 +319,29 @@ class MegatronEngine:
         if not megatron_available():
             raise ImportError("the megatron engine needs megatron-core==0.16.1: pip install '.[megatron]'")
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised; the megatron engine runs inside a process "
-                               "group (a flowactors group, or dist.init_process_group for a single process)")
+            raise RuntimeError(
+                "torch.distributed is not initialised; the megatron engine runs inside a process "
+                "group (a flowactors group, or dist.init_process_group for a single process)"
+            )
         self.hf_config, self.cfg = hf_config, optim or OptimConfig()
         self.groups = groups or world_groups(tp, pp)
         if (self.groups.tp, self.groups.pp) != (tp, pp):
-            raise ValueError(f"the process groups are laid out for (tp, pp) = {(self.groups.tp, self.groups.pp)}, "
-                             f"not {(tp, pp)}")
+            raise ValueError(
+                f"the process groups are laid out for (tp, pp) = {(self.groups.tp, self.groups.pp)}, not {(tp, pp)}"
+            )
         self.tp, self.pp, self.dp_size = tp, pp, self.groups.dp
         if self.groups.reversed_stages and self.geometry.tied_embeddings and head == "lm":
-            raise ValueError("a model whose stages run down its ranks cannot tie its word embeddings: megatron ties "
-                             "the first and last stages through the PP group's rank order; reverse the critic (the "
-                             "fused pipeline's second model), or untie the embeddings")
+            raise ValueError(
+                "a model whose stages run down its ranks cannot tie its word embeddings: megatron ties "
+                "the first and last stages through the PP group's rank order; reverse the critic (the "
+                "fused pipeline's second model), or untie the embeddings"
+            )
         self.tp_rank, self.pp_rank, self.dp_rank = self.groups.tp_rank, self.groups.pp_rank, self.groups.dp_rank
         self.first_stage, self.last_stage = self.groups.first_stage, self.groups.last_stage
         _process_state(self.tp_rank)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         dtype = dtype or state_dict["model.embed_tokens.weight"].dtype
         self.config = _transformer_config(hf_config, self.geometry, tp, pp, dtype)
         self.module = self._build_model(state_dict, dtype)
@@ -322,42 +370,67 @@ class MegatronEngine:
         g = self.geometry
         scalar = self.head != "lm"
         model = GPTModel(
-            config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=g.vocab_size, max_sequence_length=self.hf_config.max_position_embeddings,
-            pre_process=self.first_stage, post_process=self.last_stage,
-            share_embeddings_and_output_weights=g.tied_embeddings and not scalar, position_embedding_type="rope",
-            rotary_base=_rope_theta(self.hf_config), parallel_output=True, pg_collection=self.groups.collection,
+            config=self.config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=g.vocab_size,
+            max_sequence_length=self.hf_config.max_position_embeddings,
+            pre_process=self.first_stage,
+            post_process=self.last_stage,
+            share_embeddings_and_output_weights=g.tied_embeddings and not scalar,
+            position_embedding_type="rope",
+            rotary_base=_rope_theta(self.hf_config),
+            parallel_output=True,
+            pg_collection=self.groups.collection,
         )
         if scalar and self.last_stage:  # the vocab projection GPTModel built goes; the scalar head takes its place
             model.output_layer = _ScalarHead(g.hidden_size, 1, bias="score.bias" in state_dict, dtype=dtype)
         shard = hf_to_megatron(state_dict, g, self.tp_rank, self.tp, self.pp_rank, self.pp, self.head)
         expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
         if set(shard) != expected:
-            raise RuntimeError(f"converted shard and GPTModel disagree: missing {sorted(expected - set(shard))}, "
-                               f"unexpected {sorted(set(shard) - expected)}")
+            raise RuntimeError(
+                f"converted shard and GPTModel disagree: missing {sorted(expected - set(shard))}, "
+                f"unexpected {sorted(set(shard) - expected)}"
+            )
         model.load_state_dict({k: v.to(dtype) for k, v in shard.items()}, strict=False)
         _mark_tensor_parallel(model)
         return model.to(self.device)
 
     def _wrap_for_training(self, distributed_optimizer: bool) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=distributed_optimizer)
-        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.module,
-                                             pg_collection=self.groups.collection)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+        )
+        self.model = DistributedDataParallel(
+            config=self.config, ddp_config=ddp_config, module=self.module, pg_collection=self.groups.collection
+        )
         self.config.finalize_model_grads_func = finalize_model_grads  # the schedule passes our groups
         self.config.no_sync_func = self.model.no_sync
         c = self.cfg
         with _default_group_is(self.groups.collection.intra_dist_opt):  # see _default_group_is
             self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.betas[0],
-                                adam_beta2=c.betas[1], adam_eps=c.eps, clip_grad=c.grad_clip or _GRAD_CLIP_OFF,
-                                use_distributed_optimizer=distributed_optimizer, bf16=self.config.bf16,
-                                fp16=self.config.fp16, params_dtype=self.config.params_dtype),
-                [self.model], use_gloo_process_groups=False, pg_collection=self.groups.collection)
+                OptimizerConfig(
+                    optimizer="adam",
+                    lr=c.lr,
+                    weight_decay=c.weight_decay,
+                    adam_beta1=c.betas[0],
+                    adam_beta2=c.betas[1],
+                    adam_eps=c.eps,
+                    clip_grad=c.grad_clip or _GRAD_CLIP_OFF,
+                    use_distributed_optimizer=distributed_optimizer,
+                    bf16=self.config.bf16,
+                    fp16=self.config.fp16,
+                    params_dtype=self.config.params_dtype,
+                ),
+                [self.model],
+                use_gloo_process_groups=False,
+                pg_collection=self.groups.collection,
+            )
         self._apply_lr()
 
     # -- learning rate ----------------------------------------------------------------------------------------
@@ -381,8 +454,10 @@ class MegatronEngine:
         """Token-budget micro-batches, on this rank's device (so the algorithm's loss sees device tensors)."""
         width = int(batch["input_ids"].shape[1])
         rows = max(1, self.cfg.micro_batch_tokens // max(1, width))
-        return [Batch({k: v.to(self.device) for k, v in mb.tensors.items()}, mb.rows, mb.meta)
-                for mb in (batch.chunk(rows) if len(batch) else [])]
+        return [
+            Batch({k: v.to(self.device) for k, v in mb.tensors.items()}, mb.rows, mb.meta)
+            for mb in (batch.chunk(rows) if len(batch) else [])
+        ]
 
     def _run_model(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
         ids = mb["input_ids"].to(self.device)
@@ -396,8 +471,10 @@ class MegatronEngine:
         if self._pending is not None and self._pending[0] is mb:
             return self._pending[1]
         if self.pp > 1:
-            raise RuntimeError("with pp > 1 the head's output exists only inside the pipeline schedule; call "
-                               "log_probs / values / scores or update, whose outputs_fn runs on the last stage")
+            raise RuntimeError(
+                "with pp > 1 the head's output exists only inside the pipeline schedule; call "
+                "log_probs / values / scores or update, whose outputs_fn runs on the last stage"
+            )
         return self._run_model(self.model, mb)
 
     def _require(self, head: str, what: str) -> None:
@@ -425,16 +502,19 @@ class MegatronEngine:
         ids = mb["input_ids"].to(out.device)
         if self.pad_token_id is None:
             if ids.shape[0] != 1:
-                raise ValueError("the score model's config has no pad_token_id, so the last real token of a padded "
-                                 "row is unknown; set config.pad_token_id (engines.build_model does)")
+                raise ValueError(
+                    "the score model's config has no pad_token_id, so the last real token of a padded "
+                    "row is unknown; set config.pad_token_id (engines.build_model does)"
+                )
             last = torch.full((1,), ids.shape[1] - 1, device=out.device)
         else:
             index = torch.arange(ids.shape[1], device=out.device)
             last = (index * (ids != self.pad_token_id)).argmax(-1)
         return {"scores": out[torch.arange(ids.shape[0], device=out.device), last].float()}
 
-    def _schedule(self, mbs: list[Batch], loss_step: Callable[[Batch, torch.Tensor], tuple], forward_only: bool
-                  ) -> list[Any]:
+    def _schedule(
+        self, mbs: list[Batch], loss_step: Callable[[Batch, torch.Tensor], tuple], forward_only: bool
+    ) -> list[Any]:
         """Run megatron's forward(-backward) schedule over the micro-batches; returns the last stage's records.
         A pipeline whose stages run down its ranks is outside megatron's schedules: it runs as a plan of one."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -457,9 +537,16 @@ class MegatronEngine:
         p2p = P2PCommunicator(pp_group=groups.pp, config=self.config) if self.pp > 1 else None
         first = mbs[0]["input_ids"].shape
         return get_forward_backward_func(pp_size=self.pp)(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
-            seq_length=int(first[1]), micro_batch_size=int(first[0]), forward_only=forward_only,
-            p2p_communicator=p2p, pg_collection=groups)
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=[self.model],
+            num_microbatches=len(mbs),
+            seq_length=int(first[1]),
+            micro_batch_size=int(first[0]),
+            forward_only=forward_only,
+            p2p_communicator=p2p,
+            pg_collection=groups,
+        )
 
     def _from_last_stage(self, obj: Any) -> Any:
         """Every PP stage gets the last stage's Python object (outputs, metrics)."""
@@ -469,8 +556,9 @@ class MegatronEngine:
         dist.broadcast_object_list(box, src=self.groups.last_stage_rank(), group=self.groups.collection.pp)
         return box[0]
 
-    def _outputs_at(self, mb: Batch, output: torch.Tensor,
-                    outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _outputs_at(
+        self, mb: Batch, output: torch.Tensor, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
         """`outputs_fn(mb)` inside the schedule's loss step, reading the schedule's `output` for `mb`."""
         self._pending = (mb, output)
         try:
@@ -508,8 +596,9 @@ class MegatronEngine:
         return self._forward_only(batch, self.score_outputs)["scores"]
 
     # -- updates ----------------------------------------------------------------------------------------------
-    def update(self, mini_batches: list[Batch], loss_fn: LossFn,
-               outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, float]:
+    def update(
+        self, mini_batches: list[Batch], loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]
+    ) -> dict[str, float]:
         """One optimizer step per mini-batch; returns metrics averaged over the steps (token-weighted).
 
         `outputs_fn(mb)` is evaluated on the last pipeline stage inside the schedule, where `policy_outputs` /
@@ -533,8 +622,9 @@ class MegatronEngine:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def train_loss_step(self, loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]
-                        ) -> Callable[[Batch, torch.Tensor], tuple]:
+    def train_loss_step(
+        self, loss_fn: LossFn, outputs_fn: Callable[[Batch], dict[str, torch.Tensor]]
+    ) -> Callable[[Batch, torch.Tensor], tuple]:
         """The schedule's loss step: a micro-batch's summed weighted token loss, its token count, its metrics."""
 
         def loss_step(mb: Batch, output: torch.Tensor):
@@ -596,7 +686,7 @@ class MegatronEngine:
                 held = {"param": main, **opt.optimizer.state.get(main, {})}
                 for k in _ADAM_STATE:
                     if k in held:
-                        whole[k].view(-1)[rng.start:rng.end] = held[k].detach().float()
+                        whole[k].view(-1)[rng.start : rng.end] = held[k].detach().float()
                 if "step" in held:
                     step = int(held["step"])
             for k in _ADAM_STATE:
@@ -619,8 +709,9 @@ class MegatronEngine:
 
         from engines.training.megatron.convert import hf_local_placement, megatron_shard_to_hf_local
 
-        pieces = megatron_shard_to_hf_local(local, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp,
-                                            self.head)
+        pieces = megatron_shard_to_hf_local(
+            local, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp, self.head
+        )
         out = {}
         for name, t in pieces.items():
             kind, dim = hf_local_placement(name)
@@ -632,19 +723,23 @@ class MegatronEngine:
         from engines.training.megatron.convert import hf_local_to_megatron_shard
 
         pieces = {k: v.to_local() for k, v in tensors.items()}
-        return hf_local_to_megatron_shard(pieces, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp,
-                                          self.head)
+        return hf_local_to_megatron_shard(
+            pieces, self.hf_config, self.tp_rank, self.tp, self.pp_rank, self.pp, self.head
+        )
 
     def _distributed_optimizers(self) -> list[Any]:
         """The DistributedOptimizers behind megatron's optimizer (a ChainedOptimizer of one per parameter kind)."""
         opts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         if not all(hasattr(o, "model_param_group_index_map") for o in opts):
-            raise NotImplementedError("checkpoints of the megatron engine keep the distributed optimizer's state; "
-                                      "build it with distributed_optimizer=True (the default)")
+            raise NotImplementedError(
+                "checkpoints of the megatron engine keep the distributed optimizer's state; "
+                "build it with distributed_optimizer=True (the default)"
+            )
         return opts
 
-    def hybrid_engine(self, model: torch.nn.Module, mesh: Any, gen_tp: int,
-                      subgroups: Mapping[tuple[int, ...], Any], gen_pp: int = 1) -> Any:
+    def hybrid_engine(
+        self, model: torch.nn.Module, mesh: Any, gen_tp: int, subgroups: Mapping[tuple[int, ...], Any], gen_pp: int = 1
+    ) -> Any:
         """The 3D-HybridEngine over this actor's shards: (p, t, d) → (p_g, t_g) by all-gather inside micro-DP groups
         (engines.hybrid.actor), fed from megatron's own parameters. megatron-core keeps its weights in its DDP
         buffers, which the resharder's training layout cannot alias, so each transition copies this rank's shard
@@ -689,12 +784,12 @@ class MegatronEngine:
                     rng = opt._get_model_param_range_map(param)["param"]
                     group, order = opt.model_param_group_index_map[param]
                     main = opt.optimizer.param_groups[group]["params"][order]
-                    main.copy_(moments["param"][name].reshape(-1)[rng.start:rng.end])
+                    main.copy_(moments["param"][name].reshape(-1)[rng.start : rng.end])
                     if step == 0:
                         continue  # saved before the first step: no moments yet
                     held = opt.optimizer.state[main]
                     for k in ("exp_avg", "exp_avg_sq"):
-                        held[k] = moments[k][name].reshape(-1)[rng.start:rng.end].to(main.dtype).clone()
+                        held[k] = moments[k][name].reshape(-1)[rng.start : rng.end].to(main.dtype).clone()
                     # one step tensor per parameter: torch's Adam increments each in place
                     held["step"] = torch.tensor(float(step), dtype=torch.float32)
         self._steps, self._peak_lr = int(state["scheduler"]["steps"]), float(state["scheduler"]["peak_lr"])

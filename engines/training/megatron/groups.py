@@ -34,8 +34,11 @@ def megatron_subgroups(pp: int, dp: int, tp: int) -> list[tuple[int, ...]]:
     statistics of the distributed optimizer). Every world rank creates them, in this order."""
     mp = [tuple(_rank(pp, dp, tp, p, d, t) for p in range(pp) for t in range(tp)) for d in range(dp)]
     tp_dp = [tuple(_rank(pp, dp, tp, p, d, t) for d in range(dp) for t in range(tp)) for p in range(pp)]
-    embd = [tuple(sorted({_rank(pp, dp, tp, 0, d, t), _rank(pp, dp, tp, pp - 1, d, t)}))
-            for d in range(dp) for t in range(tp)]
+    embd = [
+        tuple(sorted({_rank(pp, dp, tp, 0, d, t), _rank(pp, dp, tp, pp - 1, d, t)}))
+        for d in range(dp)
+        for t in range(tp)
+    ]
     alone = [(r,) for r in range(pp * dp * tp)]
     out: list[tuple[int, ...]] = []
     for sub in [*mp, *tp_dp, *embd, *alone, tuple(range(pp * dp * tp))]:
@@ -64,10 +67,14 @@ class MegatronGroups:
     so megatron's own schedules and P2P, which read stages off the PP group, serve only ascending pipelines."""
 
     def __post_init__(self) -> None:
-        if len(self.pp_ranks) != self.pp or (self.pp_ranks != tuple(sorted(self.pp_ranks))
-                                             and self.pp_ranks != tuple(sorted(self.pp_ranks, reverse=True))):
-            raise ValueError(f"a pipeline's ranks run in stage order up or down the global ranks; got "
-                             f"{self.pp_ranks} for pp={self.pp}")
+        if len(self.pp_ranks) != self.pp or (
+            self.pp_ranks != tuple(sorted(self.pp_ranks))
+            and self.pp_ranks != tuple(sorted(self.pp_ranks, reverse=True))
+        ):
+            raise ValueError(
+                f"a pipeline's ranks run in stage order up or down the global ranks; got "
+                f"{self.pp_ranks} for pp={self.pp}"
+            )
 
     @property
     def first_stage(self) -> bool:
@@ -100,9 +107,11 @@ def megatron_groups(mesh: Any, subgroups: Mapping[tuple[int, ...], Any]) -> Mega
         try:
             return subgroups[ranks]
         except KeyError:
-            raise RuntimeError(f"the megatron subgroup {ranks} was not created with this group; the role's "
-                               "process_groups must return "
-                               "engines.training.megatron.groups.megatron_subgroups(pp, dp, tp)") from None
+            raise RuntimeError(
+                f"the megatron subgroup {ranks} was not created with this group; the role's "
+                "process_groups must return "
+                "engines.training.megatron.groups.megatron_subgroups(pp, dp, tp)"
+            ) from None
 
     whole = mesh.mesh.flatten().tolist()
     tp_g, dp_g, pp_g = mesh.get_group("tp"), mesh.get_group("dp"), mesh.get_group("pp")
@@ -111,12 +120,28 @@ def megatron_groups(mesh: Any, subgroups: Mapping[tuple[int, ...], Any]) -> Mega
     embd_ranks = tuple(sorted({_rank(pp, dp, tp, 0, d, t), _rank(pp, dp, tp, pp - 1, d, t)}))
     alone = sub((me,))
     collection = ProcessGroupCollection(
-        tp=tp_g, pp=pp_g, mp=mp, dp=dp_g, dp_cp=dp_g, intra_dp_cp=dp_g, expt_dp=dp_g, intra_expt_dp=dp_g,
-        cp=alone, tp_cp=tp_g, hcp=[alone], ep=alone, expt_tp=tp_g, tp_ep=tp_g, tp_ep_pp=mp, tp_dp_cp=tp_dp,
+        tp=tp_g,
+        pp=pp_g,
+        mp=mp,
+        dp=dp_g,
+        dp_cp=dp_g,
+        intra_dp_cp=dp_g,
+        expt_dp=dp_g,
+        intra_expt_dp=dp_g,
+        cp=alone,
+        tp_cp=tp_g,
+        hcp=[alone],
+        ep=alone,
+        expt_tp=tp_g,
+        tp_ep=tp_g,
+        tp_ep_pp=mp,
+        tp_dp_cp=tp_dp,
         # the embedding group ties the first and last stages' word embeddings (only those ranks are members)
         embd=sub(embd_ranks) if p in (0, pp - 1) else None,
         pos_embd=alone if p == 0 else None,  # rotary embeddings: no learned position table to tie
-        intra_dist_opt=sub(tuple(range(len(whole)))), inter_dist_opt=None)
+        intra_dist_opt=sub(tuple(range(len(whole)))),
+        inter_dist_opt=None,
+    )
     pp_ranks = tuple(int(r) for r in mesh.mesh[:, d, t].tolist())
     return MegatronGroups(collection, mesh["tp"], pp, dp, tp, p, d, t, pp_ranks)
 
@@ -130,8 +155,10 @@ def world_groups(tp: int, pp: int, reverse_stages: bool = False) -> MegatronGrou
 
     world = dist.get_world_size()
     if world % (tp * pp):
-        raise ValueError(f"world size {world} is not a multiple of tp × pp = {tp} × {pp}; choose tp and pp whose "
-                         f"product divides the number of ranks (the rest is data parallel)")
+        raise ValueError(
+            f"world size {world} is not a multiple of tp × pp = {tp} × {pp}; choose tp and pp whose "
+            f"product divides the number of ranks (the rest is data parallel)"
+        )
     dp = world // (tp * pp)
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     grid = torch.arange(world).reshape(pp, dp, tp)

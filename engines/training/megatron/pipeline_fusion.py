@@ -72,9 +72,16 @@ class PipelinePlan:
         return self.stages - 1 - stage if self.reverse[job] else stage
 
 
-def plan_pipelines(stages: int, micro_batches: Sequence[int], *, reverse: Sequence[bool] | None = None,
-                   forward_cost: Sequence[float] | None = None, backward_cost: Sequence[float] | None = None,
-                   forward_only: bool = False, slot_budget: int | None = None) -> PipelinePlan:
+def plan_pipelines(
+    stages: int,
+    micro_batches: Sequence[int],
+    *,
+    reverse: Sequence[bool] | None = None,
+    forward_cost: Sequence[float] | None = None,
+    backward_cost: Sequence[float] | None = None,
+    forward_only: bool = False,
+    slot_budget: int | None = None,
+) -> PipelinePlan:
     """Plan one step of `len(micro_batches)` pipelines over the same `stages` slots.
 
     `micro_batches[j]`: model j's micro-batch count; `reverse[j]`: model j's stage s runs on slot stages - 1 - s
@@ -101,15 +108,19 @@ def plan_pipelines(stages: int, micro_batches: Sequence[int], *, reverse: Sequen
     options = []
     for forward_first in (True, False):
         try:
-            options.append(_list_schedule(stages, micro_batches, reverse, fwd, bwd, forward_only, forward_first,
-                                          budget))
+            options.append(
+                _list_schedule(stages, micro_batches, reverse, fwd, bwd, forward_only, forward_first, budget)
+            )
         except _Stuck:  # the budget starved a slot; the in-turn plan below always fits it
             pass
     if jobs > 1:
-        alone = [_list_schedule(stages, [micro_batches[j]], [reverse[j]], [fwd[j]], [bwd[j]], forward_only, True,
-                                budget) for j in range(jobs)]
-        options.append([[Op(j, o.kind, o.mb, o.stage) for j, slots in enumerate(alone) for o in slots[d]]
-                        for d in range(stages)])
+        alone = [
+            _list_schedule(stages, [micro_batches[j]], [reverse[j]], [fwd[j]], [bwd[j]], forward_only, True, budget)
+            for j in range(jobs)
+        ]
+        options.append(
+            [[Op(j, o.kind, o.mb, o.stage) for j, slots in enumerate(alone) for o in slots[d]] for d in range(stages)]
+        )
     if not options:
         raise RuntimeError(f"no plan fits slot_budget={slot_budget}; raise it")
     timed = [(*_timeline(stages, slots, fwd, bwd), slots) for slots in options]
@@ -121,8 +132,16 @@ class _Stuck(RuntimeError):
     """No step can start: the slot budget holds every slot's activations for backwards that wait on each other."""
 
 
-def _list_schedule(stages: int, micro_batches: Sequence[int], reverse: Sequence[bool], fwd: Sequence[float],
-                   bwd: Sequence[float], forward_only: bool, forward_first: bool, budget: int) -> list[list[Op]]:
+def _list_schedule(
+    stages: int,
+    micro_batches: Sequence[int],
+    reverse: Sequence[bool],
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    forward_only: bool,
+    forward_first: bool,
+    budget: int,
+) -> list[list[Op]]:
     """Greedy list scheduling: whenever a slot is free, it starts the best step whose inputs are there. A
     forward waits while its stage holds 1F1B's bound of activations (p - s), or its slot `budget` of all models';
     `forward_first` decides between a ready forward and a ready backward."""
@@ -152,8 +171,12 @@ def _list_schedule(stages: int, micro_batches: Sequence[int], reverse: Sequence[
                     out.append(((not forward_first, b, j), Op(j, "B", b, s), bwd[j]))
             f = next_f[j][s]
             cap = m if forward_only else min(m, stages - s)  # 1F1B's activation bound on stage s
-            if f < m and in_flight[j][s] < cap and (forward_only or held < budget) \
-                    and (s == 0 or ready((j, "F", f, s - 1), now)):
+            if (
+                f < m
+                and in_flight[j][s] < cap
+                and (forward_only or held < budget)
+                and (s == 0 or ready((j, "F", f, s - 1), now))
+            ):
                 out.append(((forward_first, in_flight[j][s] / max(cap, 1), f, j), Op(j, "F", f, s), fwd[j]))
         return min(out, key=lambda c: c[0])[1:] if out else None
 
@@ -179,8 +202,9 @@ def _list_schedule(stages: int, micro_batches: Sequence[int], reverse: Sequence[
     return order
 
 
-def _timeline(stages: int, slots: Sequence[Sequence[Op]], fwd: Sequence[float], bwd: Sequence[float]
-              ) -> tuple[float, float]:
+def _timeline(
+    stages: int, slots: Sequence[Sequence[Op]], fwd: Sequence[float], bwd: Sequence[float]
+) -> tuple[float, float]:
     """(makespan, busy) of fixed per-slot orders: each step starts when its slot is free and its inputs are
     there. Raises if the orders wait on each other (a plan that would deadlock)."""
     finish: dict[tuple[int, str, int, int], float] = {}
@@ -257,20 +281,27 @@ def run_plan(jobs: Sequence[PipelineJob], plan: PipelinePlan) -> RunTiming:
         if g.pp != plan.stages:
             raise ValueError(f"model {j} has {g.pp} pipeline stages; the plan has {plan.stages}")
         if g.reversed_stages != plan.reverse[j]:
-            raise ValueError(f"model {j}'s stages run {'down' if g.reversed_stages else 'up'} its ranks; the plan "
-                             f"runs them {'down' if plan.reverse[j] else 'up'}: build its groups with "
-                             f"reverse_stages={plan.reverse[j]}")
+            raise ValueError(
+                f"model {j}'s stages run {'down' if g.reversed_stages else 'up'} its ranks; the plan "
+                f"runs them {'down' if plan.reverse[j] else 'up'}: build its groups with "
+                f"reverse_stages={plan.reverse[j]}"
+            )
         mine = plan.slot_of(j, g.pp_rank)
         if slot is not None and mine != slot:
-            raise ValueError(f"model {j}'s stage {g.pp_rank} is not on the slot of model 0's stage {slot}: the "
-                             f"models must share one rank per slot")
+            raise ValueError(
+                f"model {j}'s stage {g.pp_rank} is not on the slot of model 0's stage {slot}: the "
+                f"models must share one rank per slot"
+            )
         slot = mine
         if len(job.micro_batches) != sum(op.job == j and op.kind == "F" for op in plan.slots[slot]):
-            raise ValueError(f"model {j} has {len(job.micro_batches)} micro-batches; the plan was made for a "
-                             f"different count")
+            raise ValueError(
+                f"model {j} has {len(job.micro_batches)} micro-batches; the plan was made for a different count"
+            )
         if len(job.micro_batches) >= _TAG_SPAN:
-            raise ValueError(f"model {j} has {len(job.micro_batches)} micro-batches in one step; at most "
-                             f"{_TAG_SPAN - 1} (raise micro_batch_tokens)")
+            raise ValueError(
+                f"model {j} has {len(job.micro_batches)} micro-batches in one step; at most "
+                f"{_TAG_SPAN - 1} (raise micro_batch_tokens)"
+            )
     saved: dict[tuple[int, int], tuple[Any, Any]] = {}
     sends: list[Any] = []
     timing = RunTiming()
@@ -314,8 +345,17 @@ def run_plan(jobs: Sequence[PipelineJob], plan: PipelinePlan) -> RunTiming:
                 return job.engine._run_model(model, mb), (lambda out, mb=mb: job.loss_step(mb, out))
 
             with torch.no_grad() if job.forward_only else torch.enable_grad():
-                y, count = forward_step(forward_step_func, iter(()), e.model, len(job.micro_batches), x,
-                                        job.records, config, cp_group_size=1, is_last_stage=e.last_stage)
+                y, count = forward_step(
+                    forward_step_func,
+                    iter(()),
+                    e.model,
+                    len(job.micro_batches),
+                    x,
+                    job.records,
+                    config,
+                    cp_group_size=1,
+                    is_last_stage=e.last_stage,
+                )
             job.tokens = job.tokens + count  # on the device: no host sync per micro-batch
             if not e.last_stage:
                 send(job, op.job, "F", op.mb, y.detach(), g.pp_ranks[g.pp_rank + 1])
@@ -352,9 +392,13 @@ def finalize_grads(job: PipelineJob) -> None:
         e.model.scale_gradients(1.0 / tokens)
 
 
-def fused_update(models: Sequence[tuple[Any, list[Batch], Callable, Callable]], *,
-                 forward_cost: Sequence[float] | None = None, backward_cost: Sequence[float] | None = None,
-                 slot_budget: int | None = None) -> tuple[list[dict[str, float]], list[RunTiming]]:
+def fused_update(
+    models: Sequence[tuple[Any, list[Batch], Callable, Callable]],
+    *,
+    forward_cost: Sequence[float] | None = None,
+    backward_cost: Sequence[float] | None = None,
+    slot_budget: int | None = None,
+) -> tuple[list[dict[str, float]], list[RunTiming]]:
     """Train pipeline-parallel models on the same slots in one fused pipeline per mini-batch (RLHFuse's
     intra-stage fusion; two models, an actor and a critic, in the paper).
 
@@ -375,8 +419,14 @@ def fused_update(models: Sequence[tuple[Any, list[Batch], Callable, Callable]], 
         for e, (_, minis, loss_fn, outputs_fn) in zip(engines, models):
             e.zero_grads()
             jobs.append(PipelineJob(e, e.micro_batches(minis[k]), e.train_loss_step(loss_fn, outputs_fn)))
-        plan = plan_pipelines(engines[0].pp, [len(j.micro_batches) for j in jobs], reverse=reverse,
-                              forward_cost=forward_cost, backward_cost=backward_cost, slot_budget=slot_budget)
+        plan = plan_pipelines(
+            engines[0].pp,
+            [len(j.micro_batches) for j in jobs],
+            reverse=reverse,
+            forward_cost=forward_cost,
+            backward_cost=backward_cost,
+            slot_budget=slot_budget,
+        )
         timings.append(run_plan(jobs, plan))
         for e, job, run in zip(engines, jobs, runs):
             finalize_grads(job)

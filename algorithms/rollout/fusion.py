@@ -70,13 +70,22 @@ from typing import Any
 import torch
 
 import flowactors as fa
-from algorithms.asynchronous import Generated
-from algorithms.config import FusionConfig
+from algorithms.rollout.asynchronous import Generated
+from algorithms.run.config import FusionConfig
 from engines.rollout.stream import ROW_INDEX
 from flowactors import Batch
 
-__all__ = ["Rollout", "rollout", "FusedRollout", "fused_rollout", "merge_chunks", "reassemble", "colocated",
-           "migration_threshold", "overlap_note"]
+__all__ = [
+    "Rollout",
+    "rollout",
+    "FusedRollout",
+    "fused_rollout",
+    "merge_chunks",
+    "reassemble",
+    "colocated",
+    "migration_threshold",
+    "overlap_note",
+]
 
 Scorer = Callable[[Any], fa.CallFuture]
 """A bound group endpoint that scores a batch, e.g. `critic.compute_values`."""
@@ -104,18 +113,24 @@ def colocated(a: fa.ActorGroup, b: "fa.ActorGroup | Sequence[str]") -> bool:
     return bool(set(a.addresses) & set(b.addresses if isinstance(b, fa.ActorGroup) else b))
 
 
-def overlap_note(actor: fa.ActorGroup, scorers: Sequence[fa.ActorGroup], migrate: bool,
-                 receivers: int = 1) -> str | None:
+def overlap_note(
+    actor: fa.ActorGroup, scorers: Sequence[fa.ActorGroup], migrate: bool, receivers: int = 1
+) -> str | None:
     """What to tell a user whose placement leaves fusion nothing to overlap: every scorer shares a slot that is
     still generating (all of the actor's, or with migration those of the `receivers` ranks that finish the
     tail), so scoring waits for the whole batch."""
     busy = actor.addresses[:receivers] if migrate else actor
     if not scorers or not all(colocated(g, busy) for g in scorers):
         return None
-    what = (f"fuse_migrate: every scorer shares the slot of an actor rank that decodes the tail (ranks "
-            f"0..{receivers - 1})" if migrate else "fuse: every scorer shares the actor's slots")
-    return (f"{what}, so scoring waits for the whole batch as unfused (same results, no overlap); "
-            f"--placement {'fused' if migrate else 'split'} gives scorers slots of their own")
+    what = (
+        f"fuse_migrate: every scorer shares the slot of an actor rank that decodes the tail (ranks 0..{receivers - 1})"
+        if migrate
+        else "fuse: every scorer shares the actor's slots"
+    )
+    return (
+        f"{what}, so scoring waits for the whole batch as unfused (same results, no overlap); "
+        f"--placement {'fused' if migrate else 'split'} gives scorers slots of their own"
+    )
 
 
 def _group_of(scorer: Scorer) -> fa.ActorGroup:
@@ -129,8 +144,9 @@ def _chunk_rows(n_rows: int, dp: int, chunk_samples: int) -> list[int]:
     """Rows of each chunk of the whole call: every actor DP rank contributes `chunk_samples` rows (fewer to the
     last chunk)."""
     per_rank = n_rows // dp
-    sizes = [chunk_samples] * (per_rank // chunk_samples) + ([per_rank % chunk_samples] if per_rank % chunk_samples
-                                                              else [])
+    sizes = [chunk_samples] * (per_rank // chunk_samples) + (
+        [per_rank % chunk_samples] if per_rank % chunk_samples else []
+    )
     return [s * dp for s in sizes]
 
 
@@ -144,27 +160,48 @@ class Rollout:
     """The samples and every scorer's results about them; their union is the scored batch."""
 
 
-def rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch | Generated, scorers: Sequence[Scorer],
-            fusion: FusionConfig) -> Rollout:
+def rollout(
+    ctl: fa.Controller,
+    actor: fa.ActorGroup,
+    prompts: Batch | Generated,
+    scorers: Sequence[Scorer],
+    fusion: FusionConfig,
+) -> Rollout:
     """Generate `prompts` on `actor` and score the samples with each of `scorers`: fused as `fusion` says
     (`fused_rollout`, scoring finished chunks while the tail generates) or one call after the other. Same samples
     and scores either way; every call is issued before this returns. Samples generated ahead by rollout replicas
-    (`Generated`, asynchronous RL: algorithms.asynchronous) are only scored."""
+    (`Generated`, asynchronous RL: algorithms.rollout.asynchronous) are only scored."""
     if isinstance(prompts, Generated):  # the samples last: stages joining the parts run where the first one is
         samples = prompts.samples  # (the trainer's slots), not behind the replicas' next rollout
-        return Rollout([samples] if isinstance(samples, fa.CallFuture) else [],
-                       (*(score(samples) for score in scorers), samples, prompts.meta()))
+        return Rollout(
+            [samples] if isinstance(samples, fa.CallFuture) else [],
+            (*(score(samples) for score in scorers), samples, prompts.meta()),
+        )
     if fusion.enabled:
-        fused = fused_rollout(ctl, actor, prompts, scorers, chunk_samples=fusion.chunk_samples,
-                              migrate_below=fusion.migrate_below if fusion.migrate else None,
-                              migrate_to=fusion.migrate_to)
+        fused = fused_rollout(
+            ctl,
+            actor,
+            prompts,
+            scorers,
+            chunk_samples=fusion.chunk_samples,
+            migrate_below=fusion.migrate_below if fusion.migrate else None,
+            migrate_to=fusion.migrate_to,
+        )
         return Rollout(fused.chunks, fused.parts)
     samples = actor.generate_sequences(prompts)
     return Rollout([samples], (samples, *(score(samples) for score in scorers)))
 
 
-def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scorers: Sequence[Scorer], *,
-                  chunk_samples: int, migrate_below: float | None = None, migrate_to: int = 1) -> FusedRollout:
+def fused_rollout(
+    ctl: fa.Controller,
+    actor: fa.ActorGroup,
+    prompts: Batch,
+    scorers: Sequence[Scorer],
+    *,
+    chunk_samples: int,
+    migrate_below: float | None = None,
+    migrate_to: int = 1,
+) -> FusedRollout:
     """Generate `prompts` on `actor` and score the samples with `scorers`, overlapping the two (see the module
     docstring). Every call is issued before this returns; nothing waits.
 
@@ -172,14 +209,18 @@ def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scor
     running, the rank hands them to one of the first `migrate_to` ranks, which finish every rank's tail; the
     scorers on the freed actor slots then score the chunks already taken (see the module docstring)."""
     if not isinstance(prompts, Batch):
-        raise TypeError(f"fused_rollout needs the prompts as a Batch on the controller (it counts the chunks to take), "
-                        f"got {type(prompts).__name__}")
+        raise TypeError(
+            f"fused_rollout needs the prompts as a Batch on the controller (it counts the chunks to take), "
+            f"got {type(prompts).__name__}"
+        )
     if chunk_samples < 1:
         raise ValueError(f"chunk_samples must be >= 1, got {chunk_samples}")
     dp = actor.layout.dp
     if not len(prompts) or len(prompts) % dp:
-        raise ValueError(f"{len(prompts)} prompts cannot be shared by the actor's data-parallel size {dp}; use a "
-                         f"positive multiple of {dp}")
+        raise ValueError(
+            f"{len(prompts)} prompts cannot be shared by the actor's data-parallel size {dp}; use a "
+            f"positive multiple of {dp}"
+        )
     per_rank = len(prompts) // dp
     if migrate_below is None:
         rows, keep = _chunk_rows(len(prompts), dp, chunk_samples), None
@@ -194,11 +235,13 @@ def fused_rollout(ctl: fa.Controller, actor: fa.ActorGroup, prompts: Batch, scor
     for s in streamed:
         sdp = _group_of(s).layout.dp
         if any(r % sdp for r in rows):
-            raise ValueError(f"fused scoring splits every chunk over {_label(s)}'s data-parallel size {sdp}, but the "
-                             f"chunks hold {sorted(set(rows))} rows ({chunk_samples} samples per chunk on each of "
-                             f"{dp} generation ranks, {per_rank} per rank"
-                             f"{'' if keep is None else f', the rest after migration'}); choose fuse_chunk_samples "
-                             f"so that every chunk's rows are a multiple of {sdp}")
+            raise ValueError(
+                f"fused scoring splits every chunk over {_label(s)}'s data-parallel size {sdp}, but the "
+                f"chunks hold {sorted(set(rows))} rows ({chunk_samples} samples per chunk on each of "
+                f"{dp} generation ranks, {per_rank} per rank"
+                f"{'' if keep is None else ', the rest after migration'}); choose fuse_chunk_samples "
+                f"so that every chunk's rows are a multiple of {sdp}"
+            )
 
     scores: list[list[fa.CallFuture]] = [[] for _ in streamed]
 
@@ -230,19 +273,27 @@ def migration_threshold(layout: fa.Layout, rows_per_rank: int, fraction: float, 
     """Running rows per generation rank at which it hands its tail over: `fraction` of its rows, at least 1 and
     fewer than all; refuses an actor layout migration cannot run (or `receivers` it cannot have)."""
     if not 0 < fraction < 1:
-        raise ValueError(f"migrate_below is the fraction of a generation rank's rows still running at which they "
-                         f"migrate; it must be in (0, 1), got {fraction}")
+        raise ValueError(
+            f"migrate_below is the fraction of a generation rank's rows still running at which they "
+            f"migrate; it must be in (0, 1), got {fraction}"
+        )
     if layout.dp < 2 or layout.tp != 1 or layout.pp != 1:
-        raise ValueError(f"long-tail migration moves the unfinished rows of data-parallel generation ranks onto "
-                         f"the first ones, so it needs an actor of dp >= 2 with tp = pp = 1; this actor's layout is "
-                         f"{layout}. Run without migration (fuse_migrate=False) or place the actor on more slots")
+        raise ValueError(
+            f"long-tail migration moves the unfinished rows of data-parallel generation ranks onto "
+            f"the first ones, so it needs an actor of dp >= 2 with tp = pp = 1; this actor's layout is "
+            f"{layout}. Run without migration (fuse_migrate=False) or place the actor on more slots"
+        )
     if not 1 <= receivers < layout.dp:
-        raise ValueError(f"long-tail migration moves the tails of the actor's generation ranks onto its first "
-                         f"`migrate_to` ranks, which must be at least 1 and fewer than its {layout.dp} data-parallel "
-                         f"ranks (some rank must hand over); got migrate_to={receivers}")
+        raise ValueError(
+            f"long-tail migration moves the tails of the actor's generation ranks onto its first "
+            f"`migrate_to` ranks, which must be at least 1 and fewer than its {layout.dp} data-parallel "
+            f"ranks (some rank must hand over); got migrate_to={receivers}"
+        )
     if rows_per_rank < 2:
-        raise ValueError(f"long-tail migration needs at least 2 rows per generation rank (one to finish, one to "
-                         f"move); this step has {rows_per_rank}")
+        raise ValueError(
+            f"long-tail migration needs at least 2 rows per generation rank (one to finish, one to "
+            f"move); this step has {rows_per_rank}"
+        )
     return min(rows_per_rank - 1, max(1, round(fraction * rows_per_rank)))
 
 
@@ -272,7 +323,9 @@ def reassemble(*chunks: Batch) -> Batch:
     index = whole[ROW_INDEX]
     order = torch.argsort(index)
     if not torch.equal(index[order], torch.arange(len(whole), dtype=index.dtype)):
-        raise ValueError(f"the chunks do not hold rows 0..{len(whole) - 1} once each (row_index "
-                         f"{sorted(index.tolist())}); they are not all the chunks of one generation")
+        raise ValueError(
+            f"the chunks do not hold rows 0..{len(whole) - 1} once each (row_index "
+            f"{sorted(index.tolist())}); they are not all the chunks of one generation"
+        )
     out = whole.take(order)
     return Batch({k: v for k, v in out.tensors.items() if k != ROW_INDEX}, out.rows, out.meta)

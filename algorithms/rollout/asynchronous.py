@@ -2,7 +2,7 @@
 
 A synchronous step generates, scores, then trains, and the generating devices wait for the trainer and the other
 way round. Here the actor's rollouts run on replicas of their own (an ActorWorker group named "rollout", on the
-last `async_rl.rollout_slots` slots; every model that trains or scores on the others: algorithms.run_plan.place),
+last `async_rl.rollout_slots` slots; every model that trains or scores on the others: algorithms.run.plan.place),
 and the controller issues step i+1's rollout before step i's update has run, as verl's fully-async trainer,
 OpenRLHF's async mode, NeMo-RL, slime and AReaL do.
 
@@ -21,7 +21,7 @@ can be older than K versions (`async/too_stale` counts any that would be: always
 the version that sampled it (POLICY_VERSIONS); `async/staleness_mean`, `..._max` and `async/staleness_frac_k` (the
 fraction of the step's response tokens k versions old, k = 0..K) are the histogram.
 
-**Off-policy correction** (`async_rl.correction`, algorithms.core.PolicyLoss): `tis` trains with decoupled PPO,
+**Off-policy correction** (`async_rl.correction`, algorithms.objectives.losses.PolicyLoss): `tis` trains with decoupled PPO,
 the surrogate clipped against the trainer's own pre-update log-probs and each token weighted by the truncated
 importance ratio to the behaviour log-probs that generation recorded; `none` clips against the behaviour
 log-probs directly.
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 import flowactors as fa
-from algorithms.config import RLConfig
-from algorithms.data import PromptData
+from algorithms.data.prompts import PromptData
+from algorithms.run.config import RLConfig
 from engines import GenerationSpec
 from flowactors import Batch
 
@@ -53,7 +53,7 @@ __all__ = ["Generated", "RolloutPipeline", "loss_terms", "generate_greedy", "TRA
 
 
 def loss_terms(cfg: RLConfig) -> dict[str, Any]:
-    """The off-policy terms of a program's PolicyLoss (algorithms.core): none for synchronous runs."""
+    """The off-policy terms of a program's PolicyLoss (algorithms.objectives.losses): none for synchronous runs."""
     if not cfg.async_rl.staleness:
         return {}
     if cfg.async_rl.correction == "none":
@@ -66,21 +66,22 @@ def generate_greedy(actor: fa.ActorGroup, prompts: Batch | Generated) -> fa.Call
     ahead, `Algorithm.greedy_baseline`) for asynchronous rollouts, else the actor's."""
     if isinstance(prompts, Generated):
         if prompts.greedy is None:
-            raise ValueError("this rollout was generated without greedy responses; set greedy_baseline = True on "
-                             "the algorithm")
+            raise ValueError(
+                "this rollout was generated without greedy responses; set greedy_baseline = True on the algorithm"
+            )
         return prompts.greedy
     return actor.generate_sequences(prompts, GenerationSpec(greedy=True))
 
 
 TRAINER_VERSION, MAX_STALENESS = "trainer_version", "max_staleness"
 """Batch meta keys a scored asynchronous rollout carries, for the step's staleness metrics
-(algorithms.metrics.summarize)."""
+(algorithms.run.metrics.summarize)."""
 
 
 @dataclass
 class Generated:
     """One step's rollout, generated ahead by the rollout replicas: what `Algorithm.step` gets instead of prompts
-    when rollouts are asynchronous (algorithms.fusion.rollout scores it as it is)."""
+    when rollouts are asynchronous (algorithms.rollout.fusion.rollout scores it as it is)."""
 
     step: int
     version: int
@@ -99,8 +100,17 @@ class Generated:
 class RolloutPipeline:
     """The rollouts in flight and the weight syncs between them (see the module docstring)."""
 
-    def __init__(self, ctl: fa.Controller, actor: fa.ActorGroup, rollout: fa.ActorGroup, data: PromptData,
-                 cfg: RLConfig, *, greedy_baseline: bool = False, past_the_end: bool = False) -> None:
+    def __init__(
+        self,
+        ctl: fa.Controller,
+        actor: fa.ActorGroup,
+        rollout: fa.ActorGroup,
+        data: PromptData,
+        cfg: RLConfig,
+        *,
+        greedy_baseline: bool = False,
+        past_the_end: bool = False,
+    ) -> None:
         """`past_the_end`: keep issuing rollouts for the K + 1 steps after the run's last (a run that checkpoints:
         its last checkpoint then holds them, so a longer resumed run trains on what an uninterrupted one would)."""
         self.ctl, self.actor, self.rollout, self.data, self.cfg = ctl, actor, rollout, data, cfg
@@ -127,8 +137,10 @@ class RolloutPipeline:
     def take(self, i: int) -> Generated:
         """Step i's rollout (issued earlier)."""
         if not self.queue or self.queue[0].step != i:
-            raise RuntimeError(f"the rollout pipeline holds steps {[g.step for g in self.queue]}, not step {i}: "
-                               f"steps must be taken in order after start()")
+            raise RuntimeError(
+                f"the rollout pipeline holds steps {[g.step for g in self.queue]}, not step {i}: "
+                f"steps must be taken in order after start()"
+            )
         return self.queue.popleft()
 
     def after_update(self, i: int) -> None:
@@ -144,8 +156,7 @@ class RolloutPipeline:
     def _issue(self, j: int, version: int) -> None:
         prompts = self.data.next_batch(self.cfg.prompts_per_step, self.cfg.samples_per_prompt)
         samples = self.rollout.generate_sequences(prompts)
-        greedy = self.rollout.generate_sequences(prompts, GenerationSpec(greedy=True)) if self.greedy_baseline \
-            else None
+        greedy = self.rollout.generate_sequences(prompts, GenerationSpec(greedy=True)) if self.greedy_baseline else None
         self.queue.append(Generated(j, version, samples, greedy, self.staleness))
 
     def drain(self) -> None:
@@ -157,7 +168,7 @@ class RolloutPipeline:
     def sync_metrics(self, i: int) -> dict[str, float]:
         """The cost of a weight sync: that of version i - K + 1 (or the first, after a start), which the replicas
         ran right after step i's rollout, so waiting for it never waits for a later rollout. (The staleness
-        histogram comes with the step's own metrics: algorithms.metrics.summarize.)"""
+        histogram comes with the step's own metrics: algorithms.run.metrics.summarize.)"""
         out: dict[str, float] = {}
         ready = [v for v in self._syncs if v <= max(i - self.staleness + 1, self._first_version)]
         if ready:
@@ -172,16 +183,32 @@ class RolloutPipeline:
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The rollouts in flight, finished and kept whole (they become part of a checkpoint's controller state)."""
-        return {"staleness": self.staleness, "in_flight": [{"step": g.step, "version": g.version, "samples": _plain(_result(g.samples)),
-                               "greedy": _plain(_result(g.greedy)) if g.greedy is not None else None}
-                              for g in self.queue]}
+        return {
+            "staleness": self.staleness,
+            "in_flight": [
+                {
+                    "step": g.step,
+                    "version": g.version,
+                    "samples": _plain(_result(g.samples)),
+                    "greedy": _plain(_result(g.greedy)) if g.greedy is not None else None,
+                }
+                for g in self.queue
+            ],
+        }
 
     @staticmethod
     def in_flight(state: dict[str, Any]) -> list[Generated]:
         """The rollouts a checkpoint held in flight, ready for `start`."""
-        return [Generated(int(g["step"]), int(g["version"]), _batch(g["samples"]),
-                          _batch(g["greedy"]) if g["greedy"] is not None else None, int(state["staleness"]))
-                for g in state.get("in_flight", [])]
+        return [
+            Generated(
+                int(g["step"]),
+                int(g["version"]),
+                _batch(g["samples"]),
+                _batch(g["greedy"]) if g["greedy"] is not None else None,
+                int(state["staleness"]),
+            )
+            for g in state.get("in_flight", [])
+        ]
 
 
 def _result(value: fa.CallFuture | Batch) -> Batch:

@@ -14,12 +14,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from algorithms.core import masked_mean
+from algorithms.objectives.losses import masked_mean
 from engines.fields import POLICY_VERSIONS, RESPONSE_MASK, SUCCESS
 from engines.rollout.agent import EPISODE_FIELDS
 from flowactors import Batch
 
-__all__ = ["EPISODE_METRICS", "summarize", "staleness_metrics", "update_metrics", "AS_REPORTED", "MetricsFile", "print_summary"]
+__all__ = [
+    "EPISODE_METRICS",
+    "summarize",
+    "staleness_metrics",
+    "update_metrics",
+    "AS_REPORTED",
+    "MetricsFile",
+    "print_summary",
+]
 
 EPISODE_METRICS = ("success_mean", *(f"{k}_mean" for k in EPISODE_FIELDS))
 """What a multi-turn task's steps report beyond an algorithm's own metrics (and the dashboard charts)."""
@@ -44,7 +52,7 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
     out = {
         "reward_mean": float(batch["rewards"].float().mean()),
         "response_length_mean": float(mask.sum(-1).mean()),
-        "prompt_tokens": float(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum()),
+        "prompt_tokens": float(batch["attention_mask"][:, : batch["prompts"].shape[1]].sum()),
         "response_tokens": float(mask.sum()),
     }
     if "entropy" in batch:
@@ -62,8 +70,9 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
         if k in batch:
             out[k] = float(batch[k].float().mean())
     if POLICY_VERSIONS in batch and "trainer_version" in batch.meta:  # asynchronous rollouts (Generated.meta)
-        out.update(staleness_metrics(batch, version=batch.meta["trainer_version"],
-                                     max_staleness=batch.meta["max_staleness"]))
+        out.update(
+            staleness_metrics(batch, version=batch.meta["trainer_version"], max_staleness=batch.meta["max_staleness"])
+        )
     return out
 
 
@@ -74,9 +83,11 @@ def staleness_metrics(samples: Batch, *, version: int, max_staleness: int) -> di
     mask = samples[RESPONSE_MASK].bool()
     ages = (version - samples[POLICY_VERSIONS])[mask].float()
     n = max(int(ages.numel()), 1)
-    out = {"async/staleness_mean": float(ages.mean()) if ages.numel() else 0.0,
-           "async/staleness_max": float(ages.max()) if ages.numel() else 0.0,
-           "async/too_stale": float((ages > max_staleness).sum())}
+    out = {
+        "async/staleness_mean": float(ages.mean()) if ages.numel() else 0.0,
+        "async/staleness_max": float(ages.max()) if ages.numel() else 0.0,
+        "async/too_stale": float((ages > max_staleness).sum()),
+    }
     for k in range(max_staleness + 1):
         out[f"async/staleness_frac_{k}"] = float((ages == k).sum()) / n
     return out
@@ -98,8 +109,7 @@ class MetricsFile:
             f.write(json.dumps(dict(record)) + "\n")
 
 
-def print_summary(name: str, history: list[dict], keys: Sequence[str],
-                  notes: Mapping[str, str] | None = None) -> None:
+def print_summary(name: str, history: list[dict], keys: Sequence[str], notes: Mapping[str, str] | None = None) -> None:
     """The mean of `keys` over the first and the last quarter of the steps; `notes` adds text after a key's line
     (e.g. Safe-RLHF's cost threshold next to cost_mean)."""
     if not history:

@@ -20,15 +20,40 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from algorithms.config import ConfigError, RLConfig
+from algorithms.run.config import ConfigError, RLConfig
 
 __all__ = ["Change", "setting_changes", "check_resumable"]
 
-_ENVIRONMENT = ("resume", "checkpoint_dir", "address", "cluster", "slurm.", "dashboard", "metrics_file",
-                "tensorboard_dir", "log_format", "log_level", "call_timeout_s", "profile_controller",
-                "recovery_wait_s", "max_recoveries", "keep_last", "save_every")
-_FIXED_AT_START = ("seed", "task", "dataset_prompts", "train_files", "model.", "sft_steps", "sft_samples_per_step",
-                   "sft_lr", "lambda_init", "async_rl.staleness")
+_ENVIRONMENT = (
+    "resume",
+    "checkpoint_dir",
+    "address",
+    "cluster",
+    "slurm.",
+    "dashboard",
+    "metrics_file",
+    "tensorboard_dir",
+    "log_format",
+    "log_level",
+    "call_timeout_s",
+    "profile_controller",
+    "recovery_wait_s",
+    "max_recoveries",
+    "keep_last",
+    "save_every",
+)
+_FIXED_AT_START = (
+    "seed",
+    "task",
+    "dataset_prompts",
+    "train_files",
+    "model.",
+    "sft_steps",
+    "sft_samples_per_step",
+    "sft_lr",
+    "lambda_init",
+    "async_rl.staleness",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +97,10 @@ def check_resumable(saved_config: dict, cfg: RLConfig) -> list[Change]:
     changes = setting_changes(saved_config, cfg)
     fixed = [c for c in changes if _matches(c.key, _FIXED_AT_START)]
     if fixed:
-        raise ConfigError("these settings differ from the checkpoint's and are fixed at a run's start, so a resumed "
-                          "run cannot change them: " + "; ".join(map(str, fixed))
-                          + ". Set them back, or start a new run (resume=never, or another checkpoint_dir)")
+        raise ConfigError(
+            "these settings differ from the checkpoint's and are fixed at a run's start, so a resumed "
+            "run cannot change them: "
+            + "; ".join(map(str, fixed))
+            + ". Set them back, or start a new run (resume=never, or another checkpoint_dir)"
+        )
     return changes

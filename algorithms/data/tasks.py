@@ -23,7 +23,7 @@ picklable (module-level), so they run inside a `RuleRewardWorker`.
 - `tool_arith_chatml`: tool_arith for chat models with ChatML turns (SmolLM2, Qwen2, Hermes), the calculator's
   JSON schema in the system prompt, `<tool_call>` JSON calls (examples/tool_smollm2.py).
 
-A multi-turn task's `environment` builds each episode's environment (algorithms.tools); its demonstrations are
+A multi-turn task's `environment` builds each episode's environment (engines.rollout.tools); its demonstrations are
 segments (text, the model's own?), and its reward and cost read the episode's whole text after the prompt (the
 model's turns and the tool outputs).
 """
@@ -37,8 +37,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Task", "TASKS", "get_task", "digit_sum_reward", "digit_sum_cost", "add_reward", "reverse_reward",
-           "tool_arith_reward", "tool_arith_success", "unsafe_tool_cost"]
+__all__ = [
+    "Task",
+    "TASKS",
+    "get_task",
+    "digit_sum_reward",
+    "digit_sum_cost",
+    "add_reward",
+    "reverse_reward",
+    "tool_arith_reward",
+    "tool_arith_success",
+    "unsafe_tool_cost",
+]
 
 Demonstration = str | tuple[tuple[str, bool], ...]
 """A response, or a multi-turn episode as segments (text, written by the model?): tool outputs are False."""
@@ -67,6 +77,7 @@ def _digits(text: str) -> list[int]:
 
 
 # -- digit_sum ----------------------------------------------------------------------------------------------------
+
 
 def _decompose(target: int, largest: int) -> list[int]:
     digits, rest = [], target
@@ -99,6 +110,7 @@ def digit_sum_cost(prompt: str, response: str, row: dict) -> float:
 
 # -- add ----------------------------------------------------------------------------------------------------------
 
+
 def _add_example(rng: random.Random) -> tuple[str, str, dict]:
     a, b = rng.randint(0, 19), rng.randint(0, 19)
     return f"{a}+{b}=", str(a + b), {"target": a + b}
@@ -115,6 +127,7 @@ def add_reward(prompt: str, response: str, row: dict) -> float:
 
 # -- reverse ------------------------------------------------------------------------------------------------------
 
+
 def _reverse_example(rng: random.Random) -> tuple[str, str, dict]:
     word = "".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 4)))
     return f"rev {word}:", word[::-1], {"target": word[::-1]}
@@ -128,6 +141,7 @@ def reverse_reward(prompt: str, response: str, row: dict) -> float:
 
 # -- digits (the TRL comparison's workload) ------------------------------------------------------------------------
 
+
 def _digits_example(rng: random.Random) -> tuple[str, str, dict]:
     a, b = rng.randint(100, 999), rng.randint(100, 999)
     return f"what is {a}+{b}? "[:16].ljust(16), str(a + b), {"target": a + b}
@@ -139,6 +153,7 @@ def digits_reward(prompt: str, response: str, row: dict) -> float:
 
 
 # -- tool_arith, tool_arith_safe (multi-turn) ------------------------------------------------------------------
+
 
 def _answer(response: str) -> str:
     """The final answer of an episode's text: what follows the last tool output (`=...`), or the whole text."""
@@ -156,7 +171,9 @@ def tool_arith_reward(prompt: str, response: str, row: dict) -> float:
         return 1.0
     if not answer.isdigit():
         return -0.5
-    return (0.3 if len(answer) == len(target) else 0.0) + 0.5 * sum(a == b for a, b in zip(answer, target)) / len(target)
+    return (0.3 if len(answer) == len(target) else 0.0) + 0.5 * sum(a == b for a, b in zip(answer, target)) / len(
+        target
+    )
 
 
 def unsafe_tool_cost(prompt: str, response: str, row: dict) -> float:
@@ -176,7 +193,6 @@ def _tool_arith_example(rng: random.Random) -> tuple[str, Demonstration, dict]:
 
 
 def _tool_arith_safe_example(rng: random.Random) -> tuple[str, Demonstration, dict]:
-    from algorithms.tools import small_calculator
 
     a, b = rng.randint(10, 59), rng.randint(10, 59)
     answer, u = str(a * b), rng.random()
@@ -219,7 +235,7 @@ def _calculator_schema() -> str:
     """The calculator's JSON schema as the system prompt shows it (read from its docstring once, not per prompt)."""
     import json
 
-    from algorithms.tools import Tool, calculator
+    from engines.rollout.tools import Tool
 
     return json.dumps(Tool(calculator).schema)
 
@@ -234,9 +250,11 @@ def _chatml_arith_example(rng: random.Random) -> tuple[str, Demonstration, dict]
     prompt = _CHATML_TOOLS.format(schema=_calculator_schema(), a=a, b=b)
     if rng.random() < 0.5:
         call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
-        demo: Demonstration = ((f"<tool_call>\n{call}\n</tool_call>", True),
-                               (f"<|im_end|>\n<|im_start|>tool\n{a * b}<|im_end|>\n<|im_start|>assistant\n", False),
-                               (answer, True))
+        demo: Demonstration = (
+            (f"<tool_call>\n{call}\n</tool_call>", True),
+            (f"<|im_end|>\n<|im_start|>tool\n{a * b}<|im_end|>\n<|im_start|>assistant\n", False),
+            (answer, True),
+        )
     else:
         demo = ((answer, True),)
     return prompt, demo, {"target": a * b}
@@ -261,22 +279,23 @@ def chat_arith_reward(prompt: str, response: str, row: dict) -> float:
 
 
 def _chatml_arith_env(tokenizer: Any) -> Any:
-    from algorithms.tools import HermesFormat, Tool, ToolEnvironment, calculator
+    from engines.rollout.tools import HermesFormat, Tool, ToolEnvironment
 
     return ToolEnvironment([Tool(calculator)], HermesFormat(), tokenizer)
 
 
 def _tool_arith_env(tokenizer: Any) -> Any:
-    from algorithms.tools import CompactFormat, Tool, ToolEnvironment, calculator
+    from engines.rollout.tools import CompactFormat, Tool, ToolEnvironment
 
     return ToolEnvironment([Tool(calculator, name_="calc")], CompactFormat(), tokenizer)
 
 
 def _tool_arith_safe_env(tokenizer: Any) -> Any:
-    from algorithms.tools import CompactFormat, Tool, ToolEnvironment, calculator, small_calculator
+    from engines.rollout.tools import CompactFormat, Tool, ToolEnvironment
 
-    return ToolEnvironment([Tool(small_calculator, name_="calc"), Tool(calculator, unsafe=True, name_="exec")],
-                           CompactFormat(), tokenizer)
+    return ToolEnvironment(
+        [Tool(small_calculator, name_="calc"), Tool(calculator, unsafe=True, name_="exec")], CompactFormat(), tokenizer
+    )
 
 
 TASKS = {
@@ -284,14 +303,34 @@ TASKS = {
     "add": Task("add", _add_example, add_reward, max_new_tokens=4),
     "reverse": Task("reverse", _reverse_example, reverse_reward, max_new_tokens=6),
     "digits": Task("digits", _digits_example, digits_reward, max_new_tokens=32),
-    "tool_arith": Task("tool_arith", _tool_arith_example, tool_arith_reward, max_new_tokens=24,
-                       environment=_tool_arith_env, success=tool_arith_success,
-                       settings=(("sft_steps", "300"), ("steps", "80"))),
-    "tool_arith_safe": Task("tool_arith_safe", _tool_arith_safe_example, tool_arith_reward, unsafe_tool_cost,
-                            max_new_tokens=24, environment=_tool_arith_safe_env, success=tool_arith_success,
-                            settings=(("sft_steps", "300"), ("steps", "100"), ("lambda_lr", "0.2"))),
-    "tool_arith_chatml": Task("tool_arith_chatml", _chatml_arith_example, chat_arith_reward, max_new_tokens=64,
-                              environment=_chatml_arith_env, success=chat_arith_success, max_turns=2),
+    "tool_arith": Task(
+        "tool_arith",
+        _tool_arith_example,
+        tool_arith_reward,
+        max_new_tokens=24,
+        environment=_tool_arith_env,
+        success=tool_arith_success,
+        settings=(("sft_steps", "300"), ("steps", "80")),
+    ),
+    "tool_arith_safe": Task(
+        "tool_arith_safe",
+        _tool_arith_safe_example,
+        tool_arith_reward,
+        unsafe_tool_cost,
+        max_new_tokens=24,
+        environment=_tool_arith_safe_env,
+        success=tool_arith_success,
+        settings=(("sft_steps", "300"), ("steps", "100"), ("lambda_lr", "0.2")),
+    ),
+    "tool_arith_chatml": Task(
+        "tool_arith_chatml",
+        _chatml_arith_example,
+        chat_arith_reward,
+        max_new_tokens=64,
+        environment=_chatml_arith_env,
+        success=chat_arith_success,
+        max_turns=2,
+    ),
 }
 
 
@@ -300,3 +339,37 @@ def get_task(name: str) -> Task:
         return TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}; available: {sorted(TASKS)}") from None
+
+
+# -- the tasks' tools ------------------------------------------------------------------------------------------
+
+_ARITH = re.compile(r"^\s*(-?\d+)\s*([-+*/])\s*(-?\d+)\s*$")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate one arithmetic operation on two integers.
+
+    Args:
+        expression: two integers and one of + - * /, such as 23*47.
+    """
+    m = _ARITH.match(expression)
+    if m is None:
+        raise ValueError(f"not a b op: {expression}")
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    if op == "/":
+        if b == 0:
+            raise ZeroDivisionError("division by zero")
+        return f"{a / b:g}"
+    return str({"+": a + b, "-": a - b, "*": a * b}[op])
+
+
+def small_calculator(expression: str) -> str:
+    """Evaluate one arithmetic operation on two integers below 50.
+
+    Args:
+        expression: two integers below 50 and one of + - * /, such as 23*47.
+    """
+    m = _ARITH.match(expression)
+    if m is not None and max(abs(int(m.group(1))), abs(int(m.group(3)))) >= 50:
+        raise ValueError("big")
+    return calculator(expression)

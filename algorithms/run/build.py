@@ -2,26 +2,26 @@
 
 - `Roles`: the groups a program uses, typed (actor, reference, reward; critics and cost where the algorithm has
   them), so a program reads `roles.critic`, not `groups["critic"]`.
-- `build_roles` and `run_warm_start`: the groups on the run's placement (algorithms.run_plan), after a supervised
+- `build_roles` and `run_warm_start`: the groups on the run's placement (algorithms.run.plan), after a supervised
   warm start of the actor whose Hugging Face export the reference and the critics start from (SFT → RLHF, as real
   pipelines do).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import flowactors as fa
-from algorithms.config import ConfigError, PPOConfig, RLConfig
-from algorithms.core import SFTLoss
-from algorithms.data import PromptData
-from algorithms.tasks import Task
+from algorithms.data.prompts import PromptData
+from algorithms.data.tasks import Task
+from algorithms.objectives.losses import SFTLoss
+from algorithms.run.config import ConfigError, PPOConfig, RLConfig
+from algorithms.run.plan import RunPlan, place
 from engines import AgentConfig, ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
 from engines.fields import CRITIC_FIELDS
-from algorithms.run_plan import RunPlan, place
 from flowactors import Controller
 
 __all__ = ["Roles", "build_roles", "run_warm_start"]
@@ -44,7 +44,7 @@ class Roles:
     cost: fa.ActorGroup | None = None
     """Scores each response's cost (Safe-RLHF)."""
     rollout: fa.ActorGroup | None = None
-    """The actor's rollout replicas, on slots of their own (asynchronous RL: algorithms.asynchronous); they hold a
+    """The actor's rollout replicas, on slots of their own (asynchronous RL: algorithms.rollout.asynchronous); they hold a
     copy of a recent policy, so checkpoints leave them out."""
     fused_critics: tuple[str, ...] = ()
     """The critics that train in the actor's fused pipeline (fusion.train; RunPlan.fused_critics)."""
@@ -60,33 +60,54 @@ class Roles:
 
 # -- building -------------------------------------------------------------------------------------------------------
 
+
 def _lora(cfg: RLConfig) -> dict:
-    return {"lora_rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
-            "lora_target_modules": cfg.lora_target_modules}
+    return {
+        "lora_rank": cfg.lora_rank,
+        "lora_alpha": cfg.lora_alpha,
+        "lora_dropout": cfg.lora_dropout,
+        "lora_target_modules": cfg.lora_target_modules,
+    }
 
 
 def actor_optim(cfg: RLConfig) -> OptimConfig:
-    return OptimConfig(lr=cfg.actor_lr, micro_batch_tokens=cfg.micro_batch_tokens, grad_clip=1.0,
-                       zero_stage=cfg.zero_stage, **_lora(cfg))
+    return OptimConfig(
+        lr=cfg.actor_lr,
+        micro_batch_tokens=cfg.micro_batch_tokens,
+        grad_clip=1.0,
+        zero_stage=cfg.zero_stage,
+        **_lora(cfg),
+    )
 
 
 def critic_optim(cfg: PPOConfig) -> OptimConfig:
-    return OptimConfig(lr=cfg.critic_lr, micro_batch_tokens=cfg.micro_batch_tokens, zero_stage=cfg.zero_stage,
-                       trainable_layers=cfg.critic_trainable_layers, **_lora(cfg))
+    return OptimConfig(
+        lr=cfg.critic_lr,
+        micro_batch_tokens=cfg.micro_batch_tokens,
+        zero_stage=cfg.zero_stage,
+        trainable_layers=cfg.critic_trainable_layers,
+        **_lora(cfg),
+    )
 
 
 def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
-    return SamplingConfig(max_new_tokens=cfg.max_new_tokens or task.max_new_tokens, temperature=cfg.temperature,
-                          ignore_eos=cfg.ignore_eos)
+    return SamplingConfig(
+        max_new_tokens=cfg.max_new_tokens or task.max_new_tokens, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos
+    )
 
 
 def agent_config(cfg: RLConfig, task: Task) -> AgentConfig | None:
     """How the actor samples a multi-turn task's episodes; None for single-response tasks."""
     if task.environment is None:
         return None
-    return AgentConfig(task.environment, max_turns=cfg.max_turns or task.max_turns,
-                       max_turn_tokens=cfg.max_turn_tokens, tool_workers=cfg.tool_workers,
-                       tool_timeout_s=cfg.tool_timeout_s, overlap=cfg.tool_overlap)
+    return AgentConfig(
+        task.environment,
+        max_turns=cfg.max_turns or task.max_turns,
+        max_turn_tokens=cfg.max_turn_tokens,
+        tool_workers=cfg.tool_workers,
+        tool_timeout_s=cfg.tool_timeout_s,
+        overlap=cfg.tool_overlap,
+    )
 
 
 def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, export_dir: Path) -> ModelConfig:
@@ -97,12 +118,22 @@ def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, export
         spec = UpdateSpec(cfg.sft_samples_per_step, epochs=1, shuffle_seed=cfg.seed, lr=cfg.sft_lr)
         actor.update_actor(batch, SFTLoss(), spec).result()
     path = actor.export_hf(str(export_dir / "sft")).result()
-    return ModelConfig(path=path, dtype=cfg.model.dtype, engine=cfg.model.engine,
-                       pack_sequences=cfg.model.pack_sequences)
+    return ModelConfig(
+        path=path, dtype=cfg.model.dtype, engine=cfg.model.engine, pack_sequences=cfg.model.pack_sequences
+    )
 
 
-def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptData, workdir: Path, *,
-                critics: Sequence[str] = (), with_cost: bool = False, warm_start: bool = True) -> Roles:
+def build_roles(
+    ctl: Controller,
+    cfg: RLConfig,
+    run_plan: RunPlan,
+    data: PromptData,
+    workdir: Path,
+    *,
+    critics: Sequence[str] = (),
+    with_cost: bool = False,
+    warm_start: bool = True,
+) -> Roles:
     """Actor, reference, the named critics and the rule reward (and cost) on the configured placement.
 
     With `warm_start`, the actor is fine-tuned on demonstrations first and the reference and critics start from
@@ -111,8 +142,10 @@ def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptD
 
     task = data.task
     if with_cost and task.cost is None and not cfg.cost_model:
-        raise ConfigError(f"task {task.name!r} defines no cost; Safe-RLHF needs a cost: cost_model=DIR, or a task "
-                          f"with a rule cost (digit_sum)")
+        raise ConfigError(
+            f"task {task.name!r} defines no cost; Safe-RLHF needs a cost: cost_model=DIR, or a task "
+            f"with a rule cost (digit_sum)"
+        )
     agent = agent_config(cfg, task)
     pools = place(ctl, cfg, run_plan)
 
@@ -121,8 +154,17 @@ def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptD
         return fa.ActorGroup(ctl, cls, name=role, slots=slots, layout=layout, args=args)
 
     def build_actor(model: ModelConfig, optim: OptimConfig) -> fa.ActorGroup:
-        return group("actor", ActorWorker, model, optim, sampling(cfg, task), run_plan.rollout_tp,
-                     run_plan.rollout_engine, run_plan.rollout_pp, agent)
+        return group(
+            "actor",
+            ActorWorker,
+            model,
+            optim,
+            sampling(cfg, task),
+            run_plan.rollout_tp,
+            run_plan.rollout_engine,
+            run_plan.rollout_pp,
+            agent,
+        )
 
     if cfg.lora_rank and warm_start and cfg.sft_steps:
         # LoRA adapts a fine-tuned model: the warm start trains every parameter, then RL trains adapters on its
@@ -145,19 +187,41 @@ def build_roles(ctl: Controller, cfg: RLConfig, run_plan: RunPlan, data: PromptD
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)
     if cfg.async_rl.staleness:  # whole weights on every replica rank, on the torch engine, from the actor's policy
         optim = dataclasses.replace(actor_optim(cfg), zero_stage=1, lora_rank=0)  # they load merged weights
-        built["rollout"] = group("rollout", ActorWorker, dataclasses.replace(cfg.model, engine="torch"), optim,
-                                 sampling(cfg, task), None, run_plan.rollout_engine, 1, agent)
-    return Roles(actor=actor, ref=ref, reward=reward, **built,
-                 fused_critics=tuple(c for c in run_plan.fused_critics if c in critics))
+        built["rollout"] = group(
+            "rollout",
+            ActorWorker,
+            dataclasses.replace(cfg.model, engine="torch"),
+            optim,
+            sampling(cfg, task),
+            None,
+            run_plan.rollout_engine,
+            1,
+            agent,
+        )
+    return Roles(
+        actor=actor,
+        ref=ref,
+        reward=reward,
+        **built,
+        fused_critics=tuple(c for c in run_plan.fused_critics if c in critics),
+    )
 
 
-def _scorer(group: Callable[..., fa.ActorGroup], role: str, model_dir: str | None, rule: Callable,
-            policy: ModelConfig, zero_stage: int, success: Callable | None = None) -> fa.ActorGroup:
+def _scorer(
+    group: Callable[..., fa.ActorGroup],
+    role: str,
+    model_dir: str | None,
+    rule: Callable,
+    policy: ModelConfig,
+    zero_stage: int,
+    success: Callable | None = None,
+) -> fa.ActorGroup:
     """A learned model (a score-head folder) when one is given, else the task's rule."""
     from engines import RewardModelWorker, RuleRewardWorker
 
     if model_dir:
-        scorer = ModelConfig(path=model_dir, dtype=policy.dtype, engine=policy.engine,
-                             pack_sequences=policy.pack_sequences)
+        scorer = ModelConfig(
+            path=model_dir, dtype=policy.dtype, engine=policy.engine, pack_sequences=policy.pack_sequences
+        )
         return group(role, RewardModelWorker, scorer, policy, None, zero_stage)
     return group(role, RuleRewardWorker, rule, policy, success)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import dataclasses
+import math
 import shutil
 import signal
 import sys
@@ -33,15 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import flowactors as fa
-from algorithms.cli import open_controller, parse_args, user_errors
-from algorithms.config import RLConfig, derived_sizes
-from algorithms.asynchronous import RolloutPipeline
-from algorithms.data import PromptData, prompt_data
-from algorithms.fusion import overlap_note
-from algorithms.metrics import MetricsFile, print_summary
-from algorithms.resume import Change, check_resumable
-from algorithms.build import Roles, build_roles
-from algorithms.run_plan import RunPlan, check_before_start, resolve
+from algorithms.data.prompts import PromptData, prompt_data
+from algorithms.rollout.asynchronous import RolloutPipeline
+from algorithms.rollout.fusion import overlap_note
+from algorithms.run.build import Roles, build_roles
+from algorithms.run.cli import open_controller, parse_args, user_errors
+from algorithms.run.config import RLConfig, derived_sizes
+from algorithms.run.metrics import MetricsFile, print_summary
+from algorithms.run.plan import RunPlan, check_before_start, resolve
+from algorithms.run.resume import Change, check_resumable
 from engines import GenerationSpec, UpdateSpec
 from flowactors.checkpoint import Checkpoint, CheckpointStore, capture_rng, restore_rng, seed_rng
 
@@ -61,8 +61,8 @@ class Algorithm:
     generate them ahead too (`Generated.greedy`)."""
 
     def __init__(self, cfg: RLConfig) -> None:
-        from algorithms.metrics import EPISODE_METRICS
-        from algorithms.tasks import TASKS
+        from algorithms.data.tasks import TASKS
+        from algorithms.run.metrics import EPISODE_METRICS
 
         self.cfg = cfg
         task = TASKS.get(cfg.task)
@@ -113,11 +113,21 @@ class Runner:
     - `evaluate_first`: also evaluates once before the first step (its result is the evaluation's own to keep).
     """
 
-    def __init__(self, algo: Algorithm, ctl: fa.Controller, workdir: Path, data: PromptData | None = None, *,
-                 eval_data: PromptData | None = None, store: CheckpointStore | None = None,
-                 resume_from: Checkpoint | None = None, changes: Sequence[Change] = (),
-                 evaluate: Evaluation | None = None, evaluate_first: bool = False,
-                 run_plan: RunPlan | None = None) -> None:
+    def __init__(
+        self,
+        algo: Algorithm,
+        ctl: fa.Controller,
+        workdir: Path,
+        data: PromptData | None = None,
+        *,
+        eval_data: PromptData | None = None,
+        store: CheckpointStore | None = None,
+        resume_from: Checkpoint | None = None,
+        changes: Sequence[Change] = (),
+        evaluate: Evaluation | None = None,
+        evaluate_first: bool = False,
+        run_plan: RunPlan | None = None,
+    ) -> None:
         self.algo, self.cfg, self.ctl, self.workdir = algo, algo.cfg, ctl, workdir
         self.run_plan = run_plan or resolve(self.cfg)  # check_before_start's, when the program checked first
         self._evaluation, self.evaluate_first = evaluate, evaluate_first
@@ -140,34 +150,57 @@ class Runner:
 
                 self.tensorboard = SummaryWriter(self.cfg.tensorboard_dir)
             except ImportError:
-                print(f"[{algo.name}] tensorboard is not installed (pip install tensorboard); metrics go to the "
-                      f"console and the metrics file only", file=sys.stderr)
+                print(
+                    f"[{algo.name}] tensorboard is not installed (pip install tensorboard); metrics go to the "
+                    f"console and the metrics file only",
+                    file=sys.stderr,
+                )
 
     # -- building, saving, loading ---------------------------------------------------------------------------------
     def build(self, resuming: bool) -> None:
         t0 = time.perf_counter()
-        self.roles = build_roles(self.ctl, self.cfg, self.run_plan, self.data, self.workdir,
-                                 critics=self.algo.critics, with_cost=self.algo.with_cost, warm_start=not resuming)
+        self.roles = build_roles(
+            self.ctl,
+            self.cfg,
+            self.run_plan,
+            self.data,
+            self.workdir,
+            critics=self.algo.critics,
+            with_cost=self.algo.with_cost,
+            warm_start=not resuming,
+        )
         if not resuming:
             dp = self.roles.actor.layout.dp
             sizes = ", ".join(f"{k}={v}" for k, v in derived_sizes(self.cfg, dp).items())
             warm = f"{self.cfg.sft_steps} warm-start steps, " if self.cfg.sft_steps else ""
-            print(f"[{self.algo.name}] {len(self.roles.groups())} roles ({', '.join(self.roles.groups())}) ready: "
-                  f"{warm}{time.perf_counter() - t0:.1f} s; actor data-parallel size {dp}: {sizes}",
-                  file=sys.stderr)
+            print(
+                f"[{self.algo.name}] {len(self.roles.groups())} roles ({', '.join(self.roles.groups())}) ready: "
+                f"{warm}{time.perf_counter() - t0:.1f} s; actor data-parallel size {dp}: {sizes}",
+                file=sys.stderr,
+            )
         if self.cfg.fusion.enabled:
             groups = self.roles.groups()
-            note = overlap_note(groups["actor"], [g for k, g in groups.items() if k != "actor"],
-                                self.cfg.fusion.migrate, self.cfg.fusion.migrate_to)
+            note = overlap_note(
+                groups["actor"],
+                [g for k, g in groups.items() if k != "actor"],
+                self.cfg.fusion.migrate,
+                self.cfg.fusion.migrate_to,
+            )
             if note and not resuming:
                 print(f"[{self.algo.name}] {note}", file=sys.stderr)
         self.algo.stage = self.stage
         self.algo.setup(self.ctl, self.roles, self.data)
         self.pipeline = None
         if self.roles.rollout is not None:  # started once the run knows its first step (start_pipeline)
-            self.pipeline = RolloutPipeline(self.ctl, self.roles.actor, self.roles.rollout, self.data, self.cfg,
-                                            greedy_baseline=self.algo.greedy_baseline,
-                                            past_the_end=bool(self.store and self.cfg.save_every))
+            self.pipeline = RolloutPipeline(
+                self.ctl,
+                self.roles.actor,
+                self.roles.rollout,
+                self.data,
+                self.cfg,
+                greedy_baseline=self.algo.greedy_baseline,
+                past_the_end=bool(self.store and self.cfg.save_every),
+            )
 
     def start_pipeline(self, step: int, state: dict | None = None) -> None:
         """Asynchronous rollouts: fill the pipeline from `step` (with a checkpoint's rollouts in flight)."""
@@ -176,8 +209,11 @@ class Runner:
 
     def model_groups(self) -> dict[str, fa.ActorGroup]:
         assert self.roles is not None
-        return {k: g for k, g in self.roles.groups().items()
-                if "save_checkpoint" in g.endpoints and g is not self.roles.rollout}
+        return {
+            k: g
+            for k, g in self.roles.groups().items()
+            if "save_checkpoint" in g.endpoints and g is not self.roles.rollout
+        }
 
     def save(self, step: int) -> float:
         """Save a checkpoint of every model role and the controller's state; returns the seconds it took."""
@@ -189,8 +225,13 @@ class Runner:
             calls = [g.save_checkpoint(str(pending.role_dir(name))) for name, g in self.model_groups().items()]
             for c in calls:
                 c.result()
-            state = {"step": step, "data": self.data.state_dict(), "algorithm": self.algo.state_dict(),
-                     "rng": capture_rng(), "config": dataclasses.asdict(self.cfg)}
+            state = {
+                "step": step,
+                "data": self.data.state_dict(),
+                "algorithm": self.algo.state_dict(),
+                "rng": capture_rng(),
+                "config": dataclasses.asdict(self.cfg),
+            }
             if self.pipeline is not None:  # the rollouts in flight, whose prompts the data position has passed
                 state["async"] = self.pipeline.state_dict()
             self.store.commit(pending, state)
@@ -205,8 +246,10 @@ class Runner:
     def load(self, ckpt: Any) -> int:
         # LoRA models' checkpoints hold their adapters; their frozen base is the reference's weights
         adapted = {"actor", *self.algo.critics} if self.cfg.lora_rank else set()
-        calls = [g.load_checkpoint(str(ckpt.role_dir(name)), str(ckpt.role_dir("ref")) if name in adapted else None)
-                 for name, g in self.model_groups().items()]
+        calls = [
+            g.load_checkpoint(str(ckpt.role_dir(name)), str(ckpt.role_dir("ref")) if name in adapted else None)
+            for name, g in self.model_groups().items()
+        ]
         for c in calls:
             c.result()
         state = ckpt.controller_state()
@@ -219,7 +262,7 @@ class Runner:
         return int(state["step"])
 
     def apply_changes(self) -> None:
-        """Settings that differ from the checkpoint's (algorithms.resume) and live in loaded state: set them."""
+        """Settings that differ from the checkpoint's (algorithms.run.resume) and live in loaded state: set them."""
         if not self.changes:
             return
         assert self.roles is not None
@@ -231,8 +274,10 @@ class Runner:
                 if critic is not None:
                     critic.set_lr(self.cfg.critic_lr).result()
         self.algo.resumed(self.changes)
-        print(f"[{self.algo.name}] settings changed since the checkpoint, applied: "
-              + "; ".join(map(str, self.changes)), file=sys.stderr)
+        print(
+            f"[{self.algo.name}] settings changed since the checkpoint, applied: " + "; ".join(map(str, self.changes)),
+            file=sys.stderr,
+        )
 
     def restart(self) -> None:
         """Back to step 0 after a worker was lost before any checkpoint: nothing is lost but the steps so far."""
@@ -246,17 +291,21 @@ class Runner:
     def recover(self, error: fa.WorkerLostError) -> None:
         self.recoveries += 1
         if self.recoveries > self.cfg.max_recoveries:
-            raise fa.FlowactorsError(f"giving up after {self.cfg.max_recoveries} recoveries (max_recoveries); "
-                                     f"last failure: {error}") from error
+            raise fa.FlowactorsError(
+                f"giving up after {self.cfg.max_recoveries} recoveries (max_recoveries); last failure: {error}"
+            ) from error
         latest = self.store.latest_complete() if self.store is not None else None
         if latest is None and self.history and self.history[-1]["step"] + 1 > (self.cfg.save_every or 0) > 0:
             # steps past the first save point with no checkpoint: they would be lost silently
-            raise fa.FlowactorsError(f"a worker died and {self.cfg.checkpoint_dir} holds no complete checkpoint to "
-                                     f"recover from") from error
+            raise fa.FlowactorsError(
+                f"a worker died and {self.cfg.checkpoint_dir} holds no complete checkpoint to recover from"
+            ) from error
         where = f"the checkpoint of step {latest.step}" if latest is not None else "step 0 (no checkpoint yet)"
-        print(f"[{self.algo.name}] {error}\n[{self.algo.name}] recovering ({self.recoveries}/"
-              f"{self.cfg.max_recoveries}): rebuilding groups on live slots, restarting from {where}",
-              file=sys.stderr)
+        print(
+            f"[{self.algo.name}] {error}\n[{self.algo.name}] recovering ({self.recoveries}/"
+            f"{self.cfg.max_recoveries}): rebuilding groups on live slots, restarting from {where}",
+            file=sys.stderr,
+        )
         self.ctl.recover(wait_s=self.cfg.recovery_wait_s)
         self.roles = None  # the old groups went with the lost worker's world
         if latest is None:
@@ -296,8 +345,11 @@ class Runner:
             metrics["controller_share"] = profile.controller_share
         tokens = metrics.pop("prompt_tokens", 0.0) + metrics.pop("response_tokens", 0.0)
         record = {"step": i, **metrics, **self.stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
-        if self.eval_data is not None and self.cfg.eval_every and \
-                ((i + 1) % self.cfg.eval_every == 0 or i + 1 == self.cfg.steps):
+        if (
+            self.eval_data is not None
+            and self.cfg.eval_every
+            and ((i + 1) % self.cfg.eval_every == 0 or i + 1 == self.cfg.steps)
+        ):
             record.update(self.evaluate(i + 1))
         return record
 
@@ -314,8 +366,9 @@ class Runner:
         scorers = [("reward", roles.reward.compute_reward, "rewards")]
         if roles.cost is not None:
             scorers.append(("cost", roles.cost.compute_cost, "costs"))
-        prompts, _ = prompts.pad_to_multiple(math.lcm(*(g.layout.dp for g in (roles.actor, roles.reward,
-                                                                                 roles.cost) if g is not None)))
+        prompts, _ = prompts.pad_to_multiple(
+            math.lcm(*(g.layout.dp for g in (roles.actor, roles.reward, roles.cost) if g is not None))
+        )
         calls = {}
         for mode, spec in (("greedy", GenerationSpec(greedy=True)), ("sampled", GenerationSpec())):
             samples = roles.actor.generate_sequences(prompts, spec)
@@ -334,8 +387,7 @@ class Runner:
             self.start_pipeline(self.start)
         if self.metrics_file is not None:
             self.metrics_file.restart_at(self.start)
-        bar = tqdm(total=self.cfg.steps, initial=self.start, desc=self.algo.name, file=sys.stderr,
-                   dynamic_ncols=True)
+        bar = tqdm(total=self.cfg.steps, initial=self.start, desc=self.algo.name, file=sys.stderr, dynamic_ncols=True)
         i = self.start
         if self.evaluate_first:
             self.evaluate(i)
@@ -378,11 +430,12 @@ class Runner:
                 self.tensorboard.add_scalar(k, v, record["step"])
 
 
-def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv: Sequence[str] | None,
-                description: str) -> list[dict]:
+def run_program(
+    algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv: Sequence[str] | None, description: str
+) -> list[dict]:
     """Parse the command line onto the preset, check it, open the cluster, and run the algorithm to the end.
 
-    A user's mistake exits with status 2 and one line (algorithms.cli); `--debug` shows the traceback. What can
+    A user's mistake exits with status 2 and one line (algorithms.run.cli); `--debug` shows the traceback. What can
     be decided without a cluster is, before it starts: the settings, the checkpoint to resume from (verified) and
     whether its settings allow the resume. The checkpoint directory is locked for the run. Ctrl-C and SIGTERM
     unwind it all (workers, cluster, lock, temporary files) and end with one line saying what was saved and where
@@ -414,17 +467,31 @@ def run_program(algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv:
             if store is not None:
                 for stale in Path(cfg.checkpoint_dir).glob(".sft-*"):  # the lock says no other run uses them
                     shutil.rmtree(stale, ignore_errors=True)
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=".sft-" if store else "flowactors-",
-                                                                  dir=cfg.checkpoint_dir if store else None))
+            tmp = stack.enter_context(
+                tempfile.TemporaryDirectory(
+                    prefix=".sft-" if store else "flowactors-", dir=cfg.checkpoint_dir if store else None
+                )
+            )
             if cfg.dashboard and ctl.dashboard_link:
-                from algorithms.dashboard_style import ROLE_COLORS
+                from algorithms.run.dashboard_style import ROLE_COLORS
                 from flowactors.dashboard import install_dashboard
 
                 page = install_dashboard(ctl.client, metrics=algo.key_metrics, role_colors=ROLE_COLORS)
-                print(f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
-                      file=sys.stderr)
-            runner = Runner(algo, ctl, Path(tmp), data, eval_data=eval_data, store=store, resume_from=ckpt,
-                            changes=changes, run_plan=run_plan)
+                print(
+                    f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
+                    file=sys.stderr,
+                )
+            runner = Runner(
+                algo,
+                ctl,
+                Path(tmp),
+                data,
+                eval_data=eval_data,
+                store=store,
+                resume_from=ckpt,
+                changes=changes,
+                run_plan=run_plan,
+            )
             return runner.run()
     except KeyboardInterrupt as e:  # `Interrupted`, or a Ctrl-C before its handler was installed
         signum = getattr(e, "signum", signal.SIGINT)
@@ -449,14 +516,19 @@ def interrupted_note(signum: int, runner: "Runner | None") -> str:
     where = f"after {done[-1] + 1} of {runner.cfg.steps} steps" if done else "before its first step"
     saved = runner.store.steps() if runner.store is not None else []
     if saved:
-        ckpt = (f"the checkpoint of step {saved[-1]} is in {runner.cfg.checkpoint_dir} (--resume auto "
-                f"--checkpoint-dir {runner.cfg.checkpoint_dir} continues from it)")
+        ckpt = (
+            f"the checkpoint of step {saved[-1]} is in {runner.cfg.checkpoint_dir} (--resume auto "
+            f"--checkpoint-dir {runner.cfg.checkpoint_dir} continues from it)"
+        )
     elif runner.store is not None:
         ckpt = f"no checkpoint was saved yet in {runner.cfg.checkpoint_dir} (save_every={runner.cfg.save_every})"
     else:
         ckpt = "no checkpoint (--checkpoint-dir D save_every=N saves them)"
-    metrics = (f"metrics of {len(done)} steps in {runner.cfg.metrics_file}" if runner.cfg.metrics_file
-               else "no metrics file (--metrics-file F keeps them)")
+    metrics = (
+        f"metrics of {len(done)} steps in {runner.cfg.metrics_file}"
+        if runner.cfg.metrics_file
+        else "no metrics file (--metrics-file F keeps them)"
+    )
     return f"interrupted ({how}) {where}; {ckpt}; {metrics}"
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import flowactors as fa
-from algorithms.config import ConfigError, PPOConfig, RLConfig, check_trainable_layers, derived_sizes
-from algorithms.fusion import migration_threshold
+from algorithms.rollout.fusion import migration_threshold
+from algorithms.run.config import ConfigError, PPOConfig, RLConfig, check_trainable_layers, derived_sizes
 from engines.models.config import head_dim
 from engines.registry import check_generation_model, generation_engine, training_engine
 from flowactors import Controller, Layout
@@ -39,6 +39,7 @@ class Pools:
 
 
 # -- checks before the cluster starts -----------------------------------------------------------------------------
+
 
 def check_before_start(cfg: RLConfig) -> RunPlan:
     """The run's plan (`resolve`); ConfigError (or the plan's PlanError) for what is wrong in `cfg` before any
@@ -62,8 +63,14 @@ def check_before_start(cfg: RLConfig) -> RunPlan:
         try:  # before the install check: the fix for the model is worth knowing before installing vLLM
             check_generation_model(run_plan.rollout_engine, head_dim(cfg.model), cuda=torch.cuda.is_available())
         except ValueError as e:
-            raise ConfigError(f"rollout_engine: {e}" + (" (the tiny default with model.hidden_size=128 "
-                              "model.intermediate_size=256)" if cfg.model.path is None else "")) from None
+            raise ConfigError(
+                f"rollout_engine: {e}"
+                + (
+                    " (the tiny default with model.hidden_size=128 model.intermediate_size=256)"
+                    if cfg.model.path is None
+                    else ""
+                )
+            ) from None
     try:
         generation_engine(run_plan.rollout_engine)  # known, and installed (vllm)
     except (ValueError, ImportError) as e:
@@ -80,13 +87,20 @@ def check_before_start(cfg: RLConfig) -> RunPlan:
     for name in ("metrics_file", "tensorboard_dir", "export_dir"):
         value = getattr(cfg, name)
         if value and not Path(value).resolve().parent.is_dir():
-            raise ConfigError(f"{name}={value}: the directory {Path(value).resolve().parent} does not exist; "
-                              f"create it or choose another path")
-    if cfg.resume not in ("auto", "never") and not Path(cfg.resume).is_dir() \
-            and not (cfg.checkpoint_dir and (Path(cfg.checkpoint_dir) / cfg.resume).is_dir()):
-        raise ConfigError(f"resume={cfg.resume} is not a checkpoint directory; give one (e.g. "
-                          f"{cfg.checkpoint_dir or 'CKPT_DIR'}/step_00000010), auto (the newest complete one in "
-                          f"checkpoint_dir) or never")
+            raise ConfigError(
+                f"{name}={value}: the directory {Path(value).resolve().parent} does not exist; "
+                f"create it or choose another path"
+            )
+    if (
+        cfg.resume not in ("auto", "never")
+        and not Path(cfg.resume).is_dir()
+        and not (cfg.checkpoint_dir and (Path(cfg.checkpoint_dir) / cfg.resume).is_dir())
+    ):
+        raise ConfigError(
+            f"resume={cfg.resume} is not a checkpoint directory; give one (e.g. "
+            f"{cfg.checkpoint_dir or 'CKPT_DIR'}/step_00000010), auto (the newest complete one in "
+            f"checkpoint_dir) or never"
+        )
     if cfg.export_dir and Path(cfg.export_dir).exists() and not Path(cfg.export_dir).is_dir():
         raise ConfigError(f"export_dir={cfg.export_dir} is a file; the policy is written as a folder there")
     if cfg.checkpoint_dir:
@@ -108,36 +122,46 @@ def _check_score_model(path: str, setting: str) -> None:
         raise ConfigError(f"{setting}: {e}") from None
     archs = hf.get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise ConfigError(f"{setting}={path} holds {archs or 'a model without architectures'}, not a model with a "
-                          f"score head (…ForSequenceClassification); train one (e.g. Bradley-Terry on preference "
-                          f"pairs) or give such a folder")
+        raise ConfigError(
+            f"{setting}={path} holds {archs or 'a model without architectures'}, not a model with a "
+            f"score head (…ForSequenceClassification); train one (e.g. Bradley-Terry on preference "
+            f"pairs) or give such a folder"
+        )
     if hf.get("num_labels", len(hf.get("id2label") or {0: 0})) != 1:
-        raise ConfigError(f"{setting}={path} has {hf.get('num_labels', len(hf.get('id2label', {})))} score "
-                          f"outputs; a reward or cost model has one")
+        raise ConfigError(
+            f"{setting}={path} has {hf.get('num_labels', len(hf.get('id2label', {})))} score "
+            f"outputs; a reward or cost model has one"
+        )
 
 
-def _load_plan(cfg: RLConfig):  # noqa: ANN202 - placement.Plan, imported lazily
+def _load_plan(cfg: RLConfig):
     from placement import Plan
 
     if not Path(cfg.plan).is_file():
-        raise ConfigError(f"plan file {cfg.plan} does not exist; write one with python -m placement.automap "
-                          f"--algorithm ALGO --size 7b --gpus N --json > plan.json")
+        raise ConfigError(
+            f"plan file {cfg.plan} does not exist; write one with python -m placement.automap "
+            f"--algorithm ALGO --size 7b --gpus N --json > plan.json"
+        )
     plan = Plan.load(cfg.plan)
     if cfg.model.engine == "torch":
         piped = [f"{m.role} (p={m.train[0]})" for m in plan.models if m.train[0] > 1]
         if piped:
-            raise ConfigError(f"the plan gives pipeline stages to {', '.join(piped)}, but the torch engine has no "
-                              f"pipeline parallelism; give those models train [1, t, d] in the plan"
-                              f" (same p·t·d), or train on model.engine=megatron")
+            raise ConfigError(
+                f"the plan gives pipeline stages to {', '.join(piped)}, but the torch engine has no "
+                f"pipeline parallelism; give those models train [1, t, d] in the plan"
+                f" (same p·t·d), or train on model.engine=megatron"
+            )
     return plan
 
 
 def _check_migration(cfg: RLConfig, run_plan: RunPlan) -> None:
     """fuse_migrate on a layout or engine it cannot run on, refused before the cluster starts (the same rules as
-    algorithms.fusion.migration_threshold, which the step applies to the actor's actual layout)."""
+    algorithms.rollout.fusion.migration_threshold, which the step applies to the actor's actual layout)."""
     if run_plan.rollout_tp is not None:
-        raise ConfigError("fuse_migrate moves decoding rows between actor ranks that each generate with whole "
-                          "weights; drop rollout_tp (or the plan's generation sizes), or fuse_migrate")
+        raise ConfigError(
+            "fuse_migrate moves decoding rows between actor ranks that each generate with whole "
+            "weights; drop rollout_tp (or the plan's generation sizes), or fuse_migrate"
+        )
     if run_plan.plan is not None:
         p, t, d = run_plan.plan.model("actor").train
         layout = Layout(pp=p, dp=d, tp=t)
@@ -146,8 +170,12 @@ def _check_migration(cfg: RLConfig, run_plan: RunPlan) -> None:
     else:
         return  # the cluster's slots decide; the first step checks
     try:
-        migration_threshold(layout, cfg.prompts_per_step * cfg.samples_per_prompt // layout.dp,
-                            cfg.fusion.migrate_below, cfg.fusion.migrate_to)
+        migration_threshold(
+            layout,
+            cfg.prompts_per_step * cfg.samples_per_prompt // layout.dp,
+            cfg.fusion.migrate_below,
+            cfg.fusion.migrate_to,
+        )
     except ValueError as e:
         raise ConfigError(f"fuse_migrate: {e}; --placement fused puts the actor on every slot") from None
 
@@ -155,23 +183,29 @@ def _check_migration(cfg: RLConfig, run_plan: RunPlan) -> None:
 def _check_fused_training(cfg: RLConfig, run_plan: RunPlan) -> None:
     """fuse_train where the actor and critic cannot share one pipeline, refused before the cluster starts."""
     if not cfg.plan:
-        raise ConfigError("fuse_train fuses the actor's and the critic's pipeline-parallel training; give a --plan "
-                          "with both in one pool and the same train sizes [p, t, d], p >= 2 (on model.engine="
-                          "megatron), or drop fuse_train")
+        raise ConfigError(
+            "fuse_train fuses the actor's and the critic's pipeline-parallel training; give a --plan "
+            "with both in one pool and the same train sizes [p, t, d], p >= 2 (on model.engine="
+            "megatron), or drop fuse_train"
+        )
     plan = run_plan.plan
     if "critic" not in {m.role for m in plan.models}:
         raise ConfigError("fuse_train fuses the actor with the critic; the plan has no critic")
     actor, critic = plan.model("actor"), plan.model("critic")
     if not _in_actor_pipeline(plan, "critic") or actor.train[0] < 2:
-        raise ConfigError(f"fuse_train needs the actor and the critic in one pool with the same train sizes and "
-                          f"p >= 2; the plan has actor {actor.train} in {plan.pool_of('actor')}, critic "
-                          f"{critic.train} in {plan.pool_of('critic')}")
+        raise ConfigError(
+            f"fuse_train needs the actor and the critic in one pool with the same train sizes and "
+            f"p >= 2; the plan has actor {actor.train} in {plan.pool_of('actor')}, critic "
+            f"{critic.train} in {plan.pool_of('critic')}"
+        )
     if not training_engine(cfg.model.engine).fused_pipelines:
-        raise ConfigError(f"fuse_train needs an engine whose pipelines can share a schedule; "
-                          f"model.engine={cfg.model.engine} has none (use model.engine=megatron)")
+        raise ConfigError(
+            f"fuse_train needs an engine whose pipelines can share a schedule; "
+            f"model.engine={cfg.model.engine} has none (use model.engine=megatron)"
+        )
 
 
-def _in_actor_pipeline(plan, role: str) -> bool:  # noqa: ANN001 - placement.Plan, imported lazily
+def _in_actor_pipeline(plan, role: str) -> bool:
     """`role` can share the actor's fused pipeline: the actor's pool and train sizes."""
     return plan.pool_of(role) == plan.pool_of("actor") and plan.model(role).train == plan.model("actor").train
 
@@ -183,7 +217,7 @@ def reverse_stages(addresses: list[str], layout: Layout) -> list[str]:
     return [addresses[(layout.pp - 1 - r // per_stage) * per_stage + r % per_stage] for r in range(len(addresses))]
 
 
-def _planned_dp(cfg: RLConfig, plan) -> dict[str, int]:  # noqa: ANN001 - placement.Plan, imported lazily
+def _planned_dp(cfg: RLConfig, plan) -> dict[str, int]:
     """Each role's data-parallel size where it is known before connecting: a plan's, or the embedded cluster's."""
     if plan is not None:
         return {m.role: m.train[2] for m in plan.models}
@@ -233,9 +267,11 @@ def resolve(cfg: RLConfig) -> RunPlan:
     if actor is not None and actor.generate is not None:
         p_g, t_g = actor.generate
         if p_g != 1 and engine != "hf":
-            raise ConfigError(f"the plan generates the actor over p_g={p_g} pipeline stages, which the {engine!r} "
-                              f"rollout engine does not take inside the actor: plan generate [1, t_g] or "
-                              f"rollout_engine hf")
+            raise ConfigError(
+                f"the plan generates the actor over p_g={p_g} pipeline stages, which the {engine!r} "
+                f"rollout engine does not take inside the actor: plan generate [1, t_g] or "
+                f"rollout_engine hf"
+            )
         # without the 3D-HybridEngine the actor generates from its gathered whole weights
         tp, pp = (t_g, p_g) if training_engine(cfg.model.engine).resharding else (None, 1)
     fused = ()
@@ -247,15 +283,18 @@ def resolve(cfg: RLConfig) -> RunPlan:
 
 # -- placement ------------------------------------------------------------------------------------------------------
 
+
 def _async_split(cfg: RLConfig, slots: list[str]) -> dict[str, tuple[list[str], Layout]]:
     """Asynchronous RL's split: the rollout replicas on the last `async_rl.rollout_slots` slots (0: half), the
     actor, reference, critics and scorers together on the others."""
     n = cfg.async_rl.rollout_slots or len(slots) // 2
     if not 0 < n < len(slots):
-        raise fa.PlacementError(f"async_staleness={cfg.async_rl.staleness} puts the rollout replicas on "
-                                f"async_rollout_slots={n} of the cluster's {len(slots)} slots and training on the "
-                                f"others; give the cluster at least 2 slots and async_rollout_slots < {len(slots)}")
-    train, rollout = slots[:len(slots) - n], slots[len(slots) - n:]
+        raise fa.PlacementError(
+            f"async_staleness={cfg.async_rl.staleness} puts the rollout replicas on "
+            f"async_rollout_slots={n} of the cluster's {len(slots)} slots and training on the "
+            f"others; give the cluster at least 2 slots and async_rollout_slots < {len(slots)}"
+        )
+    train, rollout = slots[: len(slots) - n], slots[len(slots) - n :]
     t = (train, Layout(dp=len(train)))
     return {"actor": t, "ref": t, **{r: t for r in _SCORERS}, "rollout": (rollout, Layout(dp=len(rollout)))}
 
@@ -264,7 +303,7 @@ def place(ctl: Controller, cfg: RLConfig, run_plan: RunPlan | None = None) -> Po
     """Colocated, split, or a placement plan (which also fixes each model's parallel sizes); each role's batch
     sizes are checked against its data-parallel size. `run_plan`: `resolve(cfg)`, resolved here if not given."""
     run_plan = run_plan or resolve(cfg)
-    slots = ctl.slots[:cfg.n_slots] if cfg.address is None and cfg.cluster == "local" else ctl.slots
+    slots = ctl.slots[: cfg.n_slots] if cfg.address is None and cfg.cluster == "local" else ctl.slots
     if not slots:
         raise fa.PlacementError("the cluster has no device slots; start workers with --nthreads 1 --resources slot=1")
     if run_plan.plan is not None:
@@ -276,7 +315,7 @@ def place(ctl: Controller, cfg: RLConfig, run_plan: RunPlan | None = None) -> Po
         out = {}
         for m in plan.models:
             p, t, d = m.train
-            out[m.role] = (list(pools[plan.pool_of(m.role)].addresses)[:m.gpus], Layout(pp=p, dp=d, tp=t))
+            out[m.role] = (list(pools[plan.pool_of(m.role)].addresses)[: m.gpus], Layout(pp=p, dp=d, tp=t))
         scorer = next((out[r] for r in _SCORERS if r in out), out["actor"])
         for role in ("ref", *_SCORERS):
             out.setdefault(role, scorer if role != "ref" else out["actor"])
@@ -294,9 +333,11 @@ def place(ctl: Controller, cfg: RLConfig, run_plan: RunPlan | None = None) -> Po
         elif cfg.placement == "fused":  # the first slots finish the migrated tails, the others score meanwhile
             receivers = cfg.fusion.migrate_to
             if len(slots) <= receivers:
-                raise fa.PlacementError(f"placement=fused puts the scorers on the slots after the first "
-                                        f"{receivers} (fuse_migrate_to), so it needs more than {receivers} slots; the "
-                                        f"cluster has {len(slots)}")
+                raise fa.PlacementError(
+                    f"placement=fused puts the scorers on the slots after the first "
+                    f"{receivers} (fuse_migrate_to), so it needs more than {receivers} slots; the "
+                    f"cluster has {len(slots)}"
+                )
             scorer_side = list(slots[receivers:])
         a, s = (actor_side, Layout(dp=len(actor_side))), (scorer_side, Layout(dp=len(scorer_side)))
         result = Pools({"actor": a, "ref": a, **{r: s for r in _SCORERS}})
@@ -306,5 +347,3 @@ def place(ctl: Controller, cfg: RLConfig, run_plan: RunPlan | None = None) -> Po
         except ConfigError as e:
             raise ConfigError(f"{role}: {e}") from None
     return result
-
-

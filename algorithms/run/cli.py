@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Callable, Iterator, Sequence
 
 import flowactors as fa
-from algorithms.config import PLACEMENTS, ConfigError, RunConfig, apply_overrides, describe_settings
+from algorithms.run.config import PLACEMENTS, ConfigError, RunConfig, apply_overrides, describe_settings
 from flowactors import Controller
 
 __all__ = ["parse_args", "settings_help", "user_errors", "open_controller", "USER_ERRORS", "EXIT_USAGE"]
@@ -47,8 +47,16 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from flowactors.slurm import SlurmStartupError
     from placement.plan import PlanError
 
-    return (ConfigError, PlanError, fa.PlacementError, fa.SchedulerUnreachableError, CheckpointError,
-            SlurmStartupError, fa.ClusterStartError, FileNotFoundError)
+    return (
+        ConfigError,
+        PlanError,
+        fa.PlacementError,
+        fa.SchedulerUnreachableError,
+        CheckpointError,
+        SlurmStartupError,
+        fa.ClusterStartError,
+        FileNotFoundError,
+    )
 
 
 USER_ERRORS = _user_error_types()
@@ -63,8 +71,7 @@ def settings_help(cfg: RunConfig, width: int | None = None) -> str:
     lines = ["settings (key=value, anywhere on the line; nested with dots; the preset's values shown):"]
     for key, value, doc in rows:
         head = f"  {key}={value}"
-        body = textwrap.wrap(doc, max(30, width - key_w - 2), break_on_hyphens=False,
-                             break_long_words=False) or [""]
+        body = textwrap.wrap(doc, max(30, width - key_w - 2), break_on_hyphens=False, break_long_words=False) or [""]
         if len(head) + 2 > key_w:
             lines.append(head)
             lines += [" " * key_w + b for b in body]
@@ -79,8 +86,9 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RunConfig], desc
 
     Raises ConfigError for a bad setting; argparse itself exits with status 2 on unknown flags."""
     cfg = preset()
-    p = argparse.ArgumentParser(description=description, epilog=settings_help(cfg),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=description, epilog=settings_help(cfg), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="settings, listed below (e.g. seed=1)")
     present = {f.name for f in dataclasses.fields(cfg)}
     for name, kwargs in _FLAGS.items():  # the flags of the settings this program has
@@ -94,13 +102,14 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RunConfig], desc
             setattr(cfg, name, value)
     overrides = list(args.overrides) + (["log_level=debug"] if args.debug else [])
     cfg = apply_overrides(cfg, overrides)
-    return _task_settings(cfg, {o.split("=", 1)[0] for o in overrides} | {n for n in _FLAGS if getattr(args, n, None)
-                                                                           is not None})
+    return _task_settings(
+        cfg, {o.split("=", 1)[0] for o in overrides} | {n for n in _FLAGS if getattr(args, n, None) is not None}
+    )
 
 
 def _task_settings(cfg: RunConfig, given: set[str]) -> RunConfig:
-    """The settings the run's task asks for (algorithms.tasks.Task.settings), except those given."""
-    from algorithms.tasks import TASKS
+    """The settings the run's task asks for (algorithms.data.tasks.Task.settings), except those given."""
+    from algorithms.data.tasks import TASKS
 
     task = TASKS.get(getattr(cfg, "task", None))
     extra = [f"{k}={v}" for k, v in (task.settings if task else ()) if k not in given and hasattr(cfg, k)]
@@ -132,7 +141,8 @@ def open_controller(cfg: RunConfig) -> Controller:
         from flowactors.slurm import open_slurm
 
         # the scheduler runs in this process, like the embedded cluster's: one dashboard setting for both
-        return open_slurm(dataclasses.replace(cfg.slurm, dashboard_address=cfg.dashboard, secure=cfg.secure),
-                          call_timeout_s=cfg.call_timeout_s)
-    return Controller.local(cfg.n_slots, dashboard=cfg.dashboard, call_timeout_s=cfg.call_timeout_s,
-                            secure=cfg.secure)
+        return open_slurm(
+            dataclasses.replace(cfg.slurm, dashboard_address=cfg.dashboard, secure=cfg.secure),
+            call_timeout_s=cfg.call_timeout_s,
+        )
+    return Controller.local(cfg.n_slots, dashboard=cfg.dashboard, call_timeout_s=cfg.call_timeout_s, secure=cfg.secure)

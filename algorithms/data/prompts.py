@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from algorithms.config import RLConfig
-from algorithms.datasets import Example
-from algorithms.tasks import Task
+from algorithms.data.datasets import Example
+from algorithms.data.tasks import Task
+from algorithms.run.config import RLConfig
 from engines.rollout.stream import assemble_samples
 from flowactors import Batch
 
@@ -25,11 +25,12 @@ class PromptData:
     """A fixed, seeded set of prompts, visited in a per-epoch shuffled order with a saveable position.
 
     The prompts are `n_prompts` synthetic examples of `task`, or `examples` when given (a dataset from files,
-    `algorithms.datasets`); the task still supplies the rule reward and the default response length. Per-row values
+    `algorithms.data.datasets`); the task still supplies the rule reward and the default response length. Per-row values
     that every example has (a task's `target`, a dataset's extra columns) travel with the prompts."""
 
-    def __init__(self, task: Task | None, tokenizer: Any, n_prompts: int, seed: int,
-                 examples: list[Example] | None = None) -> None:
+    def __init__(
+        self, task: Task | None, tokenizer: Any, n_prompts: int, seed: int, examples: list[Example] | None = None
+    ) -> None:
         self.task, self.tokenizer, self.seed = task, tokenizer, seed
         if examples is None:
             rng = random.Random(seed)
@@ -49,8 +50,9 @@ class PromptData:
         return order
 
     def encode(self, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = self.tokenizer([p for p, _, _ in examples], padding="max_length", max_length=self.width,
-                             return_tensors="pt")
+        enc = self.tokenizer(
+            [p for p, _, _ in examples], padding="max_length", max_length=self.width, return_tensors="pt"
+        )
         return enc.input_ids, enc.attention_mask
 
     def next_batch(self, prompts: int, samples_per_prompt: int) -> Batch:
@@ -59,7 +61,7 @@ class PromptData:
         while len(picked) < prompts:
             order = self._order(self.epoch)
             take = min(prompts - len(picked), len(order) - self.index)
-            picked += [(self.epoch, i) for i in order[self.index:self.index + take]]
+            picked += [(self.epoch, i) for i in order[self.index : self.index + take]]
             self.index += take
             if self.index == len(order):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -79,21 +81,23 @@ class PromptData:
     def _batch(self, examples: list[Example], seeds: torch.Tensor, groups: torch.Tensor, index: list[int]) -> Batch:
         ids, mask = self.encode(examples)
         rows = {k: [ex[2][k] for ex in examples] for k in self.row_keys}
-        return Batch({"input_ids": ids, "attention_mask": mask, "seed": seeds, "group": groups},
-                     {**rows, "prompt_index": index})
+        return Batch(
+            {"input_ids": ids, "attention_mask": mask, "seed": seeds, "group": groups}, {**rows, "prompt_index": index}
+        )
 
     def sft_batch(self, samples: int, max_new_tokens: int, seed: int) -> Batch:
         """Demonstrations laid out like generated samples (prompt | response + EOS), for the NLL update."""
         if not self.has_demonstrations:
             raise ValueError("these prompts have no demonstrations (a `response` column) for supervised steps")
         rng = random.Random(seed)
-        return self.demonstrations([self.examples[rng.randrange(len(self.examples))] for _ in range(samples)],
-                                   max_new_tokens)
+        return self.demonstrations(
+            [self.examples[rng.randrange(len(self.examples))] for _ in range(samples)], max_new_tokens
+        )
 
     def demonstrations(self, examples: list[Example], max_new_tokens: int) -> Batch:
         """`examples` with their demonstrations as responses (cut to `max_new_tokens`, EOS included), laid out
         like generated samples: prompts left-padded to the dataset's width, responses right-padded. A multi-turn
-        demonstration (segments, algorithms.tasks) is laid out as an episode: tool outputs are context, not loss."""
+        demonstration (segments, algorithms.data.tasks) is laid out as an episode: tool outputs are context, not loss."""
         ids, mask = self.encode(examples)
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         if any(isinstance(demo, tuple) for _, demo, _ in examples):
@@ -108,14 +112,21 @@ class PromptData:
                     toks, own = toks + piece, own + [int(model)] * len(piece)
                 tokens.append(toks + [eos])
                 owned.append(own + [1])
-            return episode_samples(Batch({"input_ids": ids, "attention_mask": mask}), tokens, owned,
-                                   [[0.0] * len(t) for t in tokens], max_new_tokens, pad=pad)
+            return episode_samples(
+                Batch({"input_ids": ids, "attention_mask": mask}),
+                tokens,
+                owned,
+                [[0.0] * len(t) for t in tokens],
+                max_new_tokens,
+                pad=pad,
+            )
         resp = torch.full((len(examples), max_new_tokens), pad, dtype=torch.long)
         for r, (_, demo, _) in enumerate(examples):
             toks = (self.tokenizer(demo, add_special_tokens=False).input_ids + [eos])[:max_new_tokens]
-            resp[r, :len(toks)] = torch.tensor(toks)
-        return assemble_samples(Batch({"input_ids": ids, "attention_mask": mask}), resp, torch.zeros(resp.shape),
-                                eos=eos, pad=pad)
+            resp[r, : len(toks)] = torch.tensor(toks)
+        return assemble_samples(
+            Batch({"input_ids": ids, "attention_mask": mask}), resp, torch.zeros(resp.shape), eos=eos, pad=pad
+        )
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed}
@@ -129,22 +140,27 @@ class PromptData:
 def prompt_data(cfg: RLConfig) -> tuple[PromptData, PromptData | None]:
     """The run's training prompts (the task's, or train_files) and its eval prompts (eval_files, if any), built on
     the controller before any worker starts, so a bad dataset fails first."""
-    from algorithms.config import ConfigError
-    from algorithms.datasets import load_examples
-    from algorithms.tasks import get_task
+    from algorithms.data.datasets import load_examples
+    from algorithms.data.tasks import get_task
+    from algorithms.run.config import ConfigError
     from engines import build_tokenizer
 
     task, tokenizer = get_task(cfg.task), build_tokenizer(cfg.model)
     if cfg.max_turns and task.environment is None:
-        raise ConfigError(f"max_turns={cfg.max_turns} applies to multi-turn tasks (tool_arith, tool_arith_safe, "
-                          f"tool_arith_chatml); task {task.name!r} samples one response per prompt")
+        raise ConfigError(
+            f"max_turns={cfg.max_turns} applies to multi-turn tasks (tool_arith, tool_arith_safe, "
+            f"tool_arith_chatml); task {task.name!r} samples one response per prompt"
+        )
     examples = load_examples(cfg.train_files, tokenizer, "train_files") if cfg.train_files else None
     data = PromptData(task, tokenizer, cfg.dataset_prompts, cfg.seed, examples=examples)
     if cfg.sft_steps and not data.has_demonstrations:
-        raise ConfigError(f"sft_steps={cfg.sft_steps} needs demonstrations: a `response` column (or a final "
-                          f"assistant message) in every row of train_files; or set sft_steps=0")
+        raise ConfigError(
+            f"sft_steps={cfg.sft_steps} needs demonstrations: a `response` column (or a final "
+            f"assistant message) in every row of train_files; or set sft_steps=0"
+        )
     evaluation = None
     if cfg.eval_files:
-        evaluation = PromptData(task, tokenizer, 0, cfg.seed, examples=load_examples(cfg.eval_files, tokenizer,
-                                                                                      "eval_files"))
+        evaluation = PromptData(
+            task, tokenizer, 0, cfg.seed, examples=load_examples(cfg.eval_files, tokenizer, "eval_files")
+        )
     return data, evaluation

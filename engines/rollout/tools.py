@@ -1,4 +1,5 @@
-"""Tools and the environments that let the model call them (multi-turn rollouts: engines.rollout.agent).
+"""Tools and the environments that let the model call them, in the call formats of the model families (the episode
+engine beside this module, agent.py, runs them).
 
 A `Tool` is a Python function with a JSON-schema description (transformers' `get_json_schema`, read from its type
 hints and Google-style docstring: what a chat template's `tools=` renders for the model). A `ToolEnvironment` runs
@@ -13,28 +14,20 @@ Formats:
 - `HermesFormat` (Qwen2/2.5, Hermes, SmolLM2 and others whose chat templates take `tools=`): `<tool_call>{"name":
   ..., "arguments": {...}}</tool_call>`; the output is rendered as the chat template renders a `tool` message,
   followed by the next assistant header.
-
-`run_python` is a code-execution tool: a subprocess with CPU-time, memory and wall-clock limits, no network (its own
-network namespace), in a temporary directory removed afterwards, its output truncated.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from engines.rollout.agent import ToolCall
 
-__all__ = ["Tool", "CompactFormat", "HermesFormat", "ToolEnvironment", "run_python", "calculator", "small_calculator",
-           "NetworkIsolationError"]
+__all__ = ["Tool", "CompactFormat", "HermesFormat", "ToolEnvironment"]
 
 
 @dataclass(frozen=True)
@@ -123,17 +116,22 @@ def _tool_message_frame(tokenizer: Any) -> tuple[str, str]:
     text between the end of the call and the content; after it, through the next assistant header)."""
     call, out = "\x00CALL\x00", "\x00OUT\x00"
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the policy's tokenizer has no chat template, so it does not render tool messages; use a "
-                         "model whose template takes tools (Qwen2.5, Hermes, SmolLM2 ...) or the compact format")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "u"},
-                                          {"role": "assistant", "content": call},
-                                          {"role": "tool", "content": out}],
-                                         tokenize=False, add_generation_prompt=True)
+        raise ValueError(
+            "the policy's tokenizer has no chat template, so it does not render tool messages; use a "
+            "model whose template takes tools (Qwen2.5, Hermes, SmolLM2 ...) or the compact format"
+        )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "u"}, {"role": "assistant", "content": call}, {"role": "tool", "content": out}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     if call not in text or out not in text:
-        raise ValueError("this tokenizer's chat template does not render tool messages; use a model whose template "
-                         "takes tools (Qwen2.5, Hermes, SmolLM2 ...)")
-    after_call = text[text.index(call) + len(call):]
-    return after_call[:after_call.index(out)], after_call[after_call.index(out) + len(out):]
+        raise ValueError(
+            "this tokenizer's chat template does not render tool messages; use a model whose template "
+            "takes tools (Qwen2.5, Hermes, SmolLM2 ...)"
+        )
+    after_call = text[text.index(call) + len(call) :]
+    return after_call[: after_call.index(out)], after_call[after_call.index(out) + len(out) :]
 
 
 def _bind(tool: Tool, args: list[Any], kwargs: dict[str, Any]) -> ToolCall:
@@ -162,104 +160,3 @@ class ToolEnvironment:
 
     def observe(self, results: list[tuple[ToolCall, str | None, str | None]]) -> str:
         return self.fmt.render(results, self.tokenizer)
-
-
-# -- tools -----------------------------------------------------------------------------------------------------------
-
-_ARITH = re.compile(r"^\s*(-?\d+)\s*([-+*/])\s*(-?\d+)\s*$")
-
-
-def calculator(expression: str) -> str:
-    """Evaluate one arithmetic operation on two integers.
-
-    Args:
-        expression: two integers and one of + - * /, such as 23*47.
-    """
-    m = _ARITH.match(expression)
-    if m is None:
-        raise ValueError(f"not a b op: {expression}")
-    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
-    if op == "/":
-        if b == 0:
-            raise ZeroDivisionError("division by zero")
-        return f"{a / b:g}"
-    return str({"+": a + b, "-": a - b, "*": a * b}[op])
-
-
-def small_calculator(expression: str) -> str:
-    """Evaluate one arithmetic operation on two integers below 50.
-
-    Args:
-        expression: two integers below 50 and one of + - * /, such as 23*47.
-    """
-    m = _ARITH.match(expression)
-    if m is not None and max(abs(int(m.group(1))), abs(int(m.group(3)))) >= 50:
-        raise ValueError("big")
-    return calculator(expression)
-
-
-class NetworkIsolationError(RuntimeError):
-    """This machine cannot give a subprocess a network namespace of its own."""
-
-
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
-
-
-def _isolate(cpu_s: int, memory_bytes: int) -> None:
-    """In the child, before exec: its own (empty) network namespace, CPU-time and address-space limits, a session
-    of its own (so the whole group is killed on timeout)."""
-    import ctypes
-    import resource
-
-    os.setsid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(_CLONE_NEWNET) != 0:  # root (or CAP_SYS_ADMIN); else a user namespace first
-        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
-            os._exit(97)
-        for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
-                           ("/proc/self/gid_map", f"{gid} {gid} 1")):
-            try:
-                with open(path, "w") as f:
-                    f.write(text)
-            except OSError:
-                pass
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_NPROC, (64, 64))
-
-
-def run_python(code: str, *, cpu_s: int = 2, memory_mb: int = 256, wall_s: float = 5.0,
-               max_output: int = 2000) -> str:
-    """Run Python code and return what it printed (stdout, then stderr), truncated.
-
-    Args:
-        code: a Python program; print what should be returned.
-    """
-    with tempfile.TemporaryDirectory(prefix="flowactors-exec-") as cwd:
-        env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.Popen([sys.executable, "-I", "-c", code], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                preexec_fn=functools.partial(_isolate, cpu_s, memory_mb << 20))
-        try:
-            out, _ = proc.communicate(timeout=wall_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.communicate()
-            raise TimeoutError(f"the program ran past {wall_s:g} s of wall-clock time and was killed") from None
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-    if proc.returncode == 97:
-        raise NetworkIsolationError("cannot give the program a network namespace of its own on this machine (no "
-                                    "user namespaces and not root); code execution is refused rather than run "
-                                    "with network access")
-    text = out.decode("utf-8", "replace")
-    if proc.returncode < 0:
-        import signal
-
-        text += f"\n[killed by {signal.Signals(-proc.returncode).name}]"
-    elif proc.returncode:
-        text += f"\n[exit status {proc.returncode}]"
-    return text if len(text) <= max_output else text[:max_output] + f"\n[... {len(text) - max_output} more characters]"

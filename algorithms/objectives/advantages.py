@@ -10,18 +10,45 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.core import (gae, grpo_advantages, kl_penalty, masked_whiten, reinforce_pp_advantages,
-                             remax_advantages, rloo_advantages, token_rewards)
-from engines.fields import (ADVANTAGES, COST_VALUES, COSTS, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK,
-                            REWARD_VALUES, REWARDS, ValueFields)
+from algorithms.objectives.losses import (
+    gae,
+    grpo_advantages,
+    kl_penalty,
+    masked_whiten,
+    reinforce_pp_advantages,
+    remax_advantages,
+    rloo_advantages,
+    token_rewards,
+)
+from engines.fields import (
+    ADVANTAGES,
+    COST_VALUES,
+    COSTS,
+    OLD_LOG_PROBS,
+    REF_LOG_PROBS,
+    RESPONSE_MASK,
+    REWARD_VALUES,
+    REWARDS,
+    ValueFields,
+)
 from flowactors import Batch
 
-__all__ = ["join", "ppo_advantages", "safe_rlhf_advantages", "grpo_step_advantages", "remax_step_advantages",
-           "rloo_step_advantages", "reinforce_pp_step_advantages", "varied_groups", "fill_groups"]
+__all__ = [
+    "join",
+    "ppo_advantages",
+    "safe_rlhf_advantages",
+    "grpo_step_advantages",
+    "remax_step_advantages",
+    "rloo_step_advantages",
+    "reinforce_pp_step_advantages",
+    "varied_groups",
+    "fill_groups",
+]
 
 
-def _gae_fields(batch: Batch, scores: torch.Tensor, critic: ValueFields, kl_coef: float, kl_estimator: str,
-                gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _gae_fields(
+    batch: Batch, scores: torch.Tensor, critic: ValueFields, kl_coef: float, kl_estimator: str, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     mask = batch[RESPONSE_MASK]
     kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], kl_estimator) if kl_coef else None
     rewards = token_rewards(scores, mask, kl, kl_coef)
@@ -40,25 +67,40 @@ def join(*batches: Batch) -> Batch:
     return batches[0].union(*batches[1:])
 
 
-def ppo_advantages(*parts: Batch, gamma: float, lam: float, kl_coef: float, kl_estimator: str, whiten: bool,
-                   whiten_rewards: bool = False) -> Batch:
+def ppo_advantages(
+    *parts: Batch,
+    gamma: float,
+    lam: float,
+    kl_coef: float,
+    kl_estimator: str,
+    whiten: bool,
+    whiten_rewards: bool = False,
+) -> Batch:
     batch = join(*parts)
-    adv, ret = _gae_fields(batch, _scaled(batch[REWARDS], whiten_rewards), REWARD_VALUES, kl_coef, kl_estimator,
-                           gamma, lam)
+    adv, ret = _gae_fields(
+        batch, _scaled(batch[REWARDS], whiten_rewards), REWARD_VALUES, kl_coef, kl_estimator, gamma, lam
+    )
     if whiten:
         adv = masked_whiten(adv, batch[RESPONSE_MASK])
     return batch.union(Batch({ADVANTAGES: adv, REWARD_VALUES.returns: ret}))
 
 
-def safe_rlhf_advantages(*parts: Batch, lagrange_lambda: float, gamma: float, lam: float, kl_coef: float,
-                         kl_estimator: str, whiten_rewards: bool = False) -> Batch:
+def safe_rlhf_advantages(
+    *parts: Batch,
+    lagrange_lambda: float,
+    gamma: float,
+    lam: float,
+    kl_coef: float,
+    kl_estimator: str,
+    whiten_rewards: bool = False,
+) -> Batch:
     """Reward advantages (KL penalty in the reward) and cost advantages, combined as (A_r − λ·A_c) / (1 + λ)."""
     batch = join(*parts)
     mask = batch[RESPONSE_MASK]
-    adv_r, ret_r = _gae_fields(batch, _scaled(batch[REWARDS], whiten_rewards), REWARD_VALUES, kl_coef,
-                               kl_estimator, gamma, lam)
-    adv_c, ret_c = _gae_fields(batch, _scaled(batch[COSTS], whiten_rewards), COST_VALUES, 0.0, kl_estimator,
-                               gamma, lam)
+    adv_r, ret_r = _gae_fields(
+        batch, _scaled(batch[REWARDS], whiten_rewards), REWARD_VALUES, kl_coef, kl_estimator, gamma, lam
+    )
+    adv_c, ret_c = _gae_fields(batch, _scaled(batch[COSTS], whiten_rewards), COST_VALUES, 0.0, kl_estimator, gamma, lam)
     # whiten the combination, not each part: a cost that no sample incurs has no variance to normalise
     adv = masked_whiten((adv_r - lagrange_lambda * adv_c) / (1 + lagrange_lambda), mask)
     return batch.union(Batch({ADVANTAGES: adv, REWARD_VALUES.returns: ret_r, COST_VALUES.returns: ret_c}))
@@ -99,8 +141,9 @@ def reinforce_pp_step_advantages(*parts: Batch, kl_coef: float) -> Batch:
     return batch.union(Batch({ADVANTAGES: reinforce_pp_advantages(batch[REWARDS], mask, kl, kl_coef)}))
 
 
-def varied_groups(*parts: Batch, offset: int, max_len: int = 0, buffer: int = 0, penalty: float = 0.0,
-                  keep_all: bool = False) -> Batch:
+def varied_groups(
+    *parts: Batch, offset: int, max_len: int = 0, buffer: int = 0, penalty: float = 0.0, keep_all: bool = False
+) -> Batch:
     """DAPO: the samples of the groups whose rewards are not all equal (the others give no advantage; `keep_all`
     keeps every group), their groups renumbered from `offset` so rounds can be merged. With `buffer`, rewards first
     get the overlong shaping: a response longer than max_len − buffer loses up to `penalty`, linearly over the
@@ -111,8 +154,9 @@ def varied_groups(*parts: Batch, offset: int, max_len: int = 0, buffer: int = 0,
         shaped = batch[REWARDS].float() - penalty * ((length - (max_len - buffer)) / buffer).clamp(0, 1)
         batch = Batch({**batch.tensors, REWARDS: shaped}, batch.rows, batch.meta)
     groups, rewards = batch["group"], batch[REWARDS].float()
-    kept = [g for g in groups.unique().tolist()
-            if keep_all or bool((rewards[groups == g] != rewards[groups == g][0]).any())]
+    kept = [
+        g for g in groups.unique().tolist() if keep_all or bool((rewards[groups == g] != rewards[groups == g][0]).any())
+    ]
     rows = torch.cat([torch.nonzero(groups == g).flatten() for g in kept]) if kept else torch.zeros(0, dtype=torch.long)
     out = batch.take(rows)
     renumber = {g: offset + j for j, g in enumerate(kept)}

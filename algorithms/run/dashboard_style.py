@@ -10,5 +10,12 @@ from __future__ import annotations
 
 __all__ = ["ROLE_COLORS"]
 
-ROLE_COLORS = {"actor": "#4e79a7", "critic": "#f28e2b", "ref": "#59a14f", "reward": "#b07aa1", "cost": "#e15759",
-               "cost_critic": "#9c755f", "rollout": "#76b7b2"}
+ROLE_COLORS = {
+    "actor": "#4e79a7",
+    "critic": "#f28e2b",
+    "ref": "#59a14f",
+    "reward": "#b07aa1",
+    "cost": "#e15759",
+    "cost_critic": "#9c755f",
+    "rollout": "#76b7b2",
+}

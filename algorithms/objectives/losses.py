@@ -18,14 +18,36 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.fields import (ADVANTAGES, OLD_LOG_PROBS, REF_LOG_PROBS, RESPONSE_MASK, REWARD_VALUES,
-                            ROLLOUT_LOG_PROBS, ValueFields)
+from engines.fields import (
+    ADVANTAGES,
+    OLD_LOG_PROBS,
+    REF_LOG_PROBS,
+    RESPONSE_MASK,
+    REWARD_VALUES,
+    ROLLOUT_LOG_PROBS,
+    ValueFields,
+)
 from flowactors import Batch
 
 __all__ = [
-    "masked_mean", "masked_whiten", "kl_penalty", "token_rewards", "gae", "grpo_advantages",
-    "remax_advantages", "policy_loss", "truncated_importance_weight", "value_loss", "PolicyLoss", "ValueLoss",
-    "SFTLoss", "FixedKL", "AdaptiveKL", "LagrangeMultiplier", "PairwiseLoss", "SafetyCostLoss",
+    "masked_mean",
+    "masked_whiten",
+    "kl_penalty",
+    "token_rewards",
+    "gae",
+    "grpo_advantages",
+    "remax_advantages",
+    "policy_loss",
+    "truncated_importance_weight",
+    "value_loss",
+    "PolicyLoss",
+    "ValueLoss",
+    "SFTLoss",
+    "FixedKL",
+    "AdaptiveKL",
+    "LagrangeMultiplier",
+    "PairwiseLoss",
+    "SafetyCostLoss",
 ]
 
 
@@ -61,8 +83,9 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
     raise ValueError(f"unknown KL estimator {estimator!r}; use k1, k2 or k3")
 
 
-def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> torch.Tensor:
+def token_rewards(
+    scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
     """Sequence score at the last response token (the model's last, in a multi-turn episode), minus kl_coef · KL at
     every token (KL-in-reward PPO)."""
     mask = response_mask.to(torch.float32)
@@ -74,8 +97,9 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor, kl: torch.T
     return r * mask
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the response; returns (advantages, returns), both masked.
 
     Over the model's own tokens: in a multi-turn episode the masked-out tool outputs between turns are skipped (a
@@ -96,8 +120,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv * mask, (adv + values) * mask
 
 
-def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6,
-                    scale: bool = True) -> torch.Tensor:
+def grpo_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6, scale: bool = True
+) -> torch.Tensor:
     """(r − mean of its group) / (std of its group + eps), broadcast over the response tokens."""
     adv = torch.zeros_like(scores, dtype=torch.float32)
     for g in group_ids.unique():
@@ -122,8 +147,9 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.T
     return adv[:, None] * mask.to(torch.float32)
 
 
-def reinforce_pp_advantages(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
-                            kl_coef: float = 0.0) -> torch.Tensor:
+def reinforce_pp_advantages(
+    scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
     """REINFORCE++: the per-token reward (the score at the last response token, − kl_coef · KL at every token),
     summed to a return-to-go (γ = 1, no critic), then whitened over every response token of the global batch."""
     rewards = token_rewards(scores, mask, kl, kl_coef)
@@ -136,9 +162,15 @@ def remax_advantages(scores: torch.Tensor, baseline_scores: torch.Tensor, mask: 
     return (scores.float() - baseline_scores.float())[:, None] * mask.to(torch.float32)
 
 
-def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                clip_ratio: float = 0.2, dual_clip: float | None = 3.0, clip_ratio_high: float | None = None,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio: float = 0.2,
+    dual_clip: float | None = 3.0,
+    clip_ratio_high: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate loss (with dual clip for negative advantages); returns (loss, clipped mask).
     The ratio is clipped to [1 − clip_ratio, 1 + clip_ratio_high] (clip_ratio_high None: clip_ratio). With the
     response `mask`, the ratio is GSPO's sequence-level one instead (`sequence_ratio`)."""
@@ -165,8 +197,9 @@ def sequence_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: t
     return torch.exp(seq.detach() + log_probs - log_probs.detach())
 
 
-def truncated_importance_weight(proximal: torch.Tensor, behaviour: torch.Tensor, cap: float
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+def truncated_importance_weight(
+    proximal: torch.Tensor, behaviour: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token min(pi_prox / pi_behaviour, cap), detached, and where the cap bit (as 0/1 floats). The ratio is
     formed in log space and capped there, so a token the behaviour policy found unlikely cannot overflow."""
     log_ratio = (proximal - behaviour).detach()
@@ -174,8 +207,9 @@ def truncated_importance_weight(proximal: torch.Tensor, behaviour: torch.Tensor,
     return torch.exp(log_ratio.clamp(max=math.log(cap))), truncated
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None = 0.2
-               ) -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None = 0.2
+) -> torch.Tensor:
     """Per-token clipped value loss ½·max((v − R)², (clip(v) − R)²)."""
     l1 = (values - returns).pow(2)
     if clip is None:
@@ -215,8 +249,15 @@ class PolicyLoss:
             # Without old log-probs the batch is trained on by the policy that sampled it, in one optimizer step
             # (GRPO's on-policy case): the ratio is exactly 1, so the current log-probs, detached, are the old ones.
             old = mb[OLD_LOG_PROBS] if OLD_LOG_PROBS in mb else out["log_probs"].detach()
-        loss, clipped = policy_loss(out["log_probs"], old, mb[ADVANTAGES], self.clip_ratio, self.dual_clip,
-                                    self.clip_ratio_high, mask if self.sequence_level else None)
+        loss, clipped = policy_loss(
+            out["log_probs"],
+            old,
+            mb[ADVANTAGES],
+            self.clip_ratio,
+            self.dual_clip,
+            self.clip_ratio_high,
+            mask if self.sequence_level else None,
+        )
         metrics = {"pg_loss": float(masked_mean(loss.detach(), mask)), "pg_clipfrac": float(masked_mean(clipped, mask))}
         if self.tis_cap is not None:
             weight, truncated = truncated_importance_weight(old, mb[ROLLOUT_LOG_PROBS], self.tis_cap)
@@ -268,8 +309,11 @@ class PairwiseLoss:
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         margin = out["chosen"] - out["rejected"]
         loss = -torch.nn.functional.logsigmoid(margin)
-        return loss[:, None], mb[RESPONSE_MASK].float(), {
-            "rm_loss": float(loss.detach().mean()), "pair_accuracy": float((margin.detach() > 0).float().mean())}
+        return (
+            loss[:, None],
+            mb[RESPONSE_MASK].float(),
+            {"rm_loss": float(loss.detach().mean()), "pair_accuracy": float((margin.detach() > 0).float().mean())},
+        )
 
 
 @dataclass
@@ -285,9 +329,15 @@ class SafetyCostLoss:
         f = torch.nn.functional.logsigmoid
         loss = -f(rejected - chosen) - f(sign_c * chosen) - f(sign_r * rejected)
         sign_ok = torch.cat([(sign_c * chosen > 0), (sign_r * rejected > 0)]).float()
-        return loss[:, None], mb[RESPONSE_MASK].float(), {
-            "cm_loss": float(loss.detach().mean()), "pair_accuracy": float((rejected > chosen).float().mean()),
-            "sign_accuracy": float(sign_ok.mean())}
+        return (
+            loss[:, None],
+            mb[RESPONSE_MASK].float(),
+            {
+                "cm_loss": float(loss.detach().mean()),
+                "pair_accuracy": float((rejected > chosen).float().mean()),
+                "sign_accuracy": float(sign_ok.mean()),
+            },
+        )
 
 
 @dataclass

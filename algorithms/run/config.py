@@ -24,11 +24,30 @@ from engines.models.config import ModelConfig
 from engines.training.common import OptimConfig
 from flowactors.slurm import SlurmSettings
 
-__all__ = ["RunConfig", "RLConfig", "FusionConfig", "AsyncConfig", "SHORT_FORMS", "PPOConfig", "SafeRLHFConfig", "GRPOConfig",
-           "ReMaxConfig", "RLOOConfig", "ReinforcePPConfig", "GSPOConfig", "DAPOConfig",
-           "ConfigError",
-           "PLACEMENTS", "apply_overrides",
-           "check_trainable_layers", "check_zero_stage", "derived_sizes", "describe_settings", "field_docs", "validate"]
+__all__ = [
+    "RunConfig",
+    "RLConfig",
+    "FusionConfig",
+    "AsyncConfig",
+    "SHORT_FORMS",
+    "PPOConfig",
+    "SafeRLHFConfig",
+    "GRPOConfig",
+    "ReMaxConfig",
+    "RLOOConfig",
+    "ReinforcePPConfig",
+    "GSPOConfig",
+    "DAPOConfig",
+    "ConfigError",
+    "PLACEMENTS",
+    "apply_overrides",
+    "check_trainable_layers",
+    "check_zero_stage",
+    "derived_sizes",
+    "describe_settings",
+    "field_docs",
+    "validate",
+]
 
 
 PLACEMENTS = ("colocated", "split", "fused")
@@ -41,17 +60,29 @@ class ConfigError(ValueError):
 
 RANGES: dict[str, str] = {
     # learning rates and step sizes
-    "actor_lr": "(0, inf)", "critic_lr": "(0, inf)", "sft_lr": "(0, inf)", "lambda_lr": "[0, inf)",
+    "actor_lr": "(0, inf)",
+    "critic_lr": "(0, inf)",
+    "sft_lr": "(0, inf)",
+    "lambda_lr": "[0, inf)",
     # the loss
-    "temperature": "(0, inf)", "kl_coef": "[0, inf)", "kl_target": "(0, inf)", "clip_ratio": "(0, inf)",
+    "temperature": "(0, inf)",
+    "kl_coef": "[0, inf)",
+    "kl_target": "(0, inf)",
+    "clip_ratio": "(0, inf)",
     "clip_ratio_high": "(0, inf)",
-    "dual_clip": "(1, inf)", "value_clip": "(0, inf)", "entropy_coef": "[0, inf)", "ptx_coef": "[0, inf)",
-    "gamma": "[0, 1]", "lam": "[0, 1]",
+    "dual_clip": "(1, inf)",
+    "value_clip": "(0, inf)",
+    "entropy_coef": "[0, inf)",
+    "ptx_coef": "[0, inf)",
+    "gamma": "[0, 1]",
+    "lam": "[0, 1]",
     # Safe-RLHF's multiplier
-    "lambda_init": "[0, inf)", "lambda_max": "[0, inf)",
+    "lambda_init": "[0, inf)",
+    "lambda_max": "[0, inf)",
     # fractions, caps and times
     "recovery_wait_s": "[0, inf)",
-    "slurm.startup_timeout_s": "(0, inf)", "slurm.death_timeout_s": "(0, inf)",
+    "slurm.startup_timeout_s": "(0, inf)",
+    "slurm.death_timeout_s": "(0, inf)",
 }
 """The interval each numeric setting must lie in, by its dotted name; every other float must be finite (nan and
 inf are refused everywhere: a nan learning rate or threshold would run and report success)."""
@@ -70,8 +101,9 @@ def check_numbers(cfg: Any, prefix: str = "") -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if not math.isfinite(value):
-            raise ConfigError(f"{name}={value} is not a finite number; give one"
-                              + (f" in {RANGES[name]}" if name in RANGES else ""))
+            raise ConfigError(
+                f"{name}={value} is not a finite number; give one" + (f" in {RANGES[name]}" if name in RANGES else "")
+            )
         interval = RANGES.get(name)
         if interval is None:
             continue
@@ -129,13 +161,14 @@ class RunConfig:
         if self.dashboard is not None:
             _, colon, port = self.dashboard.rpartition(":")
             if not colon or not port.isdigit():
-                raise ConfigError(f"dashboard={self.dashboard} is not an address HOST:PORT (or :PORT); none turns "
-                                  f"the dashboard off")
+                raise ConfigError(
+                    f"dashboard={self.dashboard} is not an address HOST:PORT (or :PORT); none turns the dashboard off"
+                )
 
 
 @dataclass
 class FusionConfig:
-    """Stage fusion (RLHFuse; algorithms/fusion.py), the `fusion.` section of every RL program. Each field has a
+    """Stage fusion (RLHFuse; algorithms/rollout/fusion.py), the `fusion.` section of every RL program. Each field has a
     short form on the command line (`fuse=true` for `fusion.enabled=true`: SHORT_FORMS)."""
 
     enabled: bool = False
@@ -168,18 +201,21 @@ class FusionConfig:
         if self.chunk_samples < 1:
             raise ConfigError(f"fuse_chunk_samples must be >= 1, got {self.chunk_samples}")
         if not 0 < self.migrate_below < 1:
-            raise ConfigError(f"fuse_migrate_below is a fraction of each generation rank's rows and must be in "
-                              f"(0, 1), got {self.migrate_below}")
+            raise ConfigError(
+                f"fuse_migrate_below is a fraction of each generation rank's rows and must be in "
+                f"(0, 1), got {self.migrate_below}"
+            )
         if self.migrate_to < 1:
-            raise ConfigError(f"fuse_migrate_to is how many actor ranks finish the migrated tails, at least 1; got "
-                              f"{self.migrate_to}")
+            raise ConfigError(
+                f"fuse_migrate_to is how many actor ranks finish the migrated tails, at least 1; got {self.migrate_to}"
+            )
         if self.migrate and not self.enabled:
             raise ConfigError("fuse_migrate moves the long tail of a fused rollout; set fuse=true with it")
 
 
 @dataclass
 class AsyncConfig:
-    """Asynchronous RL (algorithms/asynchronous.py), the `async_rl.` section of every RL program: rollouts run on
+    """Asynchronous RL (algorithms/rollout/asynchronous.py), the `async_rl.` section of every RL program: rollouts run on
     slots of their own up to `staleness` policy versions ahead of training. Short forms: `async_staleness=1` for
     `async_rl.staleness=1`, ... (SHORT_FORMS)."""
 
@@ -204,14 +240,20 @@ class AsyncConfig:
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
-            raise ConfigError(f"async_staleness is how many policy versions rollouts may run ahead, >= 0 (0: "
-                              f"synchronous); got {self.staleness}")
+            raise ConfigError(
+                f"async_staleness is how many policy versions rollouts may run ahead, >= 0 (0: "
+                f"synchronous); got {self.staleness}"
+            )
         if self.partial_rollout and self.staleness == 0:
-            raise ConfigError("partial_rollout interrupts rollouts that run ahead of training; set async_staleness "
-                              ">= 1 with it, or drop partial_rollout")
+            raise ConfigError(
+                "partial_rollout interrupts rollouts that run ahead of training; set async_staleness "
+                ">= 1 with it, or drop partial_rollout"
+            )
         if self.partial_rollout:
-            raise ConfigError("partial_rollout is not built yet (rollouts finish under the weights they started "
-                              "with); drop it: async_staleness alone overlaps rollout and training")
+            raise ConfigError(
+                "partial_rollout is not built yet (rollouts finish under the weights they started "
+                "with); drop it: async_staleness alone overlaps rollout and training"
+            )
         if self.correction not in ("tis", "none"):
             raise ConfigError(f"async_correction must be tis or none, got {self.correction!r}")
         if not self.tis_cap >= 1:
@@ -221,11 +263,16 @@ class AsyncConfig:
 
 
 SHORT_FORMS = {
-    "async_staleness": "async_rl.staleness", "partial_rollout": "async_rl.partial_rollout",
-    "async_correction": "async_rl.correction", "async_tis_cap": "async_rl.tis_cap",
+    "async_staleness": "async_rl.staleness",
+    "partial_rollout": "async_rl.partial_rollout",
+    "async_correction": "async_rl.correction",
+    "async_tis_cap": "async_rl.tis_cap",
     "async_rollout_slots": "async_rl.rollout_slots",
-    "fuse": "fusion.enabled", "fuse_chunk_samples": "fusion.chunk_samples", "fuse_migrate": "fusion.migrate",
-    "fuse_migrate_below": "fusion.migrate_below", "fuse_migrate_to": "fusion.migrate_to",
+    "fuse": "fusion.enabled",
+    "fuse_chunk_samples": "fusion.chunk_samples",
+    "fuse_migrate": "fusion.migrate",
+    "fuse_migrate_below": "fusion.migrate_below",
+    "fuse_migrate_to": "fusion.migrate_to",
     "fuse_train": "fusion.train",
 }
 """Command-line names kept from before the settings had sections: `fuse=true` is `fusion.enabled=true`."""
@@ -239,7 +286,7 @@ class RLConfig(RunConfig):
     steps: int = 40
     """RL steps (one generate → score → update round each)."""
     task: str = "digit_sum"
-    """Synthetic task (algorithms.tasks): digit_sum, add, reverse; multi-turn with tools: tool_arith,
+    """Synthetic task (algorithms.data.tasks): digit_sum, add, reverse; multi-turn with tools: tool_arith,
     tool_arith_safe."""
     dataset_prompts: int = 512
     """Prompts in the task's dataset; epochs wrap around it."""
@@ -363,23 +410,37 @@ class RLConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        positive = ("steps", "prompts_per_step", "samples_per_prompt", "mini_batch_samples",
-                    "ppo_epochs", "micro_batch_tokens", "dataset_prompts", "sft_samples_per_step")
+        positive = (
+            "steps",
+            "prompts_per_step",
+            "samples_per_prompt",
+            "mini_batch_samples",
+            "ppo_epochs",
+            "micro_batch_tokens",
+            "dataset_prompts",
+            "sft_samples_per_step",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.rollout_engine not in ("hf", "vllm") and ":" not in self.rollout_engine:
-            raise ConfigError(f"rollout_engine must be hf or vllm (or a registered 'module:name'), got "
-                              f"{self.rollout_engine!r}")
+            raise ConfigError(
+                f"rollout_engine must be hf or vllm (or a registered 'module:name'), got {self.rollout_engine!r}"
+            )
         check_zero_stage(self.zero_stage)
+        check_training_engine(self.model)
         if self.max_turns < 0 or self.max_turn_tokens < 0 or self.tool_workers < 1 or not self.tool_timeout_s > 0:
-            raise ConfigError(f"max_turns and max_turn_tokens must be >= 0, tool_workers >= 1 and tool_timeout_s > 0; "
-                              f"got {self.max_turns}, {self.max_turn_tokens}, {self.tool_workers}, "
-                              f"{self.tool_timeout_s}")
+            raise ConfigError(
+                f"max_turns and max_turn_tokens must be >= 0, tool_workers >= 1 and tool_timeout_s > 0; "
+                f"got {self.max_turns}, {self.max_turn_tokens}, {self.tool_workers}, "
+                f"{self.tool_timeout_s}"
+            )
         if self.pack_sequences or self.model.pack_sequences:
             if self.model.engine != "torch":
-                raise ConfigError(f"pack_sequences=true runs on the torch engine; the {self.model.engine} engine does "
-                                  f"not pack rows yet: set model.engine=torch or pack_sequences=false")
+                raise ConfigError(
+                    f"pack_sequences=true runs on the torch engine; the {self.model.engine} engine does "
+                    f"not pack rows yet: set model.engine=torch or pack_sequences=false"
+                )
             self.pack_sequences = self.model.pack_sequences = True
         if self.lora_rank:
             self._check_lora()
@@ -397,25 +458,33 @@ class RLConfig(RunConfig):
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         if self.placement in ("split", "fused") and self.n_slots < 2:
-            raise ConfigError(f"placement={self.placement} needs n_slots >= 2 (the scorers' slots differ from the "
-                              f"actor's {'' if self.placement == 'split' else 'first '}slot)")
+            raise ConfigError(
+                f"placement={self.placement} needs n_slots >= 2 (the scorers' slots differ from the "
+                f"actor's {'' if self.placement == 'split' else 'first '}slot)"
+            )
         samples = self.prompts_per_step * self.samples_per_prompt
         if samples % self.mini_batch_samples:
-            raise ConfigError(f"mini_batch_samples={self.mini_batch_samples} does not divide the "
-                             f"{samples} samples of a step (prompts_per_step x samples_per_prompt); choose a divisor")
+            raise ConfigError(
+                f"mini_batch_samples={self.mini_batch_samples} does not divide the "
+                f"{samples} samples of a step (prompts_per_step x samples_per_prompt); choose a divisor"
+            )
         if self.eval_every < 0 or self.eval_prompts < 1:
-            raise ConfigError(f"eval_every must be >= 0 and eval_prompts >= 1, got {self.eval_every}, "
-                              f"{self.eval_prompts}")
+            raise ConfigError(
+                f"eval_every must be >= 0 and eval_prompts >= 1, got {self.eval_every}, {self.eval_prompts}"
+            )
         if self.eval_every and not self.eval_files:
             raise ConfigError(f"eval_every={self.eval_every} needs eval_files=PATH[,PATH] (held-out prompts)")
         self.fusion.__post_init__()  # before the cross-checks below read it
         receivers = self.fusion.migrate_to
         if self.placement == "fused" and self.address is None and self.n_slots <= receivers:
-            raise ConfigError(f"placement=fused keeps the scorers off the first fuse_migrate_to={receivers} slots, "
-                              f"so it needs n_slots > {receivers}")
+            raise ConfigError(
+                f"placement=fused keeps the scorers off the first fuse_migrate_to={receivers} slots, "
+                f"so it needs n_slots > {receivers}"
+            )
         if self.fusion.train and not self.has_critic:
-            raise ConfigError(f"fuse_train fuses the actor's and the critic's training; {type(self).__name__} "
-                              f"trains no critic")
+            raise ConfigError(
+                f"fuse_train fuses the actor's and the critic's training; {type(self).__name__} trains no critic"
+            )
         self.async_rl.__post_init__()
         if self.async_rl.staleness:
             self._check_async()
@@ -427,33 +496,45 @@ class RLConfig(RunConfig):
         except ValueError as e:
             raise ConfigError(str(e).removeprefix("OptimConfig: ")) from None
         if self.model.engine != "torch":
-            raise ConfigError(f"lora_rank={r} runs on the torch engine; the {self.model.engine} engine trains every "
-                              f"parameter: set model.engine=torch or lora_rank=0")
+            raise ConfigError(
+                f"lora_rank={r} runs on the torch engine; the {self.model.engine} engine trains every "
+                f"parameter: set model.engine=torch or lora_rank=0"
+            )
         if self.rollout_tp:
-            raise ConfigError(f"lora_rank={r} with the 3D-HybridEngine (rollout_tp={self.rollout_tp}) is not built "
-                              f"(tensor parallelism would split the adapters with their layers); set rollout_tp=0 or "
-                              f"lora_rank=0")
+            raise ConfigError(
+                f"lora_rank={r} with the 3D-HybridEngine (rollout_tp={self.rollout_tp}) is not built "
+                f"(tensor parallelism would split the adapters with their layers); set rollout_tp=0 or "
+                f"lora_rank=0"
+            )
         if getattr(self, "critic_trainable_layers", 0):
-            raise ConfigError(f"lora_rank={r} trains adapters on frozen critics; critic_trainable_layers="
-                              f"{self.critic_trainable_layers} cannot go with it (set one of them to 0)")
+            raise ConfigError(
+                f"lora_rank={r} trains adapters on frozen critics; critic_trainable_layers="
+                f"{self.critic_trainable_layers} cannot go with it (set one of them to 0)"
+            )
 
     def _check_async(self) -> None:
         k = self.async_rl.staleness
         if self.placement != "split" and not self.plan:
-            raise ConfigError(f"async_staleness={k} runs the rollouts on slots of their own while the others train; "
-                              f"add --placement split (placement={self.placement} shares every slot), or set "
-                              f"async_staleness=0")
+            raise ConfigError(
+                f"async_staleness={k} runs the rollouts on slots of their own while the others train; "
+                f"add --placement split (placement={self.placement} shares every slot), or set "
+                f"async_staleness=0"
+            )
         if self.plan:
             raise ConfigError(f"async_staleness={k} with a placement plan is not built yet; use --placement split")
         if self.fusion.enabled:
-            raise ConfigError(f"async_staleness={k} with fuse=true is not built yet (a rollout that runs ahead is "
-                              f"scored whole); drop one of them")
+            raise ConfigError(
+                f"async_staleness={k} with fuse=true is not built yet (a rollout that runs ahead is "
+                f"scored whole); drop one of them"
+            )
         if self.address is None and self.cluster == "local":
             rollout = self.async_rl.rollout_slots or self.n_slots // 2
             if self.n_slots < 2 or rollout >= self.n_slots:
-                raise ConfigError(f"async_staleness={k} needs slots for the rollout replicas and slots for training: "
-                                  f"n_slots={self.n_slots} with async_rollout_slots={rollout}; use n_slots >= 2 and "
-                                  f"async_rollout_slots < n_slots")
+                raise ConfigError(
+                    f"async_staleness={k} needs slots for the rollout replicas and slots for training: "
+                    f"n_slots={self.n_slots} with async_rollout_slots={rollout}; use n_slots >= 2 and "
+                    f"async_rollout_slots < n_slots"
+                )
 
     has_critic: typing.ClassVar[bool] = False
     """Whether the program trains a critic (PPO, Safe-RLHF): what fusion.train fuses with the actor."""
@@ -498,6 +579,7 @@ class PPOConfig(RLConfig):
     """Divide each step's model scores (rewards, and Safe-RLHF's costs) by their standard deviation over the step's
     samples, without shifting them (TRL's whiten_rewards): a learned reward model's scale is arbitrary (one trained
     briefly scores within ±0.1), and the KL penalty and λ should act on unit-scale scores. Metrics stay raw."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.kl_estimator not in ("k1", "k2", "k3"):
@@ -582,18 +664,24 @@ class DAPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.dynamic_sampling and self.samples_per_prompt < 2:
-            raise ConfigError(f"dynamic_sampling keeps the groups whose rewards vary, which needs samples_per_prompt "
-                              f">= 2, got {self.samples_per_prompt}; or dynamic_sampling=false")
+            raise ConfigError(
+                f"dynamic_sampling keeps the groups whose rewards vary, which needs samples_per_prompt "
+                f">= 2, got {self.samples_per_prompt}; or dynamic_sampling=false"
+            )
         if self.dynamic_sampling and self.async_rl.staleness:
-            raise ConfigError("dynamic_sampling with async_staleness is not built yet (the rollout replicas would "
-                              "have to refill a step's batch); set one of them off")
+            raise ConfigError(
+                "dynamic_sampling with async_staleness is not built yet (the rollout replicas would "
+                "have to refill a step's batch); set one of them off"
+            )
         if self.max_gen_rounds < 1:
             raise ConfigError(f"max_gen_rounds must be >= 1, got {self.max_gen_rounds}")
         if self.overlong_buffer < 0 or self.overlong_penalty < 0:
             raise ConfigError("overlong_buffer and overlong_penalty must be >= 0")
         if self.overlong_buffer and not 0 < self.overlong_buffer < self.max_new_tokens:
-            raise ConfigError(f"overlong_buffer={self.overlong_buffer} needs max_new_tokens > it (the response "
-                              f"length it is measured against), got max_new_tokens={self.max_new_tokens}")
+            raise ConfigError(
+                f"overlong_buffer={self.overlong_buffer} needs max_new_tokens > it (the response "
+                f"length it is measured against), got max_new_tokens={self.max_new_tokens}"
+            )
 
 
 @dataclass
@@ -611,8 +699,10 @@ class RLOOConfig(RLConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.samples_per_prompt < 2:
-            raise ConfigError(f"RLOO's baseline is the mean reward of a prompt's other samples: samples_per_prompt "
-                              f"must be >= 2, got {self.samples_per_prompt}")
+            raise ConfigError(
+                f"RLOO's baseline is the mean reward of a prompt's other samples: samples_per_prompt "
+                f"must be >= 2, got {self.samples_per_prompt}"
+            )
 
 
 @dataclass
@@ -636,8 +726,10 @@ def check_trainable_layers(setting: str, value: int, model: ModelConfig) -> None
     if value < 0:
         raise ConfigError(f"{setting}={value} must be >= 0 (0 trains every parameter)")
     if model.engine != "torch":
-        raise ConfigError(f"{setting}={value} needs model.engine=torch (the {model.engine} engine trains every "
-                          f"layer); or set {setting}=0")
+        raise ConfigError(
+            f"{setting}={value} needs model.engine=torch (the {model.engine} engine trains every "
+            f"layer); or set {setting}=0"
+        )
     if model.path:
         from engines import check_model_dir
 
@@ -645,8 +737,21 @@ def check_trainable_layers(setting: str, value: int, model: ModelConfig) -> None
     else:
         layers = model.num_layers
     if value > layers:
-        raise ConfigError(f"{setting}={value} but the model has {layers} decoder layers; give 1..{layers}, or 0 to "
-                          f"train every parameter")
+        raise ConfigError(
+            f"{setting}={value} but the model has {layers} decoder layers; give 1..{layers}, or 0 to "
+            f"train every parameter"
+        )
+
+
+def check_training_engine(model: ModelConfig, setting: str = "model.engine") -> None:
+    """Refuse, before any worker starts, a training engine the registry does not know (names with a
+    'package.module:name' are imported first, as the workers will)."""
+    from engines.registry import training_engine
+
+    try:
+        training_engine(model.engine)
+    except ValueError as e:
+        raise ConfigError(f"{setting}={model.engine}: {e}") from None
 
 
 def check_zero_stage(zero_stage: int) -> None:
@@ -661,14 +766,21 @@ def derived_sizes(cfg: RLConfig, dp: int) -> dict[str, int]:
     """The numbers a user would otherwise compute by hand, checked for divisibility over `dp` ranks."""
     samples = cfg.prompts_per_step * cfg.samples_per_prompt
     if cfg.mini_batch_samples % dp:
-        raise ConfigError(f"mini_batch_samples={cfg.mini_batch_samples} cannot be split over data-parallel size {dp}; "
-                         f"use a multiple of {dp}")
+        raise ConfigError(
+            f"mini_batch_samples={cfg.mini_batch_samples} cannot be split over data-parallel size {dp}; "
+            f"use a multiple of {dp}"
+        )
     if cfg.prompts_per_step % dp:
-        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} cannot be split over data-parallel size {dp}; "
-                         f"use a multiple of {dp}")
-    return {"samples_per_step": samples, "samples_per_rank": samples // dp,
-            "optimizer_steps_per_rl_step": samples // cfg.mini_batch_samples * cfg.ppo_epochs,
-            "mini_batch_samples_per_rank": cfg.mini_batch_samples // dp}
+        raise ConfigError(
+            f"prompts_per_step={cfg.prompts_per_step} cannot be split over data-parallel size {dp}; "
+            f"use a multiple of {dp}"
+        )
+    return {
+        "samples_per_step": samples,
+        "samples_per_rank": samples // dp,
+        "optimizer_steps_per_rl_step": samples // cfg.mini_batch_samples * cfg.ppo_epochs,
+        "mini_batch_samples_per_rank": cfg.mini_batch_samples // dp,
+    }
 
 
 def _coerce(value: str, tp: Any) -> Any:
@@ -702,8 +814,9 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
         key, value = item.split("=", 1)
         obj, name = _resolve(cfg, SHORT_FORMS.get(key, key) if hasattr(cfg, "fusion") else key)  # errors: as typed
         if dataclasses.is_dataclass(getattr(obj, name)):
-            raise ConfigError(f"{key} is a group of settings, not one; set its fields ({key}.FIELD=VALUE, listed "
-                              f"by --help)")
+            raise ConfigError(
+                f"{key} is a group of settings, not one; set its fields ({key}.FIELD=VALUE, listed by --help)"
+            )
         hints = typing.get_type_hints(type(obj))
         try:
             setattr(obj, name, _coerce(value, hints[name]))
@@ -739,15 +852,19 @@ def _resolve(cfg: Any, key: str) -> tuple[Any, str]:
             known = [f"{prefix}.{n}" if prefix else n for n in names]
             close = difflib.get_close_matches(part, names, n=1)
             if close:
-                raise ConfigError(f"unknown setting {key!r}; did you mean {prefix + '.' if prefix else ''}{close[0]}? "
-                                  f"(--help lists every setting)")
+                raise ConfigError(
+                    f"unknown setting {key!r}; did you mean {prefix + '.' if prefix else ''}{close[0]}? "
+                    f"(--help lists every setting)"
+                )
             raise ConfigError(f"unknown setting {key!r}; {type(obj).__name__} has: {', '.join(sorted(known))}")
         if depth == len(parts) - 1:
             return obj, part
         child = getattr(obj, part)
         if not dataclasses.is_dataclass(child):
-            raise ConfigError(f"{'.'.join(parts[:depth + 1])} has no settings inside it; set it as a whole "
-                              f"({'.'.join(parts[:depth + 1])}=VALUE)")
+            raise ConfigError(
+                f"{'.'.join(parts[: depth + 1])} has no settings inside it; set it as a whole "
+                f"({'.'.join(parts[: depth + 1])}=VALUE)"
+            )
         obj = child
     raise AssertionError("unreachable")
 
@@ -765,8 +882,13 @@ def field_docs(cls: type) -> dict[str, str]:
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, nxt in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 

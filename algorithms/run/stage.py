@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import flowactors as fa
-from algorithms.cli import open_controller, parse_args, user_errors
-from algorithms.config import ConfigError, RunConfig, check_trainable_layers, check_zero_stage
-from algorithms.metrics import MetricsFile
+from algorithms.run.cli import open_controller, parse_args, user_errors
+from algorithms.run.config import ConfigError, RunConfig, check_trainable_layers, check_training_engine, check_zero_stage
+from algorithms.run.metrics import MetricsFile
 from engines import ModelConfig, OptimConfig
 from flowactors import Layout
 
@@ -75,14 +75,22 @@ class StageConfig(RunConfig):
         if self.eval_every < 0 or self.warmup_steps < 0 or self.trainable_layers < 0 or not self.lr > 0:
             raise ConfigError("eval_every, warmup_steps and trainable_layers must be >= 0 and lr > 0")
         check_zero_stage(self.zero_stage)
+        check_training_engine(self.model)
         if self.samples_per_step % self.n_slots:
-            raise ConfigError(f"samples_per_step={self.samples_per_step} cannot be split over data-parallel size "
-                              f"{self.n_slots} (n_slots); use a multiple of {self.n_slots}")
+            raise ConfigError(
+                f"samples_per_step={self.samples_per_step} cannot be split over data-parallel size "
+                f"{self.n_slots} (n_slots); use a multiple of {self.n_slots}"
+            )
 
     def optim(self, total_steps: int) -> OptimConfig:
-        return OptimConfig(lr=self.lr, micro_batch_tokens=self.micro_batch_tokens, warmup_steps=self.warmup_steps,
-                           total_steps=max(1, total_steps), trainable_layers=self.trainable_layers,
-                           zero_stage=self.zero_stage)
+        return OptimConfig(
+            lr=self.lr,
+            micro_batch_tokens=self.micro_batch_tokens,
+            warmup_steps=self.warmup_steps,
+            total_steps=max(1, total_steps),
+            trainable_layers=self.trainable_layers,
+            zero_stage=self.zero_stage,
+        )
 
 
 class Stage:
@@ -107,10 +115,12 @@ class Stage:
         """The slots the stage trains on (the embedded cluster's n_slots, or every slot of a cluster it joined)
         and their data-parallel layout; sets `self.dp`."""
         cfg = self.cfg
-        slots = ctl.slots[:cfg.n_slots] if cfg.address is None and cfg.cluster == "local" else list(ctl.slots)
+        slots = ctl.slots[: cfg.n_slots] if cfg.address is None and cfg.cluster == "local" else list(ctl.slots)
         if cfg.samples_per_step % len(slots):
-            raise ConfigError(f"samples_per_step={cfg.samples_per_step} cannot be split over the cluster's "
-                              f"{len(slots)} slots; use a multiple of {len(slots)}")
+            raise ConfigError(
+                f"samples_per_step={cfg.samples_per_step} cannot be split over the cluster's "
+                f"{len(slots)} slots; use a multiple of {len(slots)}"
+            )
         self.dp = len(slots)
         return slots, Layout(dp=len(slots))
 
@@ -127,8 +137,9 @@ def pad_rows(examples: list[Any], multiple: int) -> list[Any]:
     return examples + [examples[-1]] * ((-len(examples)) % multiple)
 
 
-def run_stage(stage_cls: type[Stage], preset: Callable[[], StageConfig], argv: Sequence[str] | None,
-              description: str) -> list[dict]:
+def run_stage(
+    stage_cls: type[Stage], preset: Callable[[], StageConfig], argv: Sequence[str] | None, description: str
+) -> list[dict]:
     """Parse, check, load the data, train for `epochs`, evaluate, and write the model to `out`."""
     args = list(sys.argv[1:] if argv is None else argv)
     cfg: StageConfig | None = None
@@ -145,8 +156,10 @@ def run_stage(stage_cls: type[Stage], preset: Callable[[], StageConfig], argv: S
         stage.load()
         per_epoch = len(stage.examples) // cfg.samples_per_step
         if per_epoch == 0:
-            raise ConfigError(f"train_files hold {len(stage.examples)} examples, fewer than samples_per_step="
-                              f"{cfg.samples_per_step}; lower samples_per_step or add data")
+            raise ConfigError(
+                f"train_files hold {len(stage.examples)} examples, fewer than samples_per_step="
+                f"{cfg.samples_per_step}; lower samples_per_step or add data"
+            )
         fa.configure_logging(cfg.log_format, cfg.log_level)
         with open_controller(cfg) as ctl:
             return _train(stage, ctl, cfg, per_epoch)
@@ -169,7 +182,7 @@ def _train(stage: Stage, ctl: fa.Controller, cfg: StageConfig, per_epoch: int) -
             random.Random(cfg.seed * 1000 + epoch).shuffle(order)
             for k in range(per_epoch):
                 t0 = time.perf_counter()
-                picked = [stage.examples[i] for i in order[k * cfg.samples_per_step:(k + 1) * cfg.samples_per_step]]
+                picked = [stage.examples[i] for i in order[k * cfg.samples_per_step : (k + 1) * cfg.samples_per_step]]
                 record = {"step": step, "epoch": epoch, **stage.update(group, picked).result()}
                 due = (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total
                 if stage.eval_examples and due:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from algorithms.config import ConfigError
+from algorithms.run.config import ConfigError
 
 __all__ = ["Example", "Pair", "load_examples", "load_pairs"]
 
@@ -60,11 +60,14 @@ def _rows(path: Path, setting: str) -> list[dict[str, Any]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"{setting}: line {n} of {path} is not JSON ({e.msg}); a JSONL file holds one "
-                                      f"JSON object per line") from None
+                    raise ConfigError(
+                        f"{setting}: line {n} of {path} is not JSON ({e.msg}); a JSONL file holds one "
+                        f"JSON object per line"
+                    ) from None
                 if not isinstance(row, dict):
-                    raise ConfigError(f"{setting}: line {n} of {path} is a {type(row).__name__}, not an object with "
-                                      f"a prompt column")
+                    raise ConfigError(
+                        f"{setting}: line {n} of {path} is a {type(row).__name__}, not an object with a prompt column"
+                    )
                 rows.append(row)
         return rows
     if suffix == ".parquet":
@@ -74,7 +77,7 @@ def _rows(path: Path, setting: str) -> list[dict[str, Any]]:
             raise ConfigError("Parquet datasets need pyarrow: pip install pyarrow") from None
         try:
             return pq.read_table(path).to_pylist()
-        except Exception as e:  # noqa: BLE001 - any failure to read is the file's
+        except Exception as e:
             raise ConfigError(f"{setting}: {path} is not a readable Parquet file ({e})") from None
     raise ConfigError(f"{setting}: {path} has an unknown format; use .jsonl (one JSON object per line) or .parquet")
 
@@ -90,20 +93,27 @@ def _example(row: dict[str, Any], tokenizer: Any, where: str) -> Example:
             messages = messages[:-1]
         text = _render(messages, tokenizer, where)
     else:
-        raise ConfigError(f"{where} has neither a `prompt` (text or chat messages) nor a `messages` column; its "
-                          f"columns: {sorted(row)}")
+        raise ConfigError(
+            f"{where} has neither a `prompt` (text or chat messages) nor a `messages` column; its "
+            f"columns: {sorted(row)}"
+        )
     if not text.strip():
         raise ConfigError(f"{where} has an empty prompt")
-    values = {k: v for k, v in row.items() if k not in ("prompt", "messages", *_RESPONSE_KEYS)
-              and isinstance(v, (int, float, str, bool))}
+    values = {
+        k: v
+        for k, v in row.items()
+        if k not in ("prompt", "messages", *_RESPONSE_KEYS) and isinstance(v, (int, float, str, bool))
+    }
     return text, (str(response) if response is not None else None), values
 
 
 def _render(messages: list[Any], tokenizer: Any, where: str) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"{where} holds chat messages, but the policy's tokenizer has no chat template; use a "
-                          f"model folder whose tokenizer_config.json has one (or model.tokenizer=DIR), or give the "
-                          f"prompt as text in a `prompt` column")
+        raise ConfigError(
+            f"{where} holds chat messages, but the policy's tokenizer has no chat template; use a "
+            f"model folder whose tokenizer_config.json has one (or model.tokenizer=DIR), or give the "
+            f"prompt as text in a `prompt` column"
+        )
     if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         raise ConfigError(f"{where}: chat messages must be objects with `role` and `content`, got {messages!r:.200}")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -122,11 +132,14 @@ def load_pairs(paths: Sequence[str], tokenizer: Any, setting: str = "train_files
                 if isinstance(value, list) and value and isinstance(value[-1], dict):
                     value = value[-1].get("content")  # a chat: its final (assistant) message
                 if not isinstance(value, str):
-                    raise ConfigError(f"{where} has no `{key}` response (text); preference pairs need `chosen` and "
-                                      f"`rejected`; its columns: {sorted(row)}")
+                    raise ConfigError(
+                        f"{where} has no `{key}` response (text); preference pairs need `chosen` and "
+                        f"`rejected`; its columns: {sorted(row)}"
+                    )
                 answers.append(value)
-            prompt, _, values = _example({k: v for k, v in row.items() if k not in ("chosen", "rejected")},
-                                         tokenizer, where)
+            prompt, _, values = _example(
+                {k: v for k, v in row.items() if k not in ("chosen", "rejected")}, tokenizer, where
+            )
             pairs.append((prompt, answers[0], answers[1], values))
     if not pairs:
         raise ConfigError(f"{setting}={','.join(paths)} holds no pairs; give a file with at least one")

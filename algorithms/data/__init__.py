@@ -1,0 +1,1 @@
+"""Prompts, datasets and the synthetic tasks (with their rule rewards and tools)."""

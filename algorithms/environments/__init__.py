@@ -1,0 +1,1 @@
+"""What the model's tool calls run in: the code sandbox."""

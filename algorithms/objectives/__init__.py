@@ -1,0 +1,1 @@
+"""The math of the programs: losses, KL terms, multipliers and advantage estimators."""

@@ -1,0 +1,1 @@
+"""How a step's samples are made: stage fusion and asynchronous rollout replicas."""

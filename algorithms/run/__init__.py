@@ -1,0 +1,1 @@
+"""The run every program shares: settings, command line, plan, roles, loop, resume, metrics."""
