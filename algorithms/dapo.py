@@ -18,8 +18,6 @@ from collections.abc import Sequence
 from algorithms.data.prompts import PromptData
 from algorithms.grpo import GRPO
 from algorithms.objectives.advantages import fill_groups, grpo_step_advantages, join, varied_groups
-from algorithms.objectives.losses import PolicyLoss
-from algorithms.rollout.asynchronous import loss_terms
 from algorithms.rollout.fusion import rollout
 from algorithms.run.build import Roles
 from algorithms.run.config import ConfigError, DAPOConfig
@@ -47,14 +45,10 @@ class DAPO(GRPO):
 
     def __init__(self, cfg: DAPOConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(
-            cfg.clip_ratio,
-            None,
-            cfg.entropy_coef,
-            kl_coef=cfg.kl_coef,
-            kl_estimator="k3",
-            clip_ratio_high=cfg.clip_ratio_high,
-            **loss_terms(cfg),
+        self.policy_loss = cfg.policy_loss.build(
+            kl_coef=cfg.kl.coef,
+            kl_estimator=cfg.kl.estimator,
+            **cfg.async_rl.loss_terms(),
         )
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
@@ -64,7 +58,11 @@ class DAPO(GRPO):
     def step(self, prompts: Batch, i: int) -> dict[str, float]:
         cfg, ctl, actor = self.cfg, self.ctl, self.actor
         need, per_group = cfg.prompts_per_step, cfg.samples_per_prompt
-        shaping = {"max_len": cfg.max_new_tokens, "buffer": cfg.overlong_buffer, "penalty": cfg.overlong_penalty}
+        shaping = {
+            "max_len": cfg.rollout.max_new_tokens,
+            "buffer": cfg.overlong_buffer,
+            "penalty": cfg.overlong_penalty,
+        }
         rounds, generated, kept, drawn = [], [], 0, 0
         while True:  # generate and score rewards; keep the groups that vary, until the step's batch is full
             scored = rollout(ctl, actor, prompts, [self.reward.compute_reward], cfg.fusion)

@@ -16,8 +16,6 @@ from collections.abc import Sequence
 
 from algorithms.data.prompts import PromptData
 from algorithms.objectives.advantages import grpo_step_advantages
-from algorithms.objectives.losses import PolicyLoss
-from algorithms.rollout.asynchronous import loss_terms
 from algorithms.rollout.fusion import rollout
 from algorithms.run.build import Roles
 from algorithms.run.config import GRPOConfig
@@ -35,8 +33,8 @@ class GRPO(Algorithm):
 
     def __init__(self, cfg: GRPOConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(
-            cfg.clip_ratio, None, cfg.entropy_coef, kl_coef=cfg.kl_coef, kl_estimator="k3", **loss_terms(cfg)
+        self.policy_loss = cfg.policy_loss.build(
+            kl_coef=cfg.kl.coef, kl_estimator=cfg.kl.estimator, **cfg.async_rl.loss_terms()
         )
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:

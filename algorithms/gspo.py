@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from algorithms.grpo import GRPO
-from algorithms.objectives.losses import PolicyLoss
-from algorithms.rollout.asynchronous import loss_terms
 from algorithms.run.config import GSPOConfig
 from algorithms.run.loop import run_program
 
@@ -30,15 +28,11 @@ class GSPO(GRPO):
 
     def __init__(self, cfg: GSPOConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(
-            cfg.clip_ratio,
-            None,
-            cfg.entropy_coef,
-            kl_coef=cfg.kl_coef,
-            kl_estimator="k3",
-            clip_ratio_high=cfg.clip_ratio_high,
+        self.policy_loss = cfg.policy_loss.build(
+            kl_coef=cfg.kl.coef,
+            kl_estimator=cfg.kl.estimator,
             sequence_level=True,
-            **loss_terms(cfg),
+            **cfg.async_rl.loss_terms(),
         )
 
 

@@ -18,8 +18,7 @@ from collections.abc import Sequence
 
 from algorithms.data.prompts import PromptData
 from algorithms.objectives.advantages import ppo_advantages
-from algorithms.objectives.losses import AdaptiveKL, FixedKL, PolicyLoss, ValueLoss
-from algorithms.rollout.asynchronous import loss_terms
+from algorithms.objectives.losses import AdaptiveKL, FixedKL, ValueLoss
 from algorithms.rollout.fusion import rollout
 from algorithms.run.build import Roles
 from algorithms.run.config import PPOConfig
@@ -41,9 +40,9 @@ class PPO(Algorithm):
     def __init__(self, cfg: PPOConfig) -> None:
         super().__init__(cfg)
         self.kl_ctl = (
-            AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKL(cfg.kl_coef)
+            AdaptiveKL(cfg.kl.coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKL(cfg.kl.coef)
         )
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, cfg.dual_clip, cfg.entropy_coef, **loss_terms(cfg))
+        self.policy_loss = cfg.policy_loss.build(**cfg.async_rl.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref = ctl, roles.actor, roles.ref
@@ -69,7 +68,7 @@ class PPO(Algorithm):
             gamma=cfg.gamma,
             lam=cfg.lam,
             kl_coef=self.kl_ctl.value,
-            kl_estimator=cfg.kl_estimator,
+            kl_estimator=cfg.kl.estimator,
             whiten=cfg.whiten_advantages,
             whiten_rewards=cfg.whiten_rewards,
         )
@@ -102,8 +101,8 @@ class PPO(Algorithm):
         self.kl_ctl.value = float(state["kl_coef"])
 
     def resumed(self, changes: list[Change]) -> None:
-        if any(c.key == "kl_coef" for c in changes):  # a changed coefficient replaces the checkpoint's
-            self.kl_ctl.value = self.cfg.kl_coef
+        if any(c.key == "kl.coef" for c in changes):  # a changed coefficient replaces the checkpoint's
+            self.kl_ctl.value = self.cfg.kl.coef
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 from algorithms.data.prompts import PromptData
 from algorithms.objectives.advantages import remax_step_advantages
-from algorithms.objectives.losses import PolicyLoss
-from algorithms.rollout.asynchronous import generate_greedy, loss_terms
+from algorithms.rollout.asynchronous import generate_greedy
 from algorithms.rollout.fusion import rollout
 from algorithms.run.build import Roles
 from algorithms.run.config import ReMaxConfig
@@ -32,7 +31,7 @@ class ReMax(Algorithm):
 
     def __init__(self, cfg: ReMaxConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, None, **loss_terms(cfg))
+        self.policy_loss = cfg.policy_loss.build(**cfg.async_rl.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward
@@ -48,7 +47,11 @@ class ReMax(Algorithm):
         )
         greedy = generate_greedy(actor, prompts)  # the baseline, unfused
         batch = ctl.apply(
-            remax_step_advantages, *scored.parts, greedy_rewards=self.reward.compute_reward(greedy), kl_coef=cfg.kl_coef
+            remax_step_advantages,
+            *scored.parts,
+            greedy_rewards=self.reward.compute_reward(greedy),
+            kl_coef=cfg.kl.coef,
+            kl_estimator=cfg.kl.estimator,
         )
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch, ("baseline_rewards",))

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 
 from algorithms.data.prompts import PromptData
 from algorithms.objectives.advantages import rloo_step_advantages
-from algorithms.objectives.losses import PolicyLoss
-from algorithms.rollout.asynchronous import loss_terms
 from algorithms.rollout.fusion import rollout
 from algorithms.run.build import Roles
 from algorithms.run.config import ReinforcePPConfig, RLOOConfig
@@ -36,7 +34,7 @@ class RLOO(Algorithm):
 
     def __init__(self, cfg: RLOOConfig | ReinforcePPConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, None, **loss_terms(cfg))
+        self.policy_loss = cfg.policy_loss.build(**cfg.async_rl.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward
@@ -50,7 +48,7 @@ class RLOO(Algorithm):
             [actor.compute_log_prob, self.ref.compute_ref_log_prob, self.reward.compute_reward],
             cfg.fusion,
         )
-        batch = ctl.apply(self.advantages, *scored.parts, kl_coef=cfg.kl_coef)
+        batch = ctl.apply(self.advantages, *scored.parts, kl_coef=cfg.kl.coef, kl_estimator=cfg.kl.estimator)
         update = actor.update_actor(batch, self.policy_loss, self.update_spec(i))
         metrics = ctl.apply(summarize, batch)
         self.stage("generate", *scored.generated), self.stage("score", batch), self.stage("update", update)

@@ -19,11 +19,10 @@ from collections.abc import Sequence
 
 from algorithms.data.prompts import PromptData
 from algorithms.objectives.advantages import safe_rlhf_advantages
-from algorithms.objectives.losses import LagrangeMultiplier, PolicyLoss, SFTLoss, ValueLoss
-from algorithms.rollout.asynchronous import loss_terms
+from algorithms.objectives.losses import LagrangeMultiplier, SFTLoss, ValueLoss
 from algorithms.rollout.fusion import rollout
 from algorithms.run.build import Roles
-from algorithms.run.config import SafeRLHFConfig
+from algorithms.run.config import RolloutConfig, SafeRLHFConfig
 from algorithms.run.loop import Algorithm, run_program
 from algorithms.run.metrics import AS_REPORTED, summarize, update_metrics
 from engines import UpdateSpec
@@ -45,6 +44,7 @@ def safe_rlhf_smollm2(model_dir: str | None = None) -> SafeRLHFConfig:
     whose logits (tokens x 49152 x 4 bytes, about 200 MB) fit beside four 135M models per slot. On GPUs raise
     prompts_per_step, mini_batch_samples and micro_batch_tokens."""
     from engines.models.config import ModelConfig
+    from engines.training.common import OptimConfig
 
     if model_dir is None:
         from engines.models.pretrained import smollm2_dir
@@ -54,13 +54,12 @@ def safe_rlhf_smollm2(model_dir: str | None = None) -> SafeRLHFConfig:
         steps=10,
         prompts_per_step=8,
         mini_batch_samples=8,
-        max_new_tokens=6,
-        actor_lr=1e-6,
-        critic_lr=5e-6,
+        rollout=RolloutConfig(max_new_tokens=6),
+        actor=OptimConfig(lr=1e-6, micro_batch_tokens=1024),
+        critic=OptimConfig(lr=5e-6, micro_batch_tokens=1024),
         sft_steps=10,
         sft_samples_per_step=8,
         sft_lr=1e-5,
-        micro_batch_tokens=1024,
     )
     cfg.model = ModelConfig(path=model_dir)
     return cfg
@@ -75,7 +74,7 @@ class SafeRLHF(Algorithm):
     def __init__(self, cfg: SafeRLHFConfig) -> None:
         super().__init__(cfg)
         self.lagrange = LagrangeMultiplier(cfg.cost_threshold, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max)
-        self.policy_loss = PolicyLoss(cfg.clip_ratio, cfg.dual_clip, cfg.entropy_coef, **loss_terms(cfg))
+        self.policy_loss = cfg.policy_loss.build(**cfg.async_rl.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.data = ctl, data
@@ -100,8 +99,8 @@ class SafeRLHF(Algorithm):
             lagrange_lambda=self.lagrange.value,
             gamma=cfg.gamma,
             lam=cfg.lam,
-            kl_coef=cfg.kl_coef,
-            kl_estimator=cfg.kl_estimator,
+            kl_coef=cfg.kl.coef,
+            kl_estimator=cfg.kl.estimator,
             whiten_rewards=cfg.whiten_rewards,
         )
         spec = self.update_spec(i)

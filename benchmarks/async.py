@@ -40,12 +40,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import flowactors as fa  # noqa: E402
-from algorithms.data.prompts import prompt_data  # noqa: E402
 from algorithms.grpo import GRPO  # noqa: E402
-from algorithms.run.config import AsyncConfig, GRPOConfig  # noqa: E402
+from algorithms.rollout.asynchronous import AsyncConfig  # noqa: E402
+from algorithms.run.build import prompt_data  # noqa: E402
+from algorithms.run.config import GRPOConfig, RolloutConfig  # noqa: E402
 from algorithms.run.loop import Runner  # noqa: E402
 from benchmarks.stages import stage_of  # noqa: E402
-from engines import ModelConfig  # noqa: E402
+from engines import ModelConfig, OptimConfig  # noqa: E402
 from engines.rollout.stream import STOP_AT  # noqa: E402
 from flowactors import Batch  # noqa: E402
 
@@ -104,9 +105,8 @@ def config(w: Workload, placement: str, staleness: int, correction: str, steps: 
         prompts_per_step=w.prompts,
         samples_per_prompt=w.samples_per_prompt,
         mini_batch_samples=samples,
-        micro_batch_tokens=samples * 128,
-        max_new_tokens=w.max_new_tokens,
-        ignore_eos=True,
+        actor=OptimConfig(lr=GRPOConfig().actor.lr, micro_batch_tokens=samples * 128),
+        rollout=RolloutConfig(max_new_tokens=w.max_new_tokens, ignore_eos=True),
         sft_steps=0,
         model=model,
         placement=placement,

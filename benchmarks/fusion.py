@@ -54,8 +54,9 @@ import flowactors as fa  # noqa: E402
 from algorithms.data.prompts import PromptData  # noqa: E402
 from algorithms.data.tasks import get_task  # noqa: E402
 from algorithms.ppo import PPO  # noqa: E402
+from algorithms.rollout.fusion import FusionConfig  # noqa: E402
 from algorithms.run.build import Roles  # noqa: E402
-from algorithms.run.config import FusionConfig, PPOConfig  # noqa: E402
+from algorithms.run.config import PPOConfig  # noqa: E402
 from benchmarks.stages import stage_of  # noqa: E402
 from engines import (  # noqa: E402
     ActorWorker,
@@ -148,7 +149,6 @@ class _Mode:
         cfg = PPOConfig(
             prompts_per_step=w.prompts,
             mini_batch_samples=w.prompts,
-            micro_batch_tokens=4096,
             dashboard="none",
             fusion=FusionConfig(fuse, chunk_samples=w.chunk_samples, migrate=migrate, migrate_below=w.migrate_below),
         )

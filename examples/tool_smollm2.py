@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from algorithms.grpo import GRPO
+from algorithms.objectives.losses import KLConfig
 from algorithms.run.config import GRPOConfig
 from algorithms.run.loop import run_program
 
@@ -30,6 +31,7 @@ def grpo_tools_smollm2(model_dir: str | None = None) -> GRPOConfig:
     """SmolLM2-135M-Instruct on tool_arith_chatml, sized for 2 CPU slots: 4 prompts x 4 samples per step, episodes
     of at most 64 tokens after the 229-token prompt, pretrained-scale learning rates."""
     from engines.models.config import ModelConfig
+    from engines.training.common import OptimConfig
 
     if model_dir is None:
         from engines.models.pretrained import smollm2_dir
@@ -41,12 +43,11 @@ def grpo_tools_smollm2(model_dir: str | None = None) -> GRPOConfig:
         prompts_per_step=4,
         samples_per_prompt=4,
         mini_batch_samples=16,
-        actor_lr=2e-6,
-        kl_coef=0.01,
+        actor=OptimConfig(lr=2e-6, micro_batch_tokens=1200),
+        kl=KLConfig(coef=0.01, estimator="k3"),
         sft_steps=24,
         sft_samples_per_step=8,
         sft_lr=2e-5,
-        micro_batch_tokens=1200,
         dataset_prompts=256,
     )
     cfg.model = ModelConfig(path=model_dir)

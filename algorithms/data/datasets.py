@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from algorithms.run.config import ConfigError
+from algorithms.run.errors import ConfigError
 
 __all__ = ["Example", "Pair", "load_examples", "load_pairs"]
 

@@ -14,11 +14,10 @@ import torch
 
 from algorithms.data.datasets import Example
 from algorithms.data.tasks import Task
-from algorithms.run.config import RLConfig
 from engines.rollout.stream import assemble_samples
 from flowactors import Batch
 
-__all__ = ["PromptData", "prompt_data"]
+__all__ = ["PromptData"]
 
 
 class PromptData:
@@ -135,32 +134,3 @@ class PromptData:
         if state["seed"] != self.seed:
             raise ValueError(f"data state was saved with seed {state['seed']} but this run uses {self.seed}")
         self.epoch, self.index = state["epoch"], state["index"]
-
-
-def prompt_data(cfg: RLConfig) -> tuple[PromptData, PromptData | None]:
-    """The run's training prompts (the task's, or train_files) and its eval prompts (eval_files, if any), built on
-    the controller before any worker starts, so a bad dataset fails first."""
-    from algorithms.data.datasets import load_examples
-    from algorithms.data.tasks import get_task
-    from algorithms.run.config import ConfigError
-    from engines import build_tokenizer
-
-    task, tokenizer = get_task(cfg.task), build_tokenizer(cfg.model)
-    if cfg.max_turns and task.environment is None:
-        raise ConfigError(
-            f"max_turns={cfg.max_turns} applies to multi-turn tasks (tool_arith, tool_arith_safe, "
-            f"tool_arith_chatml); task {task.name!r} samples one response per prompt"
-        )
-    examples = load_examples(cfg.train_files, tokenizer, "train_files") if cfg.train_files else None
-    data = PromptData(task, tokenizer, cfg.dataset_prompts, cfg.seed, examples=examples)
-    if cfg.sft_steps and not data.has_demonstrations:
-        raise ConfigError(
-            f"sft_steps={cfg.sft_steps} needs demonstrations: a `response` column (or a final "
-            f"assistant message) in every row of train_files; or set sft_steps=0"
-        )
-    evaluation = None
-    if cfg.eval_files:
-        evaluation = PromptData(
-            task, tokenizer, 0, cfg.seed, examples=load_examples(cfg.eval_files, tokenizer, "eval_files")
-        )
-    return data, evaluation

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from algorithms.run.errors import ConfigError
+
 __all__ = [
     "Task",
     "TASKS",
@@ -338,7 +340,7 @@ def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; available: {sorted(TASKS)}") from None
+        raise ConfigError(f"unknown task {name!r}; available: {', '.join(sorted(TASKS))}") from None
 
 
 # -- the tasks' tools ------------------------------------------------------------------------------------------

@@ -112,32 +112,34 @@ def grpo_step_advantages(*parts: Batch) -> Batch:
     return batch.union(Batch({ADVANTAGES: adv}))
 
 
-def remax_step_advantages(*parts: Batch, greedy_rewards: Batch, kl_coef: float) -> Batch:
+def remax_step_advantages(*parts: Batch, greedy_rewards: Batch, kl_coef: float, kl_estimator: str = "k1") -> Batch:
     """ReMax: the greedy response's reward is the baseline; the KL penalty is subtracted from the return."""
     batch = join(*parts)
     mask = batch[RESPONSE_MASK]
     adv = remax_advantages(batch[REWARDS], greedy_rewards[REWARDS], mask)
     if kl_coef:
-        kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], "k1") * mask
+        kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], kl_estimator) * mask
         adv = adv - kl_coef * kl.sum(-1, keepdim=True) * mask
     return batch.union(Batch({ADVANTAGES: adv, "baseline_rewards": greedy_rewards[REWARDS]}))
 
 
-def rloo_step_advantages(*parts: Batch, kl_coef: float) -> Batch:
-    """RLOO: the KL-penalised reward (k1, summed over the response) minus the mean of the prompt's other samples'."""
+def rloo_step_advantages(*parts: Batch, kl_coef: float, kl_estimator: str = "k1") -> Batch:
+    """RLOO: the KL-penalised reward (summed over the response) minus the mean of the prompt's other samples'."""
     batch = join(*parts)
     mask = batch[RESPONSE_MASK]
     scores = batch[REWARDS].float()
     if kl_coef:
-        scores = scores - kl_coef * (kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], "k1") * mask).sum(-1)
+        scores = scores - kl_coef * (kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], kl_estimator) * mask).sum(
+            -1
+        )
     return batch.union(Batch({ADVANTAGES: rloo_advantages(scores, batch["group"], mask)}))
 
 
-def reinforce_pp_step_advantages(*parts: Batch, kl_coef: float) -> Batch:
-    """REINFORCE++: token-level KL (k1) in the reward, returns-to-go, normalised over the whole batch."""
+def reinforce_pp_step_advantages(*parts: Batch, kl_coef: float, kl_estimator: str = "k1") -> Batch:
+    """REINFORCE++: token-level KL in the reward, returns-to-go, normalised over the whole batch."""
     batch = join(*parts)
     mask = batch[RESPONSE_MASK]
-    kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], "k1") if kl_coef else None
+    kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], kl_estimator) if kl_coef else None
     return batch.union(Batch({ADVANTAGES: reinforce_pp_advantages(batch[REWARDS], mask, kl, kl_coef)}))
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from algorithms.run.errors import ConfigError
 from engines.fields import (
     ADVANTAGES,
     OLD_LOG_PROBS,
@@ -30,6 +32,8 @@ from engines.fields import (
 from flowactors import Batch
 
 __all__ = [
+    "PolicyLossConfig",
+    "KLConfig",
     "masked_mean",
     "masked_whiten",
     "kl_penalty",
@@ -216,6 +220,53 @@ def value_loss(
         return 0.5 * l1
     v_clip = old_values + (values - old_values).clamp(-clip, clip)
     return 0.5 * torch.maximum(l1, (v_clip - returns).pow(2))
+
+
+@dataclass
+class PolicyLossConfig:
+    """The actor's clipped surrogate, the `policy_loss.` section of every RL program (short forms: `clip_ratio=`,
+    `clip_ratio_high=`, `dual_clip=`, `entropy_coef=`)."""
+
+    ranges: ClassVar[dict[str, str]] = {
+        "clip_ratio": "(0, inf)",
+        "clip_ratio_high": "(0, inf)",
+        "dual_clip": "(1, inf)",
+        "entropy_coef": "[0, inf)",
+    }
+    clip_ratio: float = 0.2
+    """PPO's clip range of the probability ratio, 1 ± clip_ratio (GSPO: of the sequence's length-normalised ratio,
+    whose range is far narrower than a token's)."""
+    clip_ratio_high: float | None = None
+    """The upper clip 1 + clip_ratio_high where it differs from the lower (DAPO's clip-higher, ε_high > ε_low: room
+    for unlikely tokens to grow; GSPO's ε_right); none: clip_ratio."""
+    dual_clip: float | None = None
+    """Dual-clip bound on negative advantages (Ye et al. 2020), > 1; none: off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus in the policy loss (0: none)."""
+
+    def build(self, **terms: Any) -> PolicyLoss:
+        """The loss these settings give, with a program's own terms (KL in the loss, sequence level, the
+        asynchronous correction's)."""
+        return PolicyLoss(
+            self.clip_ratio, self.dual_clip, self.entropy_coef, clip_ratio_high=self.clip_ratio_high, **terms
+        )
+
+
+@dataclass
+class KLConfig:
+    """The KL to the reference policy, the `kl.` section of every RL program (short forms: `kl_coef=`,
+    `kl_estimator=`). Where it acts is the program's: in the reward per token (PPO, Safe-RLHF, REINFORCE++),
+    summed over the response and subtracted from its return (ReMax, RLOO), or in the loss (GRPO, DAPO, GSPO)."""
+
+    ranges: ClassVar[dict[str, str]] = {"coef": "[0, inf)"}
+    coef: float = 0.0
+    """The KL's weight (0: none)."""
+    estimator: str = "k1"
+    """k1 (log-ratio), k2 (squared) or k3 (Schulman's unbiased, positive)."""
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ("k1", "k2", "k3"):
+            raise ConfigError(f"kl_estimator must be k1, k2 or k3, got {self.estimator!r}")
 
 
 @dataclass

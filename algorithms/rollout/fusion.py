@@ -71,11 +71,12 @@ import torch
 
 import flowactors as fa
 from algorithms.rollout.asynchronous import Generated
-from algorithms.run.config import FusionConfig
+from algorithms.run.errors import ConfigError
 from engines.rollout.stream import ROW_INDEX
 from flowactors import Batch
 
 __all__ = [
+    "FusionConfig",
     "Rollout",
     "rollout",
     "FusedRollout",
@@ -86,6 +87,54 @@ __all__ = [
     "migration_threshold",
     "overlap_note",
 ]
+
+
+@dataclass
+class FusionConfig:
+    """Stage fusion (RLHFuse; algorithms/rollout/fusion.py), the `fusion.` section of every RL program. Each field has a
+    short form on the command line (`fuse=true` for `fusion.enabled=true`: RLConfig.short_forms)."""
+
+    enabled: bool = False
+    """Score finished samples in chunks while generation goes on (scorers on the actor's slots still wait).
+    The same samples, scores and update as without it."""
+    chunk_samples: int = 8
+    """Samples per chunk on each generation (actor data-parallel) rank: smaller chunks start scoring sooner, at
+    the cost of more calls."""
+    migrate: bool = False
+    """Long-tail migration (RLHFuse; needs fuse and an actor of dp >= 2, tp = pp = 1, no rollout_tp): once at
+    most `fusion.migrate_below` of a generation rank's rows are still running, the rank hands them to one of the
+    first `fusion.migrate_to` actor ranks, which admits them into its running decode (hf: with their KV caches;
+    vllm: re-prefilled, with their seeds and sampling generators), and scorers on the freed slots start at once.
+    The same samples and update; rollout log-probs of rows that change decode batch (the moved rows, and with hf
+    the receiver's own after they join) may differ in the last bit."""
+    migrate_below: float = 0.25
+    """The fraction of a generation rank's rows still running at which its tail migrates."""
+    migrate_to: int = 1
+    """Actor ranks that finish the migrated tails (the first ones; fewer than the actor's data-parallel size):
+    each other rank's tail goes, whole, to the one with the fewest rows so far. `--placement fused` keeps the
+    scorers off their slots."""
+    train: bool = False
+    """Train the actor and the critic as one fused pipeline (RLHFuse's intra-stage fusion;
+    engines.training.megatron.pipeline_fusion): needs critics, and a plan that puts the actor and the critic in one
+    pool with the same train sizes, p >= 2, on a pipeline-parallel engine (megatron). The critic's stages then run
+    the other way over the slots, so each model fills the other's pipeline bubbles; Safe-RLHF's cost critic joins
+    the same pipeline where the plan gives it the actor's pool and sizes too. The same updates as without it."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_samples < 1:
+            raise ConfigError(f"fuse_chunk_samples must be >= 1, got {self.chunk_samples}")
+        if not 0 < self.migrate_below < 1:
+            raise ConfigError(
+                f"fuse_migrate_below is a fraction of each generation rank's rows and must be in "
+                f"(0, 1), got {self.migrate_below}"
+            )
+        if self.migrate_to < 1:
+            raise ConfigError(
+                f"fuse_migrate_to is how many actor ranks finish the migrated tails, at least 1; got {self.migrate_to}"
+            )
+        if self.migrate and not self.enabled:
+            raise ConfigError("fuse_migrate moves the long tail of a fused rollout; set fuse=true with it")
+
 
 Scorer = Callable[[Any], fa.CallFuture]
 """A bound group endpoint that scores a batch, e.g. `critic.compute_values`."""

@@ -15,16 +15,17 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import flowactors as fa
+from algorithms.data.datasets import load_examples
 from algorithms.data.prompts import PromptData
-from algorithms.data.tasks import Task
+from algorithms.data.tasks import Task, get_task
 from algorithms.objectives.losses import SFTLoss
-from algorithms.run.config import ConfigError, PPOConfig, RLConfig
+from algorithms.run.config import ConfigError, RLConfig
 from algorithms.run.plan import RunPlan, place
 from engines import AgentConfig, ModelConfig, OptimConfig, SamplingConfig, UpdateSpec
 from engines.fields import CRITIC_FIELDS
 from flowactors import Controller
 
-__all__ = ["Roles", "build_roles", "run_warm_start"]
+__all__ = ["Roles", "build_roles", "prompt_data", "run_warm_start"]
 
 
 @dataclass
@@ -61,59 +62,47 @@ class Roles:
 # -- building -------------------------------------------------------------------------------------------------------
 
 
-def _lora(cfg: RLConfig) -> dict:
-    return {
-        "lora_rank": cfg.lora_rank,
-        "lora_alpha": cfg.lora_alpha,
-        "lora_dropout": cfg.lora_dropout,
-        "lora_target_modules": cfg.lora_target_modules,
-    }
-
-
-def actor_optim(cfg: RLConfig) -> OptimConfig:
-    return OptimConfig(
-        lr=cfg.actor_lr,
-        micro_batch_tokens=cfg.micro_batch_tokens,
-        grad_clip=1.0,
-        zero_stage=cfg.zero_stage,
-        **_lora(cfg),
-    )
-
-
-def critic_optim(cfg: PPOConfig) -> OptimConfig:
-    return OptimConfig(
-        lr=cfg.critic_lr,
-        micro_batch_tokens=cfg.micro_batch_tokens,
-        zero_stage=cfg.zero_stage,
-        trainable_layers=cfg.critic_trainable_layers,
-        **_lora(cfg),
-    )
-
-
 def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
+    r = cfg.rollout
     return SamplingConfig(
-        max_new_tokens=cfg.max_new_tokens or task.max_new_tokens, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos
+        max_new_tokens=r.max_new_tokens or task.max_new_tokens, temperature=r.temperature, ignore_eos=r.ignore_eos
     )
 
 
 def agent_config(cfg: RLConfig, task: Task) -> AgentConfig | None:
-    """How the actor samples a multi-turn task's episodes; None for single-response tasks."""
+    """How the actor samples a multi-turn task's episodes: the run's settings with the task's environment (and its
+    turn count, unless given); None for single-response tasks."""
     if task.environment is None:
         return None
-    return AgentConfig(
-        task.environment,
-        max_turns=cfg.max_turns or task.max_turns,
-        max_turn_tokens=cfg.max_turn_tokens,
-        tool_workers=cfg.tool_workers,
-        tool_timeout_s=cfg.tool_timeout_s,
-        overlap=cfg.tool_overlap,
-    )
+    agent = cfg.rollout.agent
+    return dataclasses.replace(agent, environment=task.environment, max_turns=agent.max_turns or task.max_turns)
+
+
+def prompt_data(cfg: RLConfig) -> tuple[PromptData, PromptData | None]:
+    """The run's training prompts (the task's, or train_files) and its eval prompts (eval_files, if any), built on
+    the controller before any worker starts, so a bad dataset fails first."""
+    from engines import build_tokenizer
+
+    task, tokenizer = get_task(cfg.task), build_tokenizer(cfg.model)
+    examples = load_examples(cfg.train_files, tokenizer, "train_files") if cfg.train_files else None
+    data = PromptData(task, tokenizer, cfg.dataset_prompts, cfg.seed, examples=examples)
+    if cfg.sft_steps and not data.has_demonstrations:
+        raise ConfigError(
+            f"sft_steps={cfg.sft_steps} needs demonstrations: a `response` column (or a final "
+            f"assistant message) in every row of train_files; or set sft_steps=0"
+        )
+    evaluation = None
+    if cfg.eval_files:
+        evaluation = PromptData(
+            task, tokenizer, 0, cfg.seed, examples=load_examples(cfg.eval_files, tokenizer, "eval_files")
+        )
+    return data, evaluation
 
 
 def run_warm_start(actor: fa.ActorGroup, data: PromptData, cfg: RLConfig, export_dir: Path) -> ModelConfig:
     """SFT on the task's demonstrations, then export; returns the config that loads the SFT model."""
     if cfg.sft_steps:
-        response_tokens = cfg.max_new_tokens or data.task.max_new_tokens
+        response_tokens = cfg.rollout.max_new_tokens or data.task.max_new_tokens
         batch = data.sft_batch(cfg.sft_steps * cfg.sft_samples_per_step, response_tokens, cfg.seed + 17)
         spec = UpdateSpec(cfg.sft_samples_per_step, epochs=1, shuffle_seed=cfg.seed, lr=cfg.sft_lr)
         actor.update_actor(batch, SFTLoss(), spec).result()
@@ -166,27 +155,27 @@ def build_roles(
             agent,
         )
 
-    if cfg.lora_rank and warm_start and cfg.sft_steps:
+    if cfg.actor.lora_rank and warm_start and cfg.sft_steps:
         # LoRA adapts a fine-tuned model: the warm start trains every parameter, then RL trains adapters on its
         # export, which is also the reference (so a resumed run rebuilds the base from the reference's checkpoint)
-        full = build_actor(cfg.model, dataclasses.replace(actor_optim(cfg), lora_rank=0))
+        full = build_actor(cfg.model, dataclasses.replace(cfg.actor, lora_rank=0))
         try:
             sft = run_warm_start(full, data, cfg, workdir)
         finally:
             full.close()
-        actor = build_actor(sft, actor_optim(cfg))
+        actor = build_actor(sft, cfg.actor)
     else:
-        actor = build_actor(cfg.model, actor_optim(cfg))
+        actor = build_actor(cfg.model, cfg.actor)
         sft = run_warm_start(actor, data, cfg, workdir) if warm_start else cfg.model
-    ref = group("ref", RefWorker, sft, cfg.temperature, cfg.zero_stage)
+    ref = group("ref", RefWorker, sft, cfg.rollout.temperature, cfg.actor.zero_stage)
     built = {}
-    for key in critics:  # PPOConfig: checked above
-        built[key] = group(key, CriticWorker, sft, critic_optim(cfg), CRITIC_FIELDS[key].values)
-    reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.zero_stage, task.success)
+    for key in critics:  # the programs that name critics train them: cfg.trained has the critic's section
+        built[key] = group(key, CriticWorker, sft, cfg.trained["critic"], CRITIC_FIELDS[key].values)
+    reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.actor.zero_stage, task.success)
     if with_cost:
-        built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.zero_stage)
+        built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.actor.zero_stage)
     if cfg.async_rl.staleness:  # whole weights on every replica rank, on the torch engine, from the actor's policy
-        optim = dataclasses.replace(actor_optim(cfg), zero_stage=1, lora_rank=0)  # they load merged weights
+        optim = dataclasses.replace(cfg.actor, zero_stage=1, lora_rank=0)  # they load merged weights
         built["rollout"] = group(
             "rollout",
             ActorWorker,

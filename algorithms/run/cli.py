@@ -18,7 +18,8 @@ import textwrap
 from collections.abc import Callable, Iterator, Sequence
 
 import flowactors as fa
-from algorithms.run.config import PLACEMENTS, ConfigError, RunConfig, apply_overrides, describe_settings
+from algorithms.run.config import PLACEMENTS, ConfigError, RunConfig
+from algorithms.run.settings import apply_overrides, describe_settings, has_setting, short_forms
 from flowactors import Controller
 
 __all__ = ["parse_args", "settings_help", "user_errors", "open_controller", "USER_ERRORS", "EXIT_USAGE"]
@@ -81,8 +82,15 @@ def settings_help(cfg: RunConfig, width: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None, preset: Callable[[], RunConfig], description: str) -> RunConfig:
-    """`--steps N --address A --metrics-file F ...` plus `key=value` overrides onto the preset's dataclass.
+def parse_args(
+    argv: Sequence[str] | None,
+    preset: Callable[[], RunConfig],
+    description: str,
+    defaults: Callable[[RunConfig], tuple[str, Sequence[str]]] | None = None,
+) -> RunConfig:
+    """`--steps N --address A --metrics-file F ...` plus `key=value` overrides onto the preset's dataclass, then
+    `defaults(cfg)` (whose they are, and `key=value` settings a program derives from the parsed ones: its task's)
+    where the command line did not give them.
 
     Raises ConfigError for a bad setting; argparse itself exits with status 2 on unknown flags."""
     cfg = preset()
@@ -90,32 +98,25 @@ def parse_args(argv: Sequence[str] | None, preset: Callable[[], RunConfig], desc
         description=description, epilog=settings_help(cfg), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="settings, listed below (e.g. seed=1)")
-    present = {f.name for f in dataclasses.fields(cfg)}
     for name, kwargs in _FLAGS.items():  # the flags of the settings this program has
-        if name in present:
+        if has_setting(cfg, name):
             p.add_argument(f"--{name.replace('_', '-')}", **kwargs)
     p.add_argument("--debug", action="store_true", help="log every call and show tracebacks (= log_level=debug)")
     args = p.parse_intermixed_args(argv)
-    for name in _FLAGS:
-        value = getattr(args, name, None)
-        if value is not None:
-            setattr(cfg, name, value)
-    overrides = list(args.overrides) + (["log_level=debug"] if args.debug else [])
+    flags = [f"{name}={value}" for name in _FLAGS if (value := getattr(args, name, None)) is not None]
+    overrides = flags + list(args.overrides) + (["log_level=debug"] if args.debug else [])
     cfg = apply_overrides(cfg, overrides)
-    return _task_settings(
-        cfg, {o.split("=", 1)[0] for o in overrides} | {n for n in _FLAGS if getattr(args, n, None) is not None}
-    )
-
-
-def _task_settings(cfg: RunConfig, given: set[str]) -> RunConfig:
-    """The settings the run's task asks for (algorithms.data.tasks.Task.settings), except those given."""
-    from algorithms.data.tasks import TASKS
-
-    task = TASKS.get(getattr(cfg, "task", None))
-    extra = [f"{k}={v}" for k, v in (task.settings if task else ()) if k not in given and hasattr(cfg, k)]
+    if defaults is None:
+        return cfg
+    whose, settings = defaults(cfg)
+    forms = short_forms(cfg)
+    given = {k for o in overrides for k in forms.get(o.split("=", 1)[0], (o.split("=", 1)[0],))}
+    extra = [
+        s for s in settings if has_setting(cfg, key := s.split("=", 1)[0]) and not given & set(forms.get(key, (key,)))
+    ]
     if not extra:
         return cfg
-    print(f"[{task.name}] the task's settings: {' '.join(extra)} (give them to change them)", file=sys.stderr)
+    print(f"{whose}: {' '.join(extra)} (give them to change them)", file=sys.stderr)
     return apply_overrides(cfg, extra)
 
 

@@ -1,35 +1,36 @@
-"""Typed configs of the algorithm programs, presets as functions, and `key=value` command-line overrides.
+"""The settings of the algorithm programs: one section per component, composed into one dataclass per program.
 
-One dataclass per algorithm, each field documented where it is declared and validated in `__post_init__`.
-Batch sizes carry their unit in their name: prompts per step, samples per prompt, mini-batch in samples,
-micro-batch in tokens. Presets (`ppo_tiny_cpu()`, ...) are plain functions; larger presets derive from them by
-changing a few fields. Overrides use the same dataclass: `model.hidden_size=128 steps=20`.
+Sections: the run and its cluster (`RunConfig`), the model (engines' ModelConfig), each trained role's training
+(engines' OptimConfig, as it is: `actor.`, and `critic.` where there is one), the rollout (`rollout.`, with its tool
+episodes, engines' AgentConfig), the policy loss and the KL (algorithms.objectives.losses), stage fusion and
+asynchronous RL (their own modules under algorithms.rollout), checkpoints. Each section checks its own fields;
+rules that span sections are the run plan's (algorithms.run.plan.check_settings). A setting is declared once; every
+name typed before the sections existed still works as a short form (`kl_coef=0.1` is `kl.coef=0.1`), and `--help`
+lists the dotted names. Batch sizes carry their unit in their name. Presets (`ppo_tiny_cpu()`, ...) are plain
+functions; a program's own defaults are its class's.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import difflib
-import inspect
-import json
-import textwrap
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
+from algorithms.objectives.losses import KLConfig, PolicyLossConfig
+from algorithms.rollout.asynchronous import AsyncConfig
+from algorithms.rollout.fusion import FusionConfig
+from algorithms.run.errors import ConfigError
+from algorithms.run.settings import apply_overrides, check_numbers, describe_settings, field_docs, validate
 from engines.models.config import ModelConfig
+from engines.rollout.agent import AgentConfig
 from engines.training.common import OptimConfig
 from flowactors.slurm import SlurmSettings
 
 __all__ = [
     "RunConfig",
     "RLConfig",
-    "FusionConfig",
-    "AsyncConfig",
-    "SHORT_FORMS",
+    "RolloutConfig",
+    "CheckpointConfig",
     "PPOConfig",
     "SafeRLHFConfig",
     "GRPOConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "PLACEMENTS",
     "apply_overrides",
     "check_trainable_layers",
+    "check_training_engine",
     "check_zero_stage",
     "derived_sizes",
     "describe_settings",
@@ -53,70 +55,19 @@ __all__ = [
 PLACEMENTS = ("colocated", "split", "fused")
 """The placements a run builds without a plan (RLConfig.placement)."""
 
-
-class ConfigError(ValueError):
-    """A setting the user gave cannot work; the message names it and says what to change."""
-
-
-RANGES: dict[str, str] = {
-    # learning rates and step sizes
-    "actor_lr": "(0, inf)",
-    "critic_lr": "(0, inf)",
-    "sft_lr": "(0, inf)",
-    "lambda_lr": "[0, inf)",
-    # the loss
-    "temperature": "(0, inf)",
-    "kl_coef": "[0, inf)",
-    "kl_target": "(0, inf)",
-    "clip_ratio": "(0, inf)",
-    "clip_ratio_high": "(0, inf)",
-    "dual_clip": "(1, inf)",
-    "value_clip": "(0, inf)",
-    "entropy_coef": "[0, inf)",
-    "ptx_coef": "[0, inf)",
-    "gamma": "[0, 1]",
-    "lam": "[0, 1]",
-    # Safe-RLHF's multiplier
-    "lambda_init": "[0, inf)",
-    "lambda_max": "[0, inf)",
-    # fractions, caps and times
-    "recovery_wait_s": "[0, inf)",
-    "slurm.startup_timeout_s": "(0, inf)",
-    "slurm.death_timeout_s": "(0, inf)",
-}
-"""The interval each numeric setting must lie in, by its dotted name; every other float must be finite (nan and
-inf are refused everywhere: a nan learning rate or threshold would run and report success)."""
-
-
-def check_numbers(cfg: Any, prefix: str = "") -> None:
-    """Refuse a numeric setting that is nan, infinite or outside `RANGES`, naming it and the interval, before
-    anything starts; nested sections (`model.`, `fusion.`, `slurm.` ...) are walked too."""
-    import math
-
-    for f in dataclasses.fields(cfg):
-        value, name = getattr(cfg, f.name), prefix + f.name
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            check_numbers(value, name + ".")
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if not math.isfinite(value):
-            raise ConfigError(
-                f"{name}={value} is not a finite number; give one" + (f" in {RANGES[name]}" if name in RANGES else "")
-            )
-        interval = RANGES.get(name)
-        if interval is None:
-            continue
-        lo, hi = (float(x) for x in interval[1:-1].split(","))
-        above = value > lo if interval[0] == "(" else value >= lo
-        below = value < hi if interval[-1] == ")" else value <= hi
-        if not (above and below):
-            raise ConfigError(f"{name}={value} is outside {interval}; give a number in {interval}")
+_SHARED_OPTIM = ("micro_batch_tokens", "zero_stage", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules")
+"""The training settings whose short form sets every trained role's (the actor's and the critic's)."""
 
 
 @dataclass
 class RunConfig:
     """Where a program runs and what it reports: shared by the RL programs and the stages before RL."""
+
+    ranges: ClassVar[dict[str, str]] = {"slurm.startup_timeout_s": "(0, inf)", "slurm.death_timeout_s": "(0, inf)"}
+    """The interval each numeric setting of a section must lie in (settings.check_numbers); every other number
+    must be finite."""
+    short_forms: ClassVar[dict[str, str | tuple[str, ...]]] = {}
+    """Names kept from before the settings had sections: short form → the dotted key (or keys) it sets."""
 
     seed: int = 0
     """Seeds the data order, the per-row sampling seeds and the controller's RNG; models have model.seed."""
@@ -167,120 +118,107 @@ class RunConfig:
 
 
 @dataclass
-class FusionConfig:
-    """Stage fusion (RLHFuse; algorithms/rollout/fusion.py), the `fusion.` section of every RL program. Each field has a
-    short form on the command line (`fuse=true` for `fusion.enabled=true`: SHORT_FORMS)."""
+class RolloutConfig:
+    """How the actor samples, the `rollout.` section (short forms: `rollout_engine=`, `rollout_tp=`,
+    `temperature=`, `max_new_tokens=`, `ignore_eos=`, and the episodes' `max_turns=` ...)."""
 
-    enabled: bool = False
-    """Score finished samples in chunks while generation goes on (scorers on the actor's slots still wait).
-    The same samples, scores and update as without it."""
-    chunk_samples: int = 8
-    """Samples per chunk on each generation (actor data-parallel) rank: smaller chunks start scoring sooner, at
-    the cost of more calls."""
-    migrate: bool = False
-    """Long-tail migration (RLHFuse; needs fuse and an actor of dp >= 2, tp = pp = 1, no rollout_tp): once at
-    most `fusion.migrate_below` of a generation rank's rows are still running, the rank hands them to one of the
-    first `fusion.migrate_to` actor ranks, which admits them into its running decode (hf: with their KV caches;
-    vllm: re-prefilled, with their seeds and sampling generators), and scorers on the freed slots start at once.
-    The same samples and update; rollout log-probs of rows that change decode batch (the moved rows, and with hf
-    the receiver's own after they join) may differ in the last bit."""
-    migrate_below: float = 0.25
-    """The fraction of a generation rank's rows still running at which its tail migrates."""
-    migrate_to: int = 1
-    """Actor ranks that finish the migrated tails (the first ones; fewer than the actor's data-parallel size):
-    each other rank's tail goes, whole, to the one with the fewest rows so far. `--placement fused` keeps the
-    scorers off their slots."""
-    train: bool = False
-    """Train the actor and the critic as one fused pipeline (RLHFuse's intra-stage fusion;
-    engines.training.megatron.pipeline_fusion): needs critics, and a plan that puts the actor and the critic in one
-    pool with the same train sizes, p >= 2, on a pipeline-parallel engine (megatron). The critic's stages then run
-    the other way over the slots, so each model fills the other's pipeline bubbles; Safe-RLHF's cost critic joins
-    the same pipeline where the plan gives it the actor's pool and sizes too. The same updates as without it."""
+    ranges: ClassVar[dict[str, str]] = {"temperature": "(0, inf)"}
+    engine: str = "hf"
+    """The actor's generation engine: hf (transformers with a KV cache) or vllm (an in-process vLLM engine per
+    generation replica, fed the actor's weights in memory after each update; needs vllm installed and, on CPU,
+    attention heads of >= 32 dimensions)."""
+    tp: int = 0
+    """Generation TP size t_g of the actor under the 3D-HybridEngine (must divide the actor's tp; a plan's actor
+    "generate" sizes set it); 0: off, a sharded actor gathers its whole weights to generate. With the actor's
+    tp > 1 its vocabulary must divide tp: set model.pad_vocab_to."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs of the actor and the reference use the same one."""
+    max_new_tokens: int = 0
+    """Longest response in tokens (a tool episode's, tool outputs included); 0: the task's default."""
+    ignore_eos: bool = False
+    """Always generate max_new_tokens (fixed token counts for benchmarks)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn episodes of tasks with tools (the environment is the task's)."""
 
     def __post_init__(self) -> None:
-        if self.chunk_samples < 1:
-            raise ConfigError(f"fuse_chunk_samples must be >= 1, got {self.chunk_samples}")
-        if not 0 < self.migrate_below < 1:
-            raise ConfigError(
-                f"fuse_migrate_below is a fraction of each generation rank's rows and must be in "
-                f"(0, 1), got {self.migrate_below}"
-            )
-        if self.migrate_to < 1:
-            raise ConfigError(
-                f"fuse_migrate_to is how many actor ranks finish the migrated tails, at least 1; got {self.migrate_to}"
-            )
-        if self.migrate and not self.enabled:
-            raise ConfigError("fuse_migrate moves the long tail of a fused rollout; set fuse=true with it")
+        if self.engine not in ("hf", "vllm") and ":" not in self.engine:
+            raise ConfigError(f"rollout_engine must be hf or vllm (or a registered 'module:name'), got {self.engine!r}")
+        if self.tp < 0:
+            raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.tp}")
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0 (0: the task's default), got {self.max_new_tokens}")
 
 
 @dataclass
-class AsyncConfig:
-    """Asynchronous RL (algorithms/rollout/asynchronous.py), the `async_rl.` section of every RL program: rollouts run on
-    slots of their own up to `staleness` policy versions ahead of training. Short forms: `async_staleness=1` for
-    `async_rl.staleness=1`, ... (SHORT_FORMS)."""
+class CheckpointConfig:
+    """Checkpoints and recovery from a lost worker, the `checkpoint.` section (short forms: `checkpoint_dir=`,
+    `save_every=`, `resume=`, `keep_last=`, `max_recoveries=`, `recovery_wait_s=`)."""
 
-    staleness: int = 0
-    """K: step i trains on samples generated by the policy of step i - K (fewer at the start), while the rollout
-    replicas already generate the next steps'. 0: today's synchronous on-policy step, bit for bit. K > 0 needs
-    `--placement split` (the rollout replicas on `async_rl.rollout_slots` slots, every model that trains or scores
-    on the others)."""
-    partial_rollout: bool = False
-    """Interrupt in-flight generation at each update and continue the unfinished samples under the new weights.
-    Not built yet: refused with the reason."""
-    correction: str = "tis"
-    """How the loss corrects for samples from an older policy: `tis` (decoupled PPO with truncated importance
-    sampling, as AReaL and verl: the ratio is clipped against the trainer's own log-probs before the update (the
-    proximal policy), and each token is weighted by min(pi_prox / pi_behaviour, tis_cap), the behaviour log-probs
-    recorded at generation); `none` (PPO clipped against the behaviour log-probs directly, as OpenRLHF's async
-    mode: no proximal pass for GRPO's one-optimizer-step case)."""
-    tis_cap: float = 2.0
-    """The truncation of `tis`'s importance weight (>= 1)."""
-    rollout_slots: int = 0
-    """Slots of the rollout replicas (the last ones); 0: half of the run's slots, rounded down."""
+    ranges: ClassVar[dict[str, str]] = {"recovery_wait_s": "[0, inf)"}
+    dir: str | None = None
+    """Checkpoint root; none disables checkpoints (and so recovery)."""
+    save_every: int = 0
+    """Save every K steps (0: never)."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in checkpoint_dir, if any), never, or a checkpoint path (whose parent
+    directory is then the checkpoint_dir, unless one is given)."""
+    keep_last: int = 3
+    """Complete checkpoints kept."""
+    max_recoveries: int = 2
+    """Lost-worker recoveries allowed in one run; past it the run fails."""
+    recovery_wait_s: float = 60.0
+    """How long a recovery waits for the lost slots to come back before using the live ones."""
 
     def __post_init__(self) -> None:
-        if self.staleness < 0:
-            raise ConfigError(
-                f"async_staleness is how many policy versions rollouts may run ahead, >= 0 (0: "
-                f"synchronous); got {self.staleness}"
-            )
-        if self.partial_rollout and self.staleness == 0:
-            raise ConfigError(
-                "partial_rollout interrupts rollouts that run ahead of training; set async_staleness "
-                ">= 1 with it, or drop partial_rollout"
-            )
-        if self.partial_rollout:
-            raise ConfigError(
-                "partial_rollout is not built yet (rollouts finish under the weights they started "
-                "with); drop it: async_staleness alone overlaps rollout and training"
-            )
-        if self.correction not in ("tis", "none"):
-            raise ConfigError(f"async_correction must be tis or none, got {self.correction!r}")
-        if not self.tis_cap >= 1:
-            raise ConfigError(f"async_tis_cap truncates an importance weight and must be >= 1, got {self.tis_cap}")
-        if self.rollout_slots < 0:
-            raise ConfigError(f"async_rollout_slots must be >= 0 (0: half of the slots), got {self.rollout_slots}")
-
-
-SHORT_FORMS = {
-    "async_staleness": "async_rl.staleness",
-    "partial_rollout": "async_rl.partial_rollout",
-    "async_correction": "async_rl.correction",
-    "async_tis_cap": "async_rl.tis_cap",
-    "async_rollout_slots": "async_rl.rollout_slots",
-    "fuse": "fusion.enabled",
-    "fuse_chunk_samples": "fusion.chunk_samples",
-    "fuse_migrate": "fusion.migrate",
-    "fuse_migrate_below": "fusion.migrate_below",
-    "fuse_migrate_to": "fusion.migrate_to",
-    "fuse_train": "fusion.train",
-}
-"""Command-line names kept from before the settings had sections: `fuse=true` is `fusion.enabled=true`."""
+        if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:
+            raise ConfigError("save_every must be >= 0, keep_last >= 1 and max_recoveries >= 0")
+        if self.resume not in ("auto", "never") and not self.dir:
+            # a checkpoint lives in its store's root: the run goes on saving (and locking) there
+            self.dir = str(Path(self.resume).resolve().parent)
+        if self.save_every and not self.dir:
+            raise ConfigError("save_every needs a checkpoint_dir (--checkpoint-dir D)")
 
 
 @dataclass
 class RLConfig(RunConfig):
-    """What every algorithm program shares: run, cluster, batch sizes, model, warm start."""
+    """What every algorithm program shares: the run, its data and batch sizes, and the sections of the model, the
+    actor's training, the rollout, the policy loss, the KL, stage fusion, asynchronous RL and checkpoints."""
+
+    ranges: ClassVar[dict[str, str]] = {**RunConfig.ranges, "sft_lr": "(0, inf)", "actor.lr": "(0, inf)"}
+    short_forms: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        # the actor's (and the critics') training
+        "actor_lr": "actor.lr",
+        "critic_lr": "critic.lr",
+        "critic_trainable_layers": "critic.trainable_layers",
+        **{name: (f"actor.{name}", f"critic.{name}") for name in _SHARED_OPTIM},
+        "pack_sequences": "model.pack_sequences",
+        # the rollout
+        "rollout_engine": "rollout.engine",
+        "rollout_tp": "rollout.tp",
+        **{name: f"rollout.{name}" for name in ("temperature", "max_new_tokens", "ignore_eos")},
+        **{
+            name: f"rollout.agent.{name}" for name in ("max_turns", "max_turn_tokens", "tool_workers", "tool_timeout_s")
+        },
+        "tool_overlap": "rollout.agent.overlap",
+        # the loss
+        **{name: f"policy_loss.{name}" for name in ("clip_ratio", "clip_ratio_high", "dual_clip", "entropy_coef")},
+        "kl_coef": "kl.coef",
+        "kl_estimator": "kl.estimator",
+        # the features
+        **{f"async_{name}": f"async_rl.{name}" for name in ("staleness", "correction", "tis_cap", "rollout_slots")},
+        "partial_rollout": "async_rl.partial_rollout",
+        "fuse": "fusion.enabled",
+        **{
+            f"fuse_{name}": f"fusion.{name}"
+            for name in ("chunk_samples", "migrate", "migrate_below", "migrate_to", "train")
+        },
+        # checkpoints
+        "checkpoint_dir": "checkpoint.dir",
+        **{
+            name: f"checkpoint.{name}"
+            for name in ("save_every", "resume", "keep_last", "max_recoveries", "recovery_wait_s")
+        },
+    }
 
     # -- run ------------------------------------------------------------------------------------------------------
     steps: int = 40
@@ -311,20 +249,8 @@ class RLConfig(RunConfig):
     export_dir: str | None = None
     """Write the trained policy here as a Hugging Face folder (weights and tokenizer) when the run ends, for
     evaluation or serving (vLLM, transformers); None: the checkpoints are the only copy."""
-    # -- checkpoints and recovery ---------------------------------------------------------------------------------
-    checkpoint_dir: str | None = None
-    """Checkpoint root; None disables checkpoints (and so recovery)."""
-    save_every: int = 0
-    """Save every K steps (0: never)."""
-    resume: str = "auto"
-    """auto (newest complete checkpoint in checkpoint_dir, if any), never, or a checkpoint path (whose parent
-    directory is then the checkpoint_dir, unless one is given)."""
-    keep_last: int = 3
-    """Complete checkpoints kept."""
-    max_recoveries: int = 2
-    """Lost-worker recoveries allowed in one run; past it the run fails."""
-    recovery_wait_s: float = 60.0
-    """How long a recovery waits for the lost slots to come back before using the live ones."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and recovery: checkpoint_dir=D save_every=K ... (or checkpoint.dir=D ...)."""
     # -- cluster and placement ------------------------------------------------------------------------------------
     placement: str = "colocated"
     """colocated (every model on every slot, time-shared), split (actor+ref | critics+reward+cost), or fused (actor
@@ -332,10 +258,6 @@ class RLConfig(RunConfig):
     the algorithm has none): with fuse_migrate those first slots finish the long tail while the others score)."""
     plan: str | None = None
     """A placement plan (JSON/YAML from `python -m placement.automap --json`); overrides `placement`."""
-    fusion: FusionConfig = field(default_factory=FusionConfig)
-    """Stage fusion: fuse=true fuse_chunk_samples=8 fuse_migrate=true ... (or fusion.enabled=true ...)."""
-    async_rl: AsyncConfig = field(default_factory=AsyncConfig)
-    """Asynchronous RL: async_staleness=1 ... (or async_rl.staleness=1 ...)."""
     # -- batch sizes ----------------------------------------------------------------------------------------------
     prompts_per_step: int = 32
     """Prompts drawn from the dataset each RL step (global, across data-parallel ranks)."""
@@ -345,58 +267,22 @@ class RLConfig(RunConfig):
     """Samples per optimizer step (global, across data-parallel ranks)."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
-    micro_batch_tokens: int = OptimConfig.micro_batch_tokens
-    """Tokens per forward/backward on one rank (gradient accumulation beyond it)."""
-    zero_stage: int = OptimConfig.zero_stage
-    """How the actor's and critics' data-parallel ranks hold them (torch engine): 3 = FSDP2 (everything sharded);
-    1 = a whole replica per rank (its TP shard when tp > 1), gradients averaged once per mini-batch, Adam state
-    sharded (ZeRO-1), and the actor samples from its own replica: less communication for models that fit on one
-    device. The 3D-HybridEngine (rollout_tp) always keeps replicas."""
-    pack_sequences: bool = False
-    """Pack rows of different lengths end to end in every role's forward and backward passes instead of padding
-    each to the longest (torch engine; the same numbers, less compute where lengths vary); sets
-    model.pack_sequences."""
-    lora_rank: int = 0
-    """Train rank-R LoRA adapters on the actor and the critics instead of every parameter (torch engine, tp = 1,
-    no rollout_tp); generation, exports and the reference see the merged weights; checkpoints hold only the
-    adapters (and the critics' heads) with their optimizer state. 0: full-parameter training."""
-    lora_alpha: float = OptimConfig.lora_alpha
-    """LoRA scaling: adapters' outputs times lora_alpha / lora_rank."""
-    lora_dropout: float = OptimConfig.lora_dropout
-    """Dropout on the adapters' inputs while training."""
-    lora_target_modules: str = OptimConfig.lora_target_modules
-    """Linear layers that get adapters: all-linear, or comma-separated names (q_proj,k_proj,v_proj,o_proj,...)."""
-    # -- model and sampling ---------------------------------------------------------------------------------------
+    # -- the sections ---------------------------------------------------------------------------------------------
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (and the models started from it): model.path=DIR loads a Hugging Face folder, else sizes."""
-    actor_lr: float = 2e-4
-    """Actor learning rate (AdamW) during RL."""
-    rollout_tp: int = 0
-    """Generation TP size t_g of the actor under the 3D-HybridEngine (must divide the actor's tp; a plan's actor
-    "generate" sizes set it); 0: off, a sharded actor gathers its whole weights to generate. With the actor's
-    tp > 1 its vocabulary must divide tp: set model.pad_vocab_to."""
-    rollout_engine: str = "hf"
-    """The actor's generation engine: hf (transformers with a KV cache) or vllm (an in-process vLLM engine per
-    generation replica, fed the actor's weights in memory after each update; needs vllm installed and, on CPU,
-    attention heads of >= 32 dimensions)."""
-    temperature: float = 1.0
-    """Sampling temperature; log-probs of the actor and the reference use the same one."""
-    max_new_tokens: int = 0
-    """Longest response in tokens; 0: the task's default."""
-    ignore_eos: bool = False
-    """Always generate max_new_tokens (fixed token counts for benchmarks)."""
-    # -- multi-turn episodes (tasks with tools) --------------------------------------------------------------------
-    max_turns: int = 0
-    """Model turns per episode of a multi-turn task (0: the task's default); the response budget (max_new_tokens)
-    covers the whole episode, tool outputs included."""
-    max_turn_tokens: int = 0
-    """Tokens per model turn (0: what is left of the episode's budget)."""
-    tool_workers: int = 8
-    """Tool calls running at once on each actor rank."""
-    tool_timeout_s: float = 5.0
-    """A tool call not answered after this many seconds becomes an error the model reads."""
-    tool_overlap: bool = True
-    """Run tools while the rest of the batch decodes; false: turn by turn, waiting for each tool."""
+    actor: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
+    """The actor's training (engines.training.common.OptimConfig: AdamW, micro-batches, ZeRO stage, LoRA); the
+    frozen roles (reference, reward, cost) hold themselves as `actor.zero_stage` says."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """How the actor samples: engine, generation TP, temperature, lengths, tool episodes."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The actor's clipped surrogate."""
+    kl: KLConfig = field(default_factory=KLConfig)
+    """The KL to the reference policy."""
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    """Stage fusion: fuse=true fuse_chunk_samples=8 fuse_migrate=true ... (or fusion.enabled=true ...)."""
+    async_rl: AsyncConfig = field(default_factory=AsyncConfig)
+    """Asynchronous RL: async_staleness=1 ... (or async_rl.staleness=1 ...)."""
     profile_controller: bool = False
     """Record each step's controller share: the fraction of step time in which no worker was computing."""
     # -- supervised warm start ------------------------------------------------------------------------------------
@@ -416,43 +302,12 @@ class RLConfig(RunConfig):
             "samples_per_prompt",
             "mini_batch_samples",
             "ppo_epochs",
-            "micro_batch_tokens",
             "dataset_prompts",
             "sft_samples_per_step",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.rollout_engine not in ("hf", "vllm") and ":" not in self.rollout_engine:
-            raise ConfigError(
-                f"rollout_engine must be hf or vllm (or a registered 'module:name'), got {self.rollout_engine!r}"
-            )
-        check_zero_stage(self.zero_stage)
-        check_training_engine(self.model)
-        if self.max_turns < 0 or self.max_turn_tokens < 0 or self.tool_workers < 1 or not self.tool_timeout_s > 0:
-            raise ConfigError(
-                f"max_turns and max_turn_tokens must be >= 0, tool_workers >= 1 and tool_timeout_s > 0; "
-                f"got {self.max_turns}, {self.max_turn_tokens}, {self.tool_workers}, "
-                f"{self.tool_timeout_s}"
-            )
-        if self.pack_sequences or self.model.pack_sequences:
-            if self.model.engine != "torch":
-                raise ConfigError(
-                    f"pack_sequences=true runs on the torch engine; the {self.model.engine} engine does "
-                    f"not pack rows yet: set model.engine=torch or pack_sequences=false"
-                )
-            self.pack_sequences = self.model.pack_sequences = True
-        if self.lora_rank:
-            self._check_lora()
-        if self.rollout_tp < 0:
-            raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.rollout_tp}")
-        if self.save_every < 0 or self.keep_last < 1 or self.max_recoveries < 0:
-            raise ConfigError("save_every must be >= 0, keep_last >= 1 and max_recoveries >= 0")
-        if self.resume not in ("auto", "never") and not self.checkpoint_dir:
-            # a checkpoint lives in its store's root: the run goes on saving (and locking) there
-            self.checkpoint_dir = str(Path(self.resume).resolve().parent)
-        if self.save_every and not self.checkpoint_dir:
-            raise ConfigError("save_every needs a checkpoint_dir (--checkpoint-dir D)")
         if self.sft_steps < 0:
             raise ConfigError(f"sft_steps must be >= 0, got {self.sft_steps}")
         if self.placement not in PLACEMENTS:
@@ -474,105 +329,45 @@ class RLConfig(RunConfig):
             )
         if self.eval_every and not self.eval_files:
             raise ConfigError(f"eval_every={self.eval_every} needs eval_files=PATH[,PATH] (held-out prompts)")
-        self.fusion.__post_init__()  # before the cross-checks below read it
-        receivers = self.fusion.migrate_to
-        if self.placement == "fused" and self.address is None and self.n_slots <= receivers:
-            raise ConfigError(
-                f"placement=fused keeps the scorers off the first fuse_migrate_to={receivers} slots, "
-                f"so it needs n_slots > {receivers}"
-            )
-        if self.fusion.train and not self.has_critic:
-            raise ConfigError(
-                f"fuse_train fuses the actor's and the critic's training; {type(self).__name__} trains no critic"
-            )
-        self.async_rl.__post_init__()
-        if self.async_rl.staleness:
-            self._check_async()
 
-    def _check_lora(self) -> None:
-        r = self.lora_rank
-        try:
-            OptimConfig(lora_rank=r, lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout)
-        except ValueError as e:
-            raise ConfigError(str(e).removeprefix("OptimConfig: ")) from None
-        if self.model.engine != "torch":
-            raise ConfigError(
-                f"lora_rank={r} runs on the torch engine; the {self.model.engine} engine trains every "
-                f"parameter: set model.engine=torch or lora_rank=0"
-            )
-        if self.rollout_tp:
-            raise ConfigError(
-                f"lora_rank={r} with the 3D-HybridEngine (rollout_tp={self.rollout_tp}) is not built "
-                f"(tensor parallelism would split the adapters with their layers); set rollout_tp=0 or "
-                f"lora_rank=0"
-            )
-        if getattr(self, "critic_trainable_layers", 0):
-            raise ConfigError(
-                f"lora_rank={r} trains adapters on frozen critics; critic_trainable_layers="
-                f"{self.critic_trainable_layers} cannot go with it (set one of them to 0)"
-            )
-
-    def _check_async(self) -> None:
-        k = self.async_rl.staleness
-        if self.placement != "split" and not self.plan:
-            raise ConfigError(
-                f"async_staleness={k} runs the rollouts on slots of their own while the others train; "
-                f"add --placement split (placement={self.placement} shares every slot), or set "
-                f"async_staleness=0"
-            )
-        if self.plan:
-            raise ConfigError(f"async_staleness={k} with a placement plan is not built yet; use --placement split")
-        if self.fusion.enabled:
-            raise ConfigError(
-                f"async_staleness={k} with fuse=true is not built yet (a rollout that runs ahead is "
-                f"scored whole); drop one of them"
-            )
-        if self.address is None and self.cluster == "local":
-            rollout = self.async_rl.rollout_slots or self.n_slots // 2
-            if self.n_slots < 2 or rollout >= self.n_slots:
-                raise ConfigError(
-                    f"async_staleness={k} needs slots for the rollout replicas and slots for training: "
-                    f"n_slots={self.n_slots} with async_rollout_slots={rollout}; use n_slots >= 2 and "
-                    f"async_rollout_slots < n_slots"
-                )
-
-    has_critic: typing.ClassVar[bool] = False
-    """Whether the program trains a critic (PPO, Safe-RLHF): what fusion.train fuses with the actor."""
+    @property
+    def trained(self) -> dict[str, OptimConfig]:
+        """The training sections of the roles this program trains (the actor's; the critic's where it has one)."""
+        return {"actor": self.actor}
 
 
 @dataclass
 class PPOConfig(RLConfig):
-    has_critic: typing.ClassVar[bool] = True
+    ranges: ClassVar[dict[str, str]] = {
+        **RLConfig.ranges,
+        "critic.lr": "(0, inf)",
+        "critic.trainable_layers": "[0, inf)",
+        "gamma": "[0, 1]",
+        "lam": "[0, 1]",
+        "kl_target": "(0, inf)",
+        "value_clip": "(0, inf)",
+    }
     task: str = "digit_sum"
     sft_steps: int = 60
     gamma: float = 1.0
     """Discount of GAE (1: undiscounted, the RLHF norm)."""
     lam: float = 0.95
     """GAE's lambda: 1 is Monte-Carlo returns, 0 one-step TD."""
-    kl_coef: float = 0.02
-    """KL penalty in the reward (per token, against the reference)."""
+    kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.02))
+    policy_loss: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig(dual_clip=3.0))
+    critic: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    """The critics' training (Safe-RLHF's cost critic too): `critic.trainable_layers=K` trains only their top K
+    decoder layers, the final norm and the value head (torch engine): a critic started from a pretrained policy
+    keeps its lower layers, and its backward pass stops there, which on a small device is most of a critic
+    update's time."""
     adaptive_kl: bool = False
-    """Adapt kl_coef so the measured KL tracks kl_target (Ziegler et al.'s controller)."""
+    """Adapt kl.coef so the measured KL tracks kl_target (Ziegler et al.'s controller)."""
     kl_target: float = 0.1
     """KL per token the adaptive controller aims for."""
     kl_horizon: int = 500
     """Samples over which the adaptive controller corrects a KL error."""
-    kl_estimator: str = "k1"
-    """KL estimator in the reward penalty: k1 (log-ratio), k2 (squared) or k3 (Schulman's unbiased, positive)."""
-    clip_ratio: float = 0.2
-    """PPO's clip range of the probability ratio."""
-    dual_clip: float = 3.0
-    """Dual-clip bound on negative advantages (Ye et al. 2020); must be > 1."""
     value_clip: float = 0.2
     """Clip range of the critic's value change per update."""
-    entropy_coef: float = 0.0
-    """Entropy bonus in the policy loss (0: none)."""
-    critic_lr: float = 1e-3
-    """Critic learning rate (AdamW)."""
-    critic_trainable_layers: int = 0
-    """Critics (and Safe-RLHF's cost critic) train only their top K decoder layers, the final norm and the value
-    head (0: every parameter; torch engine): a critic started from a pretrained policy keeps its lower layers, and
-    its backward pass stops there, which on a small device is most of a critic update's time."""
     whiten_advantages: bool = True
     """Normalise advantages to zero mean, unit variance over the step's tokens."""
     whiten_rewards: bool = False
@@ -580,19 +375,25 @@ class PPOConfig(RLConfig):
     samples, without shifting them (TRL's whiten_rewards): a learned reward model's scale is arbitrary (one trained
     briefly scores within ±0.1), and the KL penalty and λ should act on unit-scale scores. Metrics stay raw."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ConfigError(f"kl_estimator must be k1, k2 or k3, got {self.kl_estimator!r}")
+    @property
+    def trained(self) -> dict[str, OptimConfig]:
+        return {"actor": self.actor, "critic": self.critic}
 
 
 @dataclass
 class SafeRLHFConfig(PPOConfig):
+    ranges: ClassVar[dict[str, str]] = {
+        **PPOConfig.ranges,
+        "lambda_lr": "[0, inf)",
+        "lambda_init": "[0, inf)",
+        "lambda_max": "[0, inf)",
+        "ptx_coef": "[0, inf)",
+    }
     task: str = "digit_sum"
     steps: int = 80
     sft_steps: int = 60
     prompts_per_step: int = 64
-    kl_coef: float = 0.05
+    kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.05))
     cost_threshold: float = 0.3
     """Constraint: expected cost per sample ≤ this."""
     lambda_init: float = 0.5
@@ -612,43 +413,26 @@ class GRPOConfig(RLConfig):
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     mini_batch_samples: int = 32
-    kl_coef: float = 0.04
-    """KL to the reference, in the loss (k3)."""
-    clip_ratio: float = 0.2
-    """PPO's clip range of the probability ratio."""
-    entropy_coef: float = 0.0
-    """Entropy bonus in the policy loss (0: none)."""
+    kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.04, estimator="k3"))
 
 
 @dataclass
 class ReMaxConfig(RLConfig):
     task: str = "digit_sum"
     sft_steps: int = 60
-    kl_coef: float = 0.02
-    """KL penalty subtracted from each sample's return (k1, against the reference)."""
-    clip_ratio: float = 0.2
-    """PPO's clip range of the probability ratio."""
+    kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.02))
 
 
 @dataclass
 class GSPOConfig(GRPOConfig):
-    kl_coef: float = 0.0
-    """KL to the reference, in the loss (k3); GSPO's paper uses none."""
-    clip_ratio: float = 3e-4
-    """Lower clip of the sequence-level ratio, 1 − clip_ratio (GSPO's ε_left: ratios of whole sequences stay close
-    to 1, so the range is far narrower than a token's)."""
-    clip_ratio_high: float = 4e-4
-    """Upper clip of the sequence-level ratio, 1 + clip_ratio_high (GSPO's ε_right)."""
+    kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.0, estimator="k3"))  # GSPO's paper uses none
+    policy_loss: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig(3e-4, clip_ratio_high=4e-4))
 
 
 @dataclass
 class DAPOConfig(GRPOConfig):
-    kl_coef: float = 0.0
-    """KL to the reference, in the loss (k3); DAPO uses none."""
-    clip_ratio: float = 0.2
-    """Lower clip of the token ratio, 1 − clip_ratio (DAPO's ε_low)."""
-    clip_ratio_high: float = 0.28
-    """Upper clip, 1 + clip_ratio_high (DAPO's clip-higher, ε_high > ε_low: room for unlikely tokens to grow)."""
+    kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.0, estimator="k3"))  # DAPO uses none
+    policy_loss: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig(0.2, clip_ratio_high=0.28))
     dynamic_sampling: bool = True
     """Drop the groups whose rewards are all equal (no advantage, no gradient) and generate more prompts until a
     step's batch is full again."""
@@ -677,10 +461,10 @@ class DAPOConfig(GRPOConfig):
             raise ConfigError(f"max_gen_rounds must be >= 1, got {self.max_gen_rounds}")
         if self.overlong_buffer < 0 or self.overlong_penalty < 0:
             raise ConfigError("overlong_buffer and overlong_penalty must be >= 0")
-        if self.overlong_buffer and not 0 < self.overlong_buffer < self.max_new_tokens:
+        if self.overlong_buffer and not 0 < self.overlong_buffer < self.rollout.max_new_tokens:
             raise ConfigError(
                 f"overlong_buffer={self.overlong_buffer} needs max_new_tokens > it (the response "
-                f"length it is measured against), got max_new_tokens={self.max_new_tokens}"
+                f"length it is measured against), got max_new_tokens={self.rollout.max_new_tokens}"
             )
 
 
@@ -691,10 +475,7 @@ class RLOOConfig(RLConfig):
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     mini_batch_samples: int = 32
-    kl_coef: float = 0.02
-    """KL penalty (k1, summed over the response) subtracted from each sample's reward before the baseline."""
-    clip_ratio: float = 0.2
-    """PPO's clip range of the probability ratio."""
+    kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.02))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -712,10 +493,7 @@ class ReinforcePPConfig(RLConfig):
     prompts_per_step: int = 32
     samples_per_prompt: int = 1
     mini_batch_samples: int = 32
-    kl_coef: float = 0.01
-    """KL penalty per token (k1) in the reward."""
-    clip_ratio: float = 0.2
-    """PPO's clip range of the probability ratio."""
+    kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.01))
 
 
 def check_trainable_layers(setting: str, value: int, model: ModelConfig) -> None:
@@ -781,129 +559,3 @@ def derived_sizes(cfg: RLConfig, dp: int) -> dict[str, int]:
         "optimizer_steps_per_rl_step": samples // cfg.mini_batch_samples * cfg.ppo_epochs,
         "mini_batch_samples_per_rank": cfg.mini_batch_samples // dp,
     }
-
-
-def _coerce(value: str, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value.lower() in ("none", "null"):
-            return None
-        return _coerce(value, args[0])
-    if tp is bool:
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"expected a boolean, got {value!r}")
-    if tp in (int, float, str):
-        return tp(value)
-    if origin is list and not value.lstrip().startswith("["):  # a,b,c as well as ["a", "b", "c"]
-        return [x for x in value.split(",") if x]
-    return json.loads(value)
-
-
-def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
-    """`key=value` (nested with dots) onto a config dataclass, then validate it and its nested settings.
-
-    Every mistake is a `ConfigError` naming the setting: unknown keys (with the closest known one), values of the
-    wrong type, and values the dataclasses' own checks reject."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"{item!r} is not a key=value setting (e.g. steps=10); --help lists them all")
-        key, value = item.split("=", 1)
-        obj, name = _resolve(cfg, SHORT_FORMS.get(key, key) if hasattr(cfg, "fusion") else key)  # errors: as typed
-        if dataclasses.is_dataclass(getattr(obj, name)):
-            raise ConfigError(
-                f"{key} is a group of settings, not one; set its fields ({key}.FIELD=VALUE, listed by --help)"
-            )
-        hints = typing.get_type_hints(type(obj))
-        try:
-            setattr(obj, name, _coerce(value, hints[name]))
-        except ValueError as e:
-            raise ConfigError(f"bad value for {key}: {e}") from None
-    try:
-        validate(cfg)
-    except ConfigError:
-        raise
-    except ValueError as e:  # a nested dataclass's own check (ModelConfig, SlurmSettings)
-        raise ConfigError(str(e)) from None
-    return cfg
-
-
-def validate(cfg: Any) -> None:
-    """Run the `__post_init__` checks of `cfg` and of every dataclass nested in it (after fields were set)."""
-    post = getattr(cfg, "__post_init__", None)
-    if post:
-        post()
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            validate(value)
-
-
-def _resolve(cfg: Any, key: str) -> tuple[Any, str]:
-    """The dataclass holding dotted `key` and the field's name in it."""
-    obj, parts = cfg, key.split(".")
-    for depth, part in enumerate(parts):
-        names = [f.name for f in dataclasses.fields(obj)]
-        if part not in names:
-            prefix = ".".join(parts[:depth])
-            known = [f"{prefix}.{n}" if prefix else n for n in names]
-            close = difflib.get_close_matches(part, names, n=1)
-            if close:
-                raise ConfigError(
-                    f"unknown setting {key!r}; did you mean {prefix + '.' if prefix else ''}{close[0]}? "
-                    f"(--help lists every setting)"
-                )
-            raise ConfigError(f"unknown setting {key!r}; {type(obj).__name__} has: {', '.join(sorted(known))}")
-        if depth == len(parts) - 1:
-            return obj, part
-        child = getattr(obj, part)
-        if not dataclasses.is_dataclass(child):
-            raise ConfigError(
-                f"{'.'.join(parts[: depth + 1])} has no settings inside it; set it as a whole "
-                f"({'.'.join(parts[: depth + 1])}=VALUE)"
-            )
-        obj = child
-    raise AssertionError("unreachable")
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (and its bases), read from the source: the one place
-    a setting is documented is where it is declared."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, nxt in zip(body, body[1:]):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def describe_settings(cfg: Any, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, current value, doc) of every setting of `cfg`, nested dataclasses flattened with dots."""
-    docs = field_docs(type(cfg))
-    out: list[tuple[str, str, str]] = []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            out += describe_settings(value, f"{prefix}{f.name}.")
-        else:
-            shown = json.dumps(value) if isinstance(value, (list, dict)) else "none" if value is None else str(value)
-            key = prefix + f.name
-            short = next((k for k, v in SHORT_FORMS.items() if v == key), None)
-            out.append((key, shown, (f"(short form: {short}=) " if short else "") + docs.get(f.name, "")))
-    return out

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import flowactors as fa
-from algorithms.data.prompts import PromptData, prompt_data
+from algorithms.data.prompts import PromptData
+from algorithms.data.tasks import get_task
 from algorithms.rollout.asynchronous import RolloutPipeline
 from algorithms.rollout.fusion import overlap_note
-from algorithms.run.build import Roles, build_roles
+from algorithms.run.build import Roles, build_roles, prompt_data
 from algorithms.run.cli import open_controller, parse_args, user_errors
 from algorithms.run.config import RLConfig, derived_sizes
 from algorithms.run.metrics import MetricsFile, print_summary
@@ -197,9 +198,11 @@ class Runner:
                 self.roles.actor,
                 self.roles.rollout,
                 self.data,
-                self.cfg,
+                self.cfg.async_rl.staleness,
+                self.cfg.steps,
+                (self.cfg.prompts_per_step, self.cfg.samples_per_prompt),
                 greedy_baseline=self.algo.greedy_baseline,
-                past_the_end=bool(self.store and self.cfg.save_every),
+                past_the_end=bool(self.store and self.cfg.checkpoint.save_every),
             )
 
     def start_pipeline(self, step: int, state: dict | None = None) -> None:
@@ -245,7 +248,7 @@ class Runner:
 
     def load(self, ckpt: Any) -> int:
         # LoRA models' checkpoints hold their adapters; their frozen base is the reference's weights
-        adapted = {"actor", *self.algo.critics} if self.cfg.lora_rank else set()
+        adapted = {"actor", *self.algo.critics} if self.cfg.actor.lora_rank else set()
         calls = [
             g.load_checkpoint(str(ckpt.role_dir(name)), str(ckpt.role_dir("ref")) if name in adapted else None)
             for name, g in self.model_groups().items()
@@ -267,12 +270,12 @@ class Runner:
             return
         assert self.roles is not None
         keys = {c.key for c in self.changes}
-        if "actor_lr" in keys:
-            self.roles.actor.set_lr(self.cfg.actor_lr).result()
-        if "critic_lr" in keys:
+        if "actor.lr" in keys:
+            self.roles.actor.set_lr(self.cfg.actor.lr).result()
+        if "critic.lr" in keys:
             for critic in (self.roles.critic, self.roles.cost_critic):
                 if critic is not None:
-                    critic.set_lr(self.cfg.critic_lr).result()
+                    critic.set_lr(self.cfg.critic.lr).result()
         self.algo.resumed(self.changes)
         print(
             f"[{self.algo.name}] settings changed since the checkpoint, applied: " + "; ".join(map(str, self.changes)),
@@ -290,23 +293,23 @@ class Runner:
 
     def recover(self, error: fa.WorkerLostError) -> None:
         self.recoveries += 1
-        if self.recoveries > self.cfg.max_recoveries:
+        if self.recoveries > self.cfg.checkpoint.max_recoveries:
             raise fa.FlowactorsError(
-                f"giving up after {self.cfg.max_recoveries} recoveries (max_recoveries); last failure: {error}"
+                f"giving up after {self.cfg.checkpoint.max_recoveries} recoveries (max_recoveries); last failure: {error}"
             ) from error
         latest = self.store.latest_complete() if self.store is not None else None
-        if latest is None and self.history and self.history[-1]["step"] + 1 > (self.cfg.save_every or 0) > 0:
+        if latest is None and self.history and self.history[-1]["step"] + 1 > (self.cfg.checkpoint.save_every or 0) > 0:
             # steps past the first save point with no checkpoint: they would be lost silently
             raise fa.FlowactorsError(
-                f"a worker died and {self.cfg.checkpoint_dir} holds no complete checkpoint to recover from"
+                f"a worker died and {self.cfg.checkpoint.dir} holds no complete checkpoint to recover from"
             ) from error
         where = f"the checkpoint of step {latest.step}" if latest is not None else "step 0 (no checkpoint yet)"
         print(
             f"[{self.algo.name}] {error}\n[{self.algo.name}] recovering ({self.recoveries}/"
-            f"{self.cfg.max_recoveries}): rebuilding groups on live slots, restarting from {where}",
+            f"{self.cfg.checkpoint.max_recoveries}): rebuilding groups on live slots, restarting from {where}",
             file=sys.stderr,
         )
-        self.ctl.recover(wait_s=self.cfg.recovery_wait_s)
+        self.ctl.recover(wait_s=self.cfg.checkpoint.recovery_wait_s)
         self.roles = None  # the old groups went with the lost worker's world
         if latest is None:
             self.restart()
@@ -395,7 +398,7 @@ class Runner:
             while i < self.cfg.steps:
                 try:
                     record = self.one_step(i)
-                    if self.store and self.cfg.save_every and (i + 1) % self.cfg.save_every == 0:
+                    if self.store and self.cfg.checkpoint.save_every and (i + 1) % self.cfg.checkpoint.save_every == 0:
                         record["checkpoint_s"] = self.save(i + 1)
                 except fa.WorkerLostError as e:
                     self.recover(e)
@@ -430,6 +433,12 @@ class Runner:
                 self.tensorboard.add_scalar(k, v, record["step"])
 
 
+def task_settings(cfg: RLConfig) -> tuple[str, list[str]]:
+    """The settings the run's task asks for (algorithms.data.tasks.Task.settings), applied unless given."""
+    task = get_task(cfg.task)
+    return f"[{task.name}] the task's settings", [f"{k}={v}" for k, v in task.settings]
+
+
 def run_program(
     algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv: Sequence[str] | None, description: str
 ) -> list[dict]:
@@ -446,15 +455,15 @@ def run_program(
     name = algo_cls.name
     try:
         with user_errors(args, lambda: cfg, name), contextlib.ExitStack() as stack:
-            cfg = parse_args(args, preset, description)
+            cfg = parse_args(args, preset, description, task_settings)
             run_plan = check_before_start(cfg)
             data, eval_data = prompt_data(cfg)
             store, ckpt, changes = None, None, []
-            if cfg.checkpoint_dir:
-                store = CheckpointStore(cfg.checkpoint_dir, keep_last=cfg.keep_last)
+            if cfg.checkpoint.dir:
+                store = CheckpointStore(cfg.checkpoint.dir, keep_last=cfg.checkpoint.keep_last)
                 store.acquire()
                 stack.callback(store.release)
-                ckpt = store.resolve(cfg.resume)
+                ckpt = store.resolve(cfg.checkpoint.resume)
                 if ckpt is not None:
                     changes = check_resumable(ckpt.controller_state()["config"], cfg)
             fa.configure_logging(cfg.log_format, cfg.log_level)  # before the cluster starts: workers inherit it
@@ -465,11 +474,11 @@ def run_program(
             # the SFT export: inside the run's checkpoint directory when there is one (a killed controller's
             # leftover is found and removed by the next run there), else a temporary directory removed on any exit
             if store is not None:
-                for stale in Path(cfg.checkpoint_dir).glob(".sft-*"):  # the lock says no other run uses them
+                for stale in Path(cfg.checkpoint.dir).glob(".sft-*"):  # the lock says no other run uses them
                     shutil.rmtree(stale, ignore_errors=True)
             tmp = stack.enter_context(
                 tempfile.TemporaryDirectory(
-                    prefix=".sft-" if store else "flowactors-", dir=cfg.checkpoint_dir if store else None
+                    prefix=".sft-" if store else "flowactors-", dir=cfg.checkpoint.dir if store else None
                 )
             )
             if cfg.dashboard and ctl.dashboard_link:
@@ -517,11 +526,11 @@ def interrupted_note(signum: int, runner: "Runner | None") -> str:
     saved = runner.store.steps() if runner.store is not None else []
     if saved:
         ckpt = (
-            f"the checkpoint of step {saved[-1]} is in {runner.cfg.checkpoint_dir} (--resume auto "
-            f"--checkpoint-dir {runner.cfg.checkpoint_dir} continues from it)"
+            f"the checkpoint of step {saved[-1]} is in {runner.cfg.checkpoint.dir} (--resume auto "
+            f"--checkpoint-dir {runner.cfg.checkpoint.dir} continues from it)"
         )
     elif runner.store is not None:
-        ckpt = f"no checkpoint was saved yet in {runner.cfg.checkpoint_dir} (save_every={runner.cfg.save_every})"
+        ckpt = f"no checkpoint was saved yet in {runner.cfg.checkpoint.dir} (save_every={runner.cfg.checkpoint.save_every})"
     else:
         ckpt = "no checkpoint (--checkpoint-dir D save_every=N saves them)"
     metrics = (

@@ -1,5 +1,7 @@
 """The run's plan: what a configuration resolves to before the cluster starts, and where each role runs.
 
+- `check_settings`: the rules that span sections (each section checks its own fields), e.g. LoRA and the
+  3D-HybridEngine, asynchronous RL and the placement, a tool setting on a single-response task.
 - `check_before_start`: everything a configuration can get wrong that is knowable without a cluster (plan file and
   its sizes, pipeline stages on an engine without them, batch sizes over each role's data-parallel size, model
   folder, output paths), so a mistake fails in a second, not after workers have started. It returns the run's
@@ -17,13 +19,20 @@ from pathlib import Path
 from typing import Any
 
 import flowactors as fa
+from algorithms.data.tasks import get_task
 from algorithms.rollout.fusion import migration_threshold
-from algorithms.run.config import ConfigError, PPOConfig, RLConfig, check_trainable_layers, derived_sizes
+from algorithms.run.config import (
+    ConfigError,
+    RLConfig,
+    check_trainable_layers,
+    check_training_engine,
+    derived_sizes,
+)
 from engines.models.config import head_dim
 from engines.registry import check_generation_model, generation_engine, training_engine
 from flowactors import Controller, Layout
 
-__all__ = ["Pools", "RunPlan", "resolve", "check_before_start", "place", "reverse_stages"]
+__all__ = ["Pools", "RunPlan", "resolve", "check_settings", "check_before_start", "place", "reverse_stages"]
 
 _SCORERS = ("critic", "cost_critic", "reward", "cost")
 
@@ -41,9 +50,87 @@ class Pools:
 # -- checks before the cluster starts -----------------------------------------------------------------------------
 
 
+def check_settings(cfg: RLConfig) -> None:
+    """The rules between sections, on the controller before anything starts (ConfigError naming the settings)."""
+    check_training_engine(cfg.model)
+    task = get_task(cfg.task)
+    if cfg.rollout.agent.max_turns is not None and task.environment is None:
+        raise ConfigError(
+            f"max_turns={cfg.rollout.agent.max_turns} applies to multi-turn tasks (tool_arith, tool_arith_safe, "
+            f"tool_arith_chatml); task {task.name!r} samples one response per prompt"
+        )
+    if cfg.model.pack_sequences and cfg.model.engine != "torch":
+        raise ConfigError(
+            f"pack_sequences=true runs on the torch engine; the {cfg.model.engine} engine does "
+            f"not pack rows yet: set model.engine=torch or pack_sequences=false"
+        )
+    for role, optim in cfg.trained.items():
+        setting = "critic_trainable_layers" if role == "critic" else f"{role}.trainable_layers"
+        check_trainable_layers(setting, optim.trainable_layers, cfg.model)
+        if optim.lora_rank:
+            _check_lora(cfg, role, optim.lora_rank)
+    _check_fusion(cfg)
+    if cfg.async_rl.staleness:
+        _check_async(cfg)
+
+
+def _check_lora(cfg: RLConfig, role: str, rank: int) -> None:
+    setting = "lora_rank" if role == "actor" else f"{role}.lora_rank"
+    if cfg.model.engine != "torch":
+        raise ConfigError(
+            f"{setting}={rank} runs on the torch engine; the {cfg.model.engine} engine trains every "
+            f"parameter: set model.engine=torch or lora_rank=0"
+        )
+    if role == "actor" and cfg.rollout.tp:
+        raise ConfigError(
+            f"lora_rank={rank} with the 3D-HybridEngine (rollout_tp={cfg.rollout.tp}) is not built "
+            f"(tensor parallelism would split the adapters with their layers); set rollout_tp=0 or "
+            f"lora_rank=0"
+        )
+
+
+def _check_fusion(cfg: RLConfig) -> None:
+    receivers = cfg.fusion.migrate_to
+    if cfg.placement == "fused" and cfg.address is None and cfg.n_slots <= receivers:
+        raise ConfigError(
+            f"placement=fused keeps the scorers off the first fuse_migrate_to={receivers} slots, "
+            f"so it needs n_slots > {receivers}"
+        )
+    if cfg.fusion.train and "critic" not in cfg.trained:
+        raise ConfigError(
+            f"fuse_train fuses the actor's and the critic's training; {type(cfg).__name__} trains no critic"
+        )
+
+
+def _check_async(cfg: RLConfig) -> None:
+    k = cfg.async_rl.staleness
+    if cfg.placement != "split" and not cfg.plan:
+        raise ConfigError(
+            f"async_staleness={k} runs the rollouts on slots of their own while the others train; "
+            f"add --placement split (placement={cfg.placement} shares every slot), or set "
+            f"async_staleness=0"
+        )
+    if cfg.plan:
+        raise ConfigError(f"async_staleness={k} with a placement plan is not built yet; use --placement split")
+    if cfg.fusion.enabled:
+        raise ConfigError(
+            f"async_staleness={k} with fuse=true is not built yet (a rollout that runs ahead is "
+            f"scored whole); drop one of them"
+        )
+    if cfg.address is None and cfg.cluster == "local":
+        rollout = cfg.async_rl.rollout_slots or cfg.n_slots // 2
+        if cfg.n_slots < 2 or rollout >= cfg.n_slots:
+            raise ConfigError(
+                f"async_staleness={k} needs slots for the rollout replicas and slots for training: "
+                f"n_slots={cfg.n_slots} with async_rollout_slots={rollout}; use n_slots >= 2 and "
+                f"async_rollout_slots < n_slots"
+            )
+
+
 def check_before_start(cfg: RLConfig) -> RunPlan:
     """The run's plan (`resolve`); ConfigError (or the plan's PlanError) for what is wrong in `cfg` before any
     worker starts."""
+    check_settings(cfg)
     run_plan = resolve(cfg)
     for role, dp in run_plan.planned_dp.items():
         try:
@@ -75,39 +162,40 @@ def check_before_start(cfg: RLConfig) -> RunPlan:
         generation_engine(run_plan.rollout_engine)  # known, and installed (vllm)
     except (ValueError, ImportError) as e:
         raise ConfigError(f"rollout_engine: {e}") from None
-    for name in ("reward_model", "cost_model"):
-        if getattr(cfg, name):
-            _check_score_model(getattr(cfg, name), name)
-    if isinstance(cfg, PPOConfig):  # the critics' own settings
-        check_trainable_layers("critic_trainable_layers", cfg.critic_trainable_layers, cfg.model)
+    for name, path in (("reward_model", cfg.reward_model), ("cost_model", cfg.cost_model)):
+        if path:
+            _check_score_model(path, name)
     if cfg.fusion.migrate:
         _check_migration(cfg, run_plan)
     if cfg.fusion.train:
         _check_fused_training(cfg, run_plan)
-    for name in ("metrics_file", "tensorboard_dir", "export_dir"):
-        value = getattr(cfg, name)
+    for name, value in (
+        ("metrics_file", cfg.metrics_file),
+        ("tensorboard_dir", cfg.tensorboard_dir),
+        ("export_dir", cfg.export_dir),
+    ):
         if value and not Path(value).resolve().parent.is_dir():
             raise ConfigError(
                 f"{name}={value}: the directory {Path(value).resolve().parent} does not exist; "
                 f"create it or choose another path"
             )
     if (
-        cfg.resume not in ("auto", "never")
-        and not Path(cfg.resume).is_dir()
-        and not (cfg.checkpoint_dir and (Path(cfg.checkpoint_dir) / cfg.resume).is_dir())
+        cfg.checkpoint.resume not in ("auto", "never")
+        and not Path(cfg.checkpoint.resume).is_dir()
+        and not (cfg.checkpoint.dir and (Path(cfg.checkpoint.dir) / cfg.checkpoint.resume).is_dir())
     ):
         raise ConfigError(
-            f"resume={cfg.resume} is not a checkpoint directory; give one (e.g. "
-            f"{cfg.checkpoint_dir or 'CKPT_DIR'}/step_00000010), auto (the newest complete one in "
+            f"resume={cfg.checkpoint.resume} is not a checkpoint directory; give one (e.g. "
+            f"{cfg.checkpoint.dir or 'CKPT_DIR'}/step_00000010), auto (the newest complete one in "
             f"checkpoint_dir) or never"
         )
     if cfg.export_dir and Path(cfg.export_dir).exists() and not Path(cfg.export_dir).is_dir():
         raise ConfigError(f"export_dir={cfg.export_dir} is a file; the policy is written as a folder there")
-    if cfg.checkpoint_dir:
+    if cfg.checkpoint.dir:
         try:
-            Path(cfg.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            Path(cfg.checkpoint.dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"checkpoint_dir={cfg.checkpoint_dir} cannot be a directory: {e.strerror or e}") from None
+            raise ConfigError(f"checkpoint_dir={cfg.checkpoint.dir} cannot be a directory: {e.strerror or e}") from None
     return run_plan
 
 
@@ -243,10 +331,10 @@ class RunPlan:
     plan: Any
     """The placement plan (placement.Plan) of `--plan`, or None: cfg.placement decides on the cluster's slots."""
     rollout_engine: str
-    """The actor's generation engine: a plan's actor "rollout_engine" when it names one, else cfg.rollout_engine."""
+    """The actor's generation engine: a plan's actor "rollout_engine" when it names one, else cfg.rollout.engine."""
     rollout_tp: int | None
     """The actor's generation TP size under the 3D-HybridEngine: a plan's actor "generate" sizes, else
-    cfg.rollout_tp; None when off, and for a plan on an engine without the 3D-HybridEngine (one registered with
+    cfg.rollout.tp; None when off, and for a plan on an engine without the 3D-HybridEngine (one registered with
     resharding=False), whose actor generates from its gathered whole weights instead."""
     rollout_pp: int
     """The actor's generation pipeline stages p_g (a plan's, dividing its training p; the megatron engine), else 1."""
@@ -262,8 +350,8 @@ def resolve(cfg: RLConfig) -> RunPlan:
     """The run's plan from its configuration (ConfigError or PlanError for one that cannot be resolved)."""
     plan = _load_plan(cfg) if cfg.plan else None
     actor = plan.model("actor") if plan is not None else None
-    engine = actor.rollout_engine if actor is not None and actor.rollout_engine is not None else cfg.rollout_engine
-    tp, pp = cfg.rollout_tp or None, 1
+    engine = actor.rollout_engine if actor is not None and actor.rollout_engine is not None else cfg.rollout.engine
+    tp, pp = cfg.rollout.tp or None, 1
     if actor is not None and actor.generate is not None:
         p_g, t_g = actor.generate
         if p_g != 1 and engine != "hf":

@@ -9,7 +9,7 @@ A checkpoint holds the resolved config it was saved under. On resume every diffe
   the list, before the cluster starts;
 - **applied**, and listed: everything else. Most are read afresh every step (batch sizes, clip ranges, steps).
   Learning rates and the KL coefficient also live in the checkpoint's state (optimizer schedule, KL controller),
-  so they are set explicitly after loading; otherwise a changed `actor_lr` would be silently ignored.
+  so they are set explicitly after loading; otherwise a changed `actor.lr` would be silently ignored.
 
 Changing a setting that shapes the samples (prompts_per_step, temperature, ...) is the user's call: the run
 continues soundly, but no longer reproduces an uninterrupted run with the old settings.
@@ -25,8 +25,7 @@ from algorithms.run.config import ConfigError, RLConfig
 __all__ = ["Change", "setting_changes", "check_resumable"]
 
 _ENVIRONMENT = (
-    "resume",
-    "checkpoint_dir",
+    "checkpoint.",
     "address",
     "cluster",
     "slurm.",
@@ -37,10 +36,6 @@ _ENVIRONMENT = (
     "log_level",
     "call_timeout_s",
     "profile_controller",
-    "recovery_wait_s",
-    "max_recoveries",
-    "keep_last",
-    "save_every",
 )
 _FIXED_AT_START = (
     "seed",

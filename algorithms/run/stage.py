@@ -23,7 +23,13 @@ from typing import Any
 
 import flowactors as fa
 from algorithms.run.cli import open_controller, parse_args, user_errors
-from algorithms.run.config import ConfigError, RunConfig, check_trainable_layers, check_training_engine, check_zero_stage
+from algorithms.run.config import (
+    ConfigError,
+    RunConfig,
+    check_trainable_layers,
+    check_training_engine,
+    check_zero_stage,
+)
 from algorithms.run.metrics import MetricsFile
 from engines import ModelConfig, OptimConfig
 from flowactors import Layout

@@ -82,14 +82,15 @@ class Environment(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass
 class AgentConfig:
-    """How the actor samples episodes instead of single responses."""
+    """How the actor samples episodes instead of single responses (the programs' `rollout.agent.` settings: the
+    environment and the default turn count come from the task)."""
 
-    environment: Callable[[Any], Environment]
+    environment: Callable[[Any], Environment] | None = field(default=None, metadata={"setting": False})
     """A fresh environment per episode, given the policy's tokenizer (picklable: a module-level function)."""
-    max_turns: int = 3
-    """Model turns per episode; an episode whose last allowed turn calls a tool ends there."""
+    max_turns: int | None = None
+    """Model turns per episode; an episode whose last allowed turn calls a tool ends there. None: the task's."""
     max_turn_tokens: int = 0
     """Tokens per model turn (0: what is left of the episode's budget, SamplingConfig.max_new_tokens)."""
     tool_workers: int = 8
@@ -101,13 +102,13 @@ class AgentConfig:
     time) once the whole batch has decoded its turn, and all are waited for (a baseline)."""
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.tool_workers < 1 or self.max_turn_tokens < 0:
+        if (self.max_turns is not None and self.max_turns < 1) or self.tool_workers < 1 or self.max_turn_tokens < 0:
             raise ValueError(
-                f"AgentConfig: max_turns and tool_workers must be >= 1 and max_turn_tokens >= 0, got "
-                f"{self.max_turns}, {self.tool_workers}, {self.max_turn_tokens}"
+                f"max_turns and tool_workers must be >= 1 (max_turns none: the task's) and max_turn_tokens >= 0; "
+                f"got {self.max_turns}, {self.tool_workers}, {self.max_turn_tokens}"
             )
         if not self.tool_timeout_s > 0:
-            raise ValueError(f"AgentConfig.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
+            raise ValueError(f"tool_timeout_s must be > 0, got {self.tool_timeout_s}")
 
 
 class _Tools:
@@ -174,6 +175,8 @@ class EpisodeEngine:
     """Long-tail migration moves single-response decodes; episodes are not migrated."""
 
     def __init__(self, inner: Any, tokenizer: Any, agent: AgentConfig) -> None:
+        if agent.environment is None or agent.max_turns is None:
+            raise ValueError("an episode engine needs AgentConfig.environment and max_turns (a task gives both)")
         self.inner, self.tokenizer, self.agent = inner, tokenizer, agent
         self.eos, self.pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         self._stops: dict[tuple[str, ...], tuple[tuple[int, ...], ...]] = {}

@@ -27,8 +27,11 @@ class OptimConfig:
     """Optimiser and batching of one trained model."""
 
     lr: float = 1e-4
+    """AdamW's learning rate (the schedule's peak)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates (β1, β2)."""
     eps: float = 1e-8
     """Adam's epsilon: a gradient element much smaller than it moves its weight by less than lr."""
     grad_clip: float = 1.0
@@ -38,6 +41,7 @@ class OptimConfig:
     lr_schedule: str = "constant"
     """constant or cosine (decays to 10 % over total_steps)."""
     total_steps: int = 1000
+    """Optimizer steps the cosine schedule spans."""
     micro_batch_tokens: int = 4096
     """Tokens (rows x sequence length) per forward/backward on one rank; bounds activation memory."""
     trainable_layers: int = 0

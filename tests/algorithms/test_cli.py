@@ -152,7 +152,9 @@ def _plan(tmp_path, actor_train) -> str:
         (["rollout_engine=sglang"], r"rollout_engine must be hf or vllm"),
         (["model.engine=jax"], r"model.engine=jax: unknown training engine .jax.; known: \[.*megatron.*torch"),
         (["max_turns=2"], r"max_turns=2 applies to multi-turn tasks .*; task 'digit_sum' samples one response"),
-        (["tool_workers=0"], r"tool_workers >= 1 and tool_timeout_s > 0; got 0, 0, 0, 5.0$"),
+        (["tool_workers=0"], r"rollout.agent: max_turns and tool_workers must be >= 1 .*; got None, 0, 0$"),
+        (["task=tool_arith", "max_turns=0"], r"max_turns and tool_workers must be >= 1 .*; got 0, 8, 0$"),
+        (["task=nosuchtask"], r"unknown task 'nosuchtask'; available: add, digit_sum, "),
         *(
             [
                 (
@@ -471,7 +473,7 @@ def test_an_unreadable_plan_or_a_checkpoint_dir_under_a_file_fails_before_any_wo
 
 def test_resume_from_a_path_saves_on_into_its_directory():
     cfg = apply_overrides(SafeRLHFConfig(), ["resume=/runs/a/step_00000010"])
-    assert cfg.checkpoint_dir == "/runs/a"
+    assert cfg.checkpoint.dir == "/runs/a"
 
 
 def test_fusion_is_a_section_of_every_rl_program_with_its_short_forms(capsys):

@@ -152,16 +152,18 @@ def test_bad_data_and_model_settings_fail_before_any_worker(capsys, no_cluster, 
     assert "critic_trainable_layers=3 but the model has 2 decoder layers; give 1..2" in line
     line = _error(capsys, ["model.engine=megatron", "critic_trainable_layers=1"])
     assert "critic_trainable_layers=1 needs model.engine=torch" in line
-    assert "critic_trainable_layers=-1 must be >= 0" in _error(capsys, ["critic_trainable_layers=-1"])
+    assert "critic_trainable_layers=-1 is outside [0, inf)" in _error(capsys, ["critic_trainable_layers=-1"])
 
 
 def test_critics_get_critic_trainable_layers():
-    from algorithms.run.build import critic_optim
-    from algorithms.run.config import PPOConfig, SafeRLHFConfig
+    from algorithms.run.config import GRPOConfig, PPOConfig, SafeRLHFConfig, apply_overrides
 
-    assert critic_optim(PPOConfig()).trainable_layers == 0
-    optim = critic_optim(SafeRLHFConfig(critic_trainable_layers=2, critic_lr=3e-4, zero_stage=1))
+    assert PPOConfig().trained["critic"].trainable_layers == 0
+    cfg = apply_overrides(SafeRLHFConfig(), ["critic_trainable_layers=2", "critic_lr=3e-4", "zero_stage=1"])
+    optim = cfg.trained["critic"]
     assert (optim.trainable_layers, optim.lr, optim.zero_stage) == (2, 3e-4, 1)
+    assert (cfg.actor.trainable_layers, cfg.actor.lr, cfg.actor.zero_stage) == (0, 2e-4, 1)  # zero_stage: both
+    assert set(GRPOConfig().trained) == {"actor"}
 
 
 # -- learned reward models ------------------------------------------------------------------------------------------

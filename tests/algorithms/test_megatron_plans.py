@@ -193,7 +193,8 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
     """With fuse_train the critic's group runs its stages down the slots; the scorers the plan leaves out take the
     critic's pool the usual way round (they are not fused), the actor's side is untouched."""
     import flowactors as fa
-    from algorithms.run.config import FusionConfig, PPOConfig
+    from algorithms.rollout.fusion import FusionConfig
+    from algorithms.run.config import PPOConfig
     from algorithms.run.plan import place
     from engines import ModelConfig
 
@@ -216,7 +217,8 @@ def test_fused_placement_reverses_the_critic_alone(tmp_path):
 
 
 def test_fused_critics_are_those_with_the_actor_s_pool_and_sizes(tmp_path):
-    from algorithms.run.config import FusionConfig, PPOConfig, SafeRLHFConfig
+    from algorithms.rollout.fusion import FusionConfig
+    from algorithms.run.config import PPOConfig, SafeRLHFConfig
     from algorithms.run.plan import resolve
     from engines import ModelConfig
 

@@ -80,7 +80,7 @@ def test_safe_rlhf_smollm2_preset_runs_two_steps_and_moves_the_actor(tmp_path):
     # Two AdamW steps at lr 1e-6 (no weight decay) move each weight by at most 2 lr: Adam's bias-corrected step
     # |m̂/√v̂| is 1 on the first step and at most 1.0004 on the second (betas 0.9, 0.95); plus two fp32 roundings
     # of the stored weight (2^-24 relative each, doubled for slack).
-    lr = cfg.actor_lr
+    lr = cfg.actor.lr
     for k in before:
         assert bool(((moved[k] - before[k]).abs() <= 2 * lr * 1.001 + 2.0**-22 * before[k].abs()).all()), k
     delta = max(float((moved[k] - before[k]).abs().max()) for k in before)

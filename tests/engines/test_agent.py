@@ -66,7 +66,7 @@ def engine(env_tools, **agent) -> EpisodeEngine:
         return ToolEnvironment(env_tools, CompactFormat(), tokenizer)
 
     inner = HFGenerationEngine(TOK.eos_token_id, TOK.pad_token_id, CFG.max_position_embeddings)
-    return EpisodeEngine(inner, TOK, AgentConfig(environment, **agent))
+    return EpisodeEngine(inner, TOK, AgentConfig(environment, **{"max_turns": 3, **agent}))
 
 
 def text(ids: torch.Tensor) -> str:

@@ -157,16 +157,20 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly_on_the_reference_base
 
 
 def test_impossible_lora_combinations_are_refused():
-    from algorithms.run.config import ConfigError, PPOConfig, RLConfig
+    from algorithms.run.config import ConfigError, PPOConfig, RLConfig, apply_overrides
+    from algorithms.run.plan import check_settings
+
+    def settings(cls, *overrides):
+        return check_settings(apply_overrides(cls(), list(overrides)))
 
     with pytest.raises(ConfigError, match="lora_rank=8 runs on the torch engine"):
-        RLConfig(lora_rank=8, model=ModelConfig(engine="megatron"))
+        settings(RLConfig, "lora_rank=8", "model.engine=megatron")
     with pytest.raises(ConfigError, match="3D-HybridEngine .*rollout_tp=2.* is not built"):
-        RLConfig(lora_rank=8, rollout_tp=2)
-    with pytest.raises(ConfigError, match="critic_trainable_layers=1 cannot go with it"):
-        PPOConfig(lora_rank=8, critic_trainable_layers=1)
-    with pytest.raises(ConfigError, match="lora_dropout in"):
-        RLConfig(lora_rank=8, lora_dropout=1.5)
+        settings(RLConfig, "lora_rank=8", "rollout_tp=2")
+    with pytest.raises(ConfigError, match="critic: .*lora_rank=8 .*trainable_layers=1 cannot go with it"):
+        settings(PPOConfig, "lora_rank=8", "critic_trainable_layers=1")
+    with pytest.raises(ConfigError, match="actor: .*lora_dropout in"):
+        settings(RLConfig, "lora_rank=8", "lora_dropout=1.5")
     with pytest.raises(ValueError, match="matches no linear layer.*its linear layers: .*q_proj"):
         apply_lora(build_model(CFG, "lm"), LoraConfig(rank=2, target_modules=("c_attn",)))
 

@@ -183,8 +183,9 @@ def test_models_that_cannot_pack_are_refused():
 
 
 def test_pack_sequences_on_megatron_is_refused_before_start():
-    from algorithms.run.config import ConfigError, RLConfig
+    from algorithms.run.config import ConfigError, RLConfig, apply_overrides
+    from algorithms.run.plan import check_settings
 
     with pytest.raises(ConfigError, match="pack_sequences=true runs on the torch engine"):
-        RLConfig(pack_sequences=True, model=ModelConfig(engine="megatron"))
-    assert RLConfig(pack_sequences=True).model.pack_sequences
+        check_settings(apply_overrides(RLConfig(), ["pack_sequences=true", "model.engine=megatron"]))
+    assert apply_overrides(RLConfig(), ["pack_sequences=true"]).model.pack_sequences

@@ -16,9 +16,9 @@ from algorithms.data.prompts import PromptData
 from algorithms.data.tasks import get_task
 from algorithms.objectives.advantages import join
 from algorithms.ppo import PPO
-from algorithms.rollout.fusion import fused_rollout, overlap_note
+from algorithms.rollout.fusion import FusionConfig, fused_rollout, overlap_note
 from algorithms.run.build import Roles
-from algorithms.run.config import ConfigError, FusionConfig, PPOConfig, apply_overrides
+from algorithms.run.config import ConfigError, PPOConfig, apply_overrides
 from engines import (
     ActorWorker,
     CriticWorker,
