@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["UpdateSpec", "GenerationSpec"]
+__all__ = ["UpdateSpec", "GenerationSpec", "generation_spec"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +47,12 @@ class GenerationSpec:
     seed: int = 0
     """Base seed when the prompt rows carry no `seed` column: row i of a rank's share draws from seed * 1000003 + i.
     A `seed` column (one per row) makes each sample independent of the data-parallel split."""
+
+
+def generation_spec(spec: GenerationSpec | None) -> GenerationSpec:
+    """A generation call's spec, None meaning GenerationSpec(); a TypeError for anything else."""
+    if spec is None:
+        return GenerationSpec()
+    if not isinstance(spec, GenerationSpec):
+        raise TypeError(f"a generation call's spec must be a GenerationSpec (or None), got {type(spec).__name__}")
+    return spec

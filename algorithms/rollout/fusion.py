@@ -1,64 +1,9 @@
-"""Stage fusion (RLHFuse, Zhong et al. 2024, arXiv 2409.13221, inter-stage fusion): score samples while the long
-tail of generation is still running.
+"""Stage fusion (RLHFuse, Zhong et al. 2024, inter-stage fusion): score samples while the long tail of generation is
+still running, and optionally migrate that tail to fewer actor ranks so scorers start on the freed ones.
 
-Generation time is set by the longest responses; in a long-tailed length distribution most samples are done early
-and the devices of the scoring models (reference, reward, cost, critic) sit idle until the last one finishes.
-`fused_rollout` issues the rollout as a stream instead:
-
-1. `actor.start_generation(prompts, chunk_samples)` starts decoding in a background thread on each actor rank, and
-   `actor.next_generated_chunk(k)`, one call per chunk, returns the k-th `chunk_samples` rows of each rank to
-   finish (a Dask task returns once, so chunks are separate calls). Calls to one worker process run one at a time
-   in issue order, so the chunk calls queue on the actor's slots behind each other and the last one joins the
-   decoding thread before any later call on those slots runs.
-2. Every scorer whose slots do not overlap the actor's gets one call per chunk, chained on the chunk's future: it
-   starts on its own devices as soon as the chunk exists. A scorer that shares slots with the actor (colocated)
-   would compete with decoding for the same device, so it scores the whole batch after generation, as without
-   fusion. The placement decides: with `placement=split` the critic and reward stream, the reference (on the actor's
-   pool) waits.
-3. One task (`merge_chunks`) joins each chunk with its scores and puts the rows back into the original order by
-   their `row_index`.
-
-On-policy semantics are unchanged: the decode loop is the one `generate_sequences` runs (the thread only hands its
-finished rows out early), so the samples are bit-identical; the chunks hold exactly the rows of the unfused call and
-`merge_chunks` rebuilds the same batch; every scorer sees the same rows, only in smaller batches. Whether a score is
-then bit-identical too depends on the kernels being batch-invariant. On this CPU (torch 2.13, fp32) the transformer
-layers and the LM head are; the one-column heads of the critic and reward models (a Linear to 1 output) are not,
-unless a forward's rows x sequence width is a multiple of 8, which holds whatever the chunking when the sequence
-width (prompt width + max_new_tokens) is a multiple of 8. Otherwise values and model rewards differ from the
-unfused ones in the last bit (about 1e-8), and since Adam's first steps amplify such differences in near-zero
-gradients, the two runs then drift apart like any two runs on different kernels. Computing those heads as a
-row-wise reduction (`(hidden * weight).sum(-1) + bias`, batch-invariant) in the engines would make every width exact.
-
-Long-tail migration (RLHFuse §4: once few samples are still generating, move them to fewer instances and give the
-freed ones to the scorers), `migrate_below=f`, `migrate_to=k` (default 1). Every actor rank from k on decodes until
-at most a fraction f of its rows are still running, then stops (`stream(pause_below=...)`). The controller takes
-the chunks every rank is sure to have produced by then, `(rows - kept) // chunk_samples`; `hand_over_tail` returns
-each pausing rank's unsent finished rows and the state of its running rows (their KV caches, tokens so far, and
-per-row sampling uniforms); ranks 0..k-1 never stop: their `finish_tail` splits the states among them
-(`engines.rollout.stream.share_tails`: each rank's tail whole, to the receiver with the fewest rows so far), feeds each
-receiver's share into its running decode (`stream(inbox=...)`), where each joins the running batch at the step it
-paused at (a state from behind first decodes alone until it catches up, one from ahead waits for the batch to get
-there), and returns every row not yet taken; the receivers' rows together are the last chunk. A scorer that shares
-only the other actor slots streams: its chunk calls, issued after `hand_over_tail`, run on a slot as soon as that
-slot's rank has handed over; scorers on a receiving rank's slot wait for the whole batch. The moved rows draw the
-uniforms they would have on their own rank (the uniforms move with them) but decode in another batch (and so do
-the receivers' own rows once others join them), so their logits may differ in the last bit: their rollout
-log-probs then differ by rounding (the training log-probs are recomputed and are exact), and a token could flip
-only if its uniform fell within rounding of a CDF boundary (none did in the tests, which compare every token). Rows
-move with their KV caches, not by re-prefilling: a prefill over prompt + partial response rounds differently from
-the step-by-step decode. With vLLM (`engines.rollout.vllm_engine`), whose KV blocks do not leave the engine, a moved row
-is re-prefilled instead: the receiver adds it as a request over prompt + tokens so far, and restores the request's
-sampling generator to the state it paused with, so it draws the same tokens (its log-probs differ by rounding, a
-prefill against step-by-step decoding). `finish_tail` takes every rank's handed-over rows as one input, which
-travels to every actor rank (the handing-over ones ignore it): with dp > 2 a freed slot downloads the other pausing
-ranks' states too. Needs an actor of dp > k with tp = pp = 1 and no 3D-HybridEngine (`rollout_tp`); not done: a
-placement search that plans scorers onto the slots migration frees (`placement=fused` is the hand-made one:
-critics, reward and cost on every slot but the first `fuse_migrate_to`).
-
-Intra-stage fusion (RLHFuse's fused actor/critic training pipeline, the two models' micro-batches flowing over
-the same pipeline stages in opposite directions) is the training side: engines/training/megatron/pipeline_fusion.py,
-`fuse_train`. What both would save on a GPU cluster is estimated with the placement simulator: placement/fusion.py,
-`benchmarks/fusion.py --cluster`.
+`rollout` is what every program calls for a step's samples: plain, fused, or the asynchronous pipeline's. The
+settings are the `fusion.` section (`FusionConfig`); how it works, what is bit-identical and why, and what is not
+done: docs/fusion.md. The actor's endpoints it drives are engines.rollout.fused.
 """
 
 from __future__ import annotations
