@@ -33,7 +33,7 @@ from flowactors.protocols import (
     get_protocol,
     register_protocol,
 )
-from flowactors.worker import Worker, endpoint
+from flowactors.worker import Worker, endpoint, link
 
 _configure_from_env()
 
@@ -44,6 +44,7 @@ __all__ = [
     "ActorGroup",
     "Worker",
     "endpoint",
+    "link",
     "Layout",
     "Protocol",
     "register_protocol",

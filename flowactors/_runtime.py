@@ -74,6 +74,23 @@ _REFS = (CALL_REF, PART_REF, SPLIT_REF)
 
 _GROUPS: dict[str, _GroupContext] = {}
 _WORLD: dict[str, Any] = {}
+
+
+@dataclass
+class LinkContext:
+    """This process's place in a link: a process group over the ranks of several groups (Controller.link)."""
+
+    name: str
+    rank: int
+    """This process's rank in the link (the groups' ranks in the order the groups were given)."""
+    groups: dict[str, list[int]]
+    """Each linked group's ranks, as link ranks."""
+    process_group: Any
+    subgroups: dict = field(default_factory=dict)
+    """The extra process groups asked for (tuples of link ranks) that this process is a member of."""
+
+
+_LINKS: dict[str, LinkContext] = {}
 _RESERVED: dict[int, socket.socket] = {}  # port -> socket bound for rank 0's store, from free_port to init_world
 
 
@@ -267,6 +284,41 @@ def new_group(
         _GROUPS[name] = _GroupContext(name, global_ranks.index(me), layout, pg, mesh, mine)
         return True
     return False
+
+
+def new_link(
+    name: str,
+    global_ranks: list[int],
+    groups: dict[str, list[int]],
+    subgroups: list[tuple[int, ...]] = (),
+    _after: Any = None,
+) -> bool:
+    """Create a link's process group and subgroups (tuples of link ranks); every world rank runs this, members
+    keep the result."""
+    import torch.distributed as dist
+
+    if name in _LINKS:
+        raise RuntimeError(f"link {name!r} already exists in this worker process")
+    timeout = _WORLD.get("timeout")
+    pg = dist.new_group(global_ranks, timeout=timeout)
+    me = dist.get_rank()
+    mine = {}
+    for sub in subgroups:
+        group = dist.new_group([global_ranks[r] for r in sub], timeout=timeout)
+        if me in global_ranks and global_ranks.index(me) in sub:
+            mine[tuple(sub)] = group
+    if me in global_ranks:
+        _LINKS[name] = LinkContext(name, global_ranks.index(me), groups, pg, mine)
+        return True
+    return False
+
+
+def link(name: str) -> LinkContext:
+    """This process's context of link `name` (LookupError when it is not a member)."""
+    ctx = _LINKS.get(name)
+    if ctx is None:
+        raise LookupError(f"this worker process is not a member of link {name!r} (Controller.link forms links)")
+    return ctx
 
 
 def construct(name: str, cls: type, args: tuple, kwargs: dict, _after: Any = None) -> RankFailure | None:

@@ -456,6 +456,37 @@ class Controller:
         self._await_setup("world", "init_world", futs, world)
         self._world, self._backend = world, want
 
+    def link(self, name: str, groups: Sequence[Any], subgroups: Sequence[tuple[int, ...]] = ()) -> str:
+        """Form a process group over the ranks of several groups (ActorGroups on distinct slots), once, for their
+        methods to exchange tensors directly with collectives: the groups' ranks in order are the link's ranks,
+        and `subgroups` (tuples of link ranks) are created with it. A member finds it with `flowactors.link(name)`
+        inside a call. Returns `name`."""
+        addresses = [a for g in groups for a in g.addresses]
+        if len(set(addresses)) != len(addresses):
+            raise PlacementError(f"link {name!r}: the linked groups share slots; link groups on distinct slots")
+        if self._world is None:
+            raise PlacementError(f"link {name!r}: create the groups before linking them")
+        ranks = [self._world.index(a) for a in addresses]
+        members, at = {}, 0
+        for g in groups:
+            members[g.name] = list(range(at, at + g.world_size))
+            at += g.world_size
+        token = _token()
+        futs = self.submit_pinned_all(
+            [
+                (
+                    a,
+                    _runtime.new_link,
+                    (name, ranks, members, [tuple(s) for s in subgroups]),
+                    {},
+                    f"{name}.link-{r}-{token}",
+                )
+                for r, a in enumerate(self._world)
+            ]
+        )
+        self._await_setup(name, "link", futs, self._world)
+        return name
+
     def new_group_ranks(
         self,
         name: str,

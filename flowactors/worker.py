@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Worker", "endpoint", "endpoints_of"]
+__all__ = ["Worker", "endpoint", "endpoints_of", "link"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _ENDPOINT_ATTR = "__flowactors_protocol__"
@@ -94,3 +94,11 @@ class Worker:
                 f" rank {self.rank}); place both groups on the same slots"
             )
         return ctx.instance
+
+
+def link(name: str) -> Any:
+    """Inside a call: this process's place in link `name` (`Controller.link`): its `rank`, each linked group's
+    link ranks (`groups`), the link's `process_group` and the `subgroups` it is a member of."""
+    from flowactors import _runtime
+
+    return _runtime.link(name)

@@ -8,6 +8,7 @@ exactly once. How it runs, the off-policy correction and what is not built: docs
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,13 @@ class AsyncConfig:
     proximal policy), and each token is weighted by min(pi_prox / pi_behaviour, tis_cap), the behaviour log-probs
     recorded at generation); `none` (PPO clipped against the behaviour log-probs directly, as OpenRLHF's async
     mode: no proximal pass for GRPO's one-optimizer-step case)."""
+    sync: str = "sharded"
+    """How the trainer's weights reach the replicas: `sharded` (every trainer rank sends only the blocks it holds,
+    in buckets, straight to the replica ranks over a process group linking the two, formed once; after the first
+    sync only what the trainer trains travels: LoRA's adapters) or `rank0` (the whole policy gathered on trainer
+    rank 0 and sent from there; for comparison)."""
+    sync_bucket_mb: float = 64.0
+    """Bucket size of the sharded sync: at most two buckets are held beyond the model on any rank."""
     tis_cap: float = 2.0
     """The truncation of `tis`'s importance weight (>= 1)."""
     rollout_slots: int = 0
@@ -70,6 +78,10 @@ class AsyncConfig:
             raise ConfigError(f"async_tis_cap truncates an importance weight and must be >= 1, got {self.tis_cap}")
         if self.rollout_slots < 0:
             raise ConfigError(f"async_rollout_slots must be >= 0 (0: half of the slots), got {self.rollout_slots}")
+        if self.sync not in ("sharded", "rank0"):
+            raise ConfigError(f"async_sync must be sharded or rank0, got {self.sync!r}")
+        if not self.sync_bucket_mb > 0:
+            raise ConfigError(f"async_sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
 
     def loss_terms(self) -> dict[str, Any]:
         """The off-policy terms of the programs' PolicyLoss (algorithms.objectives.losses): none for synchronous
@@ -127,17 +139,26 @@ class RolloutPipeline:
         rollout: fa.ActorGroup,
         data: PromptData,
         staleness: int,
+        sync: AsyncConfig,
         steps: int,
         batch: tuple[int, int],
         *,
         greedy_baseline: bool = False,
         past_the_end: bool = False,
     ) -> None:
-        """`staleness`: K; `steps`: the run's; `batch`: (prompts per step, samples per prompt). `past_the_end`:
+        """`staleness`: K; `sync`: how weights reach the replicas (`sync`, `sync_bucket_mb`); `steps`: the run's; `batch`: (prompts per step, samples per prompt). `past_the_end`:
         keep issuing rollouts for the K + 1 steps after the run's last (a run that checkpoints: its last checkpoint
         then holds them, so a longer resumed run trains on what an uninterrupted one would)."""
         self.ctl, self.actor, self.rollout, self.data, self.batch = ctl, actor, rollout, data, batch
-        self.staleness = staleness
+        self.staleness, self.sync = staleness, sync
+        self.link: str | None = None
+        if sync.sync == "sharded":  # one process group over the trainer's and the replicas' ranks, formed once
+            replicas = tuple(range(actor.world_size, actor.world_size + rollout.world_size))
+            self.link = ctl.link(
+                f"policy-sync-{uuid.uuid4().hex[:8]}",
+                [actor, rollout],
+                [(s, *replicas) for s in range(actor.world_size)],
+            )
         self.greedy_baseline = greedy_baseline
         self.end = steps + (self.staleness + 1 if past_the_end else 0)
         self.queue: deque[Generated] = deque()
@@ -174,7 +195,14 @@ class RolloutPipeline:
             self._issue(j, i + 1)
 
     def _sync_weights(self, version: int) -> None:
-        self._syncs[version] = self.rollout.load_policy(self.actor.policy_weights(), version)
+        if self.link is None:
+            self._syncs[version] = self.rollout.load_policy(self.actor.policy_weights(), version)
+            return
+        # the first sync of a start sends every parameter; later ones what the trainer trains (LoRA: adapters)
+        changed = version > self._first_version
+        bucket = int(self.sync.sync_bucket_mb * 2**20)
+        self.actor.send_policy(self.link, bucket, changed)  # a collective with the replicas' receive_policy
+        self._syncs[version] = self.rollout.receive_policy(self.link, bucket, version, changed)
 
     def _issue(self, j: int, version: int) -> None:
         prompts = self.data.next_batch(*self.batch)

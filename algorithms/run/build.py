@@ -175,7 +175,10 @@ def build_roles(
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.actor.zero_stage)
     if cfg.async_rl.staleness:  # whole weights on every replica rank, on the torch engine, from the actor's policy
-        optim = dataclasses.replace(cfg.actor, zero_stage=1, lora_rank=0)  # they load merged weights
+        # a whole copy per replica rank; with the sharded sync LoRA's adapters on it too (syncs then move only
+        # them), else the merged weights rank 0 sends
+        lora = cfg.actor.lora_rank if cfg.async_rl.sync == "sharded" else 0
+        optim = dataclasses.replace(cfg.actor, zero_stage=1, lora_rank=lora)
         built["rollout"] = group(
             "rollout",
             ActorWorker,

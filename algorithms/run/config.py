@@ -205,7 +205,10 @@ class RLConfig(RunConfig):
         "kl_coef": "kl.coef",
         "kl_estimator": "kl.estimator",
         # the features
-        **{f"async_{name}": f"async_rl.{name}" for name in ("staleness", "correction", "tis_cap", "rollout_slots")},
+        **{
+            f"async_{name}": f"async_rl.{name}"
+            for name in ("staleness", "correction", "tis_cap", "rollout_slots", "sync", "sync_bucket_mb")
+        },
         "partial_rollout": "async_rl.partial_rollout",
         "fuse": "fusion.enabled",
         **{

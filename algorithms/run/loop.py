@@ -199,6 +199,7 @@ class Runner:
                 self.roles.rollout,
                 self.data,
                 self.cfg.async_rl.staleness,
+                self.cfg.async_rl,
                 self.cfg.steps,
                 (self.cfg.prompts_per_step, self.cfg.samples_per_prompt),
                 greedy_baseline=self.algo.greedy_baseline,

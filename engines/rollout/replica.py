@@ -1,22 +1,110 @@
 """The actor's endpoints of asynchronous RL's weight sync (algorithms.rollout.asynchronous drives them): the
 trainer's policy out of the trainer's ranks, into a rollout replica's (docs/asynchronous.md).
 
+Two paths. `send_policy` / `receive_policy` (sharded): over a link (flowactors.Controller.link: one process group
+over the trainer's and the replicas' ranks, formed once), every trainer rank broadcasts only the blocks of the
+parameters it holds (its FSDP2 / TP shard; of replicated parameters, its round-robin share) to the replica ranks,
+bucket by bucket (`bucket_bytes`), two buckets in flight; a replica rank copies each block into its whole copy as
+it arrives. No rank holds more than two buckets beyond its model, and with `changed_only` only the parameters the
+trainer trains travel (LoRA: the adapters). `policy_weights` / `load_policy` (rank 0): the whole policy gathered
+on trainer rank 0 and sent from there to every replica rank, kept for comparison.
+
 A mixin of engines.roles.ActorWorker: it uses the worker's training engine, rank and weights version.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from flowactors import ONE_TO_ALL, RANK_ZERO, endpoint
+from flowactors import ONE_TO_ALL, RANK_ZERO, endpoint, link
 
-__all__ = ["ReplicaEndpoints"]
+__all__ = ["ReplicaEndpoints", "Piece", "SyncPlan", "plan_sync", "local_block"]
+
+_ALIGN = 16
+"""Byte alignment of each block in a bucket's buffer (so a block's bytes can be viewed as its dtype)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One block of one parameter that one trainer rank sends: `shape` at `offset` in the whole tensor."""
+
+    name: str
+    source: int
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """The buckets of a sync: for each, each source's pieces with their byte offsets in that source's buffer."""
+
+    buckets: list[dict[int, list[tuple[Piece, int]]]]
+    """bucket → source link rank → [(piece, byte offset)]."""
+
+    def sizes(self, b: int) -> dict[int, int]:
+        """Bytes of each source's buffer in bucket `b`."""
+        return {s: _aligned(p[-1][1] + p[-1][0].nbytes) for s, p in self.buckets[b].items()}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.nbytes for bucket in self.buckets for pieces in bucket.values() for p, _ in pieces)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def local_block(param: torch.Tensor, rank: int, world: int, index: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """What of `param` (the `index`-th parameter) this trainer rank sends, and where it sits in the whole tensor:
+    a DTensor's local shard, unless another rank holds the same data (replicated mesh dimensions: the rank at
+    coordinate 0 sends); a plain tensor, which every rank holds, from rank `index % world`. None: nothing."""
+    if hasattr(param, "to_local"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        coords = param.device_mesh.get_coordinate()
+        if coords is None or any(pl.is_replicate() and c != 0 for pl, c in zip(param.placements, coords)):
+            return None
+        local = param.to_local()
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return (local, tuple(int(o) for o in offset)) if local.numel() else None
+    if index % world != rank:
+        return None
+    return param, (0,) * param.dim()
+
+
+def plan_sync(pieces: list[Piece], order: list[str], bucket_bytes: int) -> SyncPlan:
+    """Pieces (of every source) into buckets of about `bucket_bytes`, in parameter order, each source's pieces of a
+    bucket packed into one aligned buffer; every rank computes the same plan from the same pieces."""
+    rank_of = {name: i for i, name in enumerate(order)}
+    ordered = sorted(pieces, key=lambda p: (rank_of[p.name], p.source, p.offset))
+    buckets: list[dict[int, list[tuple[Piece, int]]]] = []
+    filled = bucket_bytes
+    for piece in ordered:
+        if filled + piece.nbytes > bucket_bytes and filled > 0:
+            buckets.append({})
+            filled = 0
+        bucket = buckets[-1]
+        mine = bucket.setdefault(piece.source, [])
+        at = _aligned(mine[-1][1] + mine[-1][0].nbytes) if mine else 0
+        mine.append((piece, at))
+        filled += piece.nbytes
+    return SyncPlan(buckets)
 
 
 class ReplicaEndpoints:
-    """policy_weights on the trainer, load_policy on a replica."""
+    """send_policy on the trainer with receive_policy on the replicas (sharded); or policy_weights on the trainer
+    into load_policy on a replica (rank 0)."""
 
     policy_version: int | None = None
     """The trainer's policy version this replica's weights are (load_policy); None on the trainer itself."""
@@ -48,3 +136,116 @@ class ReplicaEndpoints:
             "bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
             "seconds": time.perf_counter() - t0,
         }
+
+    # -- the sharded path ---------------------------------------------------------------------------------------
+    def _sync_plan(self, link_name: str, changed_only: bool, bucket_bytes: int) -> SyncPlan:
+        """The sync's plan, agreed once per link and kind (every member gathers every trainer rank's pieces)."""
+        import torch.distributed as dist
+
+        plans = self.__dict__.setdefault("_sync_plans", {})
+        key = (link_name, changed_only, bucket_bytes)
+        if key not in plans:
+            ctx = link(link_name)
+            mine: list[Piece] = []
+            order: list[str] = []
+            if self.group_name == next(iter(ctx.groups)):  # the link's first group sends: a trainer rank
+                ranks = ctx.groups[self.group_name]
+                params = list(self.engine.model.named_parameters())
+                order = [n for n, _ in params]
+                for i, (name, p) in enumerate(params):
+                    if changed_only and not p.requires_grad:
+                        continue
+                    block = local_block(p, self.rank, self.world_size, i)
+                    if block is not None:
+                        local, offset = block
+                        dtype = str(local.dtype).removeprefix("torch.")
+                        mine.append(Piece(name, ranks[self.rank], offset, tuple(local.shape), dtype))
+            gathered: list = [None] * dist.get_world_size(ctx.process_group)
+            dist.all_gather_object(gathered, (order, mine), group=ctx.process_group)
+            order = next(o for o, _ in gathered if o)
+            plans[key] = plan_sync([p for _, ps in gathered for p in ps], order, bucket_bytes)
+        return plans[key]
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def send_policy(self, link_name: str, bucket_bytes: int, changed_only: bool = False) -> dict[str, float]:
+        """Trainer side of a sharded sync (every rank; the replicas run `receive_policy` with the same
+        arguments at the same time): broadcast this rank's blocks, bucket by bucket. Returns the bytes this rank
+        sent and the most bucket bytes it held at once."""
+        import torch.distributed as dist
+
+        self._end_receiving()
+        t0 = time.perf_counter()
+        ctx = link(link_name)
+        plan = self._sync_plan(link_name, changed_only, bucket_bytes)
+        params = dict(self.engine.model.named_parameters())
+        replicas = [r for g, ranks in ctx.groups.items() if g != self.group_name for r in ranks]
+        group = ctx.subgroups[(ctx.rank, *replicas)]
+        in_flight: list[tuple[object, torch.Tensor]] = []
+        sent = held = peak = 0
+        with torch.no_grad():
+            for b, bucket in enumerate(plan.buckets):
+                pieces = bucket.get(ctx.rank)
+                if not pieces:
+                    continue
+                buf = torch.empty(plan.sizes(b)[ctx.rank], dtype=torch.uint8)
+                for piece, at in pieces:
+                    param = params[piece.name]
+                    data = param.to_local() if hasattr(param, "to_local") else param
+                    buf[at : at + piece.nbytes].view(data.dtype).view(piece.shape).copy_(data)
+                while len(in_flight) >= 2:
+                    in_flight.pop(0)[0].wait()
+                    held -= 1
+                in_flight.append((dist.broadcast(buf, group_src=0, group=group, async_op=True), buf))
+                held += 1
+                peak = max(peak, sum(x[1].numel() for x in in_flight))
+                sent += buf.numel()
+            for work, _ in in_flight:
+                work.wait()
+        return {"bytes": float(sent), "peak_bucket_bytes": float(peak), "seconds": time.perf_counter() - t0}
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def receive_policy(
+        self, link_name: str, bucket_bytes: int, version: int, changed_only: bool = False
+    ) -> dict[str, float]:
+        """Replica side of a sharded sync (`send_policy` on the trainer at the same time): receive each bucket
+        from every trainer rank that has blocks in it, two buckets in flight, and copy the blocks into this
+        rank's whole copy; the generation engine takes them at the next generate. Returns the bytes received, the
+        seconds it took and the most bucket bytes held at once."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        if self.hybrid is not None:
+            raise ValueError("a rollout replica generates from its own weights: build it without rollout_tp")
+        ctx = link(link_name)
+        plan = self._sync_plan(link_name, changed_only, bucket_bytes)
+        params = dict(self.engine.model.named_parameters())
+        replicas = ctx.groups[self.group_name]
+        posted: list[tuple[int, list[tuple[object, int, torch.Tensor]]]] = []
+        received = peak = 0
+
+        def post(b: int) -> None:
+            works = []
+            for source, size in plan.sizes(b).items():
+                buf = torch.empty(size, dtype=torch.uint8)
+                group = ctx.subgroups[(source, *replicas)]
+                works.append((dist.broadcast(buf, group_src=0, group=group, async_op=True), source, buf))
+            posted.append((b, works))
+
+        with torch.no_grad():
+            for b in range(min(2, len(plan.buckets))):
+                post(b)
+            while posted:
+                peak = max(peak, sum(buf.numel() for _, works in posted for _, _, buf in works))
+                b, works = posted.pop(0)
+                for work, source, buf in works:
+                    work.wait()
+                    for piece, at in plan.buckets[b][source]:
+                        target = params[piece.name]
+                        block = buf[at : at + piece.nbytes].view(getattr(torch, piece.dtype)).view(piece.shape)
+                        target[tuple(slice(o, o + s) for o, s in zip(piece.offset, piece.shape))].copy_(block)
+                    received += buf.numel()
+                if b + 2 < len(plan.buckets):
+                    post(b + 2)
+        self.weights_version += 1
+        self.policy_version = int(version)
+        return {"bytes": float(received), "peak_bucket_bytes": float(peak), "seconds": time.perf_counter() - t0}

@@ -1,0 +1,120 @@
+"""Sharded weight sync (engines.rollout.replica): every trainer rank sends only the blocks it holds, bucket by
+bucket, over a link to the replica ranks; the replicas end with exactly the weights the whole-dict path (rank 0)
+gives them, for every parameter, with FSDP2 and ZeRO-1 trainers and LoRA (whose later syncs move only the
+adapters), and no rank holds more than two buckets of it at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flowactors as fa
+from engines import ActorWorker, ModelConfig, OptimConfig, UpdateSpec, build_model
+from engines.rollout.replica import Piece, plan_sync
+from engines.training.lora import apply_lora
+from flowactors import Layout
+from tests.engines.probes import pg_loss
+from tests.engines.test_packing import long_tailed
+
+CFG = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=7)
+BUCKET = 8 << 10  # 8 KiB: the tiny model's 60-odd KiB travel in many buckets
+
+
+def test_the_plan_puts_every_piece_in_one_bucket_in_order_and_aligned():
+    pieces = [Piece(f"p{i}", s, (s * 4, 0), (4, 8), "float32") for i in range(5) for s in (0, 1)]  # 128 B each
+    plan = plan_sync(pieces, [f"p{i}" for i in range(5)], bucket_bytes=300)
+    placed = [piece for bucket in plan.buckets for per in bucket.values() for piece, _ in per]
+    assert sorted(placed, key=str) == sorted(pieces, key=str)
+    assert [len(b) for b in plan.buckets] == [2, 2, 2, 2, 2]  # 2 pieces (256 B) fit, a third would not
+    for b, bucket in enumerate(plan.buckets):
+        for source, per in bucket.items():
+            offsets = [at for _, at in per]
+            assert all(at % 16 == 0 for at in offsets) and offsets == sorted(offsets)
+            assert plan.sizes(b)[source] >= per[-1][1] + per[-1][0].nbytes
+    assert plan.total_bytes == 10 * 128
+    one = plan_sync(pieces, [f"p{i}" for i in range(5)], bucket_bytes=1)  # every piece a bucket of its own
+    assert len(one.buckets) == 10
+
+
+def _groups(ctl: fa.Controller, name: str, optim: OptimConfig, seed_replica: int = 99):
+    trainer = fa.ActorGroup(
+        ctl, ActorWorker, name=f"{name}_trainer", slots=ctl.slots[:2], layout=Layout(dp=2), args=(CFG, optim)
+    )
+    replica_optim = OptimConfig(zero_stage=1, lora_rank=optim.lora_rank, lora_alpha=optim.lora_alpha)
+    replica_model = ModelConfig(**{**CFG.__dict__, "seed": seed_replica})  # other weights until the sync
+    replicas = fa.ActorGroup(
+        ctl,
+        ActorWorker,
+        name=f"{name}_replicas",
+        slots=ctl.slots[2:4],
+        layout=Layout(dp=2),
+        args=(replica_model, replica_optim),
+    )
+    return trainer, replicas
+
+
+def _sync(ctl, trainer, replicas, link, version, changed_only=False):
+    sent = trainer.send_policy(link, BUCKET, changed_only)
+    got = replicas.receive_policy(link, BUCKET, version, changed_only)
+    return sent.result(), got.result()
+
+
+def _replica_state(replicas) -> dict[str, torch.Tensor]:
+    return replicas.policy_weights().result()  # rank 0 of the replicas, merged where LoRA
+
+
+@pytest.mark.parametrize("zero_stage", [3, 1])
+def test_sharded_sync_equals_the_whole_dict_sync(controller4, zero_stage):
+    optim = OptimConfig(lr=1e-2, zero_stage=zero_stage)
+    trainer, replicas = _groups(controller4, f"sync_z{zero_stage}", optim)
+    try:
+        trainer.update_actor(long_tailed(n=8, seed=1), pg_loss, UpdateSpec(mini_batch_samples=8)).result()
+        want = trainer.policy_weights().result()
+        before = _replica_state(replicas)
+        assert any(not torch.equal(before[k], want[k]) for k in want)  # the replicas start elsewhere
+        link = controller4.link(f"sync_z{zero_stage}", [trainer, replicas], [(0, 2, 3), (1, 2, 3)])
+        sent, got = _sync(controller4, trainer, replicas, link, version=1)
+        state = _replica_state(replicas)
+        assert state.keys() == want.keys()
+        for k in want:
+            assert torch.equal(state[k], want[k]), k
+        digests = replicas.parameter_digest().result()
+        assert digests[0] == digests[1] == pytest.approx(trainer.parameter_digest().result()[0], abs=0)
+        model_bytes = sum(p.numel() * p.element_size() for p in want.values())
+        # each trainer rank sent its part only; each replica received the whole model once
+        assert all(0 < s["bytes"] < 0.75 * model_bytes for s in sent)
+        assert sum(s["bytes"] for s in sent) == pytest.approx(got[0]["bytes"], rel=0.01)
+        assert [g["bytes"] for g in got] == [got[0]["bytes"]] * 2
+        # no rank held more than two buckets (plus one block's alignment) at once
+        assert all(r["peak_bucket_bytes"] <= 2 * BUCKET + 4096 for r in [*sent, *got])
+
+        # the rank-0 path from the same trainer state gives the same replica weights
+        replicas.load_policy(trainer.policy_weights(), 2).result()
+        assert all(torch.equal(_replica_state(replicas)[k], state[k]) for k in state)
+    finally:
+        trainer.close()
+        replicas.close()
+
+
+def test_lora_syncs_move_only_the_adapters_after_the_first(controller4):
+    optim = OptimConfig(lr=1e-2, lora_rank=4, lora_alpha=8.0, zero_stage=3)
+    trainer, replicas = _groups(controller4, "sync_lora", optim)
+    try:
+        link = controller4.link("sync_lora", [trainer, replicas], [(0, 2, 3), (1, 2, 3)])
+        _, first = _sync(controller4, trainer, replicas, link, version=1)  # the base and the adapters
+        for step in range(2):
+            trainer.update_actor(long_tailed(n=8, seed=2 + step), pg_loss, UpdateSpec(mini_batch_samples=8)).result()
+        sent, got = _sync(controller4, trainer, replicas, link, version=2, changed_only=True)
+        want = trainer.policy_weights().result()  # merged: W + scale B A
+        state = _replica_state(replicas)
+        for k in want:
+            torch.testing.assert_close(state[k], want[k], atol=0, rtol=0, msg=k)
+        model = build_model(CFG, "lm")
+        apply_lora(model, optim.lora)
+        adapters = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n}
+        # exactly the adapters' bytes travel (up to each block's 16-byte alignment in its bucket), not the model
+        assert sum(adapters.values()) <= got[0]["bytes"] <= sum(adapters.values()) + 16 * 2 * len(adapters)
+        assert got[0]["bytes"] < 0.2 * first[0]["bytes"]
+    finally:
+        trainer.close()
+        replicas.close()
