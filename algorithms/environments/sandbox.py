@@ -146,13 +146,15 @@ def _command(
             cmd += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             cmd += ["--ro-bind", path, path]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(scratch_mb << 20), "--tmpfs", "/tmp"]
     mounts = [os.path.abspath(p) for p in (*_ETC, *_prefixes(), *binds)]
-    parents = {str(a) for m in mounts for a in PurePosixPath(m).parents if not _system(str(a)) and str(a) != "/"}
+    parents = {
+        str(a) for m in mounts for a in PurePosixPath(m).parents if not _system(str(a)) and str(a) not in ("/", "/tmp")
+    }
     for path in sorted(parents):  # readable by the sandbox's user (bwrap would make them 0700)
         cmd += ["--perms", "0755", "--dir", path]
     for path in mounts:
         cmd += ["--ro-bind-try", path, path]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(scratch_mb << 20), "--tmpfs", "/tmp"]
     cmd += ["--perms", "0777", "--dir", scratch]
     for fd, name in files:
         for parent in reversed(PurePosixPath(name).parents[:-1]):
@@ -171,12 +173,22 @@ def _command(
 
 def _kill(proc: subprocess.Popen, info_r: int) -> None:
     """Kill the sandbox's init (the kernel then kills every process in its PID namespace, and its exit waits for
-    them), then reap bwrap."""
+    them), then reap bwrap. The init is signalled through a pidfd, and only while it is still bwrap's child, so a
+    reused pid is never signalled."""
+    pidfd = None
     try:
         pid = json.loads(os.read(info_r, 65536).decode())["child-pid"]
-        os.kill(pid, signal.SIGKILL)
-    except (OSError, ValueError, KeyError):
-        proc.kill()  # no init yet; --die-with-parent takes the rest
+        pidfd = os.pidfd_open(pid)
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        if ppid != proc.pid:
+            raise ProcessLookupError(pid)
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        proc.kill()  # no init (yet): --die-with-parent takes the rest
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
@@ -194,7 +206,14 @@ def _memfd(data: str | bytes) -> int:
 @functools.lru_cache(maxsize=2)
 def _probe(root: bool) -> None:
     """Once per process: can bwrap build the sandbox here (user namespaces allowed, new mounts and procfs)?"""
-    r = run(["true"], wall_s=30.0, _probed=True)
+    info_r, info_w = os.pipe()
+    try:
+        cmd = _command(["true"], scratch="/tmp/probe", cpu_s=5, memory_mb=256, max_processes=8, scratch_mb=1,
+                       binds=(), env={}, files=[], info_fd=info_w)  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, pass_fds=(info_w,), timeout=30)
+    finally:
+        os.close(info_r)
+        os.close(info_w)
     if r.returncode != 0:
         why = (r.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
         raise SandboxUnavailableError(
@@ -216,7 +235,6 @@ def run(
     binds: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     max_output_bytes: int = 1 << 20,
-    _probed: bool = False,
 ) -> Result:
     """Run a command in the sandbox (module docstring) and return what it did; raise TimeoutError past `wall_s`.
 
@@ -225,14 +243,17 @@ def run(
         stdin: what the command reads on its standard input (none: it reads end of file).
         files: files written into its working directory first ({"main.c": source}; relative paths).
         cpu_s, memory_mb: CPU seconds and address space, per process.
-        max_processes: processes and threads at once, the sandbox's init included.
+        max_processes: processes and threads at once (as an ordinary user, bwrap's init counts too).
         scratch_mb: the size of the writable /tmp (the working directory is in it), and of any one file.
-        binds: host paths the command may read (a toolchain outside /usr, a data set), read-only.
+        binds: host paths the command may read (a toolchain outside /usr, a data set), read-only; as root the
+            command runs as a user of its own, so it reads there only what any user may.
         env: environment variables besides the sandbox's few (PATH, HOME, TMPDIR, LANG).
         max_output_bytes: output kept per stream; the rest is read and dropped (counted in `Result.dropped`).
     """
-    if not _probed:
-        _probe(_as_root())
+    _probe(_as_root())
+    missing = [p for p in binds if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(f"cannot show {missing} to the sandbox: no such path")
     scratch = f"/tmp/flowactors-exec-{os.urandom(4).hex()}"
     fds = [(_memfd(data), _check_name(name)) for name, data in (files or {}).items()]
     stdin_fd = _memfd(stdin) if stdin is not None else subprocess.DEVNULL

@@ -204,6 +204,18 @@ def test_limits_and_output():
         run(["true"], files={"../x": ""})
 
 
+@needs_bwrap
+def test_binds_are_read_only(tmp_path):
+    (tmp_path / "data.txt").write_text("shown")
+    tmp_path.chmod(0o755)  # as root the program runs as a user of its own: it reads what others may read
+    r = run(["sh", "-c", f"cat {tmp_path}/data.txt; echo x > {tmp_path}/data.txt"], binds=[str(tmp_path)])
+    assert (
+        r.stdout == b"shown" and b"Read-only file system" in r.stderr and (tmp_path / "data.txt").read_text() == "shown"
+    )
+    with pytest.raises(FileNotFoundError, match="no such path"):
+        run(["true"], binds=[str(tmp_path / "missing")])
+
+
 def compile_and_run(source: str) -> str:
     """Compile and run a shell script of the model's (a user's own subprocess tool: a compiler, a shell ...).
 
