@@ -8,7 +8,6 @@ are known in advance without training one.
 """
 
 import copy
-import socket
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from engines.rollout.tools import CompactFormat, Tool, ToolEnvironment
 from engines.training.common import OptimConfig
 from engines.training.torch_native import TrainEngine
 from flowactors import Batch
+from tests.algorithms.test_sandbox import needs_bwrap
 
 CFG = ModelConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=3)
 TOK = build_tokenizer(CFG)
@@ -303,43 +303,10 @@ def test_episode_samples_keep_prompt_fields():
     assert out["tool_tokens"].tolist() == [1, 0]
 
 
-# -- code execution ------------------------------------------------------------------------------------------------
+# -- code execution (the sandbox's own tests: tests/algorithms/test_sandbox.py) -------------------------------
 
 
-def test_run_python_returns_output_and_removes_its_directory(tmp_path):
-    out = run_python("import os; print(6 * 7); print(os.getcwd())")
-    value, cwd = out.split()
-    assert value == "42" and "flowactors-exec-" in cwd
-    import os
-
-    assert not os.path.exists(cwd)
-
-
-def test_run_python_has_no_network():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    port = server.getsockname()[1]
-    try:
-        out = run_python(
-            f"import socket; s = socket.socket(); s.settimeout(2); s.connect(('127.0.0.1', {port})); print('connected')"
-        )
-    finally:
-        server.close()
-    assert "connected" not in out and ("Error" in out or "refused" in out.lower() or "unreachable" in out.lower())
-
-
-def test_run_python_limits_cpu_memory_wall_clock_and_output():
-    assert "killed by SIGXCPU" in run_python(
-        "while True: pass", cpu_s=1, wall_s=10
-    ) or "killed by SIGKILL" in run_python("while True: pass", cpu_s=1, wall_s=10)
-    assert "MemoryError" in run_python("x = bytearray(2 * 1024 ** 3)", memory_mb=256)
-    with pytest.raises(TimeoutError, match="wall-clock"):
-        run_python("import time; time.sleep(10)", wall_s=0.5)
-    out = run_python("print('x' * 100000)", max_output=100)
-    assert out.startswith("x" * 100) and "more characters" in out and len(out) < 200
-
-
+@needs_bwrap
 def test_a_code_tool_that_times_out_is_an_error_observation():
     call = ToolCall("run_python", run=lambda: run_python("import time; time.sleep(10)", wall_s=0.3))
     from engines.rollout.agent import _Tools
