@@ -75,7 +75,16 @@ def check_settings(cfg: RLConfig) -> None:
 
 
 def _check_lora(cfg: RLConfig, role: str, rank: int) -> None:
+    from engines.models.config import linear_layer_names
+    from engines.training.lora import check_targets
+
     setting = "lora_rank" if role == "actor" else f"{role}.lora_rank"
+    try:
+        check_targets(
+            linear_layer_names(cfg.model), cfg.trained[role].lora, f"model {cfg.model.path or cfg.model.arch}"
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.model.engine != "torch":
         raise ConfigError(
             f"{setting}={rank} runs on the torch engine; the {cfg.model.engine} engine trains every "

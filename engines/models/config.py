@@ -257,3 +257,18 @@ def save_pretrained(
     if tokenizer is not None:
         tokenizer.save_pretrained(str(p))
     return p
+
+
+def linear_layer_names(cfg: ModelConfig) -> set[str]:
+    """The last name of every linear layer of the model `cfg` builds (q_proj, ..., lm_head), from its architecture
+    alone: built on the meta device, no weights read or allocated (what LoRA's targets are checked against before
+    any worker starts)."""
+    import transformers
+
+    with torch.device("meta"):
+        if cfg.path is not None:
+            config = transformers.AutoConfig.from_pretrained(cfg.path)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        else:
+            model = build_model(cfg, "lm")
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

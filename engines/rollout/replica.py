@@ -169,8 +169,8 @@ class ReplicaEndpoints:
     @endpoint(protocol=ONE_TO_ALL)
     def send_policy(self, link_name: str, bucket_bytes: int, changed_only: bool = False) -> dict[str, float]:
         """Trainer side of a sharded sync (every rank; the replicas run `receive_policy` with the same
-        arguments at the same time): broadcast this rank's blocks, bucket by bucket. Returns the bytes this rank
-        sent and the most bucket bytes it held at once."""
+        arguments at the same time): broadcast this rank's blocks, bucket by bucket. Returns the bytes of the blocks
+        this rank sent and the most bucket bytes it held at once."""
         import torch.distributed as dist
 
         self._end_receiving()
@@ -198,7 +198,7 @@ class ReplicaEndpoints:
                 in_flight.append((dist.broadcast(buf, group_src=0, group=group, async_op=True), buf))
                 held += 1
                 peak = max(peak, sum(x[1].numel() for x in in_flight))
-                sent += buf.numel()
+                sent += sum(piece.nbytes for piece, _ in pieces)
             for work, _ in in_flight:
                 work.wait()
         return {"bytes": float(sent), "peak_bucket_bytes": float(peak), "seconds": time.perf_counter() - t0}
@@ -243,7 +243,7 @@ class ReplicaEndpoints:
                         target = params[piece.name]
                         block = buf[at : at + piece.nbytes].view(getattr(torch, piece.dtype)).view(piece.shape)
                         target[tuple(slice(o, o + s) for o, s in zip(piece.offset, piece.shape))].copy_(block)
-                    received += buf.numel()
+                        received += piece.nbytes
                 if b + 2 < len(plan.buckets):
                     post(b + 2)
         self.weights_version += 1

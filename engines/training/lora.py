@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LoraConfig", "apply_lora", "merged_state_dict", "ALL_LINEAR"]
+__all__ = ["LoraConfig", "apply_lora", "check_targets", "merged_state_dict", "ALL_LINEAR"]
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder's linear layers (Llama and Qwen2 names): `lora_target_modules=all-linear`."""
@@ -67,16 +67,22 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, trainable_heads: tuple[s
         module.register_forward_hook(_hook)
         adapted += 1
     if not adapted:
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ValueError(
-            f"lora_target_modules={','.join(cfg.target_modules)} matches no linear layer of "
-            f"{type(model).__name__}; its linear layers: {','.join(names)} (or all-linear)"
-        )
+        linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        check_targets(linear, cfg, type(model).__name__)
     for head in trainable_heads:
         module = getattr(model, head, None)
         if module is not None:
             module.requires_grad_(True)
     return adapted
+
+
+def check_targets(linear_names: set[str], cfg: LoraConfig, model_name: str = "the model") -> None:
+    """Refuse targets that match none of a model's linear layers (their last names, `linear_names`)."""
+    if not set(cfg.target_modules) & linear_names:
+        raise ValueError(
+            f"lora_target_modules={','.join(cfg.target_modules)} matches no linear layer of {model_name}; its "
+            f"linear layers: {','.join(sorted(linear_names))} (or all-linear)"
+        )
 
 
 def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:

@@ -155,6 +155,10 @@ def _plan(tmp_path, actor_train) -> str:
         (["tool_workers=0"], r"rollout.agent: max_turns and tool_workers must be >= 1 .*; got None, 0, 0$"),
         (["task=tool_arith", "max_turns=0"], r"max_turns and tool_workers must be >= 1 .*; got 0, 8, 0$"),
         (["task=nosuchtask"], r"unknown task 'nosuchtask'; available: add, digit_sum, "),
+        (
+            ["lora_rank=4", "lora_target_modules=nosuch"],
+            r"lora_target_modules=nosuch matches no linear layer of model llama; its linear layers: .*q_proj",
+        ),
         *(
             [
                 (
