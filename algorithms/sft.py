@@ -24,7 +24,7 @@ __all__ = ["SFT", "sft_tiny_cpu", "main"]
 
 
 def sft_tiny_cpu() -> StageConfig:
-    return StageConfig(lr=1e-3, samples_per_step=16, max_response_tokens=16)
+    return StageConfig(optim=OptimConfig(lr=1e-3), samples_per_step=16, max_response_tokens=16)
 
 
 class SFT(Stage):

@@ -47,7 +47,7 @@ class RewardStageConfig(StageConfig):
 
 
 def reward_tiny_cpu() -> RewardStageConfig:
-    return RewardStageConfig(lr=1e-3, samples_per_step=16, max_response_tokens=16)
+    return RewardStageConfig(optim=OptimConfig(lr=1e-3), samples_per_step=16, max_response_tokens=16)
 
 
 class RewardModelTraining(Stage):

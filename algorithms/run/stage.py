@@ -13,13 +13,14 @@ group is data parallel over every slot).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import flowactors as fa
 from algorithms.run.cli import open_controller, parse_args, user_errors
@@ -28,7 +29,6 @@ from algorithms.run.config import (
     RunConfig,
     check_trainable_layers,
     check_training_engine,
-    check_zero_stage,
 )
 from algorithms.run.metrics import MetricsFile
 from engines import ModelConfig, OptimConfig
@@ -40,6 +40,11 @@ __all__ = ["StageConfig", "Stage", "run_stage", "pad_rows"]
 @dataclass
 class StageConfig(RunConfig):
     """What the stages before RL share: data, batch sizes, optimiser, output."""
+
+    ranges: ClassVar[dict[str, str]] = {**RunConfig.ranges, "optim.lr": "(0, inf)"}
+    short_forms: ClassVar[dict[str, str | tuple[str, ...]]] = {
+        name: f"optim.{name}" for name in ("lr", "warmup_steps", "micro_batch_tokens", "trainable_layers", "zero_stage")
+    }
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model to train: model.path=DIR (a Hugging Face folder; a reward or cost model starts its score head
@@ -55,48 +60,27 @@ class StageConfig(RunConfig):
     samples_per_step: int = 32
     """Examples per optimizer step (global, across data-parallel ranks); the last partial step of an epoch is
     dropped."""
-    lr: float = 1e-5
-    """Peak learning rate (AdamW)."""
-    warmup_steps: int = 0
-    """Optimizer steps of linear warm-up."""
-    micro_batch_tokens: int = OptimConfig.micro_batch_tokens
-    """Tokens per forward/backward on one rank (gradient accumulation beyond it)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    """The model's training (engines' OptimConfig: AdamW, warm-up, micro-batches, ZeRO stage, trainable layers,
+    LoRA); its total_steps is the stage's own count."""
     max_response_tokens: int = 128
     """Responses are cut to this many tokens (EOS included)."""
     eval_every: int = 0
     """Evaluate every K steps (0: only after the last)."""
-    trainable_layers: int = 0
-    """Train only the top K decoder layers with the final norm and the head (0: every parameter): a pretrained
-    backbone's lower layers stay as they are and a step costs little more than a forward pass."""
-    zero_stage: int = OptimConfig.zero_stage
-    """3: parameters, gradients and optimizer state sharded over the ranks (FSDP2); 1: a whole model per rank,
-    gradients averaged once a step, optimizer state sharded (ZeRO-1: much less communication for a model that fits
-    on one device)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("epochs", "samples_per_step", "micro_batch_tokens", "max_response_tokens"):
+        for name in ("epochs", "samples_per_step", "max_response_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_every < 0 or self.warmup_steps < 0 or self.trainable_layers < 0 or not self.lr > 0:
-            raise ConfigError("eval_every, warmup_steps and trainable_layers must be >= 0 and lr > 0")
-        check_zero_stage(self.zero_stage)
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         check_training_engine(self.model)
         if self.samples_per_step % self.n_slots:
             raise ConfigError(
                 f"samples_per_step={self.samples_per_step} cannot be split over data-parallel size "
                 f"{self.n_slots} (n_slots); use a multiple of {self.n_slots}"
             )
-
-    def optim(self, total_steps: int) -> OptimConfig:
-        return OptimConfig(
-            lr=self.lr,
-            micro_batch_tokens=self.micro_batch_tokens,
-            warmup_steps=self.warmup_steps,
-            total_steps=max(1, total_steps),
-            trainable_layers=self.trainable_layers,
-            zero_stage=self.zero_stage,
-        )
 
 
 class Stage:
@@ -157,7 +141,7 @@ def run_stage(
             raise ConfigError("train_files=PATH[,PATH] is required (JSONL or Parquet)")
         if cfg.metrics_file and not Path(cfg.metrics_file).resolve().parent.is_dir():
             raise ConfigError(f"metrics_file={cfg.metrics_file}: its directory does not exist")
-        check_trainable_layers("trainable_layers", cfg.trainable_layers, cfg.model)
+        check_trainable_layers("trainable_layers", cfg.optim.trainable_layers, cfg.model)
         stage = stage_cls(cfg)
         stage.load()
         per_epoch = len(stage.examples) // cfg.samples_per_step
@@ -175,7 +159,7 @@ def _train(stage: Stage, ctl: fa.Controller, cfg: StageConfig, per_epoch: int) -
     from tqdm import tqdm
 
     total = per_epoch * cfg.epochs
-    group = stage.build(ctl, cfg.optim(total))
+    group = stage.build(ctl, dataclasses.replace(cfg.optim, total_steps=max(1, total)))
     metrics_file = MetricsFile(cfg.metrics_file) if cfg.metrics_file else None
     if metrics_file is not None:
         metrics_file.restart_at(0)

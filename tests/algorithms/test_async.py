@@ -68,6 +68,8 @@ def same(a, b):
         (["async_staleness=2", "--placement", "split", "fuse=true"], r"async_staleness=2 with fuse=true is not built"),
         (["async_correction=ratio"], r"async_correction must be tis or none, got 'ratio'"),
         (["async_tis_cap=0.5"], r"async_tis_cap truncates an importance weight and must be >= 1, got 0.5"),
+        (["async_sync=nccl"], r"async_sync must be sharded or rank0, got 'nccl'"),
+        (["async_sync_bucket_mb=0"], r"async_sync_bucket_mb must be > 0"),
     ],
 )
 def test_bad_asynchronous_settings_are_one_line_before_the_cluster_starts(capsys, no_cluster, argv, message):

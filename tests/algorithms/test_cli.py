@@ -33,6 +33,7 @@ from algorithms.run.config import (
     describe_settings,
 )
 from algorithms.run.metrics import MetricsFile, print_summary
+from algorithms.run.plan import check_settings
 from algorithms.safe_rlhf import SafeRLHF
 from algorithms.safe_rlhf import main as safe_rlhf
 from flowactors import Layout
@@ -502,7 +503,7 @@ def test_fusion_is_a_section_of_every_rl_program_with_its_short_forms(capsys):
             ConfigError,
             match=f"fuse_train fuses the actor's and the critic's training; {cls.__name__} trains no critic",
         ):
-            apply_overrides(cls(), ["fuse_train=true"])
+            check_settings(apply_overrides(cls(), ["fuse_train=true"]))
     with pytest.raises(SystemExit):
         safe_rlhf(["--help"])
     out = " ".join(capsys.readouterr().out.split())
