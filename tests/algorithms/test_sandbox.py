@@ -3,6 +3,7 @@ run plainly, outside the sandbox, does what the sandbox prevents."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import signal
@@ -81,7 +82,7 @@ def test_no_process_outlives_the_call(tmp_path):
     marker = f"flowactors-daemon-{uuid.uuid4().hex}"
     child = (
         "import os, time\n"
-        "for i in range(400):\n"
+        "for i in range(1200):\n"
         "    print('beat', flush=True)\n"
         "    open('local-beat', 'a').write('.')\n"
         "    try:\n"
@@ -113,14 +114,14 @@ def test_no_process_outlives_the_call(tmp_path):
         return pids
 
     t = time.monotonic()
-    out = run_python(daemon, wall_s=10)
+    out = run_python(daemon, wall_s=50)
     assert (
-        "beat" in out and "parent done" in out and time.monotonic() - t < 8
-    )  # it did not wait for the daemon's 20 s either
+        "beat" in out and "parent done" in out and time.monotonic() - t < 40
+    )  # it did not wait for the daemon's 60 s either (the bounds leave room for a loaded machine)
     time.sleep(0.3)
     assert alive() == [] and not beat.exists()
     with pytest.raises(TimeoutError):
-        run_python(daemon.replace("sys.exit(0)", "time.sleep(60)"), wall_s=1.5)
+        run_python(daemon.replace("sys.exit(0)", "time.sleep(600)"), wall_s=5)
     assert alive() == []
 
     # the control: run plainly, the daemon survives the call and keeps writing
@@ -184,12 +185,15 @@ def test_the_scratch_directory_is_private_and_removed():
     out = run_python("import os; open('out.txt', 'w').write('x'); print(os.getcwd()); print(os.listdir('/tmp'))")
     cwd, listing = out.splitlines()
     assert "flowactors-exec-" in cwd and not os.path.exists(cwd)
-    assert listing == f"[{os.path.basename(cwd)!r}]"  # a fresh /tmp: nothing of the host's, nothing of other calls
+    # a fresh /tmp: nothing of the host's, nothing of other calls; only the way to the interpreter's own prefix
+    # where it lives under /tmp (a virtual environment made there, as CI's is), which the sandbox binds read-only
+    bound = {Path(p).parts[2] for p in {sys.prefix, sys.base_prefix} if Path(p).parts[1:2] == ("tmp",)}
+    assert sorted(ast.literal_eval(listing)) == sorted({os.path.basename(cwd), *bound})
 
 
 @needs_bwrap
 def test_limits_and_output():
-    assert "killed by SIGXCPU" in run_python("while True: pass", cpu_s=1, wall_s=10)
+    assert "killed by SIGXCPU" in run_python("while True: pass", cpu_s=1, wall_s=120)  # wall: a loaded machine
     assert "MemoryError" in run_python("x = bytearray(2 * 1024 ** 3)", memory_mb=256)
     assert run_python("import sys; print('a'); print('b', file=sys.stderr); sys.exit(3)") == "a\nb\n\n[exit status 3]"
     with pytest.raises(TimeoutError, match="wall-clock"):
@@ -222,7 +226,7 @@ def compile_and_run(source: str) -> str:
     Args:
         source: the program.
     """
-    r = run(["sh", "-c", "sh -n main.sh && sh main.sh"], files={"main.sh": source}, wall_s=1)
+    r = run(["sh", "-c", "sh -n main.sh && sh main.sh"], files={"main.sh": source}, wall_s=20)
     return (r.stdout + r.stderr).decode() + (f"[exit status {r.returncode}]" if r.returncode else "")
 
 
@@ -238,9 +242,9 @@ def test_a_users_subprocess_tool_gets_the_same_guarantees(tmp_path):
         "echo": "echo hello",
         "write": f"echo x > {target}",
         "read": f"cat {ROOT / 'pyproject.toml'}",
-        "hang": "sleep 30",
+        "hang": "sleep 120",
     }
-    pool = _Tools(2, 5.0)
+    pool = _Tools(2, 15.0)  # room for a loaded machine; the hanging call is past it and past its wall_s
     results = {k: pool.run(ToolCall(tool.name, run=lambda s=s: tool.fn(s))) for k, s in calls.items()}
     assert results["echo"][0] == "hello\n"
     assert "exit status" in results["write"][0] and not target.exists()
