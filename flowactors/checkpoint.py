@@ -1,53 +1,14 @@
-"""Atomic, checksummed checkpoint directories (docs/design.md §6, storage half).
+"""Atomic, checksummed checkpoint directories: the storage half of docs/design.md §6.
 
-A checkpoint is one directory, ``root/step_000012/``, that every role's ranks and the controller write into:
+Every role's ranks and the controller write a checkpoint into a temporary directory (``begin``); ``commit`` writes
+the controller's state and ``MANIFEST.json`` (every file's block checksums) last, renames the directory into place
+and only then updates ``latest``, so a process killed at any point leaves either the previous checkpoint or the new
+one. Loading verifies every block and walks back to the last complete checkpoint; retention and the run's lock on
+the root (``acquire``) are here too. The torch.distributed.checkpoint helpers that ranks call live in
+``flowactors/_dcp.py`` and are re-exported here; the checksum layer both use (block CRCs, sidecars,
+``CheckpointError``) lives below both, in ``flowactors/_integrity.py``, so imports point one way.
 
-```
-root/
-  latest                  "step_000012\n", replaced atomically (write-temp + os.replace)
-  step_000012/
-    MANIFEST.json         written last: every file with its size and block checksums
-    controller/state.json the controller's plain data (data position, algorithm state, config, RNG)
-    controller/tensors.pt tensors from the controller state, if any (torch.save, loaded weights_only)
-    actor/...             one directory per role, written by its ranks (torch.distributed.checkpoint)
-  .tmp-step_000014-3fa2c1d0/   a save in progress, or left by a killed one; never read, removed by begin()
-```
-
-The save protocol, and why each step is there:
-
-1. ``begin(step)`` makes a temporary directory next to the final one (same filesystem, so the final move is a
-   rename). Ranks anywhere that share the filesystem write their shards into ``pending.role_dir(role)``.
-2. ``commit(pending, controller_state)``, called once every rank has finished writing, writes the controller's
-   state, checksums every file, and writes ``MANIFEST.json`` last. Ranks that saved with ``save_sharded`` have
-   already checksummed their files as they wrote them (in parallel, nothing read back) and fsynced them, into
-   sidecars the commit merges; anything else the commit reads back and fsyncs itself (the writers may have been
-   other processes). The temporary directory is then renamed to its final name, and only after that is
-   ``latest`` replaced. A directory without a verifiable manifest is not a checkpoint, so a process killed at
-   any point leaves either the old state (the previous checkpoint intact, ``latest`` naming it) or the new one.
-3. Retention then deletes old checkpoints: keep the last ``keep_last`` and, optionally, every step divisible by
-   ``keep_every``; never the newest, never the one ``latest`` names. Deletion renames the directory away first,
-   so a half-deleted checkpoint never looks like one, and frees the space in a background thread (``close()``
-   waits for it).
-
-Loading (``latest_complete``, ``load``, ``resolve``) verifies the manifest's own checksum, every file's size and
-every block's checksum. ``latest_complete`` starts from the checkpoint ``latest`` names and walks back to older
-ones, logging a structured warning for each one that fails; checkpoints with a higher step than ``latest`` are
-not used: they are either a save killed between its rename and the ``latest`` update, or the future of a run that
-was resumed from an earlier step, and in both cases the run's own record says the older one is current.
-
-Checksums are CRC-32 (stdlib ``zlib``) over 64 MiB blocks. CRC-32 detects any single flipped byte and runs at
-about 2.3 GB/s a core here, faster than blake2b, sha256 or md5 (about 1.0, 1.5 and 0.8 GB/s); blocks let
-several threads checksum one large file at once (``zlib.crc32`` and file reads release the GIL), and let a
-writer checksum a file as it streams it out (``_BlockCrc``), with the same result as reading it back.
-``benchmarks/checkpoint.py`` measures a save and a verified load against a plain copy. CRC-32 guards against
-torn and corrupted files, not against tampering.
-
-One run owns a store root: `acquire()` takes an exclusive lock on ``root/.lock`` (flock: released by the kernel
-when the process dies, so a crashed run leaves no stale lock), and a second run's `acquire()` fails naming the
-holder instead of silently interleaving saves and retention with the first.
-The torch.distributed.checkpoint helpers that ranks call live in ``flowactors/_dcp.py`` and are re-exported here;
-the checksum layer that both use (block CRCs, sidecars, ``CheckpointError``) lives below both, in
-``flowactors/_integrity.py``, so imports point one way.
+The layout, the save and load protocol step by step with its reasons, and why CRC-32: docs/checkpoints.md.
 """
 
 from __future__ import annotations
