@@ -1,49 +1,15 @@
 """The direct-call transport: the controller sends pinned work straight to the workers, without the scheduler.
 
 Why: a group call through Dask is a chain of messages (client → scheduler → worker → scheduler → client, then the
-value), each with the scheduler's bookkeeping on the way; on the 2-core CI machine a no-op call over 2 ranks costs
-~5 ms that way, ~10 times a Ray actor call. Measured there with prototypes of each design (the no-op case of
-benchmarks/dispatch.py): one request per rank over Dask's comms (the client's connection pool, handled on the event loops of
-client and worker) costs ~0.9 ms for the round trip alone, each hop waking an event loop in a process whose GIL
-other threads hold; keeping a Dask task per rank next to it for the record brings it back to ~3 ms; a plain socket
-per worker, written by the controller's thread and read by a thread of the worker that hands each item to the task
-thread, costs ~0.2 ms. So direct work is not a Dask task, and its requests and replies travel on such a socket.
-Inputs fetched worker to worker and large outputs fetched by the controller take the same kind of socket (a `get` on
-the producing worker's listener): with the embedded cluster's Dask comms on TLS, they would otherwise pay for
-encryption no one on the machine needs (measured with `benchmarks/dispatch.py --compare-open`).
+value), each with the scheduler's bookkeeping on the way, and costs several times the work of a no-op call. A plain
+socket per worker, written by the controller's thread and read by a thread of the worker that hands each item to
+the task thread, costs a fraction of that. So direct work is not a Dask task: requests, replies and stored outputs
+(worker to worker, and to the controller) travel on such sockets, which keep the calls' promises (issue order per
+process, chaining, failures, hang reports, visibility on the `/flowactors` page) and serve only a peer that proves it
+holds the worker's secret.
 
-What calls keep promising, and how:
-
-- **Issue order per process.** Each controller has one connection to each worker, written under the controller's
-  lock in issue order; the worker's reader thread hands each item, in arrival order, to its single task thread (the
-  executor Dask runs tasks in: torch state, the CUDA device, and anything else bound to that thread is shared with
-  Dask-path work), which runs them one at a time. An item's inputs are fetched as soon as it arrives (on the
-  worker's event loop), so a transfer overlaps the compute of the items before it.
-- **Chaining.** An item's output stays in its worker's store under the item's key until the controller drops the
-  future that names it (a `CallFuture` and every call that takes it as input). In a later item's arguments a
-  `DirectFuture` travels as a `DirectRef` (key and worker); the worker replaces it by the value, from its own store
-  or fetched from the producing worker (one `get` on that worker's direct listener, worker to worker; never
-  through the controller, which tells each worker its peers' listeners).
-- **Values.** The reply to the request carries the output when it is small (`INLINE_BYTES`), else only that it is
-  stored; `result()` then fetches it from the worker (a `get`, on a pooled connection of its own).
-- **Failures.** A rank's failure is its returned `RankFailure`, as on the Dask path; an exception raised by a
-  runtime function (forming the world, a `Controller.apply`) is sent back and raised by `result()`, and items that
-  take its output raise the same without running (as Dask fails a task whose input erred). A request to a dead worker
-  fails; the controller also fails every pending item of a worker the scheduler removed (`fail_address`).
-  `result()` waits under the controller's watchdog; the hang report asks each worker what its task thread runs
-  (`stacks`).
-- **Listening.** Each worker's socket listens on the address its Dask comm uses (127.0.0.1 for the embedded
-  cluster) and serves only a peer that proves it holds the worker's secret: 32 random bytes made when the plugin
-  starts, which a controller can learn only through `Client.run`, i.e. over the cluster's own Dask comms (TLS with
-  the run's credentials for the embedded cluster; whatever security an external cluster has). The worker sends a
-  nonce, the peer answers HMAC-SHA256(secret, nonce) within `HANDSHAKE_S`; nothing is read past that, let alone
-  unpickled, before the answer checks out. So the door is never weaker than the cluster's own. Every frame's size is
-  checked against `MAX_MESSAGE_BYTES` before anything is allocated for it; a connection that fails either check is
-  closed, and each waits in a thread of its own, so a stranger's connections never hold up the controller's.
-- **Visibility.** Every worker reports the items it ran (key, inputs, previous item, compute span) to the
-  scheduler's event log every `REPORT_S` on topic `flowactors.calls`; the `/flowactors` dashboard page draws them
-  like tasks, and `Controller.profile` counts their spans. Dask's task stream does not show them: they are not
-  tasks.
+How it works and what it promises: docs/design.md §3 (Direct calls); the measurements that chose it:
+docs/benchmarks.md (Group calls); the handshake and bounded reads: docs/security.md.
 """
 
 from __future__ import annotations
