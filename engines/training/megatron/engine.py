@@ -2,56 +2,15 @@
 
 `MegatronEngine` implements engines.interfaces.TrainingEngine, as the torch-native
 `engines.training.torch_native.TrainEngine` does, so a role holds either; `ModelConfig(engine="megatron")` chooses it
-(engines.registry). Its checkpoints hold the weights and the distributed optimizer's state in model space, so they load
-under any (p, t, d) (see `checkpoint_state`). Inside, everything is megatron-core's own machinery: a `GPTModel` (local
-layer spec: RMSNorm, SwiGLU, rotary, GQA) built from the transformers config, explicit process groups for the TP × DP ×
-PP rank grid (engines.training.megatron.groups: the group's own mesh, in megatron's order, tp fastest, then dp, then pp;
-megatron's process-global `parallel_state` is never initialised, so models on different slots or with different layouts
-live side by side), its `DistributedDataParallel` with the distributed optimizer, and the pipeline schedules of
-`get_forward_backward_func` (1F1B when pp > 1). A model whose stages run down its ranks (the critic of a fused
-actor/critic pipeline, engines.training.megatron.pipeline_fusion) runs its forwards and updates through that module's
-runner, on the same forward / backward steps. Weights come in and go out in Hugging Face format through
-`engines.training.megatron.convert`.
+(engines.registry). Inside, everything is megatron-core's own machinery (a `GPTModel`, its DDP and distributed
+optimizer, the pipeline schedules of `get_forward_backward_func`) over process groups built from the flowactors
+group's mesh (engines.training.megatron.groups), so models on different slots or with different layouts live side by
+side. Weights come in and go out in Hugging Face format (engines.training.megatron.convert); checkpoints hold them
+and the optimizer state in model space, so they load under any (p, t, d). megatron-core (pinned to 0.16.1) is
+imported lazily: importing this module works without it; only building an engine needs it.
 
-Version. megatron-core is pinned to 0.16.1, the last release that installs on Python 3.11 (0.17 and later need
-Python >= 3.12). It is imported lazily: `import engines.training.megatron.engine` works without it; only building an
-engine needs it.
-
-Loss aggregation matches TrainEngine: token-mean over the whole mini-batch across data-parallel ranks. We use
-megatron's own per-token mode (`calculate_per_token_loss`): each micro-batch returns its summed weighted token
-loss and its response-token count, DDP sums gradients over DP, and `finalize_model_grads` divides by the token
-count all-reduced over DP. The update is therefore independent of the DP size and the micro-batch split.
-
-Heads (as verl's megatron critic and reward model do). "lm" keeps GPTModel's vocab-parallel output layer. "value"
-(critic) and "score" (reward / cost model) swap it, on the last stage, for a scalar linear (`_ScalarHead`, the
-transformers `score` layer) that is replicated over TP rather than split: a [1, hidden] weight gains nothing from
-sharding, and replicated it needs no collective. Every TP rank computes the same head gradient from the same
-final hidden states, and megatron's grad norm counts an untagged parameter on TP rank 0 only, as for the norms.
-GPTModel 0.16.1 has no switch to leave its vocab projection out, so it is built and dropped before the
-weights load: a transient (vocab / tp) × hidden allocation on the last stage.
-Values are read at the positions that predict each response token (as TrainEngine does); a score at the last
-token that is not `pad_token_id`, the pooling of transformers' *ForSequenceClassification.
-
-Log-probs and entropy are computed vocab-parallel (the logits stay split over TP): max and sum-exp are
-all-reduced over the TP group with megatron's autograd-aware reduction, so no rank materialises the full-vocab
-logits.
-
-Differences from TrainEngine worth knowing:
-
-* weight decay follows megatron's default grouping (no decay on biases and norm weights); TrainEngine decays
-  every parameter. Identical when weight_decay = 0.
-* the rotary embedding is applied by sequence index, not by `position_ids`; for left-padded rows this is the
-  same attention (rotary scores depend on position differences only), up to float rounding.
-* neither engine's value or score head has dropout (engines.models.config builds them with classifier_dropout = 0, as
-  verl does for critics), so the two engines' critics agree.
-
-What runs where. On GPUs the engine runs as is (NCCL, CUDA). On CPU, megatron-core 0.16.1 still reaches for CUDA
-in a few non-mathematical places (`torch.cuda.current_device`, the CUDA RNG tracker, literal `device="cuda"` in
-the schedules and optimizer, `'torch.cuda.FloatTensor'` type checks); the tests redirect those with a shim that
-lives in tests/engines/megatron_shim.py and never in this package. With it, TP, PP (1F1B), DP with the
-distributed optimizer, and their combinations run on gloo and match a plain transformers model. GPU-only: bf16 /
-fp16 mixed precision as a tested path, Transformer Engine layer specs (fused kernels, sequence parallel, which
-megatron's torch-norm path refuses), overlapped gradient reduction and parameter gathering.
+How it works (loss aggregation, heads, vocab-parallel log-probs), how it differs from TrainEngine, and what runs on
+CPU: docs/engines.md (megatron-core).
 """
 
 from __future__ import annotations
