@@ -2,54 +2,14 @@
 
 `Resharder(method="micro-dp")` is the engine: going to generation, each micro-DP group (the d_g ranks of one
 training replica whose shards tile one generation shard, see layout.py) all-gathers its members' training shards,
-every group at once and nothing crosses groups. The local training shard is not copied: its flat buffer is passed
-to the collective as the local rank's piece, so the generation shard *is* the training memory plus the d_g − 1
-pieces received. Going back to training drops those received pieces; the training buffer was never moved or
-written. The baselines, for measurement, gather the whole model into a fresh buffer: over all t·p·d ranks, each
-contributing 1/d of its TP×PP shard (DeepSpeed-Chat style, "all"), or over the t·p ranks of the TP×PP group
-(HybridFlow-V, "tp-pp"); both keep the training shard beside the gathered copy, as those systems do.
+every group at once, with the local training shard passed in place as the local rank's piece, so the generation
+shard is the training memory plus the d_g − 1 pieces received; going back to training drops those pieces. The
+baselines ("all", "tp-pp") gather the whole model into a fresh buffer, for measurement. Each transition is counted
+per rank (`ReshardStats`) from the tensors handed to the collectives, never from the formulas, and
+`GenerationShard.named_weights` hands the result to a generation engine.
 
-How the all-gather is done. Each member broadcasts its payload within the group in member order, in place, all
-broadcasts issued asynchronously and awaited together: an all-gather whose output for the local rank is the
-training buffer itself. Two measured reasons on gloo: `all_gather` insists on equal sizes (stages differ: stage 0
-holds the embedding, the last the final norm) and copies through a flat temporary the size of the whole output;
-per-source broadcasts do neither and were faster than gloo's all_gather on 2 and 8 ranks here.
-
-TP-replicated tensors (norms, row-parallel biases) are not sharded by the layout, so a rank already holds its own
-stage's; they travel only across stages, from the one peer of each other stage with the same training TP rank
-(layout.stage_peers / train_pp_group), so each is received once. Hence the exact bytes a rank receives:
-
-    micro-dp : (t·p − t_g·p_g)/(t_g·p_g·t·p) · M_s  +  replicated bytes of the other stages of its block
-    tp-pp    : (t·p − 1)/(t·p) · M_s                +  replicated bytes of the other stages
-    all      : (t·p·d − 1)/(t·p·d) · M_s            +  replicated bytes of the other stages
-
-where M_s is the TP-sharded part of the model; with balanced stages these are the formulas of HybridFlow Table 2
-on M_s (exact when every stage's sharded payload has the same size, i.e. untied embeddings; the "all" split into d
-parts is exact when each payload divides by d). Replicated tensors are 0.05 % of the benchmark model.
-
-Accounting, per rank and per transition (`ReshardStats`), counted from the tensors handed to the collectives and
-the buffers allocated, never from the formulas:
-
-* ``received_bytes``: bytes of every broadcast this rank did not source.
-* ``gen_param_bytes``: bytes of the generation parameter set (the paper's "peak parameter memory").
-* ``fresh_param_bytes``: the part of it newly allocated (freed by `to_training`).
-* ``redundant_bytes``: training bytes the generation set holds a second copy of (the paper's "redundancy").
-* resident = training shard + fresh = gen_param_bytes + redundant_bytes.
-
-Handing the shard to a generation engine. `GenerationShard.named_weights(fmt)` streams the tensors: "hf" names
-(q/k/v, gate/up separate: a transformers model's TP plan, or vLLM's ``load_weights``/``reload_weights``, which
-take Hugging Face names) or "fused" training names whose per-rank layout ``[q_j; k_j; v_j]``, ``[gate_j; up_j]``
-is that of vLLM's QKVParallelLinear and MergedColumnParallelLinear local shards. Without a TP merge (t_g = t) every
-tensor is a view of the gathered memory. With one, a tensor made of r sub-shards is concatenated as it is yielded
-(a contiguous tensor cannot hold a piece that lives in the training buffer), so an engine that copies into its own
-weights sees one merged tensor at a time; the zero-redundancy figures above are this module's memory, and an
-engine that keeps its own copy of the weights adds it. embed_tokens stays vocab-parallel as in training (Megatron's
-convention); transformers' TP plan replicates the embedding, so that engine must all-gather it over its TP group.
-
-Bad input (layouts that do not divide, a model the layout cannot cut, an engine that cannot take t_g, a world of
-the wrong size) raises in the constructor, identically on every rank, before any group is used. A malformed
-training shard on one rank is caught by a one-integer all-reduce inside the group before the payloads move, so
-every rank of the group raises instead of hanging.
+How the all-gather is done and why, the exact bytes each method receives, the accounting, the weight formats, and
+how bad input fails: docs/engines.md (The 3D-HybridEngine).
 """
 
 from __future__ import annotations
