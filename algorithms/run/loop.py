@@ -42,7 +42,7 @@ from algorithms.run.cli import open_controller, parse_args, user_errors
 from algorithms.run.config import RLConfig, derived_sizes
 from algorithms.run.metrics import MetricsFile, print_summary
 from algorithms.run.plan import RunPlan, check_before_start, resolve
-from algorithms.run.resume import Change, check_resumable
+from algorithms.run.resume import Change, check_resumable, describe
 from engines import GenerationSpec, UpdateSpec
 from flowactors.checkpoint import Checkpoint, CheckpointStore, capture_rng, restore_rng, seed_rng
 
@@ -279,7 +279,7 @@ class Runner:
                     critic.set_lr(self.cfg.critic.lr).result()
         self.algo.resumed(self.changes)
         print(
-            f"[{self.algo.name}] settings changed since the checkpoint, applied: " + "; ".join(map(str, self.changes)),
+            f"[{self.algo.name}] settings changed since the checkpoint, applied: " + describe(self.changes),
             file=sys.stderr,
         )
 

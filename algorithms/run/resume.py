@@ -21,8 +21,9 @@ import dataclasses
 from typing import Any
 
 from algorithms.run.config import ConfigError, RLConfig
+from algorithms.run.settings import short_forms
 
-__all__ = ["Change", "setting_changes", "check_resumable"]
+__all__ = ["Change", "describe", "setting_changes", "check_resumable"]
 
 _ENVIRONMENT = (
     "checkpoint.",
@@ -56,11 +57,19 @@ class Change:
     """One setting whose value differs from the checkpoint's."""
 
     key: str
+    """The dotted key (`kl.coef`)."""
     saved: Any
     now: Any
+    name: str = ""
+    """What users type for it: its short form where it has one (`kl_coef`), else the key."""
 
     def __str__(self) -> str:
-        return f"{self.key} {self.saved!r} -> {self.now!r}"
+        return f"{self.name or self.key} {self.saved!r} -> {self.now!r}"
+
+
+def describe(changes: list[Change]) -> str:
+    """The changes as one line (a short form that sets several keys is listed once)."""
+    return "; ".join(dict.fromkeys(map(str, changes)))
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -84,7 +93,8 @@ def setting_changes(saved_config: dict, cfg: RLConfig) -> list[Change]:
     defaults = _flat(dataclasses.asdict(type(cfg)()))
     saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
     keys = [k for k in now if not _matches(k, _ENVIRONMENT)]
-    return [Change(k, saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]]
+    names = {key: short for short, targets in short_forms(cfg).items() for key in targets}
+    return [Change(k, saved.get(k), now[k], names.get(k, k)) for k in keys if saved.get(k) != now[k]]
 
 
 def check_resumable(saved_config: dict, cfg: RLConfig) -> list[Change]:
@@ -95,7 +105,7 @@ def check_resumable(saved_config: dict, cfg: RLConfig) -> list[Change]:
         raise ConfigError(
             "these settings differ from the checkpoint's and are fixed at a run's start, so a resumed "
             "run cannot change them: "
-            + "; ".join(map(str, fixed))
+            + describe(fixed)
             + ". Set them back, or start a new run (resume=never, or another checkpoint_dir)"
         )
     return changes
