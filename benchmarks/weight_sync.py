@@ -7,8 +7,8 @@ An embedded 4-slot cluster: the trainer an FSDP2 actor over 2 ranks, the replica
 (`policy_weights` gathered on trainer rank 0 into `load_policy` on every replica rank) and `sharded`
 (`send_policy` / `receive_policy` over a link, buckets of `--bucket-mb`). Per path: seconds, the bytes each trainer
 rank sent (rank 0's link carries everything on the old path), and each rank's peak resident memory growth during
-the sync (VmHWM after resetting it, minus VmRSS before). LoRA (rank 8 on every linear layer): the bytes of a
-sharded sync after the first, against the full model's. `--cluster` estimates syncs of 7B/70B/235B models on
+the sync (VmHWM after resetting it, minus VmRSS before). LoRA (rank 8 on every linear layer, the middle size): the
+bytes of a sharded sync after the first, against the full model's. `--cluster` estimates syncs of 7B/70B/235B models on
 64-512 GPUs from a per-link bandwidth, beside verl's and slime's published figures.
 """
 
@@ -96,14 +96,18 @@ def measure(ctl, size: int, bucket_mb: float, lora: int = 0) -> list[dict]:
         n_params = sum(trainer.memory_stats().result()[r]["param_bytes"] for r in range(2)) // 4
         link = ctl.link(f"bench{size}_{lora}", [trainer, replicas], [(0, 2, 3), (1, 2, 3)])
         bucket = int(bucket_mb * 2**20)
-        paths = ("sharded",) if lora else ("rank0", "sharded")
+        paths = ("sharded",) if lora else ("sharded", "rank0")  # rank0 last: it may not survive a large model
         for path in paths:
             for attempt in range(2):  # the first builds plans and buffers; the second is measured
                 changed = bool(lora) and attempt == 1
                 trainer.rss_mark().result(), replicas.rss_mark().result()
                 t0 = time.perf_counter()
                 if path == "rank0":
-                    got = replicas.load_policy(trainer.policy_weights(), attempt).result()
+                    try:
+                        got = replicas.load_policy(trainer.policy_weights(), attempt).result()
+                    except fa.WorkerLostError as e:  # rank 0's second copy (and its serialisation) outgrew the worker
+                        rows.append({"size_m": size, "params": n_params, "path": path, "error": str(e)[:160]})
+                        return rows
                     sent = [sum(g["bytes"] for g in got), 0.0]  # every replica's copy leaves trainer rank 0
                 else:
                     s = trainer.send_policy(link, bucket, changed)
@@ -124,8 +128,11 @@ def measure(ctl, size: int, bucket_mb: float, lora: int = 0) -> list[dict]:
                 }
             )
     finally:
-        trainer.close()
-        replicas.close()
+        for group in (trainer, replicas):
+            try:
+                group.close(wait=False)
+            except fa.FlowactorsError:  # a group on a worker that died
+                pass
     return rows
 
 
@@ -162,18 +169,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--sizes", default="50,200,400")
     ap.add_argument("--bucket-mb", type=float, default=64.0)
-    ap.add_argument("--lora", type=int, default=8, help="LoRA rank of the adapters-only row (0: none)")
+    ap.add_argument(
+        "--lora", type=int, default=8, help="LoRA rank of the adapters-only row, on the middle size (0: none)"
+    )
     ap.add_argument("--cluster", action="store_true", help="also estimate large clusters' syncs")
     ap.add_argument("--link-gbps", type=float, default=25.0, help="GB/s per link for --cluster")
     args = ap.parse_args(argv)
     import flowactors as fa
 
     rows: list[dict] = []
-    with fa.Controller.local(4, dashboard=None, collective_timeout_s=600) as ctl:
-        for size in [int(s) for s in args.sizes.split(",")]:
-            rows += measure(ctl, size, args.bucket_mb)
-        if args.lora:
-            rows += measure(ctl, min(int(s) for s in args.sizes.split(",")), args.bucket_mb, lora=args.lora)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    lora_size = sorted(sizes)[len(sizes) // 2]  # the middle size (200M by default)
+    for size, lora in [(s, 0) for s in sizes] + ([(lora_size, args.lora)] if args.lora else []):
+        # a cluster per size: a worker the rank-0 path kills does not take the next sizes with it
+        with fa.Controller.local(4, dashboard=None, collective_timeout_s=600) as ctl:
+            rows += measure(ctl, size, args.bucket_mb, lora=lora)
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -181,19 +191,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"\n{'size':>6} {'path':>14} {'seconds':>8} {'MB/replica':>11} {'MB sent by trainer ranks':>25} {'peak growth MB/rank':>28}"
     )
     for r in rows:
+        if "error" in r:
+            print(f"{r['size_m']:>5}M {r['path']:>14}   failed: {r['error']}")
+            continue
         sent = "/".join(f"{b / 2**20:.0f}" for b in r["sent_by_trainer_rank"])
         growth = "/".join(f"{g:.0f}" for g in r["peak_growth_mb_per_rank"])
         print(
             f"{r['size_m']:>5}M {r['path']:>14} {r['seconds']:>8.2f} {r['bytes_per_replica'] / 2**20:>11.1f} "
             f"{sent:>25} {growth:>28}"
         )
-    by = {(r["size_m"], r["path"]): r for r in rows}
+    by = {(r["size_m"], r["path"]): r for r in rows if "seconds" in r}
     for size in sorted({r["size_m"] for r in rows}):
         if (size, "rank0") in by and (size, "sharded") in by:
             ratio = by[(size, "sharded")]["seconds"] / by[(size, "rank0")]["seconds"]
             print(f"{size}M: sharded / rank0 time = {ratio:.2f}")
-    full = next((r for r in rows if r["path"] == "sharded"), None)
-    lora = next((r for r in rows if "+lora" in r["path"]), None)
+    lora = next((r for r in rows if "+lora" in r.get("path", "")), None)
+    full = next((r for r in rows if r.get("path") == "sharded" and lora and r["size_m"] == lora["size_m"]), None)
     if full and lora:
         print(
             f"LoRA rank {args.lora}: a sync after the first moves {lora['bytes_per_replica'] / 2**20:.2f} MB = "
