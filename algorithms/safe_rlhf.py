@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from algorithms.data.prompts import PromptData
 from algorithms.objectives.advantages import safe_rlhf_advantages
-from algorithms.objectives.losses import LagrangeMultiplier, SFTLoss, ValueLoss
+from algorithms.objectives.losses import LagrangeMultiplier, PIDLagrangian, SFTLoss, ValueLoss
 from algorithms.rollout.fusion import rollout
 from algorithms.run.build import Roles
 from algorithms.run.config import RolloutConfig, SafeRLHFConfig
@@ -73,7 +73,12 @@ class SafeRLHF(Algorithm):
 
     def __init__(self, cfg: SafeRLHFConfig) -> None:
         super().__init__(cfg)
-        self.lagrange = LagrangeMultiplier(cfg.cost_threshold, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max)
+        if cfg.lambda_update == "pid":
+            self.lagrange = PIDLagrangian(
+                cfg.cost_threshold, cfg.pid_kp, cfg.pid_ki, cfg.pid_kd, cfg.lambda_init, cfg.lambda_max, cfg.pid_window
+            )
+        else:
+            self.lagrange = LagrangeMultiplier(cfg.cost_threshold, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max)
         self.policy_loss = cfg.policy_loss.build(**cfg.async_rl.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:

@@ -32,6 +32,7 @@ from engines.fields import (
 from flowactors import Batch
 
 __all__ = [
+    "PIDLagrangian",
     "PolicyLossConfig",
     "KLConfig",
     "masked_mean",
@@ -446,3 +447,52 @@ class LagrangeMultiplier:
 
     def load_state_dict(self, state: dict) -> None:
         self.log_lambda = float(state["log_lambda"])
+
+
+@dataclass
+class PIDLagrangian:
+    """λ ≥ 0 set by a PID controller on the constraint violation (Stooke, Achiam & Abbeel 2020, "Responsive Safety in
+    Reinforcement Learning by PID Lagrangian Methods"): dual ascent is the integral term alone, which over-shoots
+    and oscillates; the proportional term reacts to the violation now, the derivative term to a cost that rises.
+
+    With e = J̄_c − d, J̄_c the mean cost of the last `window` updates: I ← max(0, I + k_i·e);
+    λ = clamp(k_p·e + I + k_d·max(0, J̄_c − J̄_c before), 0, max_lambda). I starts at `init`, so λ starts there.
+    """
+
+    threshold: float
+    kp: float = 1.0
+    ki: float = 0.1
+    kd: float = 0.0
+    init: float = 0.5
+    max_lambda: float = 100.0
+    window: int = 1
+
+    def __post_init__(self) -> None:
+        if self.init < 0 or self.window < 1 or min(self.kp, self.ki, self.kd) < 0:
+            raise ValueError(
+                f"PIDLagrangian: init and the gains must be >= 0 and window >= 1, got init={self.init}, "
+                f"kp={self.kp}, ki={self.ki}, kd={self.kd}, window={self.window}"
+            )
+        self.integral, self.costs, self.smoothed, self.lam = self.init, [], None, self.init
+
+    @property
+    def value(self) -> float:
+        return self.lam
+
+    def update(self, mean_cost: float) -> float:
+        self.costs = [*self.costs, float(mean_cost)][-self.window :]
+        smoothed = sum(self.costs) / len(self.costs)
+        error = smoothed - self.threshold
+        self.integral = max(0.0, self.integral + self.ki * error)
+        rise = max(0.0, smoothed - self.smoothed) if self.smoothed is not None else 0.0
+        self.smoothed = smoothed
+        self.lam = min(self.max_lambda, max(0.0, self.kp * error + self.integral + self.kd * rise))
+        return self.lam
+
+    def state_dict(self) -> dict:
+        return {"integral": self.integral, "costs": list(self.costs), "smoothed": self.smoothed, "lambda": self.lam}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.integral, self.costs = float(state["integral"]), [float(c) for c in state["costs"]]
+        self.smoothed = None if state["smoothed"] is None else float(state["smoothed"])
+        self.lam = float(state["lambda"])

@@ -391,7 +391,18 @@ class SafeRLHFConfig(PPOConfig):
         "lambda_init": "[0, inf)",
         "lambda_max": "[0, inf)",
         "ptx_coef": "[0, inf)",
+        "pid_kp": "[0, inf)",
+        "pid_ki": "[0, inf)",
+        "pid_kd": "[0, inf)",
     }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lambda_update not in ("dual", "pid"):
+            raise ConfigError(f"lambda_update must be dual or pid, got {self.lambda_update!r}")
+        if self.pid_window < 1:
+            raise ConfigError(f"pid_window must be >= 1, got {self.pid_window}")
+
     task: str = "digit_sum"
     steps: int = 80
     sft_steps: int = 60
@@ -405,6 +416,17 @@ class SafeRLHFConfig(PPOConfig):
     """Dual-ascent step of log λ per unit of constraint violation."""
     lambda_max: float = 5.0
     """Upper bound of λ."""
+    lambda_update: str = "dual"
+    """How λ follows the constraint: `dual` (dual ascent on log λ, lambda_lr) or `pid` (the PID Lagrangian of Stooke
+    et al. 2020: pid_kp, pid_ki, pid_kd on the violation of the cost smoothed over pid_window steps)."""
+    pid_kp: float = 1.0
+    """PID: λ per unit of violation now (reacts before the integral builds up)."""
+    pid_ki: float = 0.1
+    """PID: the integral's step per unit of violation (dual ascent's role, on λ itself)."""
+    pid_kd: float = 0.0
+    """PID: λ per unit of rise of the smoothed cost (damps an increasing cost early)."""
+    pid_window: int = 1
+    """PID: steps the cost is averaged over before the controller sees it."""
     ptx_coef: float = 0.0
     """Weight of the pretraining (SFT demonstration) loss mixed into actor updates; 0 disables it."""
 

@@ -48,6 +48,7 @@ _FIXED_AT_START = (
     "sft_samples_per_step",
     "sft_lr",
     "lambda_init",
+    "lambda_update",
     "async_rl.staleness",
 )
 

@@ -156,6 +156,8 @@ def _plan(tmp_path, actor_train) -> str:
         (["tool_workers=0"], r"rollout.agent: max_turns and tool_workers must be >= 1 .*; got None, 0, 0$"),
         (["task=tool_arith", "max_turns=0"], r"max_turns and tool_workers must be >= 1 .*; got 0, 8, 0$"),
         (["task=nosuchtask"], r"unknown task 'nosuchtask'; available: add, digit_sum, "),
+        (["lambda_update=pi"], r"lambda_update must be dual or pid, got 'pi'"),
+        (["pid_ki=-1"], r"pid_ki=-1.0 is outside \[0, inf\)"),
         (
             ["lora_rank=4", "lora_target_modules=nosuch"],
             r"lora_target_modules=nosuch matches no linear layer of model llama; its linear layers: .*q_proj",

@@ -300,3 +300,25 @@ def test_dapo_keeps_the_groups_whose_rewards_vary_and_shapes_overlong_responses(
     assert shaped["rewards"].tolist() == [0.0, 1.0, -0.5, 0.0]
     two = fill_groups(kept, varied_groups(batch, offset=6, keep_all=True), groups=7)
     assert two["group"].tolist() == [5, 5, 6, 6] and two["x"].tolist() == [2, 3, 0, 1]
+
+
+def test_pid_lagrangian_against_hand_computed_values():
+    """Stooke et al.'s PID Lagrangian: e = smoothed cost − d; I += k_i·e (≥ 0); λ = k_p·e + I + k_d·rise."""
+    from algorithms.objectives.losses import PIDLagrangian
+
+    pid = PIDLagrangian(0.3, kp=1.0, ki=0.1, kd=0.5, init=0.5, window=2)
+    assert pid.value == 0.5
+    want = [0.72, 0.90, 0.66, 0.285]  # by hand: see the arithmetic in the class docstring's formula
+    got = [pid.update(c) for c in (0.5, 0.7, 0.1, 0.0)]
+    assert got == pytest.approx(want, abs=1e-12)
+    state = pid.state_dict()
+    resumed = PIDLagrangian(0.3, kp=1.0, ki=0.1, kd=0.5, init=0.5, window=2)
+    resumed.load_state_dict(state)
+    assert [resumed.update(c) for c in (0.0, 0.9)] == [pid.update(c) for c in (0.0, 0.9)]  # exact resume
+    for _ in range(50):  # a constraint met with room to spare: λ falls to 0 and stays there (no negative λ)
+        pid.update(0.0)
+    assert pid.value == 0.0 and pid.integral == 0.0
+    capped = PIDLagrangian(0.3, kp=1.0, ki=0.1, kd=0.5, init=0.5, window=2, max_lambda=0.8)
+    assert [capped.update(c) for c in (0.5, 0.7)] == pytest.approx([0.72, 0.8])
+    with pytest.raises(ValueError, match="window >= 1"):
+        PIDLagrangian(0.3, window=0)
