@@ -42,7 +42,7 @@ class Piece:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return n * getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -75,12 +75,17 @@ def local_block(param: torch.Tensor, rank: int, world: int, index: int) -> tuple
         coords = param.device_mesh.get_coordinate()
         if coords is None or any(pl.is_replicate() and c != 0 for pl, c in zip(param.placements, coords)):
             return None
-        local = param.to_local()
+        local = _local(param)
         _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         return (local, tuple(int(o) for o in offset)) if local.numel() else None
     if index % world != rank:
         return None
     return param, (0,) * param.dim()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: a DTensor's local shard, a plain tensor itself."""
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def plan_sync(pieces: list[Piece], order: list[str], bucket_bytes: int) -> SyncPlan:
@@ -181,7 +186,7 @@ class ReplicaEndpoints:
         replicas = [r for g, ranks in ctx.groups.items() if g != self.group_name for r in ranks]
         group = ctx.subgroups[(ctx.rank, *replicas)]
         in_flight: list[tuple[object, torch.Tensor]] = []
-        sent = held = peak = 0
+        sent = peak = 0
         with torch.no_grad():
             for b, bucket in enumerate(plan.buckets):
                 pieces = bucket.get(ctx.rank)
@@ -189,14 +194,11 @@ class ReplicaEndpoints:
                     continue
                 buf = torch.empty(plan.sizes(b)[ctx.rank], dtype=torch.uint8)
                 for piece, at in pieces:
-                    param = params[piece.name]
-                    data = param.to_local() if hasattr(param, "to_local") else param
+                    data = _local(params[piece.name])
                     buf[at : at + piece.nbytes].view(data.dtype).view(piece.shape).copy_(data)
                 while len(in_flight) >= 2:
                     in_flight.pop(0)[0].wait()
-                    held -= 1
                 in_flight.append((dist.broadcast(buf, group_src=0, group=group, async_op=True), buf))
-                held += 1
                 peak = max(peak, sum(x[1].numel() for x in in_flight))
                 sent += sum(piece.nbytes for piece, _ in pieces)
             for work, _ in in_flight:
