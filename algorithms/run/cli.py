@@ -110,10 +110,13 @@ def parse_args(
         return cfg
     whose, settings = defaults(cfg)
     forms = short_forms(cfg)
-    given = {k for o in overrides for k in forms.get(o.split("=", 1)[0], (o.split("=", 1)[0],))}
-    extra = [
-        s for s in settings if has_setting(cfg, key := s.split("=", 1)[0]) and not given & set(forms.get(key, (key,)))
-    ]
+
+    def keys(setting: str) -> set[str]:  # the dotted keys a `key=value` sets
+        name = setting.split("=", 1)[0]
+        return set(forms.get(name, (name,)))
+
+    given = set().union(*map(keys, overrides))
+    extra = [s for s in settings if has_setting(cfg, s.split("=", 1)[0]) and not given & keys(s)]
     if not extra:
         return cfg
     print(f"{whose}: {' '.join(extra)} (give them to change them)", file=sys.stderr)
