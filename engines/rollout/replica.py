@@ -1,5 +1,6 @@
 """The actor's endpoints of asynchronous RL's weight sync (algorithms.rollout.asynchronous drives them): the
-trainer's policy out of the trainer's ranks, into a rollout replica's (docs/asynchronous.md).
+trainer's policy out of the trainer's ranks, into a rollout replica's (docs/asynchronous.md), and the replica's
+partial rollouts (engines.rollout.partial: sequences in flight across versions).
 
 Two paths. `send_policy` / `receive_policy` (sharded): over a link (flowactors.Controller.link: one process group
 over the trainer's and the replicas' ranks, formed once), every trainer rank broadcasts only the blocks of the
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flowactors import ONE_TO_ALL, RANK_ZERO, endpoint, link
+from engines.rollout.partial import PartialRollouts
+from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, endpoint, link
 
 __all__ = ["ReplicaEndpoints", "Piece", "SyncPlan", "plan_sync", "local_block"]
 
@@ -251,3 +253,45 @@ class ReplicaEndpoints:
         self.weights_version += 1
         self.policy_version = int(version)
         return {"bytes": float(received), "peak_bucket_bytes": float(peak), "seconds": time.perf_counter() - t0}
+
+    # -- partial rollouts ---------------------------------------------------------------------------------------
+    @endpoint(protocol=MESH)
+    def generate_partial(self, prompts: Batch, groups: int, segment: int) -> Batch:
+        """Partial rollouts (engines.rollout.partial): admit this rank's share of a step's fresh prompt groups,
+        decode everything this rank holds in segments of `segment` tokens under its current policy version until
+        its share of `groups` whole groups has finished, and return those (their `group` numbered after the lower
+        ranks'). Unfinished sequences stay, and continue under the next version."""
+        if self.policy_version is None:
+            raise ValueError("generate_partial runs on a rollout replica: load_policy or receive_policy first")
+        if groups % self.world_size:
+            raise ValueError(
+                f"{groups} prompt groups per step cannot be shared by {self.world_size} replica ranks; use a "
+                f"multiple of {self.world_size} prompts per step"
+            )
+        local = groups // self.world_size
+        self._partial_rollouts().admit(prompts)
+        out = self._partial_rollouts().run(lambda b: self._generate(b, None), self.policy_version, local, segment)
+        return Batch({**out.tensors, "group": out["group"] + self.rank * local}, out.rows, out.meta)
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def partial_state(self) -> dict:
+        """What this rank's partial rollouts hold (for a checkpoint: `load_partial_state` restores it)."""
+        return self._partial_rollouts().state_dict()
+
+    @endpoint(protocol=ONE_TO_ALL)
+    def load_partial_state(self, states: list[dict]) -> int:
+        """Restore every rank's partial rollouts from `partial_state()`'s list (one per rank); returns how many
+        unfinished sequences this rank holds again."""
+        if len(states) != self.world_size:
+            raise ValueError(
+                f"the checkpoint holds partial rollouts of {len(states)} replica ranks, this replica group has "
+                f"{self.world_size}; resume with the same async_rollout_slots"
+            )
+        part = self._partial_rollouts()
+        part.load_state_dict(states[self.rank])
+        return sum(not s.done for g in part.groups.values() for s in g)
+
+    def _partial_rollouts(self) -> PartialRollouts:
+        if "_partial" not in self.__dict__:
+            self._partial = PartialRollouts(self.sampling, eos=self.generator.eos, pad=self.generator.pad)
+        return self._partial
