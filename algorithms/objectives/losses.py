@@ -19,10 +19,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from algorithms.rollout.asynchronous import MAX_STALENESS, TRAINER_VERSION
 from algorithms.run.errors import ConfigError
 from engines.fields import (
     ADVANTAGES,
     OLD_LOG_PROBS,
+    POLICY_VERSIONS,
     REF_LOG_PROBS,
     RESPONSE_MASK,
     REWARD_VALUES,
@@ -270,6 +272,11 @@ class KLConfig:
             raise ConfigError(f"kl_estimator must be k1, k2 or k3, got {self.estimator!r}")
 
 
+def fresh_tokens(versions: torch.Tensor, trainer_version: int, bound: int) -> torch.Tensor:
+    """1.0 where a token's policy version is at most `bound` versions behind the trainer's, else 0.0."""
+    return ((trainer_version - versions) <= bound).float()
+
+
 @dataclass
 class PolicyLoss:
     """The actor's loss for `update_actor`: clipped surrogate − entropy bonus (+ KL to the reference, GRPO)."""
@@ -292,9 +299,14 @@ class PolicyLoss:
     trainer's own pre-update log-probs (OLD_LOG_PROBS, the proximal policy; without them, the update's own
     detached log-probs, which are the pre-update policy's in GRPO's one-optimizer-step case), is weighted by
     min(exp(old - behaviour), tis_cap), correcting for the older policy that sampled it. None: off."""
+    mask_stale: bool = False
+    """Partial rollouts: tokens older than the batch's staleness bound (its meta's MAX_STALENESS versions behind
+    TRAINER_VERSION, by their POLICY_VERSIONS) stay as context but leave the policy loss."""
 
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mask = mb[RESPONSE_MASK].float()
+        if self.mask_stale and POLICY_VERSIONS in mb and TRAINER_VERSION in mb.meta:
+            mask = mask * fresh_tokens(mb[POLICY_VERSIONS], mb.meta[TRAINER_VERSION], mb.meta[MAX_STALENESS])
         if self.behaviour_old:
             old = mb[ROLLOUT_LOG_PROBS]
         else:

@@ -19,9 +19,18 @@ import flowactors as fa
 from algorithms.data.prompts import PromptData
 from algorithms.run.errors import ConfigError
 from engines import GenerationSpec
+from engines.rollout.partial import PROMPT_UID
 from flowactors import Batch
 
-__all__ = ["AsyncConfig", "Generated", "RolloutPipeline", "generate_greedy", "TRAINER_VERSION", "MAX_STALENESS"]
+__all__ = [
+    "AsyncConfig",
+    "Generated",
+    "RolloutPipeline",
+    "PromptLedger",
+    "generate_greedy",
+    "TRAINER_VERSION",
+    "MAX_STALENESS",
+]
 
 
 @dataclass
@@ -36,8 +45,20 @@ class AsyncConfig:
     `--placement split` (the rollout replicas on `async_rl.rollout_slots` slots, every model that trains or scores
     on the others)."""
     partial_rollout: bool = False
-    """Interrupt in-flight generation at each update and continue the unfinished samples under the new weights.
-    Not built yet: refused with the reason."""
+    """Partial rollouts: the replicas hold more prompt groups than a step trains on and decode them in segments;
+    each step takes the first groups to finish, and the unfinished sequences continue under the next policy
+    version (their KV recomputed) instead of holding the replicas on one version until the longest response ends.
+    Every token records its version and behaviour log-prob (engines.rollout.partial)."""
+    partial_segment: int = 0
+    """Partial rollouts: new tokens per decode segment, the granularity at which finished groups are collected and
+    versions change; 0: a quarter of `rollout.max_new_tokens`."""
+    partial_surplus: int = 0
+    """Partial rollouts: prompt groups the replicas hold beyond a step's (admitted at the start; the long ones
+    keep decoding while a step's worth of others finish); 0: prompts_per_step."""
+    token_staleness: int = 0
+    """Partial rollouts: the per-token staleness bound. A token more than this many versions older than the
+    trainer's policy is kept as context but masked out of the policy loss (counted as async/too_stale); 0:
+    K + max_new_tokens / partial_segment, which a sequence that never waits for a slot stays within."""
     correction: str = "tis"
     """How the loss corrects for samples from an older policy: `tis` (decoupled PPO with truncated importance
     sampling, as AReaL and verl: the ratio is clipped against the trainer's own log-probs before the update (the
@@ -67,11 +88,9 @@ class AsyncConfig:
                 "partial_rollout interrupts rollouts that run ahead of training; set async_staleness "
                 ">= 1 with it, or drop partial_rollout"
             )
-        if self.partial_rollout:
-            raise ConfigError(
-                "partial_rollout is not built yet (rollouts finish under the weights they started "
-                "with); drop it: async_staleness alone overlaps rollout and training"
-            )
+        for name in ("partial_segment", "partial_surplus", "token_staleness"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"async_rl.{name} must be >= 0 (0: its default), got {getattr(self, name)}")
         if self.correction not in ("tis", "none"):
             raise ConfigError(f"async_correction must be tis or none, got {self.correction!r}")
         if not self.tis_cap >= 1:
@@ -88,9 +107,20 @@ class AsyncConfig:
         runs."""
         if not self.staleness:
             return {}
+        terms: dict[str, Any] = {"mask_stale": True} if self.partial_rollout else {}
         if self.correction == "none":
-            return {"behaviour_old": True}
-        return {"tis_cap": self.tis_cap}
+            return {**terms, "behaviour_old": True}
+        return {**terms, "tis_cap": self.tis_cap}
+
+    def segment(self, max_new_tokens: int) -> int:
+        """Partial rollouts' decode segment in tokens."""
+        return self.partial_segment or max(1, max_new_tokens // 4)
+
+    def token_bound(self, max_new_tokens: int) -> int:
+        """The per-token staleness bound (K without partial rollouts)."""
+        if not self.partial_rollout:
+            return self.staleness
+        return self.token_staleness or self.staleness + -(-max_new_tokens // self.segment(max_new_tokens))
 
 
 def generate_greedy(actor: fa.ActorGroup, prompts: Batch | Generated) -> fa.CallFuture | Batch:
@@ -122,7 +152,7 @@ class Generated:
     greedy: fa.CallFuture | Batch | None = None
     """Greedy responses to the same prompts by the same version (ReMax's baseline), where the algorithm asks."""
     max_staleness: int = 0
-    """The run's K."""
+    """The run's per-token staleness bound: K (with partial rollouts, `AsyncConfig.token_bound`)."""
 
     def meta(self) -> Batch:
         """What the scored batch carries about this rollout (no rows): the trainer's version at its step, and K."""
@@ -145,12 +175,43 @@ class RolloutPipeline:
         *,
         greedy_baseline: bool = False,
         past_the_end: bool = False,
+        max_new_tokens: int = 0,
+        episodes: bool = False,
     ) -> None:
-        """`staleness`: K; `sync`: how weights reach the replicas (`sync`, `sync_bucket_mb`); `steps`: the run's; `batch`: (prompts per step, samples per prompt). `past_the_end`:
-        keep issuing rollouts for the K + 1 steps after the run's last (a run that checkpoints: its last checkpoint
-        then holds them, so a longer resumed run trains on what an uninterrupted one would)."""
+        """`staleness`: K; `sync`: the `async_rl.` settings (how weights reach the replicas, partial rollouts);
+        `steps`: the run's; `batch`: (prompts per step, samples per prompt). `past_the_end`: keep issuing rollouts
+        for the K + 1 steps after the run's last (a run that checkpoints: its last checkpoint then holds them, so a
+        longer resumed run trains on what an uninterrupted one would). `max_new_tokens`: the rollouts' (partial
+        rollouts size their segments and staleness bound by it); `episodes`: the task is multi-turn."""
         self.ctl, self.actor, self.rollout, self.data, self.batch = ctl, actor, rollout, data, batch
         self.staleness, self.sync = staleness, sync
+        self.partial = sync.partial_rollout
+        self.bound = sync.token_bound(max_new_tokens) if self.partial else staleness
+        if self.partial:
+            if greedy_baseline:
+                raise ConfigError(
+                    "partial_rollout with a greedy baseline (ReMax) is not built: the baseline would need its own "
+                    "partial sequences; drop partial_rollout"
+                )
+            if episodes:
+                raise ConfigError(
+                    "partial_rollout with a multi-turn task is not built (an episode's turns and tool calls would "
+                    "have to pause and resume across versions); drop partial_rollout: async_staleness alone works"
+                )
+            if max_new_tokens < 1:
+                raise ValueError("partial rollouts need the rollouts' max_new_tokens")
+            self.segment = sync.segment(max_new_tokens)
+            self.surplus = sync.partial_surplus or batch[0]
+            for what, n in (("prompts_per_step", batch[0]), ("async_rl.partial_surplus", self.surplus)):
+                if n % rollout.world_size:
+                    raise ConfigError(
+                        f"partial rollouts share prompt groups among the {rollout.world_size} replica ranks: "
+                        f"{what}={n} is not a multiple of {rollout.world_size}"
+                    )
+        self.ledger = PromptLedger()
+        self._next_uid = 0
+        self._held: dict[int, tuple[int, fa.CallFuture | list[int]]] = {}  # step -> (uids issued, groups held)
+        self._taken: dict[int, Generated] = {}
         self.link: str | None = None
         if sync.sync == "sharded":  # one process group over the trainer's and the replicas' ranks, formed once
             replicas = tuple(range(actor.world_size, actor.world_size + rollout.world_size))
@@ -166,17 +227,26 @@ class RolloutPipeline:
         self._first_version = 0
 
     # -- the schedule ------------------------------------------------------------------------------------------------
-    def start(self, step: int, in_flight: list[Generated] | None = None) -> None:
-        """Bring the replicas to the trainer's policy (version `step`) and fill the pipeline: with the rollouts a
-        checkpoint held in flight, else with those of steps step..step+K."""
+    def start(self, step: int, state: dict[str, Any] | None = None) -> None:
+        """Bring the replicas to the trainer's policy (version `step`) and fill the pipeline: with what a
+        checkpoint held in flight (`state_dict()`), else with the rollouts of steps step..step+K."""
         self.queue.clear()
         self._syncs.clear()
+        self._held.clear()
+        self._taken.clear()
         self._first_version = step
         self._sync_weights(step)
-        self.queue.extend(in_flight or ())
+        self.queue.extend(self.in_flight(state) if state is not None else ())
+        fresh = True
+        if self.partial and state is not None and "partial" in state:
+            self.rollout.load_partial_state(state["partial"])
+            self.ledger = PromptLedger.from_state(state["ledger"])
+            self._next_uid = int(state["next_uid"])
+            self._held = {int(j): (int(n), [int(u) for u in held]) for j, n, held in state["held"]}
+            fresh = False
         first = self.queue[-1].step + 1 if self.queue else step  # (a checkpoint holds all K + 1 where it can)
         for j in range(first, min(step + self.staleness + 1, self.end)):
-            self._issue(j, step)
+            self._issue(j, step, surplus=fresh and j == first)
 
     def take(self, i: int) -> Generated:
         """Step i's rollout (issued earlier)."""
@@ -185,7 +255,8 @@ class RolloutPipeline:
                 f"the rollout pipeline holds steps {[g.step for g in self.queue]}, not step {i}: "
                 f"steps must be taken in order after start()"
             )
-        return self.queue.popleft()
+        self._taken[i] = self.queue.popleft()
+        return self._taken[i]
 
     def after_update(self, i: int) -> None:
         """Step i's update is issued: sync version i + 1 to the replicas, then issue step i + K + 1's rollout."""
@@ -204,7 +275,17 @@ class RolloutPipeline:
         self.actor.send_policy(self.link, bucket, changed)  # a collective with the replicas' receive_policy
         self._syncs[version] = self.rollout.receive_policy(self.link, bucket, version, changed)
 
-    def _issue(self, j: int, version: int) -> None:
+    def _issue(self, j: int, version: int, surplus: bool = False) -> None:
+        if self.partial:  # the step's fresh groups (and, at a fresh start, the surplus the replicas keep)
+            groups = self.batch[0] + (self.surplus if surplus else 0)
+            prompts = self.data.next_batch(groups, self.batch[1])
+            uids = prompts["group"] + self._next_uid
+            self._next_uid += groups
+            prompts = Batch({**prompts.tensors, PROMPT_UID: uids}, prompts.rows, prompts.meta)
+            samples = self.rollout.generate_partial(prompts, self.batch[0], self.segment)
+            self._held[j] = (self._next_uid, self.rollout.partial_held())
+            self.queue.append(Generated(j, version, samples, None, self.bound))
+            return
         prompts = self.data.next_batch(*self.batch)
         samples = self.rollout.generate_sequences(prompts)
         greedy = self.rollout.generate_sequences(prompts, GenerationSpec(greedy=True)) if self.greedy_baseline else None
@@ -229,13 +310,39 @@ class RolloutPipeline:
                     del self._syncs[v]
             out["async/sync_bytes"] = float(sum(r["bytes"] for r in loads))
             out["async/sync_s"] = max(r["seconds"] for r in loads)
+        if self.partial and i in self._taken:
+            out.update(self._ledger_metrics(i, _result(self._taken.pop(i).samples)))
         return out
+
+    def _ledger_metrics(self, i: int, samples: Batch) -> dict[str, float]:
+        """Exactly once, checked: the groups step i trained that an earlier step already had (duplicates), and the
+        groups issued up to step i's rollout that were neither trained nor held by the replicas after it (lost)."""
+        groups, uids = samples["group"], samples[PROMPT_UID]
+        trained = [int(uids[groups == g][0]) for g in groups.unique().tolist()]
+        issued, held = self._held.pop(i)
+        duplicates = self.ledger.train(trained)
+        held_uids = _flat_held(held)
+        return {
+            "async/duplicates": float(duplicates),
+            "async/lost": float(self.ledger.lost(issued, held_uids)),
+            "async/held_groups": float(len(held_uids)),
+        }
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The rollouts in flight, finished and kept whole (they become part of a checkpoint's controller state)."""
+        extra: dict[str, Any] = {}
+        if self.partial:
+            extra = {
+                "partial": self.rollout.partial_state().result(),
+                "ledger": self.ledger.state_dict(),
+                "next_uid": self._next_uid,
+                "held": [[j, n, _flat_held(h)] for j, (n, h) in self._held.items()],
+            }
         return {
+            **extra,
             "staleness": self.staleness,
+            "bound": self.bound,
             "in_flight": [
                 {
                     "step": g.step,
@@ -256,10 +363,47 @@ class RolloutPipeline:
                 int(g["version"]),
                 _batch(g["samples"]),
                 _batch(g["greedy"]) if g["greedy"] is not None else None,
-                int(state["staleness"]),
+                int(state.get("bound", state["staleness"])),
             )
             for g in state.get("in_flight", [])
         ]
+
+
+class PromptLedger:
+    """Which prompt groups (uids, in issue order from 0) have been trained: everything below `below`, and
+    `above`. Compact whatever the run's length, as groups are trained roughly in order."""
+
+    def __init__(self, below: int = 0, above: set[int] | None = None) -> None:
+        self.below, self.above = below, set(above or ())
+
+    def train(self, uids: list[int]) -> int:
+        """Record `uids` as trained; returns how many of them already were (or repeat within `uids`)."""
+        duplicates = 0
+        for u in uids:
+            if u < self.below or u in self.above:
+                duplicates += 1
+            else:
+                self.above.add(u)
+        while self.below in self.above:
+            self.above.remove(self.below)
+            self.below += 1
+        return duplicates
+
+    def lost(self, issued: int, held: list[int]) -> int:
+        """Groups among the first `issued` that are neither trained nor `held`."""
+        return len(set(range(self.below, issued)) - self.above - set(held))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"below": self.below, "above": sorted(self.above)}
+
+    @staticmethod
+    def from_state(state: dict[str, Any]) -> PromptLedger:
+        return PromptLedger(int(state["below"]), {int(u) for u in state["above"]})
+
+
+def _flat_held(held: fa.CallFuture | list[int]) -> list[int]:
+    """The uids the replicas held after a rollout: every rank's (a partial_held call), or a checkpoint's list."""
+    return [u for rank in held.result() for u in rank] if isinstance(held, fa.CallFuture) else list(held)
 
 
 def _result(value: fa.CallFuture | Batch) -> Batch:

@@ -204,12 +204,14 @@ class Runner:
                 (self.cfg.prompts_per_step, self.cfg.samples_per_prompt),
                 greedy_baseline=self.algo.greedy_baseline,
                 past_the_end=bool(self.store and self.cfg.checkpoint.save_every),
+                max_new_tokens=self.cfg.rollout.max_new_tokens or self.data.task.max_new_tokens,
+                episodes=self.data.task.environment is not None,
             )
 
     def start_pipeline(self, step: int, state: dict | None = None) -> None:
         """Asynchronous rollouts: fill the pipeline from `step` (with a checkpoint's rollouts in flight)."""
         if self.pipeline is not None:
-            self.pipeline.start(step, RolloutPipeline.in_flight(state) if state is not None else None)
+            self.pipeline.start(step, state)
 
     def model_groups(self) -> dict[str, fa.ActorGroup]:
         assert self.roles is not None

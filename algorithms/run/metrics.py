@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from algorithms.objectives.losses import masked_mean
 from engines.fields import POLICY_VERSIONS, RESPONSE_MASK, SUCCESS
 from engines.rollout.agent import EPISODE_FIELDS
@@ -78,15 +80,20 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
 
 def staleness_metrics(samples: Batch, *, version: int, max_staleness: int) -> dict[str, float]:
     """How many versions old the step's response tokens are (the trainer is at `version`): mean, max, the
-    fraction at each age 0..max_staleness, and how many tokens are older than that (the rollout schedule makes
-    it 0; a non-zero count is a bug worth seeing)."""
+    fraction at each age 0..max_staleness, how many tokens are older than that (whole rollouts: 0 by the
+    schedule, a non-zero count is a bug worth seeing; partial rollouts: the tokens the policy loss masks), and how
+    many samples were continued under a newer version than they started with (`async/requeued`)."""
     mask = samples[RESPONSE_MASK].bool()
-    ages = (version - samples[POLICY_VERSIONS])[mask].float()
+    versions = samples[POLICY_VERSIONS]
+    ages = (version - versions)[mask].float()
     n = max(int(ages.numel()), 1)
+    big = torch.iinfo(versions.dtype).max
+    spans = (versions.masked_fill(~mask, -big).amax(-1) > versions.masked_fill(~mask, big).amin(-1)) & mask.any(-1)
     out = {
         "async/staleness_mean": float(ages.mean()) if ages.numel() else 0.0,
         "async/staleness_max": float(ages.max()) if ages.numel() else 0.0,
         "async/too_stale": float((ages > max_staleness).sum()),
+        "async/requeued": float(spans.sum()),
     }
     for k in range(max_staleness + 1):
         out[f"async/staleness_frac_{k}"] = float((ages == k).sum()) / n

@@ -4,7 +4,7 @@ A checkpoint holds the resolved config it was saved under. On resume every diffe
 
 - **the run's environment** (where it runs, what it logs, how often it saves): used as given, not reported;
 - **fixed at the run's start** (seed, task, dataset, the model's architecture, the warm start, λ's start, the
-  staleness, which shapes the rollouts a checkpoint holds in flight): the
+  staleness and partial rollouts, which shape the rollouts a checkpoint holds in flight): the
   checkpoint's state was built from them, and a new value could not take effect, so the resume is refused with
   the list, before the cluster starts;
 - **applied**, and listed: everything else. Most are read afresh every step (batch sizes, clip ranges, steps).
@@ -50,6 +50,8 @@ _FIXED_AT_START = (
     "lambda_init",
     "lambda_update",
     "async_rl.staleness",
+    "async_rl.partial_rollout",
+    "async_rl.partial_surplus",
 )
 
 

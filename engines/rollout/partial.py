@@ -187,9 +187,7 @@ class PartialRollouts:
         return {
             "next_uid": self.next_uid,
             "ready": list(self.ready),
-            "groups": [
-                [uid, [_plain_sequence(s) for s in group]] for uid, group in self.groups.items()
-            ],
+            "groups": [[uid, [_plain_sequence(s) for s in group]] for uid, group in self.groups.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

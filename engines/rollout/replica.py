@@ -274,6 +274,11 @@ class ReplicaEndpoints:
         return Batch({**out.tensors, "group": out["group"] + self.rank * local}, out.rows, out.meta)
 
     @endpoint(protocol=ONE_TO_ALL)
+    def partial_held(self) -> list[int]:
+        """The prompt groups (uids) this rank's partial rollouts hold: the controller's ledger check."""
+        return self._partial_rollouts().held()
+
+    @endpoint(protocol=ONE_TO_ALL)
     def partial_state(self) -> dict:
         """What this rank's partial rollouts hold (for a checkpoint: `load_partial_state` restores it)."""
         return self._partial_rollouts().state_dict()

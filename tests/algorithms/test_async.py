@@ -58,7 +58,11 @@ def same(a, b):
             r"partial_rollout interrupts rollouts that run ahead of training; set "
             r"async_staleness >= 1",
         ),
-        (["async_staleness=1", "partial_rollout=true", "--placement", "split"], r"partial_rollout is not built yet"),
+        (["async_staleness=1", "partial_rollout=true", "partial_segment=-2"], r"async_rl.partial_segment must be >= 0"),
+        (
+            ["async_staleness=1", "partial_rollout=true", "--placement", "split", "prompts_per_step=3", "n_slots=3"],
+            r"partial rollouts share prompt groups among the 1 replica ranks|prompts_per_step=3 is not a multiple",
+        ),
         (["async_staleness=1"], r"async_staleness=1 runs the rollouts on slots of their own .* add --placement split"),
         (["async_staleness=1", "--placement", "split", "n_slots=1"], r"placement=split needs n_slots >= 2"),
         (
