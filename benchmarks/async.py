@@ -10,6 +10,9 @@ Modes, each on its own 2-slot embedded cluster with the same seeds and workload:
 - `async_split`: `async_staleness=K` (K = 1 and 2), the rollout replica on slot 1, actor, reference and reward on
   slot 0; rollouts run K versions ahead of the trainer (algorithms/rollout/asynchronous.py). Also K = 1 with
   `async_correction=none` (no proximal log-prob pass).
+- `async_partial`: `async_split` at K = 1 with `partial_rollout=true`: the replica holds a step's surplus of prompt
+  groups, decodes in segments of max_new_tokens / 4 and hands each step the first groups to finish; the long ones
+  continue under the next version (engines/rollout/partial.py).
 
 Workload. Response lengths per step from a Pareto distribution (seeded by step, the same in every mode): most are
 a few tokens, about one in eight runs to `max_new_tokens`; each row's length is forced (`stop_at`, `ignore_eos`).
@@ -82,15 +85,16 @@ class LongTailed:
 
 
 MODES = {
-    "sync_colocated": ("colocated", 0, "tis"),
-    "sync_split": ("split", 0, "tis"),
-    "async_split": ("split", 1, "tis"),
-    "async_split_k2": ("split", 2, "tis"),
-    "async_split_none": ("split", 1, "none"),
+    "sync_colocated": ("colocated", 0, "tis", False),
+    "sync_split": ("split", 0, "tis", False),
+    "async_split": ("split", 1, "tis", False),
+    "async_split_k2": ("split", 2, "tis", False),
+    "async_split_none": ("split", 1, "none", False),
+    "async_partial": ("split", 1, "tis", True),
 }
 
 
-def config(w: Workload, placement: str, staleness: int, correction: str, steps: int) -> GRPOConfig:
+def config(w: Workload, placement: str, staleness: int, correction: str, steps: int, partial: bool) -> GRPOConfig:
     model = ModelConfig(
         hidden_size=w.hidden_size,
         num_layers=w.num_layers,
@@ -111,7 +115,7 @@ def config(w: Workload, placement: str, staleness: int, correction: str, steps: 
         model=model,
         placement=placement,
         dashboard="none",
-        async_rl=AsyncConfig(staleness=staleness, correction=correction),
+        async_rl=AsyncConfig(staleness=staleness, correction=correction, partial_rollout=partial),
     )
 
 
@@ -119,8 +123,8 @@ def run_mode(name: str, w: Workload, steps: int, warmup: int) -> dict:
     from distributed import get_task_stream
     from distributed.metrics import time as metrics_time
 
-    placement, staleness, correction = MODES[name]
-    cfg = config(w, placement, staleness, correction, warmup + steps)
+    placement, staleness, correction, partial = MODES[name]
+    cfg = config(w, placement, staleness, correction, warmup + steps, partial)
     ctl = fa.Controller.local(2, dashboard=None)
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -155,7 +159,7 @@ def run_mode(name: str, w: Workload, steps: int, warmup: int) -> dict:
     return {
         "mode": name,
         "staleness": staleness,
-        "partial_rollout": False,
+        "partial_rollout": partial,
         "correction": correction if staleness else None,
         "tokens_per_s": round(tokens / wall, 1),
         "step_s": round(wall / len(measured), 4),
@@ -170,10 +174,13 @@ def run_mode(name: str, w: Workload, steps: int, warmup: int) -> dict:
 
 _KIND = {
     "generate_sequences": "G",
+    "generate_partial": "G",
     "update_actor": "U",
     "update_critic": "U",
     "policy_weights": "W",
     "load_policy": "W",
+    "send_policy": "W",
+    "receive_policy": "W",
 }
 
 

@@ -210,6 +210,9 @@ class RLConfig(RunConfig):
             for name in ("staleness", "correction", "tis_cap", "rollout_slots", "sync", "sync_bucket_mb")
         },
         "partial_rollout": "async_rl.partial_rollout",
+        "partial_segment": "async_rl.partial_segment",
+        "partial_surplus": "async_rl.partial_surplus",
+        "token_staleness": "async_rl.token_staleness",
         "fuse": "fusion.enabled",
         **{
             f"fuse_{name}": f"fusion.{name}"

@@ -218,6 +218,19 @@ def test_off_policy_corrections_of_the_policy_loss():
     assert hist["async/staleness_mean"] == pytest.approx(1.2)
     assert (hist["async/staleness_max"], hist["async/too_stale"]) == (2.0, 0.0)
     assert staleness_metrics(samples, version=4, max_staleness=2)["async/too_stale"] == 3.0
+    assert hist["async/requeued"] == 0.0  # each row's tokens are of one version (padding does not count)
+    spans = Batch(
+        {"response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]]), "policy_versions": torch.tensor([[2, 3, 0], [1, 1, 1]])}
+    )
+    assert staleness_metrics(spans, version=3, max_staleness=2)["async/requeued"] == 1.0
+
+    # partial rollouts: a token older than the batch's bound stays as context but leaves the policy loss
+    stale = Batch(
+        {**mb.tensors, "policy_versions": torch.tensor([[5, 2, 4]])}, meta={"trainer_version": 6, "max_staleness": 2}
+    )
+    loss_m, mask_m, _ = PolicyLoss(0.2, None, tis_cap=2.0, mask_stale=True)(out, stale)
+    assert mask_m.tolist() == [[1.0, 0.0, 1.0]] and torch.allclose(loss_m, loss)
+    assert PolicyLoss(0.2, None, tis_cap=2.0)(out, stale)[1].tolist() == [[1.0, 1.0, 1.0]]  # only when asked
 
 
 def test_rloo_baseline_is_the_mean_of_the_other_samples_of_the_prompt():
