@@ -63,6 +63,9 @@ class Workload:
     min_tokens: int = 4
     hidden_size: int = 128
     num_layers: int = 4
+    pack: bool = True
+    """Packed micro-batches (model.pack_sequences) in every mode: scoring and training cost what the samples hold,
+    not the padded max_new_tokens width, as in a production run."""
 
     def lengths(self, draw: int, rows: int) -> torch.Tensor:
         u = torch.rand(rows, generator=torch.Generator().manual_seed(1000 + draw), dtype=torch.float64)
@@ -102,6 +105,7 @@ def config(w: Workload, placement: str, staleness: int, correction: str, steps: 
         num_kv_heads=4,
         intermediate_size=3 * w.hidden_size,
         max_position_embeddings=512,
+        pack_sequences=w.pack,
     )
     samples = w.prompts * w.samples_per_prompt
     return GRPOConfig(
