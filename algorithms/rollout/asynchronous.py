@@ -176,13 +176,12 @@ class RolloutPipeline:
         greedy_baseline: bool = False,
         past_the_end: bool = False,
         max_new_tokens: int = 0,
-        episodes: bool = False,
     ) -> None:
         """`staleness`: K; `sync`: the `async_rl.` settings (how weights reach the replicas, partial rollouts);
         `steps`: the run's; `batch`: (prompts per step, samples per prompt). `past_the_end`: keep issuing rollouts
         for the K + 1 steps after the run's last (a run that checkpoints: its last checkpoint then holds them, so a
         longer resumed run trains on what an uninterrupted one would). `max_new_tokens`: the rollouts' (partial
-        rollouts size their segments and staleness bound by it); `episodes`: the task is multi-turn."""
+        rollouts size their segments and staleness bound by it)."""
         self.ctl, self.actor, self.rollout, self.data, self.batch = ctl, actor, rollout, data, batch
         self.staleness, self.sync = staleness, sync
         self.partial = sync.partial_rollout
@@ -192,11 +191,6 @@ class RolloutPipeline:
                 raise ConfigError(
                     "partial_rollout with a greedy baseline (ReMax) is not built: the baseline would need its own "
                     "partial sequences; drop partial_rollout"
-                )
-            if episodes:
-                raise ConfigError(
-                    "partial_rollout with a multi-turn task is not built (an episode's turns and tool calls would "
-                    "have to pause and resume across versions); drop partial_rollout: async_staleness alone works"
                 )
             if max_new_tokens < 1:
                 raise ValueError("partial rollouts need the rollouts' max_new_tokens")

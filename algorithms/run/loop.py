@@ -205,7 +205,6 @@ class Runner:
                 greedy_baseline=self.algo.greedy_baseline,
                 past_the_end=bool(self.store and self.cfg.checkpoint.save_every),
                 max_new_tokens=self.cfg.rollout.max_new_tokens or self.data.task.max_new_tokens,
-                episodes=self.data.task.environment is not None,
             )
 
     def start_pipeline(self, step: int, state: dict | None = None) -> None:

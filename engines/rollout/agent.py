@@ -227,6 +227,34 @@ class EpisodeEngine:
 
         return stream_chunks(run.episodes(), chunk_rows, chunk, lambda _: Batch({}))
 
+    # -- partial rollouts (engines.rollout.partial): episodes advanced a turn at a time, across calls ------------
+    def begin(self, prompts: Batch) -> list[_Episode]:
+        """One episode per prompt row, its environment reset, not started (the row's `seed` column seeds it)."""
+        return _Run(self, None, prompts, SamplingConfig(), greedy=False, seed=0, seed_offset=0).episodes_
+
+    def advance(
+        self, model: torch.nn.Module | None, episodes: list[_Episode], cfg: SamplingConfig, *, greedy: bool = False
+    ) -> None:
+        """One model turn of each of `episodes` (as one batch), then its tool calls and their observation; an
+        episode that ends is marked `done`. Turn k of an episode draws from its own seed, as in `generate`, so an
+        episode advanced call by call under the same weights is the episode `generate` samples."""
+        run = _Run(self, model, Batch(), cfg, greedy=greedy, seed=0, seed_offset=0, episodes=episodes)
+        tools = _Tools(self.agent.tool_workers, self.agent.tool_timeout_s)
+        waiting: set[int] = set()
+        try:
+            for finished in run._turn(list(range(len(episodes)))):
+                for i in finished:
+                    if run._end_turn(i) is not None:
+                        run._submit(tools, waiting, i)
+            while waiting:
+                run._collect(tools, waiting, [], block=True)
+        finally:
+            tools.close()
+
+    def episode_batch(self, prompts: Batch, episodes: list[_Episode], cfg: SamplingConfig) -> Batch:
+        """`episodes` (of `prompts`' rows, in order) in the output layout."""
+        return _samples(prompts, episodes, cfg.max_new_tokens, self.pad)
+
     def stop_sequences(self, stops: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         if stops not in self._stops:
             self._stops[stops] = tuple(tuple(self.tokenizer(s, add_special_tokens=False).input_ids) for s in stops)
@@ -246,18 +274,21 @@ class _Run:
         greedy: bool,
         seed: int,
         seed_offset: int,
+        episodes: list[_Episode] | None = None,
     ) -> None:
+        """`episodes`: go on with these (started elsewhere) instead of starting one per prompt row."""
         self.engine, self.model, self.prompts, self.cfg, self.greedy = engine, model, prompts, cfg, greedy
         self.agent = engine.agent
-        tok = engine.tokenizer
-        ids, mask = prompts["input_ids"], prompts["attention_mask"]
-        texts = tok.batch_decode([row[m.bool()] for row, m in zip(ids, mask)], skip_special_tokens=True)
-        seeds = row_seeds(prompts, seed, seed_offset)
-        self.episodes_: list[_Episode] = []
-        for i, (row, m) in enumerate(zip(ids, mask)):
-            env = self.agent.environment(tok)
-            env.reset(texts[i], {k: v[i] for k, v in prompts.rows.items()})
-            self.episodes_.append(_Episode(row[m.bool()].tolist(), seeds[i], env))
+        self.episodes_: list[_Episode] = list(episodes or [])
+        if episodes is None:
+            tok = engine.tokenizer
+            ids, mask = prompts["input_ids"], prompts["attention_mask"]
+            texts = tok.batch_decode([row[m.bool()] for row, m in zip(ids, mask)], skip_special_tokens=True)
+            seeds = row_seeds(prompts, seed, seed_offset)
+            for i, (row, m) in enumerate(zip(ids, mask)):
+                env = self.agent.environment(tok)
+                env.reset(texts[i], {k: v[i] for k, v in prompts.rows.items()})
+                self.episodes_.append(_Episode(row[m.bool()].tolist(), seeds[i], env))
         self.stops = engine.stop_sequences(tuple(self.episodes_[0].env.stop)) if self.episodes_ else ()
 
     # -- the loop ------------------------------------------------------------------------------------------------
@@ -389,22 +420,25 @@ class _Run:
     # -- output ----------------------------------------------------------------------------------------------------
 
     def samples(self, rows: list[int]) -> Batch:
-        eps = [self.episodes_[i] for i in rows]
         part = self.prompts.take(torch.tensor(rows, dtype=torch.long))
-        return episode_samples(
-            part,
-            [ep.tokens for ep in eps],
-            [ep.model for ep in eps],
-            [ep.logp for ep in eps],
-            self.cfg.max_new_tokens,
-            pad=self.engine.pad,
-            counts={
-                "turns": [ep.turns for ep in eps],
-                "tool_calls": [ep.tool_calls for ep in eps],
-                "tool_errors": [ep.tool_errors for ep in eps],
-                "tool_seconds": [ep.tool_seconds for ep in eps],
-            },
-        )
+        return _samples(part, [self.episodes_[i] for i in rows], self.cfg.max_new_tokens, self.engine.pad)
+
+
+def _samples(prompts: Batch, eps: list[_Episode], width: int, pad: int) -> Batch:
+    return episode_samples(
+        prompts,
+        [ep.tokens for ep in eps],
+        [ep.model for ep in eps],
+        [ep.logp for ep in eps],
+        width,
+        pad=pad,
+        counts={
+            "turns": [ep.turns for ep in eps],
+            "tool_calls": [ep.tool_calls for ep in eps],
+            "tool_errors": [ep.tool_errors for ep in eps],
+            "tool_seconds": [ep.tool_seconds for ep in eps],
+        },
+    )
 
 
 def episode_samples(

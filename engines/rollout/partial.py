@@ -15,6 +15,12 @@ evaluate; the prefill costs one forward pass over the sequence per segment, smal
 verl's partial rollouts recompute it the same way). Every token records the version that sampled it and its
 behaviour log-prob (the engine's, at the sampling temperature), so the loss weighs each token by its own policy.
 
+Multi-turn episodes (an `EpisodeEngine` given as `episodes`): a segment is one model turn of every running
+episode, with its tool calls and their observation, so an episode may span versions at turn boundaries; its turn k
+draws from its own seed as in a whole episode. A checkpoint keeps each episode's tokens and counters; on restore
+its environment is made afresh and reset from the prompt row (the built-in environments keep no state beyond that
+and the episode's text).
+
 Deterministic by construction: a sequence's segment k is sampled with a seed derived from its row's seed and k
 (segment 0 with the row's own seed, so a sequence that finishes in its first segment is exactly what
 `generate_sequences` gives for it), the rows of a segment are in admission order, and a call's output depends only
@@ -57,13 +63,16 @@ class _Sequence:
     versions: list[int] = field(default_factory=list)
     segments: int = 0
     done: bool = False
+    episode: Any = None
+    """Multi-turn: the episode (engines.rollout.agent), which holds the tokens."""
 
 
 class PartialRollouts:
-    """The groups one replica rank holds (see the module docstring)."""
+    """The groups one replica rank holds (see the module docstring). `episodes`: the multi-turn engine whose
+    episodes these are (None: single responses)."""
 
-    def __init__(self, sampling: SamplingConfig, *, eos: int, pad: int) -> None:
-        self.sampling, self.eos, self.pad = sampling, eos, pad
+    def __init__(self, sampling: SamplingConfig, *, eos: int, pad: int, episodes: Any = None) -> None:
+        self.sampling, self.eos, self.pad, self.episodes = sampling, eos, pad, episodes
         self.groups: dict[int, list[_Sequence]] = {}
         """uid -> its samples, in order of admission."""
         self.ready: list[int] = []
@@ -78,16 +87,19 @@ class PartialRollouts:
         groups = prompts["group"].tolist() if "group" in prompts else list(range(len(prompts)))
         uids = prompts[PROMPT_UID].tolist() if PROMPT_UID in prompts else [self.next_uid + g for g in groups]
         stop = stop_lengths(prompts)
+        episodes = self.episodes.begin(prompts) if self.episodes is not None else [None] * len(prompts)
         for i, uid in enumerate(uids):
             if uid in self.groups and self.groups[uid][0].segments:
                 raise ValueError(f"prompt group {uid} is already in flight on this replica; a group is admitted once")
             limit = self.sampling.max_new_tokens if stop is None else min(int(stop[i]), self.sampling.max_new_tokens)
-            self.groups.setdefault(int(uid), []).append(_Sequence(prompts.take([i]), limit))
+            self.groups.setdefault(int(uid), []).append(_Sequence(prompts.take([i]), limit, episode=episodes[i]))
         self.next_uid = max(self.next_uid, max(int(u) for u in uids) + 1)
 
-    def run(self, generate: Callable[[Batch], Batch], version: int, quota: int, segment: int) -> Batch:
+    def run(self, generate: Callable[[Any], Any], version: int, quota: int, segment: int) -> Batch:
         """Decode segments under policy `version` until `quota` groups have finished (one segment at least); the
-        first `quota` finished groups, laid out as `generate_sequences`' samples (`group` renumbered 0..quota-1)."""
+        first `quota` finished groups, laid out as `generate_sequences`' samples (`group` renumbered 0..quota-1).
+        `generate`: a generate over a prompt batch (single responses), or, for episodes, what advances a list of
+        them by a turn (EpisodeEngine.advance with the model bound)."""
         if segment < 1 or quota < 0:
             raise ValueError(f"a partial rollout needs segment >= 1 and quota >= 0, got {segment} and {quota}")
         ran = False
@@ -110,8 +122,17 @@ class PartialRollouts:
     def _running(self) -> list[_Sequence]:
         return [s for g in self.groups.values() for s in g if not s.done]
 
-    def _segment(self, generate: Callable[[Batch], Batch], version: int, segment: int) -> None:
+    def _segment(self, generate: Callable[[Any], Any], version: int, segment: int) -> None:
         rows = self._running()
+        if self.episodes is not None:
+            before = [len(s.episode.tokens) for s in rows]
+            generate([s.episode for s in rows])
+            for s, n in zip(rows, before):
+                s.versions += [int(version)] * (len(s.episode.tokens) - n)
+                s.segments += 1
+                s.done = s.episode.done
+            self._collect()
+            return
         prompts = [torch.cat([_prompt_ids(s.prompt), torch.tensor(s.tokens, dtype=torch.long)]) for s in rows]
         width = max(len(p) for p in prompts)
         ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
@@ -133,6 +154,9 @@ class PartialRollouts:
                 keep = min(end or s.limit, s.limit)
                 del s.tokens[keep:], s.log_probs[keep:], s.versions[keep:]
                 s.done = True
+        self._collect()
+
+    def _collect(self) -> None:
         for uid, group in self.groups.items():
             if uid not in self.ready and all(s.done for s in group):
                 self.ready.append(uid)
@@ -153,6 +177,17 @@ class PartialRollouts:
             return Batch()
         prompts = _concat_left_padded([s.prompt for s in rows])
         width = self.sampling.max_new_tokens
+        extra = {
+            "group": torch.tensor([g for g, grp in enumerate(groups) for _ in grp]),
+            SEGMENTS: torch.tensor([s.segments for s in rows]),
+        }
+        if self.episodes is not None:
+            out = self.episodes.episode_batch(prompts, [s.episode for s in rows], self.sampling)
+            versions = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, s in enumerate(rows):
+                versions[i, : len(s.versions[:width])] = torch.tensor(s.versions[:width], dtype=torch.long)
+            tensors = {**out.tensors, **extra, POLICY_VERSIONS: versions * out["attention_mask"][:, -width:]}
+            return Batch(tensors, out.rows, out.meta)
         tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
         logp = torch.zeros((len(rows), width))
         versions = torch.zeros((len(rows), width), dtype=torch.long)
@@ -176,9 +211,8 @@ class PartialRollouts:
         tensors = {k: v for k, v in out.tensors.items() if k != STOP_AT}
         if given is not None:
             tensors[STOP_AT] = given
-        tensors["group"] = torch.tensor([g for g, grp in enumerate(groups) for _ in grp])
+        tensors.update(extra)
         tensors[POLICY_VERSIONS] = versions * out[RESPONSE_MASK]
-        tensors[SEGMENTS] = torch.tensor([s.segments for s in rows])
         return Batch(tensors, out.rows, out.meta)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
@@ -193,7 +227,17 @@ class PartialRollouts:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_uid = int(state["next_uid"])
         self.ready = [int(u) for u in state["ready"]]
-        self.groups = {int(uid): [_sequence(s) for s in group] for uid, group in state["groups"]}
+        self.groups = {int(uid): [self._sequence(s) for s in group] for uid, group in state["groups"]}
+
+    def _sequence(self, d: dict[str, Any]) -> _Sequence:
+        s = _sequence(d)
+        if d.get("episode") is not None:
+            if self.episodes is None:
+                raise ValueError("this checkpoint's partial rollouts are multi-turn episodes; resume the same task")
+            (s.episode,) = self.episodes.begin(s.prompt)  # a fresh environment, reset from the prompt row
+            for k, v in d["episode"].items():
+                setattr(s.episode, k, v)
+        return s
 
 
 def _prompt_ids(prompt: Batch) -> torch.Tensor:
@@ -228,7 +272,12 @@ def _plain_sequence(s: _Sequence) -> dict[str, Any]:
         "versions": list(s.versions),
         "segments": s.segments,
         "done": s.done,
+        "episode": None if s.episode is None else {k: _copy(v) for k, v in vars(s.episode).items() if k != "env"},
     }
+
+
+def _copy(v: Any) -> Any:
+    return list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
 
 
 def _sequence(d: dict[str, Any]) -> _Sequence:

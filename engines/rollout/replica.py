@@ -269,8 +269,17 @@ class ReplicaEndpoints:
                 f"multiple of {self.world_size} prompts per step"
             )
         local = groups // self.world_size
-        self._partial_rollouts().admit(prompts)
-        out = self._partial_rollouts().run(lambda b: self._generate(b, None), self.policy_version, local, segment)
+        part = self._partial_rollouts()
+        part.admit(prompts)
+        if part.episodes is not None:  # multi-turn: a segment is a turn of every running episode
+            out = part.run(
+                lambda eps: part.episodes.advance(self._replica_model(), eps, self.sampling),
+                self.policy_version,
+                local,
+                segment,
+            )
+        else:
+            out = part.run(lambda b: self._generate(b, None), self.policy_version, local, segment)
         return Batch({**out.tensors, "group": out["group"] + self.rank * local}, out.rows, out.meta)
 
     @endpoint(protocol=ONE_TO_ALL)
@@ -298,5 +307,17 @@ class ReplicaEndpoints:
 
     def _partial_rollouts(self) -> PartialRollouts:
         if "_partial" not in self.__dict__:
-            self._partial = PartialRollouts(self.sampling, eos=self.generator.eos, pad=self.generator.pad)
+            episodes = self.generator if hasattr(self.generator, "advance") else None  # an EpisodeEngine
+            self._partial = PartialRollouts(
+                self.sampling, eos=self.generator.eos, pad=self.generator.pad, episodes=episodes
+            )
         return self._partial
+
+    def _replica_model(self):
+        """What a replica's generator decodes with: None for an engine that holds its own weights (vLLM, after
+        taking the latest), else the worker's model."""
+        self._end_receiving()
+        if self.generator.holds_weights:
+            self._send_weights()
+            return None
+        return self._generation_model()

@@ -377,3 +377,36 @@ def test_chatml_task_demonstrations_are_calls_the_environment_runs_and_the_rewar
     assert task.success(prompt, transcript, row) and task.reward(prompt, transcript, row) == 1.0
     wrong = f"{call_text}\ntool\n{row['target']}\nassistant\nThe answer is 12."
     assert not task.success(prompt, wrong, row) and task.reward(prompt, wrong, row) < 1.0
+
+
+def test_partial_rollouts_advance_episodes_a_turn_at_a_time_across_versions_and_a_checkpoint():
+    """Partial rollouts of episodes (engines.rollout.partial): a segment is one turn of every running episode (and
+    its tools); an episode continued call by call, through a checkpoint of its state, is the episode `generate`
+    samples, and its tokens record the version of the call that wrote them."""
+    from engines.fields import POLICY_VERSIONS
+    from engines.rollout.partial import SEGMENTS, PartialRollouts
+
+    model = chain_model(CALL_THEN_ANSWER)
+    eng = engine([Tool(slow_calc, name_="sum")])
+    cfg = SamplingConfig(max_new_tokens=20)
+    p = prompts(4)
+    p = Batch({**p.tensors, "group": torch.tensor([0, 0, 1, 1]), "seed": torch.arange(4)}, p.rows)
+    whole = eng.generate(model, p, cfg, greedy=True)
+
+    def advance(eps):
+        eng.advance(model, eps, cfg, greedy=True)
+
+    part = PartialRollouts(cfg, eos=TOK.eos_token_id, pad=TOK.pad_token_id, episodes=eng)
+    part.admit(p)
+    assert len(part.run(advance, 0, quota=0, segment=1)) == 0  # turn 1: the call, and the tool's answer
+    state = copy.deepcopy(part.state_dict())
+    part = PartialRollouts(cfg, eos=TOK.eos_token_id, pad=TOK.pad_token_id, episodes=eng)
+    part.load_state_dict(state)  # fresh environments, reset from the prompt rows
+    out = part.run(advance, 1, quota=2, segment=1)
+    for key in ("responses", "response_mask", "attention_mask", "turns", "tool_calls", "rollout_log_probs"):
+        assert torch.equal(out[key], whole[key]), key
+    assert out[SEGMENTS].tolist() == [2] * 4 and out["group"].tolist() == [0, 0, 1, 1]
+    model_tokens = out["response_mask"][0].bool()
+    versions = out[POLICY_VERSIONS][0][model_tokens].tolist()
+    assert versions == [0] * len("sum:2+3!") + [1] * (len(versions) - len("sum:2+3!")), versions
+    assert text(out["responses"][0]).startswith("sum:2+3!=5.ok")

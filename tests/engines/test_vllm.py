@@ -347,3 +347,53 @@ def _tp_rank(model_dir: str, out_file: str) -> None:
 
 if __name__ == "__main__":
     _tp_rank(sys.argv[1], sys.argv[2])
+
+
+def test_partial_rollouts_continue_across_a_weight_reload(setup):
+    """Partial rollouts (engines.rollout.partial) on vLLM: a segment is an ordinary generate over prompt + tokens so
+    far, so greedy rows cut into segments of 3 tokens are the uninterrupted greedy rows; rows continued after a
+    reload carry each token's version and that version's log-prob."""
+    from engines.fields import POLICY_VERSIONS
+    from engines.rollout.partial import PROMPT_UID, PartialRollouts
+
+    engine, tok, model = setup["engine"], setup["tok"], setup["model"]
+    prompts = Batch({**setup["prompts"].tensors, "group": torch.arange(5), PROMPT_UID: torch.arange(5)})
+
+    def greedy(b: Batch) -> Batch:
+        return engine.generate(None, b, GREEDY, greedy=True)
+
+    engine.load_weights(setup["original"].items())
+    part = PartialRollouts(GREEDY, eos=tok.eos_token_id, pad=tok.pad_token_id)
+    part.admit(prompts)
+    out = part.run(greedy, 0, quota=5, segment=3)
+    out = out.take(out[PROMPT_UID].argsort())
+    assert out["partial_segments"].max() > 1
+    assert torch.equal(out["responses"], setup["ref"]["responses"])
+    assert torch.equal(out["response_mask"], setup["ref"]["response_mask"])
+    err = float((out["rollout_log_probs"] - setup["ref"]["rollout_log_probs"]).abs().max())
+    print(f"\npartial rollouts, 3-token segments: greedy tokens equal generate's, log-prob max error {err:.2e}")
+    assert err < LOGP_TOL
+
+    part = PartialRollouts(GREEDY, eos=tok.eos_token_id, pad=tok.pad_token_id)
+    part.admit(prompts)
+    assert len(part.run(greedy, 0, quota=0, segment=3)) == 0  # one segment under version 0
+    engine.load_weights(setup["new"].items())
+    out = part.run(greedy, 1, quota=5, segment=3)
+    engine.load_weights(setup["original"].items())
+    mask = out["response_mask"].bool()
+    versions = out[POLICY_VERSIONS]
+    assert bool((versions[:, :3][mask[:, :3]] == 0).all()) and bool((versions[:, 3:][mask[:, 3:]] == 1).all())
+    expected = torch.zeros_like(out["rollout_log_probs"])
+    for version, state in ((0, setup["original"]), (1, setup["new"])):
+        model.load_state_dict(state)
+        with torch.no_grad():
+            logits = model(
+                input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
+            ).logits.float()
+        width = out["responses"].shape[1]
+        lp = torch.log_softmax(logits[:, -width - 1 : -1], -1).gather(-1, out["responses"][:, :, None])[:, :, 0]
+        expected = torch.where(versions == version, lp, expected)
+    model.load_state_dict(setup["original"])
+    err = float((out["rollout_log_probs"] - expected)[mask].abs().max())
+    print(f"partial rollouts across a reload: every token's log-prob is its version's, max error {err:.2e}")
+    assert err < 10 * LOGP_TOL
