@@ -187,11 +187,6 @@ class RolloutPipeline:
         self.partial = sync.partial_rollout
         self.bound = sync.token_bound(max_new_tokens) if self.partial else staleness
         if self.partial:
-            if greedy_baseline:
-                raise ConfigError(
-                    "partial_rollout with a greedy baseline (ReMax) is not built: the baseline would need its own "
-                    "partial sequences; drop partial_rollout"
-                )
             if max_new_tokens < 1:
                 raise ValueError("partial rollouts need the rollouts' max_new_tokens")
             self.segment = sync.segment(max_new_tokens)
@@ -278,7 +273,12 @@ class RolloutPipeline:
             prompts = Batch({**prompts.tensors, PROMPT_UID: uids}, prompts.rows, prompts.meta)
             samples = self.rollout.generate_partial(prompts, self.batch[0], self.segment)
             self._held[j] = (self._next_uid, self.rollout.partial_held())
-            self.queue.append(Generated(j, version, samples, None, self.bound))
+            greedy = None
+            if self.greedy_baseline:  # whole greedy responses by the version that finished the samples
+                greedy = self.rollout.generate_sequences(
+                    self.ctl.apply(prompts_of, samples), GenerationSpec(greedy=True)
+                )
+            self.queue.append(Generated(j, version, samples, greedy, self.bound))
             return
         prompts = self.data.next_batch(*self.batch)
         samples = self.rollout.generate_sequences(prompts)
@@ -361,6 +361,16 @@ class RolloutPipeline:
             )
             for g in state.get("in_flight", [])
         ]
+
+
+def prompts_of(samples: Batch) -> Batch:
+    """The prompt rows of generated samples, in their order (ReMax's greedy baseline under partial rollouts)."""
+    width = samples["prompts"].shape[1]
+    keep = {k: samples[k] for k in ("seed", "group") if k in samples}
+    return Batch(
+        {"input_ids": samples["prompts"], "attention_mask": samples["attention_mask"][:, :width], **keep},
+        samples.rows,
+    )
 
 
 class PromptLedger:

@@ -206,7 +206,14 @@ def test_a_worker_killed_with_rollouts_in_flight_recovers_to_the_uninterrupted_m
 
 @pytest.mark.parametrize(
     "algo, staleness, partial",
-    [("grpo", 1, False), ("grpo", 2, True), ("ppo", 1, False), ("ppo", 2, False), ("remax", 1, False)],
+    [
+        ("grpo", 1, False),
+        ("grpo", 2, True),
+        ("ppo", 1, False),
+        ("ppo", 2, False),
+        ("remax", 1, False),
+        ("remax", 1, True),
+    ],
 )
 def test_each_algorithm_learns_its_task_under_staleness(tmp_path, algo, staleness, partial):
     import importlib
