@@ -213,19 +213,53 @@ class ReplicaEndpoints:
     ) -> dict[str, float]:
         """Replica side of a sharded sync (`send_policy` on the trainer at the same time): receive each bucket
         from every trainer rank that has blocks in it, two buckets in flight, and copy the blocks into this
-        rank's whole copy; the generation engine takes them at the next generate. Returns the bytes received, the
-        seconds it took and the most bucket bytes held at once."""
-        import torch.distributed as dist
-
+        rank's whole copy. An engine that holds its own weights (vLLM) is fed as the buckets arrive: one reload
+        whose weights iterator yields each parameter once its last block is in (then, from the whole copy, those
+        that did not travel), so loading overlaps receiving and the next generate reloads nothing. With LoRA
+        (vLLM takes the adapters merged) the engine reloads the merged weights at the next generate instead.
+        Returns the bytes received and loaded, the seconds it took and the most bucket bytes held at once."""
         t0 = time.perf_counter()
         if self.hybrid is not None:
             raise ValueError("a rollout replica generates from its own weights: build it without rollout_tp")
-        ctx = link(link_name)
         plan = self._sync_plan(link_name, changed_only, bucket_bytes)
         params = dict(self.engine.model.named_parameters())
+        stats = {"bytes": 0.0, "loaded_bytes": 0.0, "peak_bucket_bytes": 0.0}
+        buckets = self._receive_buckets(link(link_name), plan, params, stats)
+        if self.generator.holds_weights and getattr(self.engine, "lora_scale", None) is None:
+
+            def stream():
+                sent: set[str] = set()
+                for done in buckets:
+                    for name in done:
+                        sent.add(name)
+                        stats["loaded_bytes"] += params[name].numel() * params[name].element_size()
+                        yield name, params[name].detach()
+                for name, tensor in self.engine.model.state_dict().items():  # what did not travel
+                    if name not in sent:
+                        stats["loaded_bytes"] += tensor.numel() * tensor.element_size()
+                        yield name, tensor
+
+            self.generator.load_weights(stream())
+            self._loaded_version = self.weights_version + 1
+        else:
+            for _ in buckets:
+                pass
+        self.weights_version += 1
+        self.policy_version = int(version)
+        return {**stats, "seconds": time.perf_counter() - t0}
+
+    def _receive_buckets(self, ctx, plan: SyncPlan, params: dict[str, torch.Tensor], stats: dict[str, float]):
+        """Receive the plan's buckets into `params`, two in flight; yields, after each bucket, the parameters
+        whose last block it held."""
+        import torch.distributed as dist
+
         replicas = ctx.groups[self.group_name]
         posted: list[tuple[int, list[tuple[object, int, torch.Tensor]]]] = []
-        received = peak = 0
+        missing: dict[str, int] = {}  # parameter -> bytes still to arrive
+        for bucket in plan.buckets:
+            for pieces in bucket.values():
+                for piece, _ in pieces:
+                    missing[piece.name] = missing.get(piece.name, 0) + piece.nbytes
 
         def post(b: int) -> None:
             works = []
@@ -239,20 +273,24 @@ class ReplicaEndpoints:
             for b in range(min(2, len(plan.buckets))):
                 post(b)
             while posted:
-                peak = max(peak, sum(buf.numel() for _, works in posted for _, _, buf in works))
+                held = sum(buf.numel() for _, works in posted for _, _, buf in works)
+                stats["peak_bucket_bytes"] = max(stats["peak_bucket_bytes"], float(held))
                 b, works = posted.pop(0)
+                done = []
                 for work, source, buf in works:
                     work.wait()
                     for piece, at in plan.buckets[b][source]:
                         target = params[piece.name]
                         block = buf[at : at + piece.nbytes].view(getattr(torch, piece.dtype)).view(piece.shape)
                         target[tuple(slice(o, o + s) for o, s in zip(piece.offset, piece.shape))].copy_(block)
-                        received += piece.nbytes
+                        stats["bytes"] += piece.nbytes
+                        missing[piece.name] -= piece.nbytes
+                        if not missing[piece.name]:
+                            done.append(piece.name)
+                del works
                 if b + 2 < len(plan.buckets):
                     post(b + 2)
-        self.weights_version += 1
-        self.policy_version = int(version)
-        return {"bytes": float(received), "peak_bucket_bytes": float(peak), "seconds": time.perf_counter() - t0}
+                yield done
 
     # -- partial rollouts ---------------------------------------------------------------------------------------
     @endpoint(protocol=MESH)

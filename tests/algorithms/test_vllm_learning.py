@@ -59,3 +59,24 @@ def test_long_tail_migration_between_vllm_engines_changes_nothing(tmp_path):
     from tests.fusion.test_fused_step import assert_the_ppo_program_migrates_and_changes_nothing
 
     assert_the_ppo_program_migrates_and_changes_nothing(tmp_path, *VLLM)
+
+
+def test_grpo_learns_with_partial_rollouts_on_vllm_replicas(tmp_path):
+    """Asynchronous RL with vLLM rollout replicas and partial rollouts: sequences continue across weight reloads
+    (engines.rollout.partial), every group is trained once, and the task is learned."""
+    from algorithms.grpo import main
+
+    h = run(
+        main,
+        tmp_path,
+        *VLLM,
+        "--steps",
+        "40",
+        "async_staleness=1",
+        "partial_rollout=true",
+        "--placement",
+        "split",
+    )
+    assert window(h, "reward_mean", -10, None) > window(h, "reward_mean", 0, 10) + 0.05
+    assert sum(r["async/requeued"] for r in h) > 0
+    assert all(r["async/duplicates"] == 0 and r["async/lost"] == 0 for r in h)

@@ -247,3 +247,40 @@ def test_what_vllm_cannot_run_fails_at_group_creation(ctl):
             args=(unpadded, OPTIM, SAMPLING),
             kwargs={"rollout_engine": "vllm", "rollout_tp": 2},
         )
+
+
+def test_a_vllm_replica_loads_the_sharded_sync_as_its_buckets_arrive(ctl):
+    """Asynchronous RL's sharded sync into a vLLM rollout replica (engines.rollout.replica): the engine reloads
+    from an iterator fed bucket by bucket as the blocks arrive, so its next generate reloads nothing and samples
+    exactly the trainer's weights, before and after an update."""
+    import uuid
+
+    tok = build_tokenizer(CFG)
+    prompts = _prompts(tok)
+    kwargs = {"args": (CFG, OPTIM, SAMPLING), "layout": fa.Layout(dp=1)}
+    trainer = fa.ActorGroup(
+        ctl, HybridActorProbe, name="sync_tr", slots=ctl.slots[:1], kwargs={"rollout_engine": "hf"}, **kwargs
+    )
+    replica = fa.ActorGroup(
+        ctl, HybridActorProbe, name="sync_rp", slots=ctl.slots[1:2], kwargs={"rollout_engine": "vllm"}, **kwargs
+    )
+    bucket = 256 * 1024  # five buckets of this 1.2 MB model, each larger than any parameter
+    try:
+        name = ctl.link(f"sync-{uuid.uuid4().hex[:6]}", [trainer, replica], [(0, 1)])
+        model_bytes = sum(t.numel() * t.element_size() for t in build_model(CFG, "lm", tok).state_dict().values())
+        for version in range(2):
+            if version:
+                first = replica.generate_sequences(prompts, GREEDY).result()
+                g = torch.Generator().manual_seed(0)
+                batch = fa.Batch({**first.tensors, "advantages": torch.randn(first["responses"].shape, generator=g)})
+                trainer.update_actor(batch, pg_loss, UpdateSpec(mini_batch_samples=4)).result()
+            trainer.send_policy(name, bucket, version > 0)
+            (got,) = replica.receive_policy(name, bucket, version, version > 0).result()
+            assert got["loaded_bytes"] == model_bytes and got["peak_bucket_bytes"] <= 2 * bucket, got
+            out = replica.generate_sequences(prompts, GREEDY).result()
+            _assert_same_rows(out, _reference(tok, prompts, GREEDY, trainer.full_weights().result()[0]))
+            assert out["policy_versions"].max() == version
+            assert replica.handover_stats().result()[0].get("loads", 0) == 0  # no whole reload at generate
+    finally:
+        trainer.close()
+        replica.close()
