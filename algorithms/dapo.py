@@ -48,7 +48,7 @@ class DAPO(GRPO):
         self.policy_loss = cfg.policy_loss.build(
             kl_coef=cfg.kl.coef,
             kl_estimator=cfg.kl.estimator,
-            **cfg.async_rl.loss_terms(),
+            **cfg.loss_terms(),
         )
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:

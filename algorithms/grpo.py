@@ -33,9 +33,7 @@ class GRPO(Algorithm):
 
     def __init__(self, cfg: GRPOConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = cfg.policy_loss.build(
-            kl_coef=cfg.kl.coef, kl_estimator=cfg.kl.estimator, **cfg.async_rl.loss_terms()
-        )
+        self.policy_loss = cfg.policy_loss.build(kl_coef=cfg.kl.coef, kl_estimator=cfg.kl.estimator, **cfg.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward

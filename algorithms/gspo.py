@@ -32,7 +32,7 @@ class GSPO(GRPO):
             kl_coef=cfg.kl.coef,
             kl_estimator=cfg.kl.estimator,
             sequence_level=True,
-            **cfg.async_rl.loss_terms(),
+            **cfg.loss_terms(),
         )
 
 

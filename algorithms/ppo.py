@@ -42,7 +42,7 @@ class PPO(Algorithm):
         self.kl_ctl = (
             AdaptiveKL(cfg.kl.coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKL(cfg.kl.coef)
         )
-        self.policy_loss = cfg.policy_loss.build(**cfg.async_rl.loss_terms())
+        self.policy_loss = cfg.policy_loss.build(**cfg.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref = ctl, roles.actor, roles.ref

@@ -31,7 +31,7 @@ class ReMax(Algorithm):
 
     def __init__(self, cfg: ReMaxConfig) -> None:
         super().__init__(cfg)
-        self.policy_loss = cfg.policy_loss.build(**cfg.async_rl.loss_terms())
+        self.policy_loss = cfg.policy_loss.build(**cfg.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.actor, self.ref, self.reward = ctl, roles.actor, roles.ref, roles.reward

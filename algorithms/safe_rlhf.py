@@ -79,7 +79,7 @@ class SafeRLHF(Algorithm):
             )
         else:
             self.lagrange = LagrangeMultiplier(cfg.cost_threshold, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max)
-        self.policy_loss = cfg.policy_loss.build(**cfg.async_rl.loss_terms())
+        self.policy_loss = cfg.policy_loss.build(**cfg.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
         self.ctl, self.data = ctl, data

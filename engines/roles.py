@@ -250,7 +250,7 @@ class ActorWorker(ModelWorker, FusedRolloutEndpoints, ReplicaEndpoints):
                 eos_token_id=self.tokenizer.eos_token_id,
                 pad_token_id=self.tokenizer.pad_token_id,
                 max_context=self.hf_config.max_position_embeddings,
-                compute_dtype=self.engine.compute_dtype,
+                compute_dtype=getattr(torch, self.sampling.dtype) if self.sampling.dtype else self.engine.compute_dtype,
                 config=model,
                 rollout_tp=rollout_tp,
                 hf_config=hf_config,

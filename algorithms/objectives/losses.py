@@ -37,6 +37,9 @@ __all__ = [
     "PIDLagrangian",
     "PolicyLossConfig",
     "KLConfig",
+    "MismatchConfig",
+    "mismatch_metrics",
+    "rollout_correction_weight",
     "masked_mean",
     "masked_whiten",
     "kl_penalty",
@@ -256,6 +259,86 @@ class PolicyLossConfig:
 
 
 @dataclass
+class MismatchConfig:
+    """The rollout engine against the trainer, the `mismatch.` section of every RL program (short forms:
+    `rollout_correction=`, `rollout_correction_level=`, `rollout_correction_cap=`, `rollout_correction_band=`,
+    `mismatch_warn_kl=`). Every step measures, on the sampled tokens, how far the rollout engine's log-probs
+    (`rollout_log_probs`) are from the trainer's before the update (`mismatch_metrics`); `correction` corrects the
+    loss for it (`rollout_correction_weight`). docs/algorithms.md#rollout-trainer-mismatch."""
+
+    ranges: ClassVar[dict[str, str]] = {"cap": "[1, inf)", "band": "(1, inf)", "warn_kl": "[0, inf)"}
+    correction: str = "none"
+    """none; tis: truncated importance sampling, each token's (or sequence's) loss weighted by min(ratio, cap);
+    mis: masked importance sampling, the tokens (or whole sequences) whose ratio leaves [1/band, band] leave the
+    loss. The ratio is the trainer's pre-update probability over the rollout engine's."""
+    level: str = "token"
+    """token: each token's own ratio; sequence: the product of the sequence's token ratios, for all its tokens."""
+    cap: float = 2.0
+    """tis's truncation."""
+    band: float = 2.0
+    """mis's band [1/band, band], also the bound of the monitor's `mismatch_frac_beyond`."""
+    warn_kl: float = 0.01
+    """A warning line, once per run, when a step's mismatch KL passes this."""
+
+    def __post_init__(self) -> None:
+        if self.correction not in ("none", "tis", "mis"):
+            raise ConfigError(f"rollout_correction must be none, tis or mis, got {self.correction!r}")
+        if self.level not in ("token", "sequence"):
+            raise ConfigError(f"rollout_correction_level must be token or sequence, got {self.level!r}")
+
+    def loss_terms(self) -> dict[str, Any]:
+        """The policy loss's terms for the correction (the monitor is always on)."""
+        out: dict[str, Any] = {"mismatch_band": self.band}
+        if self.correction != "none":
+            out.update(correction=self.correction, correction_level=self.level, correction_cap=self.cap)
+        return out
+
+
+def mismatch_metrics(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, band: float) -> dict[str, float]:
+    """The rollout engine against the trainer on the sampled tokens (log-probs, (B, T), `mask` the response): the
+    KL(rollout || trainer) by the k3 estimator (unbiased and >= 0 per token for samples from the rollout
+    engine: r - 1 - log r with r = p_trainer / p_rollout), the mean and largest |log-prob difference|, the fraction
+    of tokens whose ratio leaves [1/band, band], and the spread (std) of the sequences' ratios (the product of
+    their tokens')."""
+    m = mask.float()
+    log_r = (trainer - rollout) * m
+    k3 = torch.expm1(log_r) - log_r
+    diff = log_r.abs()
+    n = m.sum().clamp(min=1)
+    seq = torch.exp(log_r.sum(-1).clamp(-20, 20))[m.sum(-1) > 0]
+    return {
+        "mismatch_kl": float((k3 * m).sum() / n),
+        "mismatch_abs_diff": float(diff.sum() / n),
+        "mismatch_max_diff": float(diff.max()) if diff.numel() else 0.0,
+        "mismatch_frac_beyond": float(((diff > math.log(band)) * m).sum() / n),
+        "mismatch_seq_ratio_std": float(seq.std()) if seq.numel() > 1 else 0.0,
+    }
+
+
+def rollout_correction_weight(
+    trainer: torch.Tensor,
+    rollout: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    level: str,
+    cap: float,
+    band: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss weights correcting for the rollout engine (detached), and the kept-token mask: `tis`
+    weights min(r, cap), `mis` keeps (weight 1) the tokens with r in [1/band, band] and drops the others (weight
+    0); r is each token's p_trainer / p_rollout, or, at `level=sequence`, the product over the sequence's tokens
+    (the same weight for all of them)."""
+    log_r = ((trainer - rollout) * mask).detach()
+    if level == "sequence":
+        log_r = log_r.sum(-1, keepdim=True).expand_as(trainer)
+    if mode == "tis":
+        weight = torch.exp(log_r.clamp(max=math.log(cap)))
+        return weight, torch.ones_like(weight)
+    keep = (log_r.abs() <= math.log(band)).float()
+    return keep, keep
+
+
+@dataclass
 class KLConfig:
     """The KL to the reference policy, the `kl.` section of every RL program (short forms: `kl_coef=`,
     `kl_estimator=`). Where it acts is the program's: in the reward per token (PPO, Safe-RLHF, REINFORCE++),
@@ -302,6 +385,15 @@ class PolicyLoss:
     mask_stale: bool = False
     """Partial rollouts: tokens older than the batch's staleness bound (its meta's MAX_STALENESS versions behind
     TRAINER_VERSION, by their POLICY_VERSIONS) stay as context but leave the policy loss."""
+    mismatch_band: float = 2.0
+    """The monitor's ratio band (MismatchConfig.band): with rollout log-probs in the batch, every update reports
+    `mismatch_metrics` against the trainer's pre-update log-probs."""
+    correction: str = "none"
+    """The rollout-trainer mismatch correction (MismatchConfig): none, tis or mis, at `correction_level`. With
+    `tis_cap` (asynchronous) the ratio is the same one (behaviour over proximal): `tis` here replaces that weight,
+    `mis` masks on top of it."""
+    correction_level: str = "token"
+    correction_cap: float = 2.0
 
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mask = mb[RESPONSE_MASK].float()
@@ -323,7 +415,23 @@ class PolicyLoss:
             mask if self.sequence_level else None,
         )
         metrics = {"pg_loss": float(masked_mean(loss.detach(), mask)), "pg_clipfrac": float(masked_mean(clipped, mask))}
-        if self.tis_cap is not None:
+        if ROLLOUT_LOG_PROBS in mb:  # the trainer's pre-update log-probs against the rollout engine's
+            trainer = mb[OLD_LOG_PROBS] if OLD_LOG_PROBS in mb else out["log_probs"].detach()
+            metrics.update(mismatch_metrics(trainer, mb[ROLLOUT_LOG_PROBS], mask, self.mismatch_band))
+            if self.correction != "none":
+                weight, keep = rollout_correction_weight(
+                    trainer,
+                    mb[ROLLOUT_LOG_PROBS],
+                    mask,
+                    self.correction,
+                    self.correction_level,
+                    self.correction_cap,
+                    self.mismatch_band,
+                )
+                loss = loss * weight
+                metrics["correction_weight_mean"] = float(masked_mean(weight, mask))
+                metrics["correction_kept_frac"] = float(masked_mean(keep, mask))
+        if self.tis_cap is not None and self.correction != "tis":
             weight, truncated = truncated_importance_weight(old, mb[ROLLOUT_LOG_PROBS], self.tis_cap)
             loss = loss * weight
             metrics["tis_weight_mean"] = float(masked_mean(weight, mask))

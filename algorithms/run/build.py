@@ -65,7 +65,10 @@ class Roles:
 def sampling(cfg: RLConfig, task: Task) -> SamplingConfig:
     r = cfg.rollout
     return SamplingConfig(
-        max_new_tokens=r.max_new_tokens or task.max_new_tokens, temperature=r.temperature, ignore_eos=r.ignore_eos
+        max_new_tokens=r.max_new_tokens or task.max_new_tokens,
+        temperature=r.temperature,
+        ignore_eos=r.ignore_eos,
+        dtype=r.dtype,
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from algorithms.objectives.losses import KLConfig, PolicyLossConfig
+from algorithms.objectives.losses import KLConfig, MismatchConfig, PolicyLossConfig
 from algorithms.rollout.asynchronous import AsyncConfig
 from algorithms.rollout.fusion import FusionConfig
 from algorithms.run.errors import ConfigError
@@ -137,6 +137,10 @@ class RolloutConfig:
     """Longest response in tokens (a tool episode's, tool outputs included); 0: the task's default."""
     ignore_eos: bool = False
     """Always generate max_new_tokens (fixed token counts for benchmarks)."""
+    dtype: str = ""
+    """The generation engine's precision, whatever the trainer's: bfloat16, float16 or float32 ("": the model's
+    own). Lower-precision rollouts sample from a slightly different distribution than the trainer's: the mismatch
+    monitor shows it, `rollout_correction` corrects it."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Multi-turn episodes of tasks with tools (the environment is the task's)."""
 
@@ -147,6 +151,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout_tp must be >= 0 (0: no 3D-HybridEngine), got {self.tp}")
         if self.max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be >= 0 (0: the task's default), got {self.max_new_tokens}")
+        if self.dtype not in ("", "bfloat16", "float16", "float32"):
+            raise ConfigError(f"rollout_dtype must be bfloat16, float16 or float32 (or empty), got {self.dtype!r}")
 
 
 @dataclass
@@ -204,6 +210,10 @@ class RLConfig(RunConfig):
         **{name: f"policy_loss.{name}" for name in ("clip_ratio", "clip_ratio_high", "dual_clip", "entropy_coef")},
         "kl_coef": "kl.coef",
         "kl_estimator": "kl.estimator",
+        "rollout_correction": "mismatch.correction",
+        **{f"rollout_correction_{name}": f"mismatch.{name}" for name in ("level", "cap", "band")},
+        "mismatch_warn_kl": "mismatch.warn_kl",
+        "rollout_dtype": "rollout.dtype",
         # the features
         **{
             f"async_{name}": f"async_rl.{name}"
@@ -285,6 +295,8 @@ class RLConfig(RunConfig):
     """The actor's clipped surrogate."""
     kl: KLConfig = field(default_factory=KLConfig)
     """The KL to the reference policy."""
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    """The rollout engine against the trainer: measured every step, corrected with rollout_correction=tis|mis."""
     fusion: FusionConfig = field(default_factory=FusionConfig)
     """Stage fusion: fuse=true fuse_chunk_samples=8 fuse_migrate=true ... (or fusion.enabled=true ...)."""
     async_rl: AsyncConfig = field(default_factory=AsyncConfig)
@@ -340,6 +352,11 @@ class RLConfig(RunConfig):
     def trained(self) -> dict[str, OptimConfig]:
         """The training sections of the roles this program trains (the actor's; the critic's where it has one)."""
         return {"actor": self.actor}
+
+    def loss_terms(self) -> dict:
+        """The policy loss's terms from the run's sections: asynchronous RL's off-policy correction and the
+        rollout-trainer mismatch's (algorithms.objectives.losses.PolicyLoss)."""
+        return {**self.async_rl.loss_terms(), **self.mismatch.loss_terms()}
 
 
 @dataclass

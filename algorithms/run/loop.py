@@ -40,7 +40,7 @@ from algorithms.rollout.fusion import overlap_note
 from algorithms.run.build import Roles, build_roles, prompt_data
 from algorithms.run.cli import open_controller, parse_args, user_errors
 from algorithms.run.config import RLConfig, derived_sizes
-from algorithms.run.metrics import MetricsFile, print_summary
+from algorithms.run.metrics import MISMATCH_KL, MetricsFile, print_summary
 from algorithms.run.plan import RunPlan, check_before_start, resolve
 from algorithms.run.resume import Change, check_resumable, describe
 from engines import GenerationSpec, UpdateSpec
@@ -63,7 +63,7 @@ class Algorithm:
 
     def __init__(self, cfg: RLConfig) -> None:
         from algorithms.data.tasks import TASKS
-        from algorithms.run.metrics import EPISODE_METRICS
+        from algorithms.run.metrics import EPISODE_METRICS, MISMATCH_KL
 
         self.cfg = cfg
         task = TASKS.get(cfg.task)
@@ -71,6 +71,7 @@ class Algorithm:
             self.key_metrics = (*self.key_metrics, *(k for k in EPISODE_METRICS if k not in self.key_metrics))
         elif task is not None and task.success is not None:
             self.key_metrics = (*self.key_metrics, "success_mean")
+        self.key_metrics = (*self.key_metrics, MISMATCH_KL)  # the rollout engine against the trainer
         self.stage: Callable[..., None] = lambda name, *calls: None
 
     def setup(self, ctl: fa.Controller, roles: Roles, data: PromptData) -> None:
@@ -142,6 +143,7 @@ class Runner:
         self.recoveries = 0
         self.roles: Roles | None = None
         self.pipeline: RolloutPipeline | None = None
+        self._mismatch_warned = False
         self.data, self.eval_data = (data, eval_data) if data is not None else prompt_data(self.cfg)
         self.start = 0
         self.tensorboard = None
@@ -350,6 +352,16 @@ class Runner:
             metrics["controller_share"] = profile.controller_share
         tokens = metrics.pop("prompt_tokens", 0.0) + metrics.pop("response_tokens", 0.0)
         record = {"step": i, **metrics, **self.stage_t, "step_s": dt, "tokens_per_s": tokens / dt}
+        kl = record.get(MISMATCH_KL, 0.0)
+        if kl > self.cfg.mismatch.warn_kl and not self._mismatch_warned:
+            self._mismatch_warned = True
+            print(
+                f"[{self.algo.name}] warning: step {i}: the rollout engine's log-probs are {kl:.2e} (KL) from the "
+                f"trainer's (mismatch_warn_kl={self.cfg.mismatch.warn_kl}; max |diff| "
+                f"{record.get('actor/mismatch_max_diff', 0.0):.3f}): training is off-policy; consider "
+                f"rollout_correction=tis or mis (docs/algorithms.md#rollout-trainer-mismatch)",
+                file=sys.stderr,
+            )
         if (
             self.eval_data is not None
             and self.cfg.eval_every

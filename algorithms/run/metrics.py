@@ -38,6 +38,10 @@ AS_REPORTED = ""
 """The name of an update whose metrics already carry their roles' names (a fused actor-and-critics pipeline's)."""
 
 
+MISMATCH_KL = "actor/mismatch_kl"
+"""The step's KL between the rollout engine's and the trainer's token distributions (PolicyLoss's monitor)."""
+
+
 def update_metrics(updates: Mapping[str, Any]) -> dict[str, float]:
     """A step's update results merged into one dict: each update's metrics under its name (`critic/vf_loss`), an
     update named AS_REPORTED as it reported them. `updates`: name -> CallFuture (or the metrics themselves)."""

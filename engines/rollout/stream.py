@@ -80,6 +80,10 @@ class SamplingConfig:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     """Token-id sequences that end a row like EOS, included in the response (a multi-turn rollout's end of a tool
     call: engines.rollout.agent)."""
+    dtype: str = ""
+    """The generation engine's precision ("bfloat16", "float16", "float32"; "": the trainer's compute dtype):
+    the hf engine decodes under autocast to it, vLLM is built in it. Lower than the trainer's, it makes the
+    rollout-trainer mismatch the monitor measures."""
     evict_finished: bool = False
     """Drop finished rows from the running batch and KV cache (fast long tails; log-probs may differ in the last
     bit from the full-batch loop, see the module docstring)."""
@@ -93,6 +97,8 @@ class SamplingConfig:
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.dtype not in ("", "bfloat16", "float16", "float32"):
+            raise ValueError(f"SamplingConfig.dtype must be bfloat16, float16, float32 or empty, got {self.dtype!r}")
         self.stop_sequences = tuple(tuple(int(t) for t in seq) for seq in self.stop_sequences)
         if any(not seq for seq in self.stop_sequences):
             raise ValueError("SamplingConfig.stop_sequences: an empty stop sequence would end every row at once")
