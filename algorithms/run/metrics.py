@@ -120,6 +120,11 @@ class MetricsFile:
             f.write(json.dumps(dict(record)) + "\n")
 
 
+def _num(x: float) -> str:
+    """Three decimals, or three significant digits for what they would show as 0.000 (a small mismatch KL)."""
+    return f"{x:>9.3f}" if x == 0 or abs(x) >= 5e-4 else f"{x:>9.2e}"
+
+
 def print_summary(name: str, history: list[dict], keys: Sequence[str], notes: Mapping[str, str] | None = None) -> None:
     """The mean of `keys` over the first and the last quarter of the steps; `notes` adds text after a key's line
     (e.g. Safe-RLHF's cost threshold next to cost_mean)."""
@@ -131,7 +136,7 @@ def print_summary(name: str, history: list[dict], keys: Sequence[str], notes: Ma
     lines = [f"[{name}] {len(history)} steps; mean of the first and last {w} steps:"]
     for k in keys:
         if k in history[0]:
-            line = f"  {k:<22} {sum(r[k] for r in first) / w:>9.3f} -> {sum(r[k] for r in last) / w:>9.3f}"
+            line = f"  {k:<22} {_num(sum(r[k] for r in first) / w)} -> {_num(sum(r[k] for r in last) / w)}"
             lines.append(f"{line}   {notes[k]}" if k in notes else line)
     tps = sum(r["tokens_per_s"] for r in history) / len(history)
     lines.append(f"  {'tokens_per_s':<22} {tps:>9.1f}")

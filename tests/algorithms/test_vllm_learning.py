@@ -25,6 +25,10 @@ def test_grpo_learns_with_vllm_rollouts(tmp_path):
 
     h = run(main, tmp_path, *VLLM, "--steps", "40")
     assert window(h, "reward_mean", -10, None) > window(h, "reward_mean", 0, 10) + 0.05
+    # the rollout-trainer mismatch monitor: vLLM's CPU kernels against the torch trainer, both float32
+    kl, worst = window(h, "actor/mismatch_kl", 0, None), max(r["actor/mismatch_max_diff"] for r in h)
+    print(f"\nvLLM rollouts against the torch trainer: mismatch KL {kl:.2e} per token, max |log-prob diff| {worst:.2e}")
+    assert kl < 1e-8 and worst < 1e-3
 
 
 def test_safe_rlhf_learns_with_vllm_rollouts(tmp_path):
