@@ -139,6 +139,10 @@ def assert_fused_equals_unfused(prompts, build, trained, approx=()) -> dict:
             assert b_fused.select(*exact).equals(b_plain.select(*exact))
             for k in approx:
                 assert torch.allclose(b_fused[k], b_plain[k], rtol=0, atol=1e-5), k
+        if "rollout_log_probs" in approx:  # the mismatch monitor reads them: its figures to the same rounding
+            near = {k for k in m_plain if "mismatch_" in k}
+            assert all(abs(m_fused[k] - m_plain[k]) < 1e-5 for k in near), {k: (m_fused[k], m_plain[k]) for k in near}
+            m_fused, m_plain = ({k: v for k, v in m.items() if k not in near} for m in (m_fused, m_plain))
         assert m_fused == m_plain
     assert fused_digests == plain_digests
     return runs
