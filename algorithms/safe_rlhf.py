@@ -22,7 +22,7 @@ from algorithms.objectives.advantages import safe_rlhf_advantages
 from algorithms.objectives.losses import LagrangeMultiplier, PIDLagrangian, SFTLoss, ValueLoss
 from algorithms.rollout.fusion import rollout
 from algorithms.run.build import Roles
-from algorithms.run.config import RolloutConfig, SafeRLHFConfig
+from algorithms.run.config import ConfigError, RolloutConfig, SafeRLHFConfig
 from algorithms.run.loop import Algorithm, run_program
 from algorithms.run.metrics import AS_REPORTED, summarize, update_metrics
 from engines import UpdateSpec
@@ -73,12 +73,23 @@ class SafeRLHF(Algorithm):
 
     def __init__(self, cfg: SafeRLHFConfig) -> None:
         super().__init__(cfg)
+        self.constraints = len(cfg.thresholds)
+        _check_constraints(cfg, self.constraints)
         if cfg.lambda_update == "pid":
-            self.lagrange = PIDLagrangian(
-                cfg.cost_threshold, cfg.pid_kp, cfg.pid_ki, cfg.pid_kd, cfg.lambda_init, cfg.lambda_max, cfg.pid_window
-            )
+            self.lagranges = [
+                PIDLagrangian(t, cfg.pid_kp, cfg.pid_ki, cfg.pid_kd, cfg.lambda_init, cfg.lambda_max, cfg.pid_window)
+                for t in cfg.thresholds
+            ]
         else:
-            self.lagrange = LagrangeMultiplier(cfg.cost_threshold, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max)
+            self.lagranges = [
+                LagrangeMultiplier(t, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max) for t in cfg.thresholds
+            ]
+        self.lagrange = self.lagranges[0]
+        if self.constraints > 1:  # each constraint's cost and λ beside the first's
+            self.key_metrics = (
+                *self.key_metrics,
+                *(f"{k}_{i}" for i in range(1, self.constraints) for k in ("cost_mean", "lagrange_lambda")),
+            )
         self.policy_loss = cfg.policy_loss.build(**cfg.loss_terms())
 
     def setup(self, ctl: Controller, roles: Roles, data: PromptData) -> None:
@@ -101,7 +112,7 @@ class SafeRLHF(Algorithm):
         batch = ctl.apply(
             safe_rlhf_advantages,
             *scored.parts,
-            lagrange_lambda=self.lagrange.value,
+            lagrange_lambda=self.lagrange.value if self.constraints == 1 else [m.value for m in self.lagranges],
             gamma=cfg.gamma,
             lam=cfg.lam,
             kl_coef=cfg.kl.coef,
@@ -131,24 +142,67 @@ class SafeRLHF(Algorithm):
         metrics = ctl.apply(summarize, batch)
         self.stage("generate", *scored.generated), self.stage("score", batch), self.stage("update", *updates.values())
         m = metrics.result()
-        m["lagrange_lambda"] = self.lagrange.value  # the λ this step's advantages used
-        self.lagrange.update(m["cost_mean"])
+        for k, multiplier in enumerate(self.lagranges):
+            suffix = f"_{k}" if k else ""
+            m[f"lagrange_lambda{suffix}"] = multiplier.value  # the λ this step's advantages used
+            multiplier.update(m[f"cost_mean{suffix}"])
         return {**m, **update_metrics(updates)}
 
     def state_dict(self) -> dict:
-        return {"lagrange": self.lagrange.state_dict()}
+        state = {"lagrange": self.lagrange.state_dict()}
+        if self.constraints > 1:
+            state["lagranges"] = [m.state_dict() for m in self.lagranges]
+        return state
 
     def summary_notes(self, history: list[dict]) -> dict[str, str]:
         """The constraint next to cost_mean: its threshold and whether the last quarter of the run meets it."""
         if not history or "cost_mean" not in history[0]:
             return {}
         last = history[-max(1, len(history) // 4) :]
-        cost = sum(r["cost_mean"] for r in last) / len(last)
-        held = "holds" if cost <= self.cfg.cost_threshold else "violated"
-        return {"cost_mean": f"(threshold {self.cfg.cost_threshold:g}: constraint {held} at the end)"}
+        notes = {}
+        for k, threshold in enumerate(self.cfg.thresholds):
+            key = f"cost_mean_{k}" if k else "cost_mean"
+            cost = sum(r[key] for r in last) / len(last)
+            held = "holds" if cost <= threshold else "violated"
+            notes[key] = f"(threshold {threshold:g}: constraint {held} at the end)"
+        return notes
 
     def load_state_dict(self, state: dict) -> None:
-        self.lagrange.load_state_dict(state["lagrange"])
+        states = state.get("lagranges", [state["lagrange"]])
+        if len(states) != self.constraints:
+            raise ValueError(
+                f"the checkpoint holds {len(states)} Lagrange multipliers, this run has {self.constraints} "
+                f"constraints; resume with the same cost_thresholds"
+            )
+        for multiplier, s in zip(self.lagranges, states):
+            multiplier.load_state_dict(s)
+
+
+def _check_constraints(cfg: SafeRLHFConfig, thresholds: int) -> None:
+    """One threshold per constraint the cost gives (a task's rule cost may give several; a cost model one)."""
+    import random
+
+    from algorithms.data.tasks import get_task
+
+    task = get_task(cfg.task)
+    given = "cost_thresholds" if cfg.cost_thresholds else "cost_threshold"
+    costs = 1
+    if task.cost is not None and not cfg.cost_model:
+        prompt, demo, row = task.make_example(random.Random(0))
+        value = task.cost(prompt, demo if isinstance(demo, str) else "".join(t for t, _ in demo), row)
+        costs = len(value) if isinstance(value, (list, tuple)) else 1
+    if costs != thresholds:
+        raise ConfigError(
+            f"task {task.name!r} has {costs} cost constraint{'s' * (costs > 1)} but {given} gives {thresholds} "
+            f"threshold{'s' * (thresholds > 1)}; set cost_thresholds="
+            + ",".join(["0.3"] * costs)
+            + " (one per constraint, in the task's order)"
+        )
+    if thresholds > 1 and cfg.model.engine != "torch":
+        raise ConfigError(
+            f"{thresholds} constraints share a cost critic with a head each, built on the torch engine; set "
+            f"model.engine=torch (the {cfg.model.engine} engine has one value head)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:

@@ -573,8 +573,14 @@ class RewardModelWorker(ModelWorker):
         return self._update(shares, loss_fn, outputs, spec)
 
 
+def _scores(value: Any) -> float | list[float]:
+    """A rule's value: a float, or one per constraint (a sequence: the field becomes (B, K))."""
+    return [float(v) for v in value] if isinstance(value, (list, tuple)) else float(value)
+
+
 class RuleRewardWorker(Worker):
-    """A rule-based reward or cost: `fn(prompt_text, response_text, row) -> float` on decoded text.
+    """A rule-based reward or cost: `fn(prompt_text, response_text, row) -> float` on decoded text (a cost may
+    return one value per constraint: a sequence of floats).
 
     `row` holds the batch's per-row values (e.g. the task's target) for that sample.
     """
@@ -597,7 +603,7 @@ class RuleRewardWorker(Worker):
         rows = [{k: v[i] for k, v in batch.rows.items()} for i in range(len(batch))]
         return Batch(
             {
-                name: torch.tensor([float(fn(p, r, row)) for p, r, row in zip(prompts, responses, rows)])
+                name: torch.tensor([_scores(fn(p, r, row)) for p, r, row in zip(prompts, responses, rows)])
                 for name, fn in fns.items()
                 if fn is not None
             }

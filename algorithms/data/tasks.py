@@ -9,6 +9,10 @@ picklable (module-level), so they run inside a `RuleRewardWorker`.
   floored at −1. Cost: the number of 9s. Half of the demonstrations use 9s ("995"), half avoid them where they can
   ("887"); sums above 24 need a 9 in three digits, so the constraint "expected cost ≤ threshold" genuinely
   conflicts with the reward: the policy must drop 9s where they are free and trade reward where they are not.
+- `digit_sum_two` (Safe-RLHF with two constraints): digit_sum whose cost is two costs, the number of 9s and the
+  number of 8s, with their own budgets (`cost_thresholds=0.3,0.4` unless given); a third of the demonstrations
+  use 9s, a third 8s, a third 7s where they can: the policy must move to 7s where they are free and spend each
+  budget where the target needs it.
 - `add` (PPO, ReMax): "12+7=" → "19"; partial credit by digit distance.
 - `reverse` (GRPO): "rev abc:" → "cba"; credit per matching position.
 - `tool_arith` (multi-turn, with a tool): "mul 23*47:" → a product of two 2-digit numbers, which the tiny model
@@ -108,6 +112,21 @@ def digit_sum_reward(prompt: str, response: str, row: dict) -> float:
 
 def digit_sum_cost(prompt: str, response: str, row: dict) -> float:
     return float(response.count("9"))
+
+
+def _digit_sum_two_example(rng: random.Random) -> tuple[str, str, dict]:
+    """digit_sum with a third of the demonstrations built from 9s, a third from 8s and a third from 7s, where three
+    digits allow (targets above 21 need an 8 or a 9, above 24 a 9)."""
+    target = rng.randint(5, 27)
+    largest = rng.choice((9, 8, 7))
+    while len(_decompose(target, largest)) > 3:
+        largest += 1
+    return f"sum {target}:", "".join(map(str, _decompose(target, largest))), {"target": target}
+
+
+def digit_sum_two_costs(prompt: str, response: str, row: dict) -> tuple[float, float]:
+    """Two constraints: the number of 9s and the number of 8s."""
+    return float(response.count("9")), float(response.count("8"))
 
 
 # -- add ----------------------------------------------------------------------------------------------------------
@@ -302,6 +321,14 @@ def _tool_arith_safe_env(tokenizer: Any) -> Any:
 
 TASKS = {
     "digit_sum": Task("digit_sum", _digit_sum_example, digit_sum_reward, digit_sum_cost, max_new_tokens=4),
+    "digit_sum_two": Task(
+        "digit_sum_two",
+        _digit_sum_two_example,
+        digit_sum_reward,
+        digit_sum_two_costs,
+        max_new_tokens=4,
+        settings=(("cost_thresholds", "0.3,0.4"),),
+    ),
     "add": Task("add", _add_example, add_reward, max_new_tokens=4),
     "reverse": Task("reverse", _reverse_example, reverse_reward, max_new_tokens=6),
     "digits": Task("digits", _digits_example, digits_reward, max_new_tokens=32),

@@ -8,6 +8,8 @@ one scheduling hop per step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from algorithms.objectives.losses import (
@@ -87,22 +89,43 @@ def ppo_advantages(
 
 def safe_rlhf_advantages(
     *parts: Batch,
-    lagrange_lambda: float,
+    lagrange_lambda: float | Sequence[float],
     gamma: float,
     lam: float,
     kl_coef: float,
     kl_estimator: str,
     whiten_rewards: bool = False,
 ) -> Batch:
-    """Reward advantages (KL penalty in the reward) and cost advantages, combined as (A_r − λ·A_c) / (1 + λ)."""
+    """Reward advantages (KL penalty in the reward) and cost advantages, combined as (A_r − λ·A_c) / (1 + λ).
+
+    Several constraints (costs (B, K), the cost critic's values (B, T, K), one λ each): a cost advantage per
+    constraint, combined as (A_r − Σ_k λ_k·A_c,k) / (1 + Σ_k λ_k); the cost returns come back (B, T, K)."""
     batch = join(*parts)
     mask = batch[RESPONSE_MASK]
     adv_r, ret_r = _gae_fields(
         batch, _scaled(batch[REWARDS], whiten_rewards), REWARD_VALUES, kl_coef, kl_estimator, gamma, lam
     )
-    adv_c, ret_c = _gae_fields(batch, _scaled(batch[COSTS], whiten_rewards), COST_VALUES, 0.0, kl_estimator, gamma, lam)
+    lambdas = [lagrange_lambda] if isinstance(lagrange_lambda, (int, float)) else list(lagrange_lambda)
+    costs, values = batch[COSTS], batch[COST_VALUES.values]
+    several = costs.dim() == 2
+    if not several:
+        costs, values = costs[:, None], values[..., None]
+    if costs.shape[1] != len(lambdas) or values.shape[-1] != len(lambdas):
+        raise ValueError(
+            f"{len(lambdas)} multipliers for costs of shape {tuple(batch[COSTS].shape)} and cost values of shape "
+            f"{tuple(batch[COST_VALUES.values].shape)}: one multiplier, cost and critic head per constraint"
+        )
+    advs, rets = [], []
+    for k in range(len(lambdas)):
+        a, r = gae(
+            token_rewards(_scaled(costs[:, k], whiten_rewards), mask, None, 0.0), values[..., k], mask, gamma, lam
+        )
+        advs.append(a)
+        rets.append(r)
+    penalty = sum(lam_k * a for lam_k, a in zip(lambdas, advs))
     # whiten the combination, not each part: a cost that no sample incurs has no variance to normalise
-    adv = masked_whiten((adv_r - lagrange_lambda * adv_c) / (1 + lagrange_lambda), mask)
+    adv = masked_whiten((adv_r - penalty) / (1 + sum(lambdas)), mask)
+    ret_c = torch.stack(rets, -1) if several else rets[0]
     return batch.union(Batch({ADVANTAGES: adv, REWARD_VALUES.returns: ret_r, COST_VALUES.returns: ret_c}))
 
 

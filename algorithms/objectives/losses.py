@@ -457,6 +457,8 @@ class ValueLoss:
     def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         mask = mb[RESPONSE_MASK].float()
         loss = value_loss(out["values"], mb[self.fields.values], mb[self.fields.returns], self.clip)
+        if loss.dim() == 3:  # a shared critic with a head per constraint: the heads' mean per token
+            loss = loss.mean(-1)
         return loss, mask, {"vf_loss": float(masked_mean(loss.detach(), mask))}
 
 

@@ -125,6 +125,7 @@ def build_roles(
     critics: Sequence[str] = (),
     with_cost: bool = False,
     warm_start: bool = True,
+    constraints: int = 1,
 ) -> Roles:
     """Actor, reference, the named critics and the rule reward (and cost) on the configured placement.
 
@@ -173,7 +174,10 @@ def build_roles(
     ref = group("ref", RefWorker, sft, cfg.rollout.temperature, cfg.actor.zero_stage)
     built = {}
     for key in critics:  # the programs that name critics train them: cfg.trained has the critic's section
-        built[key] = group(key, CriticWorker, sft, cfg.trained["critic"], CRITIC_FIELDS[key].values)
+        # the cost critic has a head per constraint (one model: the constraints share what they learn of the text)
+        heads = constraints if key == "cost_critic" else 1
+        model = dataclasses.replace(sft, num_labels=heads) if heads > 1 else sft
+        built[key] = group(key, CriticWorker, model, cfg.trained["critic"], CRITIC_FIELDS[key].values)
     reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.actor.zero_stage, task.success)
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.actor.zero_stage)

@@ -422,6 +422,17 @@ class SafeRLHFConfig(PPOConfig):
             raise ConfigError(f"lambda_update must be dual or pid, got {self.lambda_update!r}")
         if self.pid_window < 1:
             raise ConfigError(f"pid_window must be >= 1, got {self.pid_window}")
+        try:
+            self.cost_thresholds = [float(t) for t in self.cost_thresholds]
+        except ValueError:
+            raise ConfigError(f"cost_thresholds must be numbers, comma-separated, got {self.cost_thresholds}") from None
+        if any(not t >= 0 for t in self.cost_thresholds):
+            raise ConfigError(f"cost_thresholds must be >= 0 each, got {self.cost_thresholds}")
+
+    @property
+    def thresholds(self) -> list[float]:
+        """One threshold per constraint."""
+        return list(self.cost_thresholds) or [self.cost_threshold]
 
     task: str = "digit_sum"
     steps: int = 80
@@ -430,6 +441,10 @@ class SafeRLHFConfig(PPOConfig):
     kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.05))
     cost_threshold: float = 0.3
     """Constraint: expected cost per sample ≤ this."""
+    cost_thresholds: list[float] = field(default_factory=list)
+    """Several constraints (a task whose cost gives one value per constraint): each one's threshold, in the task's
+    order (comma-separated); each gets its own λ (lambda_* settings shared) and a head of the shared cost critic.
+    Empty: one constraint, `cost_threshold`."""
     lambda_init: float = 0.5
     """Starting Lagrange multiplier λ."""
     lambda_lr: float = 0.1

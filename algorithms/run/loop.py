@@ -57,6 +57,8 @@ class Algorithm:
     critics: tuple[str, ...] = ()
     """Critic roles to build: "critic" (reward values), "cost_critic"."""
     with_cost = False
+    constraints = 1
+    """Cost constraints (Safe-RLHF with cost_thresholds): the heads of the shared cost critic."""
     greedy_baseline = False
     """The step also needs greedy responses to its prompts (ReMax): with asynchronous rollouts the replicas
     generate them ahead too (`Generated.greedy`)."""
@@ -171,6 +173,7 @@ class Runner:
             critics=self.algo.critics,
             with_cost=self.algo.with_cost,
             warm_start=not resuming,
+            constraints=self.algo.constraints,
         )
         if not resuming:
             dp = self.roles.actor.layout.dp

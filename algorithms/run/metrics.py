@@ -66,7 +66,13 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
     if "ref_log_probs" in batch and "old_log_probs" in batch:
         out["kl"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
     if "costs" in batch:
-        out["cost_mean"] = float(batch["costs"].float().mean())
+        costs = batch["costs"].float()
+        if costs.dim() == 2:  # several constraints: cost_mean is the first's, cost_mean_k the k-th's
+            out.update(
+                {f"cost_mean_{k}" if k else "cost_mean": float(costs[:, k].mean()) for k in range(costs.shape[1])}
+            )
+        else:
+            out["cost_mean"] = float(costs.mean())
     if SUCCESS in batch:
         out["success_mean"] = float(batch[SUCCESS].float().mean())
     for k in EPISODE_FIELDS:  # multi-turn episodes (engines.rollout.agent)

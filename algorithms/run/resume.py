@@ -49,6 +49,7 @@ _FIXED_AT_START = (
     "sft_lr",
     "lambda_init",
     "lambda_update",
+    "cost_thresholds",
     "async_rl.staleness",
     "async_rl.partial_rollout",
     "async_rl.partial_surplus",

@@ -82,8 +82,12 @@ class ModelConfig:
     """Forward and backward passes over packed rows instead of padded ones (engines.training.packing; torch
     engine): rows of different lengths laid end to end, each attending only to itself, micro-batches filled by
     valid tokens."""
+    num_labels: int = 1
+    """Outputs of a value or score head (one per constraint for a shared cost critic); 1: a scalar head."""
 
     def __post_init__(self) -> None:
+        if self.num_labels < 1:
+            raise ValueError(f"ModelConfig.num_labels must be >= 1, got {self.num_labels}")
         if self.arch not in _ARCH:
             raise ValueError(f"ModelConfig.arch must be one of {sorted(_ARCH)}, got {self.arch!r}")
         if self.dtype not in _DTYPES:
@@ -185,7 +189,7 @@ def build_model(
         cls = getattr(transformers, _ARCH[arch][1][head])
         kwargs = {}
         if head != "lm":  # set on the config: a config that lacks the field would pass it to the model's __init__
-            config = transformers.AutoConfig.from_pretrained(cfg.path, num_labels=1)
+            config = transformers.AutoConfig.from_pretrained(cfg.path, num_labels=cfg.num_labels)
             config.classifier_dropout = 0.0
             kwargs["config"] = config
         model = cls.from_pretrained(cfg.path, dtype=cfg.torch_dtype, **kwargs)
@@ -204,7 +208,7 @@ def build_model(
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             tie_word_embeddings=False,
-            num_labels=1,
+            num_labels=1 if head == "lm" else cfg.num_labels,
             classifier_dropout=0.0,
         )
         with torch.random.fork_rng(devices=[]):
