@@ -1,0 +1,100 @@
+"""Constraint satisfaction of Safe-RLHF's multipliers: dual ascent against the PID Lagrangian, over seeds.
+
+    python benchmarks/constraints.py [--json] [--seeds 0,1,2] [--tasks digit_sum,digit_sum_two,tool_arith_safe]
+
+Each task with its own settings (the default run's, `digit_sum_two`'s two budgets, `tool_arith_safe`'s warm start
+and λ step), `lambda_update=dual` and `lambda_update=pid` (the default gains), the same seeds. Per run and
+constraint, over the last 40 steps: the reward and the cost, the violation (how far the mean cost is above its
+threshold, 0 when under), and the oscillation (the standard deviation of the 10-step cost means over the second
+half of the run). Targets (the constrained-RL issue): PID's violation <= 0.02 on every task and seed, its oscillation
+<= 0.5x dual ascent's, its final reward >= dual ascent's at equal or lower violation. Each finished run is also
+appended as a JSON line to `--out` (so a long sweep keeps what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+THRESHOLDS = {"digit_sum": [0.3], "digit_sum_two": [0.3, 0.4], "tool_arith_safe": [0.3]}
+
+
+def run(task: str, update: str, seed: int) -> dict:
+    from algorithms.safe_rlhf import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "m.jsonl"
+        main(["dashboard=none", f"task={task}", f"lambda_update={update}", f"seed={seed}", "--metrics-file", str(path)])
+        h = [json.loads(x) for x in path.read_text().splitlines()]
+    last, second = h[-40:], h[len(h) // 2 :]
+    out = {"task": task, "update": update, "seed": seed, "steps": len(h)}
+    out["reward_last40"] = statistics.mean(r["reward_mean"] for r in last)
+    for k, threshold in enumerate(THRESHOLDS[task]):
+        key = f"cost_mean_{k}" if k else "cost_mean"
+        cost = statistics.mean(r[key] for r in last)
+        windows = [statistics.mean(r[key] for r in second[i : i + 10]) for i in range(0, len(second) - 9, 10)]
+        out[f"cost_last40_{k}"] = cost
+        out[f"violation_{k}"] = max(0.0, cost - threshold)
+        out[f"oscillation_{k}"] = statistics.pstdev(windows) if len(windows) > 1 else 0.0
+    out["violation"] = max(out[f"violation_{k}"] for k in range(len(THRESHOLDS[task])))
+    out["oscillation"] = max(out[f"oscillation_{k}"] for k in range(len(THRESHOLDS[task])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON line per run first")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--tasks", default=",".join(THRESHOLDS))
+    p.add_argument("--out", default=None, help="append each run's JSON line to this file as it finishes")
+    args = p.parse_args(argv)
+    rows = []
+    for task in args.tasks.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for update in ("dual", "pid"):
+                t0 = time.perf_counter()
+                rows.append(run(task, update, seed))
+                print(f"  {task} seed {seed} {update}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(rows[-1]) + "\n")
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    print(
+        f"\n{'task':<16} {'seed':>4} {'update':<5} {'reward':>7} {'cost(s)':>13} {'violation':>9} {'oscillation':>11}"
+    )
+    for r in rows:
+        costs = "/".join(f"{r[f'cost_last40_{k}']:.3f}" for k in range(len(THRESHOLDS[r["task"]])))
+        print(
+            f"{r['task']:<16} {r['seed']:>4} {r['update']:<5} {r['reward_last40']:>7.3f} {costs:>13} "
+            f"{r['violation']:>9.3f} {r['oscillation']:>11.3f}"
+        )
+    print("\nPID against dual ascent per task (means over seeds):")
+    for task in dict.fromkeys(r["task"] for r in rows):
+        by = {u: [r for r in rows if r["task"] == task and r["update"] == u] for u in ("dual", "pid")}
+        if not by["dual"] or not by["pid"]:
+            continue
+        m = {
+            u: {k: statistics.mean(r[k] for r in rs) for k in ("reward_last40", "violation", "oscillation")}
+            for u, rs in by.items()
+        }
+        worst = max(r["violation"] for r in by["pid"])
+        ratio = m["pid"]["oscillation"] / m["dual"]["oscillation"] if m["dual"]["oscillation"] else float("inf")
+        print(
+            f"  {task}: PID's worst violation {worst:.3f} (target <= 0.02); oscillation {ratio:.2f}x dual's (target "
+            f"<= 0.5x); reward {m['pid']['reward_last40']:.3f} vs {m['dual']['reward_last40']:.3f} at violation "
+            f"{m['pid']['violation']:.3f} vs {m['dual']['violation']:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
