@@ -346,6 +346,14 @@ class ActorWorker(ModelWorker, FusedRolloutEndpoints, ReplicaEndpoints):
             "loads": self.handover.get("loads", 0) + 1,
         }
 
+    def _generation_target(self) -> torch.nn.Module | None:
+        """What the generator decodes with: None for an engine that holds its own weights (vLLM, first brought up
+        to this rank's weights), else the model to sample from."""
+        if self.generator.holds_weights:
+            self._send_weights()
+            return None
+        return self._generation_model()
+
     def _generation_model(self) -> torch.nn.Module:
         if self.hybrid is not None:
             return self.hybrid.generation_model()

@@ -328,13 +328,13 @@ def rollout_correction_weight(
     weights min(r, cap), `mis` keeps (weight 1) the tokens with r in [1/band, band] and drops the others (weight
     0); r is each token's p_trainer / p_rollout, or, at `level=sequence`, the product over the sequence's tokens
     (the same weight for all of them)."""
-    log_r = ((trainer - rollout) * mask).detach()
+    trainer, rollout = trainer * mask, rollout * mask
     if level == "sequence":
-        log_r = log_r.sum(-1, keepdim=True).expand_as(trainer)
+        trainer, rollout = (x.sum(-1, keepdim=True).expand_as(mask) for x in (trainer, rollout))
     if mode == "tis":
-        weight = torch.exp(log_r.clamp(max=math.log(cap)))
+        weight, _ = truncated_importance_weight(trainer, rollout, cap)
         return weight, torch.ones_like(weight)
-    keep = (log_r.abs() <= math.log(band)).float()
+    keep = ((trainer - rollout).detach().abs() <= math.log(band)).float()
     return keep, keep
 
 

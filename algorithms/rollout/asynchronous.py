@@ -112,6 +112,23 @@ class AsyncConfig:
             return {**terms, "behaviour_old": True}
         return {**terms, "tis_cap": self.tis_cap}
 
+    def surplus(self, prompts_per_step: int) -> int:
+        """Partial rollouts' surplus of prompt groups."""
+        return self.partial_surplus or prompts_per_step
+
+    def check_replica_ranks(self, prompts_per_step: int, ranks: int) -> None:
+        """Partial rollouts: every replica rank holds whole prompt groups, so the groups a step takes and the
+        surplus must share out evenly."""
+        for name, n in (
+            ("prompts_per_step", prompts_per_step),
+            ("async_rl.partial_surplus", self.surplus(prompts_per_step)),
+        ):
+            if n % ranks:
+                raise ConfigError(
+                    f"partial rollouts share prompt groups among the {ranks} replica ranks: {name}={n} is not a "
+                    f"multiple of {ranks}; change it or async_rollout_slots"
+                )
+
     def segment(self, max_new_tokens: int) -> int:
         """Partial rollouts' decode segment in tokens."""
         return self.partial_segment or max(1, max_new_tokens // 4)
@@ -185,18 +202,13 @@ class RolloutPipeline:
         self.ctl, self.actor, self.rollout, self.data, self.batch = ctl, actor, rollout, data, batch
         self.staleness, self.sync = staleness, sync
         self.partial = sync.partial_rollout
-        self.bound = sync.token_bound(max_new_tokens) if self.partial else staleness
+        self.bound = sync.token_bound(max_new_tokens)
         if self.partial:
             if max_new_tokens < 1:
                 raise ValueError("partial rollouts need the rollouts' max_new_tokens")
+            sync.check_replica_ranks(batch[0], rollout.world_size)  # (before start only on a local cluster)
             self.segment = sync.segment(max_new_tokens)
-            self.surplus = sync.partial_surplus or batch[0]
-            for what, n in (("prompts_per_step", batch[0]), ("async_rl.partial_surplus", self.surplus)):
-                if n % rollout.world_size:
-                    raise ConfigError(
-                        f"partial rollouts share prompt groups among the {rollout.world_size} replica ranks: "
-                        f"{what}={n} is not a multiple of {rollout.world_size}"
-                    )
+            self.surplus = sync.surplus(batch[0])
         self.ledger = PromptLedger()
         self._next_uid = 0
         self._held: dict[int, tuple[int, fa.CallFuture | list[int]]] = {}  # step -> (uids issued, groups held)

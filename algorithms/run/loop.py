@@ -65,7 +65,7 @@ class Algorithm:
 
     def __init__(self, cfg: RLConfig) -> None:
         from algorithms.data.tasks import TASKS
-        from algorithms.run.metrics import EPISODE_METRICS, MISMATCH_KL
+        from algorithms.run.metrics import EPISODE_METRICS
 
         self.cfg = cfg
         task = TASKS.get(cfg.task)

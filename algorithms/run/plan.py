@@ -134,14 +134,8 @@ def _check_async(cfg: RLConfig) -> None:
                 f"n_slots={cfg.n_slots} with async_rollout_slots={rollout}; use n_slots >= 2 and "
                 f"async_rollout_slots < n_slots"
             )
-        if cfg.async_rl.partial_rollout:  # each replica rank holds whole prompt groups
-            surplus = cfg.async_rl.partial_surplus or cfg.prompts_per_step
-            for name, n in (("prompts_per_step", cfg.prompts_per_step), ("async_rl.partial_surplus", surplus)):
-                if n % rollout:
-                    raise ConfigError(
-                        f"partial rollouts share prompt groups among the {rollout} replica ranks: {name}={n} is not "
-                        f"a multiple of {rollout}; change it or async_rollout_slots"
-                    )
+        if cfg.async_rl.partial_rollout:
+            cfg.async_rl.check_replica_ranks(cfg.prompts_per_step, rollout)
 
 
 def check_before_start(cfg: RLConfig) -> RunPlan:

@@ -60,11 +60,7 @@ class FusedRolloutEndpoints:
         self._split_stream = d_g > 1 and len(prompts) % d_g == 0 and chunk_samples % d_g == 0
         if self._split_stream:  # each generation replica streams its rows; chunk k joins their k-th chunks
             rows, per_chunk = self.hybrid.micro_slice(len(prompts)), chunk_samples // d_g
-        if self.generator.holds_weights:
-            self._send_weights()  # in the task thread: the decoding thread runs no collective of the actor's
-            model = None
-        else:
-            model = self._generation_model()
+        model = self._generation_target()  # in the task thread: the decoding thread runs no collective
         migrate: dict[str, Any] = {}
         if migrate_below is not None:  # the first `receivers` ranks receive the other ranks' tails, which pause
             if not 1 <= receivers < self.layout.world_size:

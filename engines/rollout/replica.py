@@ -355,7 +355,4 @@ class ReplicaEndpoints:
         """What a replica's generator decodes with: None for an engine that holds its own weights (vLLM, after
         taking the latest), else the worker's model."""
         self._end_receiving()
-        if self.generator.holds_weights:
-            self._send_weights()
-            return None
-        return self._generation_model()
+        return self._generation_target()
