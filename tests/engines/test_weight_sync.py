@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import flowactors as fa
-from engines import ActorWorker, ModelConfig, OptimConfig, UpdateSpec, build_model
-from engines.rollout.replica import Piece, plan_sync
+from engines import ActorWorker, ModelConfig, OptimConfig, UpdateSpec, build_model, build_tokenizer
+from engines.rollout.replica import Piece, address, plan_sync, sync_subgroups
 from engines.training.lora import apply_lora
 from flowactors import Layout
 from tests.engines.probes import pg_loss
@@ -27,10 +27,10 @@ def test_the_plan_puts_every_piece_in_one_bucket_in_order_and_aligned():
     assert sorted(placed, key=str) == sorted(pieces, key=str)
     assert [len(b) for b in plan.buckets] == [2, 2, 2, 2, 2]  # 2 pieces (256 B) fit, a third would not
     for b, bucket in enumerate(plan.buckets):
-        for source, per in bucket.items():
+        for key, per in bucket.items():
             offsets = [at for _, at in per]
             assert all(at % 16 == 0 for at in offsets) and offsets == sorted(offsets)
-            assert plan.sizes(b)[source] >= per[-1][1] + per[-1][0].nbytes
+            assert plan.sizes(b)[key] >= per[-1][1] + per[-1][0].nbytes
     assert plan.total_bytes == 10 * 128
     one = plan_sync(pieces, [f"p{i}" for i in range(5)], bucket_bytes=1)  # every piece a bucket of its own
     assert len(one.buckets) == 10
@@ -72,7 +72,7 @@ def test_sharded_sync_equals_the_whole_dict_sync(controller4, zero_stage):
         want = trainer.policy_weights().result()
         before = _replica_state(replicas)
         assert any(not torch.equal(before[k], want[k]) for k in want)  # the replicas start elsewhere
-        link = controller4.link(f"sync_z{zero_stage}", [trainer, replicas], [(0, 2, 3), (1, 2, 3)])
+        link = controller4.link(f"sync_z{zero_stage}", [trainer, replicas], sync_subgroups(2, Layout(dp=2)))
         sent, got = _sync(controller4, trainer, replicas, link, version=1)
         state = _replica_state(replicas)
         assert state.keys() == want.keys()
@@ -100,7 +100,7 @@ def test_lora_syncs_move_only_the_adapters_after_the_first(controller4):
     optim = OptimConfig(lr=1e-2, lora_rank=4, lora_alpha=8.0, zero_stage=3)
     trainer, replicas = _groups(controller4, "sync_lora", optim)
     try:
-        link = controller4.link("sync_lora", [trainer, replicas], [(0, 2, 3), (1, 2, 3)])
+        link = controller4.link("sync_lora", [trainer, replicas], sync_subgroups(2, Layout(dp=2)))
         _, first = _sync(controller4, trainer, replicas, link, version=1)  # the base and the adapters
         for step in range(2):
             trainer.update_actor(long_tailed(n=8, seed=2 + step), pg_loss, UpdateSpec(mini_batch_samples=8)).result()
@@ -114,6 +114,90 @@ def test_lora_syncs_move_only_the_adapters_after_the_first(controller4):
         adapters = {n: p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n}
         assert got[0]["bytes"] == sum(adapters.values())  # exactly the adapters travel, not the model
         assert got[0]["bytes"] < 0.2 * first[0]["bytes"]
+    finally:
+        trainer.close()
+        replicas.close()
+
+
+def test_address_cuts_trainer_blocks_to_each_replica_ranks_tp_shard():
+    # trainer: rows split over two ranks (FSDP2); replica: a TP-2 pair splitting columns, a whole-copy rank
+    pieces = [Piece("w", s, (s * 4, 0), (4, 6), "float32") for s in (0, 1)]
+    needs = {
+        2: {"w": [((0, 0), (8, 3))]},  # TP rank 0: columns 0-2
+        3: {"w": [((0, 3), (8, 3))]},  # TP rank 1: columns 3-5
+        4: {"w": [((0, 0), (8, 6))]},  # a whole copy
+    }
+    cut = address(pieces, needs)
+    plan = plan_sync(cut, ["w"], bucket_bytes=1 << 20)
+    assert plan.bytes_to(2) == plan.bytes_to(3) == 8 * 3 * 4  # each TP rank: its half, nothing else
+    assert plan.bytes_to(4) == 8 * 6 * 4
+    for piece in cut:
+        for rank in piece.dests:
+            (o, s), (ro, rs) = (piece.offset, piece.shape), needs[rank]["w"][0]
+            assert all(ro[d] <= o[d] and o[d] + s[d] <= ro[d] + rs[d] for d in range(2))  # inside its shard
+    # one layout (every rank the same region): each trainer piece whole, to all at once
+    same = address(pieces, {r: {"w": [((0, 0), (8, 6))]} for r in (2, 3)})
+    assert sorted((p.source, p.shape, p.dests) for p in same) == [(0, (4, 6), (2, 3)), (1, (4, 6), (2, 3))]
+
+
+@pytest.mark.parametrize("trainer_stage", [3, 1])
+def test_a_replica_with_generation_tp_receives_only_its_shard(controller4, trainer_stage):
+    """A replica of TP 2 (the 3D-HybridEngine with equal training and generation TP): after the sharded sync its
+    weights are the trainer's, each of its ranks received its TP shard (about half the model, not all of it),
+    and it samples what the trainer's own whole weights sample."""
+    from engines import GenerationSpec, SamplingConfig
+
+    optim = OptimConfig(lr=1e-2, zero_stage=trainer_stage)
+    sampling = SamplingConfig(max_new_tokens=6)
+    model = ModelConfig(**{**CFG.__dict__, "pad_vocab_to": 2})  # TP splits the vocabulary
+    name = f"sync_tp_z{trainer_stage}"
+    trainer = fa.ActorGroup(
+        controller4,
+        ActorWorker,
+        name=f"{name}_trainer",
+        slots=controller4.slots[:2],
+        layout=Layout(dp=2),
+        args=(model, optim, sampling),
+    )
+    replica_model = ModelConfig(**{**model.__dict__, "seed": 99})
+    replicas = fa.ActorGroup(
+        controller4,
+        ActorWorker,
+        name=f"{name}_replicas",
+        slots=controller4.slots[2:4],
+        layout=Layout(tp=2),
+        args=(replica_model, OptimConfig(zero_stage=1), sampling, 2),
+    )
+    try:
+        trainer.update_actor(long_tailed(n=8, seed=3), pg_loss, UpdateSpec(mini_batch_samples=8)).result()
+        want = trainer.policy_weights().result()
+        link = controller4.link(name, [trainer, replicas], sync_subgroups(2, replicas.layout))
+        sent, got = _sync(controller4, trainer, replicas, link, version=1)
+        state = replicas.policy_weights().result()  # gathered from the two TP shards
+        assert state.keys() == want.keys()
+        for k in want:
+            assert torch.equal(state[k], want[k]), k
+        model_bytes = sum(p.numel() * p.element_size() for p in want.values())
+        split = sum(
+            t.numel() * t.element_size() for k, t in want.items() if t.dim() == 2
+        )  # the linear layers, embedding and head: split by TP; the norms travel whole to both
+        for g in got:
+            assert g["bytes"] == pytest.approx(model_bytes - split / 2, rel=0.02)
+        assert sum(s["bytes"] for s in sent) == model_bytes  # every block leaves the trainer once
+        assert all(r["peak_bucket_bytes"] <= 2 * BUCKET + 4096 for r in [*sent, *got])
+
+        enc = build_tokenizer(model)([f"sum {i + 3}:" for i in range(4)], padding=True, return_tensors="pt")
+        prompts = fa.Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+        greedy = GenerationSpec(greedy=True)
+        mine, theirs = trainer.generate_sequences(prompts, greedy), replicas.generate_sequences(prompts, greedy)
+        mine, theirs = mine.result(), theirs.result()
+        assert torch.equal(mine["responses"], theirs["responses"])
+        torch.testing.assert_close(mine["rollout_log_probs"], theirs["rollout_log_probs"], atol=1e-5, rtol=0)
+        # a second sync after training moves the new weights into the same shards
+        trainer.update_actor(long_tailed(n=8, seed=4), pg_loss, UpdateSpec(mini_batch_samples=8)).result()
+        _sync(controller4, trainer, replicas, link, version=2)
+        want, state = trainer.policy_weights().result(), replicas.policy_weights().result()
+        assert all(torch.equal(state[k], want[k]) for k in want)
     finally:
         trainer.close()
         replicas.close()
