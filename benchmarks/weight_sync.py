@@ -3,7 +3,7 @@
     python benchmarks/weight_sync.py [--json] [--sizes 50,200,400] [--bucket-mb 64] [--cluster]
 
 An embedded 4-slot cluster: the trainer an FSDP2 actor over 2 ranks, the replicas 2 ranks of whole copies (what
-`async_staleness=K` builds). For Llama-shaped models of about 50M, 200M and 400M parameters (float32), each path syncs the trainer's weights twice (the second is timed): `rank0`
+`async_staleness=K` builds), or one replica of generation TP 2 (`rollout_tp=2`: each rank receives its shard). For Llama-shaped models of about 50M, 200M and 400M parameters (float32), each path syncs the trainer's weights twice (the second is timed): `rank0`
 (`policy_weights` gathered on trainer rank 0 into `load_policy` on every replica rank) and `sharded`
 (`send_policy` / `receive_policy` over a link, buckets of `--bucket-mb`). Per path: seconds, the bytes each trainer
 rank sent (rank 0's link carries everything on the old path), and each rank's peak resident memory growth during
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engines import ActorWorker  # noqa: E402
+from engines.rollout.replica import sync_subgroups  # noqa: E402
 from flowactors import ONE_TO_ALL, endpoint  # noqa: E402
 
 SIZES = {50: (640, 10), 200: (1024, 16), 400: (1280, 20)}
@@ -66,10 +67,11 @@ def _model(size: int):
         num_kv_heads=hidden // 128,
         intermediate_size=int(hidden * 8 / 3) // 64 * 64,
         max_position_embeddings=256,
+        pad_vocab_to=2,  # a replica with generation TP 2 splits the vocabulary
     )
 
 
-def measure(ctl, size: int, bucket_mb: float, lora: int = 0) -> list[dict]:
+def measure(ctl, size: int, bucket_mb: float, lora: int = 0, replica_tp: int = 1) -> list[dict]:
     import flowactors as fa
     from engines import OptimConfig
     from flowactors import Layout
@@ -83,20 +85,26 @@ def measure(ctl, size: int, bucket_mb: float, lora: int = 0) -> list[dict]:
         layout=Layout(dp=2),
         args=(model, OptimConfig(zero_stage=3, lora_rank=lora)),
     )
-    replicas = fa.ActorGroup(
+    replicas = fa.ActorGroup(  # two whole copies, or one replica of TP 2 (the 3D-HybridEngine's shards)
         ctl,
         MeasuredActor,
-        name=f"replicas{size}_{lora}",
+        name=f"replicas{size}_{lora}_{replica_tp}",
         slots=ctl.slots[2:4],
-        layout=Layout(dp=2),
-        args=(model, OptimConfig(zero_stage=1, lora_rank=lora if lora else 0)),
+        layout=Layout(dp=2 // replica_tp, tp=replica_tp),
+        args=(
+            model,
+            OptimConfig(zero_stage=1, lora_rank=lora if lora else 0),
+            None,
+            replica_tp if replica_tp > 1 else None,
+        ),
     )
     rows = []
     try:
         n_params = sum(trainer.memory_stats().result()[r]["param_bytes"] for r in range(2)) // 4
-        link = ctl.link(f"bench{size}_{lora}", [trainer, replicas], [(0, 2, 3), (1, 2, 3)])
+        link = ctl.link(f"bench{size}_{lora}_{replica_tp}", [trainer, replicas], sync_subgroups(2, replicas.layout))
         bucket = int(bucket_mb * 2**20)
-        paths = ("sharded",) if lora else ("sharded", "rank0")  # rank0 last: it may not survive a large model
+        # rank0 last: it may not survive a large model; a TP replica takes its shards by the sharded path only
+        paths = ("sharded",) if lora or replica_tp > 1 else ("sharded", "rank0")
         for path in paths:
             for attempt in range(2):  # the first builds plans and buffers; the second is measured
                 changed = bool(lora) and attempt == 1
@@ -119,9 +127,9 @@ def measure(ctl, size: int, bucket_mb: float, lora: int = 0) -> list[dict]:
                 {
                     "size_m": size,
                     "params": n_params,
-                    "path": path + (f"+lora{lora}" if lora else ""),
+                    "path": path + (f"+lora{lora}" if lora else "") + (f"+tp{replica_tp}" if replica_tp > 1 else ""),
                     "seconds": round(seconds, 3),
-                    "bytes_per_replica": got[0]["bytes"],
+                    "bytes_per_replica": got[0]["bytes"],  # per replica rank (a TP rank: its shard)
                     "sent_by_trainer_rank": sent,
                     "peak_growth_mb_per_rank": [round(g / 2**20, 1) for g in growth],
                     "bucket_mb": bucket_mb,
@@ -180,10 +188,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     sizes = [int(s) for s in args.sizes.split(",")]
     lora_size = sorted(sizes)[len(sizes) // 2]  # the middle size (200M by default)
-    for size, lora in [(s, 0) for s in sizes] + ([(lora_size, args.lora)] if args.lora else []):
+    runs = [(s, 0, 1) for s in sizes] + [(s, 0, 2) for s in sizes] + ([(lora_size, args.lora, 1)] if args.lora else [])
+    for size, lora, tp in runs:
         # a cluster per size: a worker the rank-0 path kills does not take the next sizes with it
         with fa.Controller.local(4, dashboard=None, collective_timeout_s=600) as ctl:
-            rows += measure(ctl, size, args.bucket_mb, lora=lora)
+            rows += measure(ctl, size, args.bucket_mb, lora=lora, replica_tp=tp)
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -205,6 +214,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if (size, "rank0") in by and (size, "sharded") in by:
             ratio = by[(size, "sharded")]["seconds"] / by[(size, "rank0")]["seconds"]
             print(f"{size}M: sharded / rank0 time = {ratio:.2f}")
+        if (size, "sharded") in by and (size, "sharded+tp2") in by:
+            share = by[(size, "sharded+tp2")]["bytes_per_replica"] / by[(size, "sharded")]["bytes_per_replica"]
+            print(f"{size}M: a TP-2 replica rank receives {share:.3f} of a whole copy's bytes")
     lora = next((r for r in rows if "+lora" in r.get("path", "")), None)
     full = next((r for r in rows if r.get("path") == "sharded" and lora and r["size_m"] == lora["size_m"]), None)
     if full and lora:

@@ -20,6 +20,7 @@ from algorithms.data.prompts import PromptData
 from algorithms.run.errors import ConfigError
 from engines import GenerationSpec
 from engines.rollout.partial import PROMPT_UID
+from engines.rollout.replica import sync_subgroups
 from flowactors import Batch
 
 __all__ = [
@@ -116,17 +117,17 @@ class AsyncConfig:
         """Partial rollouts' surplus of prompt groups."""
         return self.partial_surplus or prompts_per_step
 
-    def check_replica_ranks(self, prompts_per_step: int, ranks: int) -> None:
-        """Partial rollouts: every replica rank holds whole prompt groups, so the groups a step takes and the
-        surplus must share out evenly."""
+    def check_replica_ranks(self, prompts_per_step: int, replicas: int) -> None:
+        """Partial rollouts: every replica (a rank, or a generation TP group) holds whole prompt groups, so the
+        groups a step takes and the surplus must share out evenly."""
         for name, n in (
             ("prompts_per_step", prompts_per_step),
             ("async_rl.partial_surplus", self.surplus(prompts_per_step)),
         ):
-            if n % ranks:
+            if n % replicas:
                 raise ConfigError(
-                    f"partial rollouts share prompt groups among the {ranks} replica ranks: {name}={n} is not a "
-                    f"multiple of {ranks}; change it or async_rollout_slots"
+                    f"partial rollouts share prompt groups among the {replicas} rollout replicas: {name}={n} is "
+                    f"not a multiple of {replicas}; change it, async_rollout_slots or rollout_tp"
                 )
 
     def segment(self, max_new_tokens: int) -> int:
@@ -206,7 +207,7 @@ class RolloutPipeline:
         if self.partial:
             if max_new_tokens < 1:
                 raise ValueError("partial rollouts need the rollouts' max_new_tokens")
-            sync.check_replica_ranks(batch[0], rollout.world_size)  # (before start only on a local cluster)
+            sync.check_replica_ranks(batch[0], rollout.layout.dp)  # (before start only on a local cluster)
             self.segment = sync.segment(max_new_tokens)
             self.surplus = sync.surplus(batch[0])
         self.ledger = PromptLedger()
@@ -215,12 +216,8 @@ class RolloutPipeline:
         self._taken: dict[int, Generated] = {}
         self.link: str | None = None
         if sync.sync == "sharded":  # one process group over the trainer's and the replicas' ranks, formed once
-            replicas = tuple(range(actor.world_size, actor.world_size + rollout.world_size))
-            self.link = ctl.link(
-                f"policy-sync-{uuid.uuid4().hex[:8]}",
-                [actor, rollout],
-                [(s, *replicas) for s in range(actor.world_size)],
-            )
+            groups = sync_subgroups(actor.world_size, rollout.layout)
+            self.link = ctl.link(f"policy-sync-{uuid.uuid4().hex[:8]}", [actor, rollout], groups)
         self.greedy_baseline = greedy_baseline
         self.end = steps + (self.staleness + 1 if past_the_end else 0)
         self.queue: deque[Generated] = deque()

@@ -153,7 +153,7 @@ def build_roles(
             model,
             optim,
             sampling(cfg, task),
-            run_plan.rollout_tp,
+            None if cfg.async_rl.staleness else run_plan.rollout_tp,  # (async: the replicas generate)
             run_plan.rollout_engine,
             run_plan.rollout_pp,
             agent,
@@ -181,9 +181,11 @@ def build_roles(
     reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.actor.zero_stage, task.success)
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.actor.zero_stage)
-    if cfg.async_rl.staleness:  # whole weights on every replica rank, on the torch engine, from the actor's policy
-        # a whole copy per replica rank; with the sharded sync LoRA's adapters on it too (syncs then move only
-        # them), else the merged weights rank 0 sends
+    if cfg.async_rl.staleness:  # the replicas, on the torch engine, take the actor's policy
+        # a whole copy per replica rank, or with rollout_tp a TP shard per rank of each replica (the
+        # 3D-HybridEngine with equal training and generation TP: it generates from the shards it receives); with
+        # the sharded sync LoRA's adapters on it too (syncs then move only them), else the merged weights rank 0
+        # sends
         lora = cfg.actor.lora_rank if cfg.async_rl.sync == "sharded" else 0
         optim = dataclasses.replace(cfg.actor, zero_stage=1, lora_rank=lora)
         built["rollout"] = group(
@@ -192,7 +194,7 @@ def build_roles(
             dataclasses.replace(cfg.model, engine="torch"),
             optim,
             sampling(cfg, task),
-            None,
+            run_plan.rollout_tp,
             run_plan.rollout_engine,
             1,
             agent,

@@ -130,7 +130,9 @@ class RolloutConfig:
     tp: int = 0
     """Generation TP size t_g of the actor under the 3D-HybridEngine (must divide the actor's tp; a plan's actor
     "generate" sizes set it); 0: off, a sharded actor gathers its whole weights to generate. With the actor's
-    tp > 1 its vocabulary must divide tp: set model.pad_vocab_to."""
+    tp > 1 its vocabulary must divide tp: set model.pad_vocab_to. With asynchronous RL the rollout replicas
+    generate: each is `tp` ranks of a TP group that receives only its shards of the weights (model.pad_vocab_to
+    a multiple of tp)."""
     temperature: float = 1.0
     """Sampling temperature; log-probs of the actor and the reference use the same one."""
     max_new_tokens: int = 0

@@ -126,6 +126,18 @@ def _check_async(cfg: RLConfig) -> None:
             f"async_staleness={k} with fuse=true is not built yet (a rollout that runs ahead is "
             f"scored whole); drop one of them"
         )
+    tp = cfg.rollout.tp or 1  # each replica's generation TP
+    if tp > 1:
+        if cfg.async_rl.sync != "sharded":
+            raise ConfigError(
+                f"rollout_tp={tp} gives each rollout replica {tp} ranks, which take their shards by the "
+                f"sharded sync; set async_rl.sync=sharded (not {cfg.async_rl.sync})"
+            )
+        if cfg.model.pad_vocab_to % tp:
+            raise ConfigError(
+                f"rollout_tp={tp} splits each replica's vocabulary over {tp} ranks: set model.pad_vocab_to={tp} "
+                f"(or a multiple; the trainer's model then has the same padded vocabulary)"
+            )
     if cfg.address is None and cfg.cluster == "local":
         rollout = cfg.async_rl.rollout_slots or cfg.n_slots // 2
         if cfg.n_slots < 2 or rollout >= cfg.n_slots:
@@ -134,8 +146,13 @@ def _check_async(cfg: RLConfig) -> None:
                 f"n_slots={cfg.n_slots} with async_rollout_slots={rollout}; use n_slots >= 2 and "
                 f"async_rollout_slots < n_slots"
             )
+        if rollout % tp:
+            raise ConfigError(
+                f"async_rollout_slots={rollout} cannot hold rollout replicas of rollout_tp={tp} ranks each; "
+                f"use a multiple of {tp} slots"
+            )
         if cfg.async_rl.partial_rollout:
-            cfg.async_rl.check_replica_ranks(cfg.prompts_per_step, rollout)
+            cfg.async_rl.check_replica_ranks(cfg.prompts_per_step, rollout // tp)
 
 
 def check_before_start(cfg: RLConfig) -> RunPlan:
@@ -324,7 +341,7 @@ def _planned_dp(cfg: RLConfig, plan) -> dict[str, int]:
         return {}  # known once the cluster's slots are (place() checks then)
     if cfg.placement == "split" and cfg.async_rl.staleness:
         rollout = cfg.async_rl.rollout_slots or cfg.n_slots // 2
-        return {"actor": cfg.n_slots - rollout, "rollout": rollout}
+        return {"actor": cfg.n_slots - rollout, "rollout": rollout // (cfg.rollout.tp or 1)}
     if cfg.placement == "split":
         half = cfg.n_slots // 2
         return {"actor": half, "critic": cfg.n_slots - half}
@@ -393,9 +410,15 @@ def _async_split(cfg: RLConfig, slots: list[str]) -> dict[str, tuple[list[str], 
             f"async_rollout_slots={n} of the cluster's {len(slots)} slots and training on the "
             f"others; give the cluster at least 2 slots and async_rollout_slots < {len(slots)}"
         )
+    tp = cfg.rollout.tp or 1  # each replica's generation TP: replicas of tp ranks
+    if n % tp:
+        raise fa.PlacementError(
+            f"async_rollout_slots={n} cannot hold rollout replicas of rollout_tp={tp} ranks each; use a "
+            f"multiple of {tp}"
+        )
     train, rollout = slots[: len(slots) - n], slots[len(slots) - n :]
     t = (train, Layout(dp=len(train)))
-    return {"actor": t, "ref": t, **{r: t for r in _SCORERS}, "rollout": (rollout, Layout(dp=len(rollout)))}
+    return {"actor": t, "ref": t, **{r: t for r in _SCORERS}, "rollout": (rollout, Layout(dp=n // tp, tp=tp))}
 
 
 def place(ctl: Controller, cfg: RLConfig, run_plan: RunPlan | None = None) -> Pools:
