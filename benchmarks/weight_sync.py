@@ -188,7 +188,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     sizes = [int(s) for s in args.sizes.split(",")]
     lora_size = sorted(sizes)[len(sizes) // 2]  # the middle size (200M by default)
-    runs = [(s, 0, 1) for s in sizes] + [(s, 0, 2) for s in sizes] + ([(lora_size, args.lora, 1)] if args.lora else [])
+    tp_sizes = [s for s in sizes if (SIZES[s][0] // 128) % 2 == 0]  # TP 2 splits the KV heads: an even number
+    runs = (
+        [(s, 0, 1) for s in sizes] + [(s, 0, 2) for s in tp_sizes] + ([(lora_size, args.lora, 1)] if args.lora else [])
+    )
     for size, lora, tp in runs:
         # a cluster per size: a worker the rank-0 path kills does not take the next sizes with it
         with fa.Controller.local(4, dashboard=None, collective_timeout_s=600) as ctl:

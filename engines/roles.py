@@ -110,6 +110,8 @@ class ModelWorker(Worker):
         self.engine = built.engine
         self.hybrid = built.hybrid
         self.sharded = built.gathers_to_generate
+        self.lora = optim.lora if optim is not None and trainable else None
+        """The adapters' LoraConfig of a model trained with LoRA (engines.training.lora), else None."""
 
     weights_version = 0
     """Bumped whenever this rank's weights change (an update, a checkpoint load)."""
@@ -144,9 +146,17 @@ class ModelWorker(Worker):
 
     @endpoint(protocol=RANK_ZERO)
     def export_hf(self, path: str) -> str:
-        """Write this model as a Hugging Face folder (all ranks gather; rank 0 writes)."""
-        state = self.engine.full_state_dict()
+        """Write this model as a Hugging Face folder (all ranks gather; rank 0 writes). A language model trained
+        with LoRA is written merged, and its adapters beside it in PEFT's format (`path/adapter`: for
+        `peft.PeftModel.from_pretrained` onto the base, vLLM's LoRA requests, merge tools)."""
+        lora = self.lora if self.head == "lm" else None
+        state = self.engine.full_state_dict(merged=False) if lora is not None else self.engine.full_state_dict()
         if self.rank == 0:
+            if lora is not None:
+                from engines.training.lora import merged_state_dict, save_peft_adapter
+
+                save_peft_adapter(Path(path) / "adapter", state, lora, self.model_config.path)
+                state = merged_state_dict(state, lora.scale)
             model = build_model(self.model_config, self.head, self.tokenizer)
             save_pretrained(model, self.tokenizer, Path(path), state_dict=state)
         return str(path)

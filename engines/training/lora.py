@@ -12,18 +12,20 @@ and exports and generation copies must load into a plain model. Here the adapter
 module itself (`q_proj.lora_A`, `q_proj.lora_B`) and a forward hook, so `q_proj.weight` keeps its name, FSDP2
 shards the adapters with their layer, and `merged_state_dict` turns any state dict back into a plain model's. The
 adapter's arithmetic is the same as PEFT's (scaling alpha / r, A Kaiming-uniform, B zero), so an adapter
-converts to PEFT's format by renaming.
+converts to PEFT's format by renaming: `save_peft_adapter` writes the folder `peft.PeftModel.from_pretrained` and
+vLLM's LoRA requests load.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LoraConfig", "apply_lora", "check_targets", "merged_state_dict", "ALL_LINEAR"]
+__all__ = ["LoraConfig", "apply_lora", "check_targets", "merged_state_dict", "save_peft_adapter", "ALL_LINEAR"]
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder's linear layers (Llama and Qwen2 names): `lora_target_modules=all-linear`."""
@@ -95,4 +97,44 @@ def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str,
             w = out[prefix + "weight"]
             delta = state[prefix + "lora_B"].float() @ a.float() * scale
             out[prefix + "weight"] = (w.float() + delta).to(w.dtype)
+    return out
+
+
+def save_peft_adapter(path: str | Path, state: dict[str, torch.Tensor], cfg: LoraConfig, base: str | None) -> Path:
+    """Write the adapters of an adapted model's (unmerged, whole) state dict as a PEFT LoRA folder:
+    `adapter_config.json` and `adapter_model.safetensors`, the layout `peft.PeftModel.from_pretrained(base_model,
+    path)`, vLLM's `LoRARequest` and merge tools read. `base`: the base model's path or hub name, recorded as
+    `base_model_name_or_path` (None for a model built from a config alone). Only the LoRA tensors are written."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors, targets = {}, set()
+    for key, t in state.items():
+        if key.endswith((".lora_A", ".lora_B")):
+            module, kind = key.rsplit(".", 1)
+            tensors[f"base_model.model.{module}.{kind}.weight"] = t.detach().to("cpu").contiguous()
+            targets.add(module.rsplit(".", 1)[-1])
+    if not tensors:
+        raise ValueError("the state dict holds no LoRA adapters (lora_A / lora_B): nothing to write in PEFT's format")
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

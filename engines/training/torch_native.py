@@ -396,15 +396,15 @@ class TrainEngine:
         adapted = self.lora_scale is not None
         return StateDictOptions(ignore_frozen_params=adapted, strict=not (adapted and loading))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
         """Unsharded parameters on CPU (every rank of the group must call this: it all-gathers); with LoRA, the
-        merged plain model's."""
+        merged plain model's (`merged=False`: the base and the adapters apart)."""
         out = {}
         for name, t in self.model.state_dict().items():
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
             out[name] = t.detach().cpu()
-        if self.lora_scale is not None:
+        if self.lora_scale is not None and merged:
             from engines.training.lora import merged_state_dict
 
             out = merged_state_dict(out, self.lora_scale)

@@ -112,6 +112,44 @@ def test_fsdp2_and_zero1_adapters_train_as_on_one_process(controller4, tmp_path,
     assert shard == pytest.approx(one["param_bytes"], rel=0.02)
 
 
+def test_the_export_carries_adapters_peft_loads_onto_the_base_as_the_merged_model(controller4, tmp_path):
+    """An FSDP2 actor trained with LoRA exports its merged model and, in `adapter/`, its adapters in PEFT's format:
+    `peft.PeftModel.from_pretrained(base, adapter)` gives the merged model's logits, and the folder holds the
+    adapters only."""
+    peft = pytest.importorskip("peft", reason="peft is in the test extra: pip install -e '.[test]'")
+    import json
+
+    from safetensors.torch import load_file
+
+    optim = OptimConfig(lr=1e-2, lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, zero_stage=3)
+    g = fa.ActorGroup(
+        controller4, ActorWorker, name="lora_peft", slots=controller4.slots[:2], layout=Layout(dp=2), args=(CFG, optim)
+    )
+    try:
+        g.update_actor(long_tailed(n=16, seed=5), pg_loss, UpdateSpec(mini_batch_samples=8, epochs=2)).result()
+        path = g.export_hf(str(tmp_path / "export")).result()
+    finally:
+        g.close()
+    adapter = tmp_path / "export" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    reference = build_model(CFG, "lm")
+    apply_lora(reference, optim.lora)
+    want = {n for n, _ in reference.named_parameters() if "lora_" in n}
+    assert len(tensors) == len(want) and all(k.endswith(("lora_A.weight", "lora_B.weight")) for k in tensors)
+    assert any(t.abs().sum() > 0 for k, t in tensors.items() if "lora_B" in k)  # trained, not the zero init
+
+    merged = build_model(ModelConfig(path=path), "lm").eval()
+    loaded = peft.PeftModel.from_pretrained(build_model(CFG, "lm"), str(adapter)).eval()  # the same base
+    ids = long_tailed(n=4, seed=6)["input_ids"]
+    with torch.no_grad():
+        base_logits = build_model(CFG, "lm").eval()(ids).logits
+        want_logits, got_logits = merged(ids).logits, loaded(ids).logits
+    assert (want_logits - base_logits).abs().max() > 1e-3  # the adapters changed the model
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=0)
+
+
 def test_checkpoint_holds_the_adapters_and_resumes_exactly_on_the_reference_base(controller4, tmp_path):
     """A LoRA actor adapted from a fine-tuned model (here: one the reference loads): its checkpoint holds only the
     adapters and their optimizer state; a fresh actor built from the *untrained* config loads its base from the
