@@ -25,6 +25,7 @@ _EXPORTS = {
     "CriticWorker": "engines.roles",
     "RefWorker": "engines.roles",
     "RewardModelWorker": "engines.roles",
+    "JudgeRewardWorker": "engines.judge",
     "RuleRewardWorker": "engines.roles",
     "GenerationEngine": "engines.interfaces",
     "TrainingEngine": "engines.interfaces",

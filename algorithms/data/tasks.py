@@ -110,6 +110,11 @@ def digit_sum_reward(prompt: str, response: str, row: dict) -> float:
     return max(-1.0, 1.0 - abs(sum(ds) - target) / 5.0) - 0.2 * junk - (0.5 if not ds else 0.0)
 
 
+def digit_sum_success(prompt: str, response: str, row: dict) -> bool:
+    """Solved: digits only, summing to the target."""
+    return response.isdigit() and sum(_digits(response)) == int(row["target"])
+
+
 def digit_sum_cost(prompt: str, response: str, row: dict) -> float:
     return float(response.count("9"))
 
@@ -320,7 +325,9 @@ def _tool_arith_safe_env(tokenizer: Any) -> Any:
 
 
 TASKS = {
-    "digit_sum": Task("digit_sum", _digit_sum_example, digit_sum_reward, digit_sum_cost, max_new_tokens=4),
+    "digit_sum": Task(
+        "digit_sum", _digit_sum_example, digit_sum_reward, digit_sum_cost, max_new_tokens=4, success=digit_sum_success
+    ),
     "digit_sum_two": Task(
         "digit_sum_two",
         _digit_sum_two_example,

@@ -178,7 +178,15 @@ def build_roles(
         heads = constraints if key == "cost_critic" else 1
         model = dataclasses.replace(sft, num_labels=heads) if heads > 1 else sft
         built[key] = group(key, CriticWorker, model, cfg.trained["critic"], CRITIC_FIELDS[key].values)
-    reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.actor.zero_stage, task.success)
+    if cfg.judge.path:  # a judge model as the reward (the task's rule still reports success)
+        from engines import JudgeRewardWorker
+
+        j = cfg.judge
+        judge_model = ModelConfig(path=j.path, dtype=cfg.model.dtype)
+        args = (judge_model, cfg.model, j.template, (j.yes, j.no), cfg.actor.zero_stage, task.success)
+        reward = group("reward", JudgeRewardWorker, *args)
+    else:
+        reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.actor.zero_stage, task.success)
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.actor.zero_stage)
     if cfg.async_rl.staleness:  # the replicas, on the torch engine, take the actor's policy

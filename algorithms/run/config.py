@@ -188,6 +188,27 @@ class CheckpointConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A judge model as the reward (engines.judge), the `judge.` section: a causal LM asked, through `template`,
+    whether each response is good; the reward is P(yes) / (P(yes) + P(no)) of its next token, in [0, 1]."""
+
+    path: str | None = None
+    """A Hugging Face causal LM folder; set, it replaces the task's rule reward (and reward_model)."""
+    template: str = "Question: {prompt}\nAnswer: {response}\nIs the answer correct? Answer Yes or No:"
+    """The judge's prompt: `{prompt}` and `{response}` are replaced by each sample's decoded texts."""
+    yes: str = " Yes"
+    """The verdict that means good: one token of the judge's vocabulary."""
+    no: str = " No"
+    """The verdict that means bad: one token of the judge's vocabulary."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None and "{response}" not in self.template:
+            raise ConfigError(
+                f"judge.template must contain {{response}} (and usually {{prompt}}), got {self.template!r}"
+            )
+
+
+@dataclass
 class RLConfig(RunConfig):
     """What every algorithm program shares: the run, its data and batch sizes, and the sections of the model, the
     actor's training, the rollout, the policy loss, the KL, stage fusion, asynchronous RL and checkpoints."""
@@ -262,6 +283,8 @@ class RLConfig(RunConfig):
     scores with it instead of the task's rule reward (texts re-tokenized when its tokenizer differs)."""
     cost_model: str | None = None
     """The same for Safe-RLHF's cost role."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """A judge model as the reward: judge.path=DIR judge.template=... judge.yes=' Yes' judge.no=' No'."""
     tensorboard_dir: str | None = None
     """Also write the step metrics as TensorBoard scalars here (needs the tensorboard package)."""
     export_dir: str | None = None

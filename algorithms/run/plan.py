@@ -193,6 +193,22 @@ def check_before_start(cfg: RLConfig) -> RunPlan:
     for name, path in (("reward_model", cfg.reward_model), ("cost_model", cfg.cost_model)):
         if path:
             _check_score_model(path, name)
+    if cfg.judge.path:
+        if cfg.reward_model:
+            raise ConfigError(
+                f"judge.path={cfg.judge.path} and reward_model={cfg.reward_model} both name the reward; keep one"
+            )
+        from engines import check_model_dir
+
+        try:
+            archs = check_model_dir(cfg.judge.path).get("architectures") or []
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"judge.path: {e}") from None
+        if not any(a.endswith("ForCausalLM") for a in archs):
+            raise ConfigError(
+                f"judge.path={cfg.judge.path} holds {archs or 'a model without architectures'}, not a causal LM; "
+                f"a judge answers in tokens (a score-head model goes to reward_model=)"
+            )
     if cfg.fusion.migrate:
         _check_migration(cfg, run_plan)
     if cfg.fusion.train:
