@@ -194,7 +194,7 @@ class JudgeConfig:
 
     path: str | None = None
     """A Hugging Face causal LM folder; set, it replaces the task's rule reward (and reward_model)."""
-    template: str = "Question: {prompt}\nAnswer: {response}\nIs the answer correct? Answer Yes or No:"
+    template: str = "Question: {prompt} Answer: {response} Is the answer correct? Answer Yes or No:"
     """The judge's prompt: `{prompt}` and `{response}` are replaced by each sample's decoded texts."""
     yes: str = " Yes"
     """The verdict that means good: one token of the judge's vocabulary."""

@@ -221,11 +221,12 @@ def test_a_worker_killed_with_rollouts_in_flight_recovers_to_the_uninterrupted_m
 @pytest.mark.parametrize(
     "algo, staleness, partial",
     [
-        ("grpo", 1, False),
+        # (each program once in the default run; the others with -m slow, for CI's time)
+        pytest.param("grpo", 1, False, marks=pytest.mark.slow),
         ("grpo", 2, True),
         ("ppo", 1, False),
-        ("ppo", 2, False),
-        ("remax", 1, False),
+        pytest.param("ppo", 2, False, marks=pytest.mark.slow),
+        pytest.param("remax", 1, False, marks=pytest.mark.slow),
         ("remax", 1, True),
     ],
 )

@@ -294,7 +294,7 @@ def test_the_program_itself_exits_2_without_a_traceback():
     assert proc.stderr.startswith("safe_rlhf: error: unknown setting 'prompt_per_step'")
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [pytest.param("SIGINT", marks=pytest.mark.slow), "SIGTERM"])  # one handler
 def test_ctrl_c_and_sigterm_end_with_one_line_saying_what_was_saved(tmp_path, sig):
     """The signal goes to the whole process group, as a terminal's Ctrl-C or a `kill -TERM -PGID` does: no process
     prints a traceback, the run says where it stopped, what was saved and where the metrics are, and leaves its

@@ -87,6 +87,7 @@ def test_two_data_parallel_ranks_match_one(tmp_path):
             assert a[key] == pytest.approx(c[key], abs=2e-3), (a["step"], key)
 
 
+@pytest.mark.slow  # packing's equality is tested per engine (tests/engines/test_packing.py); -m slow runs it
 def test_packed_ppo_run_matches_the_padded_run(tmp_path):
     """pack_sequences=true through every role of a PPO run (actor, reference, critic; warm start included): the
     same samples and, within float tolerance, the same KL, entropy, values and losses, step by step."""

@@ -99,6 +99,7 @@ def test_the_monitor_is_zero_for_the_trainer_s_own_computation_and_grows_with_bf
     assert bf16["mismatch_kl"] > 100 * max(same["mismatch_kl"], 1e-12) and bf16["mismatch_max_diff"] > 1e-3, bf16
 
 
+@pytest.mark.slow  # a learning run; the correction's weights are checked exactly above (-m slow runs it)
 def test_grpo_learns_with_bf16_rollouts_and_a_correction(tmp_path):
     from algorithms.grpo import main
 
