@@ -123,6 +123,8 @@ def _plan(tmp_path, actor_train) -> str:
             r"fuse_train fuses the actor's and the critic's pipeline-parallel training; give a --plan",
         ),
         (["n_slots=3"], r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3; use a multiple of 3"),
+        (["judge.path=/nonexistent/judge"], r"judge.path: model folder /nonexistent/judge does not exist"),
+        (["judge.path=/tmp", "judge.template=no slot"], r"judge.template must contain \{response\}"),
         (
             ["--placement", "split", "n_slots=6"],
             r"actor: mini_batch_samples=32 cannot be split over data-parallel size 3",
