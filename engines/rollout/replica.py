@@ -9,8 +9,9 @@ that hold them, bucket by bucket (`bucket_bytes`), two buckets in flight; a repl
 weights as it arrives: its whole copy, or, for a replica with generation TP (a 3D-HybridEngine whose training and
 generation TP sizes are equal), its TP shard, the only part of a split parameter it receives (`address` cuts each
 trainer block to the replica layout's shards). No rank holds more than two buckets beyond its model, and with
-`changed_only` only the parameters the trainer trains travel (LoRA: the adapters). `policy_weights` / `load_policy` (rank 0): the whole policy gathered
-on trainer rank 0 and sent from there to every replica rank, kept for comparison.
+`changed_only` only the parameters the trainer trains travel (LoRA: the adapters). `policy_weights` /
+`load_policy` (rank 0): the whole policy gathered on trainer rank 0 and sent from there to every replica rank, kept
+for comparison.
 
 A mixin of engines.roles.ActorWorker: it uses the worker's training engine, rank and weights version.
 """
