@@ -3,7 +3,9 @@
     python benchmarks/weight_sync.py [--json] [--sizes 50,200,400] [--bucket-mb 64] [--cluster]
 
 An embedded 4-slot cluster: the trainer an FSDP2 actor over 2 ranks, the replicas 2 ranks of whole copies (what
-`async_staleness=K` builds), or one replica of generation TP 2 (`rollout_tp=2`: each rank receives its shard). For Llama-shaped models of about 50M, 200M and 400M parameters (float32), each path syncs the trainer's weights twice (the second is timed): `rank0`
+`async_staleness=K` builds), or one replica of generation TP 2 (`rollout_tp=2`: each rank receives its shard).
+For Llama-shaped models of about 50M, 200M and 400M parameters (float32), each path syncs the trainer's weights
+twice (the second is timed): `rank0`
 (`policy_weights` gathered on trainer rank 0 into `load_policy` on every replica rank) and `sharded`
 (`send_policy` / `receive_policy` over a link, buckets of `--bucket-mb`). Per path: seconds, the bytes each trainer
 rank sent (rank 0's link carries everything on the old path), and each rank's peak resident memory growth during
