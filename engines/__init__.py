@@ -24,6 +24,7 @@ _EXPORTS = {
     "ActorWorker": "engines.roles",
     "CriticWorker": "engines.roles",
     "RefWorker": "engines.roles",
+    "TeacherWorker": "engines.roles",
     "RewardModelWorker": "engines.roles",
     "JudgeRewardWorker": "engines.judge",
     "RuleRewardWorker": "engines.roles",

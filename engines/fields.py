@@ -13,6 +13,9 @@ __all__ = [
     "OLD_LOG_PROBS",
     "ENTROPY",
     "REF_LOG_PROBS",
+    "TEACHER_LOG_PROBS",
+    "TEACHER_TOP_LOG_PROBS",
+    "TEACHER_TOP_IDS",
     "REWARDS",
     "SUCCESS",
     "COSTS",
@@ -32,6 +35,11 @@ ENTROPY = "entropy"
 """The actor's per-token entropy (compute_log_prob)."""
 REF_LOG_PROBS = "ref_log_probs"
 """The reference policy's log-probs of the sampled tokens (compute_ref_log_prob)."""
+TEACHER_LOG_PROBS = "teacher_log_probs"
+"""A teacher model's log-probs of the student's sampled tokens (on-policy distillation: compute_teacher_log_prob)."""
+TEACHER_TOP_LOG_PROBS, TEACHER_TOP_IDS = "teacher_top_log_probs", "teacher_top_ids"
+"""(B, R, k): the teacher's k most likely tokens at each response position, their log-probs and ids (on-policy
+distillation over the teacher's top-k, compute_teacher_log_prob with top_k)."""
 REWARDS = "rewards"
 """One score per sample: a reward model's or a rule's (compute_reward)."""
 SUCCESS = "success"

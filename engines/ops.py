@@ -40,6 +40,17 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: flo
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def top_log_probs(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens' log-probs under softmax(logits / temperature) and their ids, (..., k) each."""
+    return F.log_softmax(logits.float() / temperature, dim=-1).topk(k, dim=-1)
+
+
+def support_log_probs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p of the tokens `ids` (..., k) under softmax(logits / temperature): a model's mass on another's
+    support (distillation over the teacher's top-k)."""
+    return F.log_softmax(logits.float() / temperature, dim=-1).gather(-1, ids.long())
+
+
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)

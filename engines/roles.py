@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,9 @@ from engines.fields import (
     REWARD_VALUES,
     REWARDS,
     SUCCESS,
+    TEACHER_LOG_PROBS,
+    TEACHER_TOP_IDS,
+    TEACHER_TOP_LOG_PROBS,
 )
 from engines.interfaces import GenerationSetup, TrainingEngine, TrainingSetup
 from engines.models.config import ModelConfig, build_model, build_tokenizer, same_vocabulary, save_pretrained
@@ -509,6 +513,36 @@ class RefWorker(ModelWorker):
     @endpoint(protocol=MESH)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         return Batch({REF_LOG_PROBS: self.engine.log_probs(batch, self.temperature)["log_probs"]})
+
+
+class TeacherWorker(RefWorker):
+    """A frozen teacher that scores the student's samples token by token (on-policy distillation,
+    algorithms/distill.py): the reference's forward on another model, its output under a name of its own so a
+    step can carry both."""
+
+    def __init__(self, model: ModelConfig, temperature: float = 1.0, zero_stage: int = 3, top_k: int = 0) -> None:
+        """`top_k`: also its k most likely tokens at each response position (distillation over its top-k)."""
+        super().__init__(model, temperature, zero_stage)
+        if top_k and "top_k" not in inspect.signature(self.engine.log_probs).parameters:
+            raise ValueError(
+                f"the teacher's top-k needs a training engine that returns it; {type(self.engine).__name__} does "
+                f"not (model.engine=torch, or estimator=sampled)"
+            )
+        self.top_k = top_k
+
+    @endpoint(protocol=MESH)
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """The teacher's log-probs of the sampled tokens (and, with top_k, its top-k tokens' log-probs and ids)."""
+        if not self.top_k:
+            return Batch({TEACHER_LOG_PROBS: self.engine.log_probs(batch, self.temperature)["log_probs"]})
+        out = self.engine.log_probs(batch, self.temperature, top_k=self.top_k)
+        return Batch(
+            {
+                TEACHER_LOG_PROBS: out["log_probs"],
+                TEACHER_TOP_LOG_PROBS: out["top_log_probs"],
+                TEACHER_TOP_IDS: out["top_ids"],
+            }
+        )
 
 
 class CriticWorker(ModelWorker):

@@ -31,6 +31,7 @@ from engines.fields import (
     RESPONSE_MASK,
     REWARD_VALUES,
     REWARDS,
+    TEACHER_LOG_PROBS,
     ValueFields,
 )
 from flowactors import Batch
@@ -43,6 +44,7 @@ __all__ = [
     "remax_step_advantages",
     "rloo_step_advantages",
     "reinforce_pp_step_advantages",
+    "distill_step_advantages",
     "varied_groups",
     "fill_groups",
 ]
@@ -164,6 +166,22 @@ def reinforce_pp_step_advantages(*parts: Batch, kl_coef: float, kl_estimator: st
     mask = batch[RESPONSE_MASK]
     kl = kl_penalty(batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], kl_estimator) if kl_coef else None
     return batch.union(Batch({ADVANTAGES: reinforce_pp_advantages(batch[REWARDS], mask, kl, kl_coef)}))
+
+
+def distill_step_advantages(*parts: Batch, sampled: bool = True, reward_coef: float = 0.0) -> Batch:
+    """On-policy distillation's advantages. `sampled`: each sampled token's log pi_teacher - log pi_student, the
+    negative per-token reverse KL (discount 0: a token answers for its own divergence, as in Thinking Machines'
+    on-policy distillation), whitened over the step's tokens (a constant baseline and scale: the same gradient in
+    expectation, far less variance); else none (the top-k loss, DistillLoss, carries the teacher). With
+    `reward_coef`, plus that times the GRPO advantage of the task's reward."""
+    batch = join(*parts)
+    mask = batch[RESPONSE_MASK].to(torch.float32)
+    adv = torch.zeros_like(mask)
+    if sampled:
+        adv = masked_whiten(batch[TEACHER_LOG_PROBS].float() - batch[OLD_LOG_PROBS].float(), mask)
+    if reward_coef:
+        adv = adv + reward_coef * grpo_advantages(batch[REWARDS], batch["group"], mask)
+    return batch.union(Batch({ADVANTAGES: adv}))
 
 
 def varied_groups(

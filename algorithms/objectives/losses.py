@@ -29,6 +29,7 @@ from engines.fields import (
     RESPONSE_MASK,
     REWARD_VALUES,
     ROLLOUT_LOG_PROBS,
+    TEACHER_TOP_LOG_PROBS,
     ValueFields,
 )
 from flowactors import Batch
@@ -53,6 +54,7 @@ __all__ = [
     "PolicyLoss",
     "ValueLoss",
     "SFTLoss",
+    "DistillLoss",
     "FixedKL",
     "AdaptiveKL",
     "LagrangeMultiplier",
@@ -473,6 +475,33 @@ class SFTLoss:
         mask = mb[RESPONSE_MASK].float()
         nll = -out["log_probs"]
         return self.coef * nll, mask, {"sft_loss": float(masked_mean(nll.detach(), mask))}
+
+
+@dataclass
+class DistillLoss:
+    """On-policy distillation over the teacher's top-k (GKD's reverse KL, Agarwal et al. 2024): at each response
+    token the student's sample reached, KL(student || teacher) over the teacher's k most likely tokens plus one
+    bucket for the rest of the vocabulary. Grouping tokens never raises a KL, so this is a lower bound on the full
+    reverse KL, equal to it once k covers the vocabulary; its gradient needs no sampled token, so it has none of the
+    sampled estimator's variance. `policy`: the clipped surrogate on the task reward's advantages, added
+    (reward_coef > 0)."""
+
+    policy: PolicyLoss | None = None
+    floor: float = 1e-6
+    """The smallest mass a rest bucket is given (its log is taken)."""
+
+    def __call__(self, out: dict[str, torch.Tensor], mb: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        student, teacher = out["support_log_probs"], mb[TEACHER_TOP_LOG_PROBS].float()
+        p = student.exp()
+        rest_s = (1 - p.sum(-1)).clamp(min=self.floor)
+        rest_t = (1 - teacher.exp().sum(-1)).clamp(min=self.floor)
+        kl = (p * (student - teacher)).sum(-1) + rest_s * (rest_s.log() - rest_t.log())
+        mask = mb[RESPONSE_MASK].float()
+        metrics = {"distill_kl": float(masked_mean(kl.detach(), mask))}
+        if self.policy is None:
+            return kl, mask, metrics
+        pg, mask, policy_metrics = self.policy(out, mb)  # its mask: stale tokens (partial rollouts) are out of both
+        return kl + pg, mask, {**policy_metrics, **metrics}
 
 
 @dataclass

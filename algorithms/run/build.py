@@ -44,6 +44,8 @@ class Roles:
     """Value model of the cost (Safe-RLHF)."""
     cost: fa.ActorGroup | None = None
     """Scores each response's cost (Safe-RLHF)."""
+    teacher: fa.ActorGroup | None = None
+    """A frozen teacher that scores the actor's tokens (on-policy distillation), placed as a scorer."""
     rollout: fa.ActorGroup | None = None
     """The actor's rollout replicas, on slots of their own (asynchronous RL: algorithms.rollout.asynchronous); they hold a
     copy of a recent policy, so checkpoints leave them out."""
@@ -187,6 +189,15 @@ def build_roles(
         reward = group("reward", JudgeRewardWorker, *args)
     else:
         reward = _scorer(group, "reward", cfg.reward_model, task.reward, cfg.model, cfg.actor.zero_stage, task.success)
+    teacher = getattr(cfg, "teacher", None)
+    if teacher is not None and teacher.path:  # on-policy distillation (algorithms/distill.py)
+        from engines import TeacherWorker
+
+        teacher_model = ModelConfig(path=teacher.path, dtype=cfg.model.dtype, engine=cfg.model.engine)
+        top_k = cfg.top_k if cfg.estimator == "topk" else 0
+        built["teacher"] = group(
+            "teacher", TeacherWorker, teacher_model, cfg.rollout.temperature, cfg.actor.zero_stage, top_k
+        )
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.actor.zero_stage)
     if cfg.async_rl.staleness:  # the replicas, on the torch engine, take the actor's policy

@@ -209,6 +209,16 @@ class JudgeConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (algorithms/distill.py), the `teacher.` section: a frozen causal LM that
+    scores every token the student samples. It must share the student's tokenizer (its log-probs are of the same
+    token ids); any size or architecture the training engine loads."""
+
+    path: str | None = None
+    """A Hugging Face causal LM folder."""
+
+
+@dataclass
 class RLConfig(RunConfig):
     """What every algorithm program shares: the run, its data and batch sizes, and the sections of the model, the
     actor's training, the rollout, the policy loss, the KL, stage fusion, asynchronous RL and checkpoints."""
@@ -579,6 +589,36 @@ class ReinforcePPConfig(RLConfig):
     samples_per_prompt: int = 1
     mini_batch_samples: int = 32
     kl: KLConfig = field(default_factory=lambda: KLConfig(coef=0.01))
+
+
+@dataclass
+class DistillConfig(RLConfig):
+    ranges: ClassVar[dict[str, str]] = {**RLConfig.ranges, "reward_coef": "[0, inf)"}
+    task: str = "digit_sum"
+    sft_steps: int = 100
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 2
+    mini_batch_samples: int = 32
+    actor: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """The teacher: teacher.path=DIR (required)."""
+    estimator: str = "topk"
+    """How the teacher's signal reaches the student: `topk` (the reverse KL over the teacher's `top_k` tokens plus
+    a bucket for the rest, at every position the student's samples reach: GKD's loss, no sampling variance) or
+    `sampled` (each sampled token's advantage log pi_teacher - log pi_student: Thinking Machines' estimator, one
+    log-prob per token from the teacher, the cheapest at a large vocabulary)."""
+    top_k: int = 16
+    """`topk`: teacher tokens per position (k log-probs and ids travel per response token)."""
+    reward_coef: float = 0.0
+    """Weight of the task reward's GRPO advantage in the student's policy loss, beside the teacher's signal (0:
+    the teacher is the only signal)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.estimator not in ("topk", "sampled"):
+            raise ConfigError(f"distill estimator must be topk or sampled, got {self.estimator!r}")
+        if self.estimator == "topk" and self.top_k < 1:
+            raise ConfigError(f"top_k must be >= 1 with estimator=topk, got {self.top_k}")
 
 
 def check_trainable_layers(setting: str, value: int, model: ModelConfig) -> None:

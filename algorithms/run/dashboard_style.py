@@ -18,4 +18,5 @@ ROLE_COLORS = {
     "cost": "#e15759",
     "cost_critic": "#9c755f",
     "rollout": "#76b7b2",
+    "teacher": "#edc948",
 }

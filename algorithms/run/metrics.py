@@ -65,6 +65,8 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
         out["entropy"] = float(masked_mean(batch["entropy"], mask))
     if "ref_log_probs" in batch and "old_log_probs" in batch:
         out["kl"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
+    if "teacher_log_probs" in batch and "old_log_probs" in batch:  # on-policy distillation: per token, sampled
+        out["distill/reverse_kl"] = float(masked_mean(batch["old_log_probs"] - batch["teacher_log_probs"], mask))
     if "costs" in batch:
         costs = batch["costs"].float()
         if costs.dim() == 2:  # several constraints: cost_mean is the first's, cost_mean_k the k-th's

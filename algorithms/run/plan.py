@@ -23,6 +23,7 @@ from algorithms.data.tasks import get_task
 from algorithms.rollout.fusion import migration_threshold
 from algorithms.run.config import (
     ConfigError,
+    DistillConfig,
     RLConfig,
     check_trainable_layers,
     check_training_engine,
@@ -34,7 +35,7 @@ from flowactors import Controller, Layout
 
 __all__ = ["Pools", "RunPlan", "resolve", "check_settings", "check_before_start", "place", "reverse_stages"]
 
-_SCORERS = ("critic", "cost_critic", "reward", "cost")
+_SCORERS = ("critic", "cost_critic", "reward", "cost", "teacher")
 
 
 @dataclass
@@ -209,6 +210,8 @@ def check_before_start(cfg: RLConfig) -> RunPlan:
                 f"judge.path={cfg.judge.path} holds {archs or 'a model without architectures'}, not a causal LM; "
                 f"a judge answers in tokens (a score-head model goes to reward_model=)"
             )
+    if isinstance(cfg, DistillConfig):
+        _check_teacher(cfg)
     if cfg.fusion.migrate:
         _check_migration(cfg, run_plan)
     if cfg.fusion.train:
@@ -241,6 +244,38 @@ def check_before_start(cfg: RLConfig) -> RunPlan:
         except OSError as e:
             raise ConfigError(f"checkpoint_dir={cfg.checkpoint.dir} cannot be a directory: {e.strerror or e}") from None
     return run_plan
+
+
+def _check_teacher(cfg: DistillConfig) -> None:
+    """The teacher is a causal LM whose token ids mean what the student's do (its log-probs score the student's
+    tokens one by one; distillation across tokenizers is not built)."""
+    from engines import ModelConfig, build_tokenizer, check_model_dir
+    from engines.models.config import same_vocabulary
+
+    path = cfg.teacher.path
+    if not path:
+        raise ConfigError(
+            "distillation needs a teacher: teacher.path=DIR, a Hugging Face causal LM folder with the student's "
+            "tokenizer (e.g. the export_dir of a longer run)"
+        )
+    try:
+        archs = check_model_dir(path).get("architectures") or []
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"teacher.path: {e}") from None
+    if not any(a.endswith("ForCausalLM") for a in archs):
+        raise ConfigError(f"teacher.path={path} holds {archs or 'a model without architectures'}, not a causal LM")
+    if cfg.estimator == "topk" and cfg.model.engine != "torch":
+        raise ConfigError(
+            f"estimator=topk gathers the student's log-probs at the teacher's top-k tokens, which the "
+            f"{cfg.model.engine!r} engine's vocabulary-parallel head does not; use model.engine=torch or "
+            f"estimator=sampled"
+        )
+    if not same_vocabulary(build_tokenizer(ModelConfig(path=path)), build_tokenizer(cfg.model)):
+        raise ConfigError(
+            f"teacher.path={path} has another tokenizer than the student (model.path="
+            f"{cfg.model.path or 'the tiny default'}); on-policy distillation scores the student's token ids with the teacher, so both need the "
+            f"same vocabulary"
+        )
 
 
 def _check_score_model(path: str, setting: str) -> None:

@@ -33,7 +33,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engines.ops import compute_precision, entropy_from_logits, position_ids_from_mask, response_logits, token_log_probs
+from engines.fields import TEACHER_TOP_IDS
+from engines.ops import (
+    compute_precision,
+    entropy_from_logits,
+    position_ids_from_mask,
+    response_logits,
+    support_log_probs,
+    token_log_probs,
+    top_log_probs,
+)
 from engines.training.common import LossFn, OptimConfig, token_mean
 from engines.training.packing import pack, packed_micro_batches
 from flowactors import Batch
@@ -163,11 +172,20 @@ class TrainEngine:
         packed = pack(mb, self.pad_token_id)
         return packed.gather(self._run(packed.input_ids, None, packed.position_ids).logits, packed.response_index)
 
-    def policy_outputs(self, mb: Batch, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+    def policy_outputs(
+        self, mb: Batch, temperature: float, with_entropy: bool, top_k: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """Per response token: `log_probs` of the sampled token, `entropy`; with `top_k`, the k most likely tokens
+        (`top_log_probs`, `top_ids`); where the batch carries a teacher's top-k ids, this model's log-probs of
+        them (`support_log_probs`: on-policy distillation's loss)."""
         logits = self._response_outputs(mb)
         out = {"log_probs": token_log_probs(logits, mb["responses"], temperature)}
         if with_entropy:
             out["entropy"] = entropy_from_logits(logits, temperature)
+        if top_k:
+            out["top_log_probs"], out["top_ids"] = top_log_probs(logits, top_k, temperature)
+        if TEACHER_TOP_IDS in mb:
+            out["support_log_probs"] = support_log_probs(logits, mb[TEACHER_TOP_IDS], temperature)
         return out
 
     def value_outputs(self, mb: Batch) -> dict[str, torch.Tensor]:
@@ -175,9 +193,9 @@ class TrainEngine:
         return {"values": self._response_outputs(mb).squeeze(-1).float()}
 
     @torch.no_grad()
-    def log_probs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False) -> Batch:
+    def log_probs(self, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, top_k: int = 0) -> Batch:
         self.model.eval()
-        outs = [self.policy_outputs(mb, temperature, with_entropy) for mb in self.micro_batches(batch)]
+        outs = [self.policy_outputs(mb, temperature, with_entropy, top_k) for mb in self.micro_batches(batch)]
         return Batch({k: torch.cat([o[k] for o in outs]) for k in outs[0]}) if outs else Batch()
 
     @torch.no_grad()
