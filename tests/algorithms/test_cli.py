@@ -72,15 +72,47 @@ def test_help_lists_every_setting_with_its_default_and_doc(capsys):
         assert " ".join(doc.split()[:6]) in out, key
 
 
-def _error(capsys, argv) -> str:
+def _error(capsys, argv, program: str = "safe_rlhf") -> str:
+    main = importlib.import_module(f"algorithms.{program}").main
     with pytest.raises(SystemExit) as exit_:
-        safe_rlhf(argv)
+        main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     lines = [x for x in err.splitlines() if x.strip()]
-    assert lines[0].startswith("safe_rlhf: error: ") and len(lines) == 2, err
+    assert lines[0].startswith(f"{program}: error: ") and len(lines) == 2, err
     return lines[0]
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_lm(tmp_path_factory) -> str:
+    """A causal LM folder whose tokenizer has one token more than the tiny default's."""
+    from engines import ModelConfig, build_model, char_tokenizer, save_pretrained
+
+    tok = char_tokenizer()
+    tok.add_tokens(["<extra>"])
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    return str(save_pretrained(build_model(cfg, "lm", tok), tok, tmp_path_factory.mktemp("other")))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], r"distillation needs a teacher: teacher.path=DIR, a Hugging Face causal LM folder"),
+        (["teacher.path=/no/such/teacher"], r"teacher.path: model folder /no/such/teacher does not exist"),
+        (["teacher.path=/tmp", "estimator=kl"], r"distill estimator must be topk or sampled, got 'kl'"),
+        (["teacher.path=/tmp", "top_k=0"], r"top_k must be >= 1 with estimator=topk, got 0"),
+        (["teacher.path={other}"], r"has another tokenizer than the student .*both need the same vocabulary"),
+        (["teacher.path={other}", "model.engine=megatron"], r"estimator=topk gathers the student's log-probs at"),
+    ],
+)
+def test_distillation_refuses_a_bad_teacher_before_the_cluster_starts(
+    capsys, no_cluster, other_tokenizer_lm, argv, message
+):
+    import re
+
+    argv = [a.format(other=other_tokenizer_lm) for a in argv]
+    assert re.search(message, _error(capsys, argv, "distill"))
 
 
 def _plan(tmp_path, actor_train) -> str:
