@@ -199,6 +199,9 @@ class GenerationSetup:
     hf_config: Any = None
     """The transformers config of the model generation runs (untied embeddings under the 3D-HybridEngine), for an
     engine that builds its own copy (vLLM)."""
+    lora: Any = None
+    """The policy's LoraConfig when it trains LoRA adapters (engines.training.lora), else None: an engine that
+    serves adapters itself (vLLM's LoRA requests) takes them instead of merged weights."""
     group: Any = None
     """This rank's generation replica as a process group (the t_g ranks of its generation TP group, or this rank
     alone), for an engine that runs collectives of its own (vLLM's tensor parallel)."""

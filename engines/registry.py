@@ -207,6 +207,7 @@ def _build_vllm(setup: GenerationSetup) -> GenerationEngine:
         dtype=str(dtype).removeprefix("torch."),
         seed=setup.config.seed,
         load_format="dummy",
+        lora_rank=setup.lora.rank if setup.lora is not None else 0,
         engine_args=None if on_gpu else {"block_size": 32},
     )
 

@@ -119,6 +119,9 @@ class ModelWorker(Worker):
 
     weights_version = 0
     """Bumped whenever this rank's weights change (an update, a checkpoint load)."""
+    _base_version: int | None = None
+    """The weights_version whose frozen LoRA base a generator serving adapters holds (None: it must take it again:
+    a checkpoint or a whole sync brought a base)."""
 
     def _update(
         self,
@@ -187,6 +190,7 @@ class ModelWorker(Worker):
             frozen = self.engine.frozen_state()
             load_sharded(frozen, base, process_group=self.process_group)
             self.engine.load_frozen_state(frozen)
+            self._base_version = None
         state = self.engine.checkpoint_state()
         load_sharded(state, directory, process_group=self.process_group)
         self.engine.load_checkpoint_state(state)
@@ -268,6 +272,7 @@ class ActorWorker(ModelWorker, FusedRolloutEndpoints, ReplicaEndpoints):
                 config=model,
                 rollout_tp=rollout_tp,
                 hf_config=hf_config,
+                lora=self.lora if self.hybrid is None else None,
                 group=self._replica_group(),
             )
         )
@@ -344,6 +349,17 @@ class ActorWorker(ModelWorker, FusedRolloutEndpoints, ReplicaEndpoints):
         if self.hybrid is not None:
             copied = self.hybrid.hand_over(self.generator.load_shard)
             received = self.hybrid.stats.received_bytes
+        elif getattr(self.generator, "serves_adapters", False):  # LoRA requests: the base once, then adapters
+            state = self.engine.full_state_dict(merged=False)
+            copied = received = 0
+            if self._base_version is None:
+                base = {k: t for k, t in state.items() if not k.endswith((".lora_A", ".lora_B"))}
+                self.generator.load_weights(base.items())
+                copied = sum(t.numel() * t.element_size() for t in base.values())
+                self._base_version = self.weights_version
+            copied += self.generator.load_adapter(state, self.lora, self.weights_version)
+            received = copied if self.sharded else 0
+            del state
         else:
             adapted = getattr(self.engine, "lora_scale", None) is not None  # merged into plain weights
             state = self.engine.full_state_dict() if self.sharded or adapted else self.engine.model.state_dict()

@@ -19,8 +19,11 @@ import contextlib
 import itertools
 import os
 import queue
+import shutil
+import tempfile
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +57,7 @@ _VLLM_GROUP_NAMES = 1 << 40
 """First torch group counter value for vLLM's own groups (flowactors' groups count up from 0, alike on every rank)."""
 _ENGINE_IN_PROCESS: list[str] = []
 _REQUESTS = itertools.count()
+_LORA_IDS = itertools.count(1)  # vLLM's LoRA ids are positive and must differ for a new adapter
 
 
 def check_vllm_head_dim(head_dim: int, *, cuda: bool) -> None:
@@ -162,6 +166,7 @@ class VLLMGenerationEngine:
         load_format: str = "auto",
         sleep_between_rollouts: bool = True,
         enforce_eager: bool | None = None,
+        lora_rank: int = 0,
         engine_args: dict | None = None,
     ) -> None:
         try:
@@ -184,6 +189,9 @@ class VLLMGenerationEngine:
         on_gpu = torch.cuda.is_available()
         self.sleep_between_rollouts = sleep_between_rollouts and on_gpu
         extra = {"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None else {}
+        if lora_rank:  # the policy's adapters as a LoRA request per version (load_adapter), its base loaded once
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM sizes its LoRA buffers for
+            extra.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in ranks if r >= lora_rank))
         extra.update(engine_args or {})
         with _replica_world(group):
             self.llm = LLM(
@@ -205,6 +213,11 @@ class VLLMGenerationEngine:
                 **extra,
             )
         _ENGINE_IN_PROCESS.append(model_dir)
+        self.serves_adapters = bool(lora_rank)
+        """LoRA requests: the actor sends the frozen base once (`load_weights`) and the adapters after each update
+        (`load_adapter`) instead of merged weights."""
+        self._lora: Any = None  # the current LoRARequest
+        self._lora_dir = tempfile.mkdtemp(prefix="flowactors-vllm-lora-") if lora_rank else None
         self._asleep = False
         self._restore: dict[str, torch.Tensor] | None = None  # generator states for migrated requests
         self.weight_bytes = 0
@@ -217,6 +230,9 @@ class VLLMGenerationEngine:
         if self.llm is None:
             return
         import gc
+
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
 
         from vllm.distributed import parallel_state as ps
 
@@ -304,6 +320,28 @@ class VLLMGenerationEngine:
         self.weight_bytes = copied
         self._after_load()
         return copied
+
+    def load_adapter(self, state: dict[str, torch.Tensor], lora: Any, version: int) -> int:
+        """Serve the LoRA adapters in `state` (the policy's base and adapters apart, `full_state_dict(
+        merged=False)`) from the next request on: written in PEFT's format and given to vLLM as a new LoRA request
+        (its id and name change with every version, so vLLM loads it afresh); returns the adapter bytes."""
+        from vllm.lora.request import LoRARequest
+
+        from engines.training.lora import save_peft_adapter
+
+        assert self._lora_dir is not None, "this engine was built without lora_rank"
+        self._wake()
+        folder = Path(self._lora_dir) / f"v{version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        save_peft_adapter(folder, state, lora, None)
+        old = self._lora
+        self._lora = LoRARequest(f"policy-v{version}-{next(_REQUESTS)}", next(_LORA_IDS), str(folder))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            if Path(old.lora_path) != folder:
+                shutil.rmtree(old.lora_path, ignore_errors=True)
+        self._after_load()
+        return sum(t.numel() * t.element_size() for k, t in state.items() if k.endswith((".lora_A", ".lora_B")))
 
     def _after_load(self) -> None:
         self.llm.reset_prefix_cache()  # its KV blocks were computed by the old weights
@@ -466,7 +504,9 @@ class VLLMGenerationEngine:
             if state is not None and state.numel():
                 self._check_generator_state(state, rows.greedy)
                 self._restored_generators()[f"{call}-{i}"] = state
-            engine.add_request(f"{call}-{i}", TokensPrompt(prompt_token_ids=rows.prompt_ids(i)), params)
+            engine.add_request(
+                f"{call}-{i}", TokensPrompt(prompt_token_ids=rows.prompt_ids(i)), params, lora_request=self._lora
+            )
 
         for i in range(len(rows.done)):
             add(i)

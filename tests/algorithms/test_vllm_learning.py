@@ -84,3 +84,15 @@ def test_grpo_learns_with_partial_rollouts_on_vllm_replicas(tmp_path):
     assert window(h, "reward_mean", -10, None) > window(h, "reward_mean", 0, 10) + 0.05
     assert sum(r["async/requeued"] for r in h) > 0
     assert all(r["async/duplicates"] == 0 and r["async/lost"] == 0 for r in h)
+
+
+def test_grpo_with_lora_learns_on_vllm_replicas_that_take_lora_requests(tmp_path):
+    """Asynchronous RL with LoRA on vLLM replicas: each sync carries only the adapters, which the replica serves as
+    a LoRA request on the base it took once; the task is learned."""
+    from algorithms.grpo import main
+
+    h = run(main, tmp_path, *VLLM, "--steps", "40", "lora_rank=8", "async_staleness=1", "--placement", "split")
+    assert window(h, "reward_mean", -10, None) > window(h, "reward_mean", 0, 10) + 0.05
+    syncs = [r["async/sync_bytes"] for r in h if "async/sync_bytes" in r]
+    # the first sync carries the whole model, every later one the adapters: a few percent of it
+    assert max(syncs[1:]) < 0.1 * syncs[0], syncs[:3]
