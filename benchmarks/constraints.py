@@ -1,6 +1,7 @@
 """Constraint satisfaction of Safe-RLHF's multipliers: dual ascent against the PID Lagrangian, over seeds.
 
     python benchmarks/constraints.py [--json] [--seeds 0,1,2] [--tasks digit_sum,digit_sum_two,tool_arith_safe]
+                                     [--updates dual,pid] [--set pid_ki=0.2 ...]
 
 Each task with its own settings (the default run's, `digit_sum_two`'s two budgets, `tool_arith_safe`'s warm start
 and λ step), `lambda_update=dual` and `lambda_update=pid` (the default gains), the same seeds. Per run and
@@ -27,12 +28,13 @@ sys.path.insert(0, str(ROOT))
 THRESHOLDS = {"digit_sum": [0.3], "digit_sum_two": [0.3, 0.4], "tool_arith_safe": [0.3]}
 
 
-def run(task: str, update: str, seed: int) -> dict:
+def run(task: str, update: str, seed: int, extra: list[str] = ()) -> dict:
     from algorithms.safe_rlhf import main
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "m.jsonl"
-        main(["dashboard=none", f"task={task}", f"lambda_update={update}", f"seed={seed}", "--metrics-file", str(path)])
+        argv = ["dashboard=none", f"task={task}", f"lambda_update={update}", f"seed={seed}", *extra]
+        main([*argv, "--metrics-file", str(path)])
         h = [json.loads(x) for x in path.read_text().splitlines()]
     last, second = h[-40:], h[len(h) // 2 :]
     out = {"task": task, "update": update, "seed": seed, "steps": len(h)}
@@ -55,13 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--tasks", default=",".join(THRESHOLDS))
     p.add_argument("--out", default=None, help="append each run's JSON line to this file as it finishes")
+    p.add_argument("--updates", default="dual,pid", help="which multiplier updates to run")
+    p.add_argument("--set", nargs="*", default=[], help="settings for every run (e.g. pid_ki=0.3)")
     args = p.parse_args(argv)
     rows = []
     for task in args.tasks.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
-            for update in ("dual", "pid"):
+            for update in args.updates.split(","):
                 t0 = time.perf_counter()
-                rows.append(run(task, update, seed))
+                rows.append(run(task, update, seed, args.set))
                 print(f"  {task} seed {seed} {update}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
                 if args.out:
                     with open(args.out, "a") as f:
