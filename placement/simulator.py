@@ -59,6 +59,7 @@ ROLES = {
     "ref": Role("ref", trains=False),
     "reward": Role("reward", trains=False, lm_head=False, scores_baseline=True),
     "cost": Role("cost", trains=False, lm_head=False),
+    "teacher": Role("teacher", trains=False),
 }
 
 ALGORITHMS = {
@@ -70,6 +71,7 @@ ALGORITHMS = {
     "gspo": ("actor", "ref", "reward"),
     "rloo": ("actor", "ref", "reward"),
     "reinforce-pp": ("actor", "ref", "reward"),
+    "distill": ("actor", "ref", "reward", "teacher"),
 }
 
 STAGES = ("generate", "inference", "train")

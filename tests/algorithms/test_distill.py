@@ -119,3 +119,31 @@ def test_the_student_moves_toward_a_teacher_trained_further(tmp_path):
         after,
         teacher_success,
     )
+
+
+def _plan(tmp_path, name, placement) -> str:
+    path = tmp_path / f"{name}.json"
+    roles = [r for pool in placement for r in pool]
+    path.write_text(json.dumps({"placement": placement, "gpus": dict.fromkeys(roles, 1)}))
+    return str(path)
+
+
+def test_a_teacher_on_a_pool_of_its_own_scores_as_a_colocated_one(tmp_path):
+    """A placement plan puts the teacher (and the reward) on a second slot: the same run, step for step, as with
+    every role on the first."""
+    from algorithms.distill import main as distill
+    from engines import ModelConfig, build_model, char_tokenizer, save_pretrained
+
+    tok = char_tokenizer()
+    teacher = save_pretrained(build_model(ModelConfig(seed=7), "lm", tok), tok, tmp_path / "teacher")
+    common = [f"teacher.path={teacher}", "sft_steps=5", "--steps", "2", "prompts_per_step=8", "mini_batch_samples=16"]
+    own = _run(
+        distill, tmp_path, "own", *common, "--plan", _plan(tmp_path, "own", [["actor", "ref"], ["teacher", "reward"]])
+    )
+    one = _run(
+        distill, tmp_path, "one", *common, "--plan", _plan(tmp_path, "one", [["actor", "ref", "teacher", "reward"]])
+    )
+    for a, b in zip(own, one, strict=True):
+        for key in ("distill/reverse_kl", "actor/distill_kl", "reward_mean", "entropy"):
+            assert a[key] == pytest.approx(b[key], abs=1e-6), key
+    assert own[0]["distill/reverse_kl"] > 0.1  # a teacher of other weights: something to distill
