@@ -122,6 +122,8 @@ class Settings:
     kl_coef: float
     lambda_lr: float
     lambda_init: float
+    lambda_update: str = "dual"
+    """The RL's multiplier: `dual` (dual ascent) or `pid` (the PID Lagrangian at the program's default gains)."""
     tie: float = 0.05
     """Pairs whose gold scores differ by less than this are ties and left out."""
     max_train_pairs: int | None = None
@@ -498,6 +500,7 @@ def run_safe_rlhf(
             f"kl_coef={s.kl_coef}",
             f"lambda_lr={s.lambda_lr}",
             f"lambda_init={s.lambda_init}",
+            f"lambda_update={s.lambda_update}",
             "micro_batch_tokens=2048",
             f"seed={seed}",
             "whiten_rewards=true",
