@@ -69,7 +69,9 @@ def _reference(tok, prompts: fa.Batch, spec: GenerationSpec, state: dict | None 
     )
 
 
-def _actor(ctl, name: str, dp: int, tp: int, t_g: int | None, engine: str = "vllm") -> fa.ActorGroup:
+def _actor(
+    ctl, name: str, dp: int, tp: int, t_g: int | None, engine: str = "vllm", optim: OptimConfig = OPTIM
+) -> fa.ActorGroup:
     kwargs = {"rollout_engine": engine, **({"rollout_tp": t_g} if t_g else {})}
     return fa.ActorGroup(
         ctl,
@@ -77,7 +79,7 @@ def _actor(ctl, name: str, dp: int, tp: int, t_g: int | None, engine: str = "vll
         name=name,
         slots=ctl.slots[: dp * tp],
         layout=fa.Layout(dp=dp, tp=tp),
-        args=(CFG, OPTIM, SAMPLING),
+        args=(CFG, optim, SAMPLING),
         kwargs=kwargs,
     )
 
@@ -146,15 +148,7 @@ def test_a_lora_actor_serves_its_adapters_to_vllm_as_lora_requests(ctl):
 
     tok = build_tokenizer(CFG)
     prompts = _prompts(tok)
-    actor = fa.ActorGroup(
-        ctl,
-        HybridActorProbe,
-        name="vl_lora",
-        slots=ctl.slots[:2],
-        layout=fa.Layout(dp=2),
-        args=(CFG, dataclasses.replace(OPTIM, lora_rank=8, lr=5e-2), SAMPLING),
-        kwargs={"rollout_engine": "vllm"},
-    )
+    actor = _actor(ctl, "vl_lora", 2, 1, None, optim=dataclasses.replace(OPTIM, lora_rank=8, lr=5e-2))
     try:
         first = actor.generate_sequences(prompts, GREEDY).result()
         _assert_same_rows(first, _reference(tok, prompts, GREEDY), tol=LORA_LOGP_TOL)  # B = 0: the base model
