@@ -67,7 +67,7 @@ def test_fused_and_asynchronous_steps_sample_the_same_episodes(tmp_path):
     assert firsts["plain"]["tool_calls_mean"] > 0.2
 
 
-@pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
+@pytest.mark.slow  # two whole runs (~2 min); CI's e2e tier keeps the tool task learning with partial rollouts
 def test_grpo_learns_tool_arith_with_the_tool_and_not_without(tmp_path):
     from algorithms.grpo import main
 
