@@ -222,7 +222,8 @@ class Runner:
         return {
             k: g
             for k, g in self.roles.groups().items()
-            if "save_checkpoint" in g.endpoints and g is not self.roles.rollout
+            # the replicas hold a copy of a recent policy; a teacher is frozen and rebuilt from teacher.path
+            if "save_checkpoint" in g.endpoints and g is not self.roles.rollout and g is not self.roles.teacher
         }
 
     def save(self, step: int) -> float:
