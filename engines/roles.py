@@ -119,9 +119,9 @@ class ModelWorker(Worker):
 
     weights_version = 0
     """Bumped whenever this rank's weights change (an update, a checkpoint load)."""
-    _base_version: int | None = None
-    """The weights_version whose frozen LoRA base a generator serving adapters holds (None: it must take it again:
-    a checkpoint or a whole sync brought a base)."""
+    _base_loaded = False
+    """Whether a generator serving LoRA adapters holds this rank's frozen base (False again once a checkpoint or a
+    whole sync brings a base)."""
 
     def _update(
         self,
@@ -190,7 +190,7 @@ class ModelWorker(Worker):
             frozen = self.engine.frozen_state()
             load_sharded(frozen, base, process_group=self.process_group)
             self.engine.load_frozen_state(frozen)
-            self._base_version = None
+            self._base_loaded = False
         state = self.engine.checkpoint_state()
         load_sharded(state, directory, process_group=self.process_group)
         self.engine.load_checkpoint_state(state)
@@ -350,13 +350,14 @@ class ActorWorker(ModelWorker, FusedRolloutEndpoints, ReplicaEndpoints):
             copied = self.hybrid.hand_over(self.generator.load_shard)
             received = self.hybrid.stats.received_bytes
         elif getattr(self.generator, "serves_adapters", False):  # LoRA requests: the base once, then adapters
-            state = self.engine.full_state_dict(merged=False)
+            # gather the base only when the engine must take it; the adapters every time
+            state = self.engine.full_state_dict(merged=False, adapters_only=self._base_loaded)
             copied = received = 0
-            if self._base_version is None:
+            if not self._base_loaded:
                 base = {k: t for k, t in state.items() if not k.endswith((".lora_A", ".lora_B"))}
                 self.generator.load_weights(base.items())
                 copied = sum(t.numel() * t.element_size() for t in base.values())
-                self._base_version = self.weights_version
+                self._base_loaded = True
             copied += self.generator.load_adapter(state, self.lora, self.weights_version)
             received = copied if self.sharded else 0
             del state

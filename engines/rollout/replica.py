@@ -250,7 +250,7 @@ class ReplicaEndpoints:
         # whole tensors in, this rank's layout out (plain, replicated or sharded parameters alike); every rank
         # of the replica group calls this, so a layout that distributes tensors may use collectives
         set_model_state_dict(self.engine.model, weights, options=StateDictOptions(full_state_dict=True))
-        self._base_version = None  # a LoRA replica's base came too
+        self._base_loaded = False  # a LoRA replica's base came too
         self.weights_version += 1
         self.policy_version = int(version)
         return {
@@ -351,8 +351,9 @@ class ReplicaEndpoints:
         3D-HybridEngine's training buffer, which it generates from). An engine that holds its own weights (vLLM)
         on a whole copy is fed as the buckets arrive: one reload whose weights iterator yields each parameter once
         its last block is in (then, from the whole copy, those that did not travel), so loading overlaps
-        receiving and the next generate reloads nothing. With LoRA (vLLM takes the base once and the adapters as a LoRA
-        request, or merged weights) or generation TP (the engine takes its shard from the 3D-HybridEngine) the engine reloads at the next generate instead.
+        receiving and the next generate reloads nothing. With LoRA (vLLM takes the base once and the adapters as
+        a LoRA request, or merged weights) or generation TP (the engine takes its shard from the 3D-HybridEngine)
+        the engine reloads at the next generate instead.
         Returns the bytes received and loaded, the seconds it took and the most bucket bytes held at once."""
         t0 = time.perf_counter()
         plan = self._sync_plan(link_name, changed_only, bucket_bytes)
@@ -381,7 +382,7 @@ class ReplicaEndpoints:
             for _ in buckets:
                 pass
         if not changed_only:
-            self._base_version = None  # every parameter travelled: a LoRA replica's base too
+            self._base_loaded = False  # every parameter travelled: a LoRA replica's base too
         self.weights_version += 1
         self.policy_version = int(version)
         return {**stats, "seconds": time.perf_counter() - t0}

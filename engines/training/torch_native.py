@@ -414,15 +414,18 @@ class TrainEngine:
         adapted = self.lora_scale is not None
         return StateDictOptions(ignore_frozen_params=adapted, strict=not (adapted and loading))
 
-    def full_state_dict(self, merged: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, merged: bool = True, adapters_only: bool = False) -> dict[str, torch.Tensor]:
         """Unsharded parameters on CPU (every rank of the group must call this: it all-gathers); with LoRA, the
-        merged plain model's (`merged=False`: the base and the adapters apart)."""
+        merged plain model's (`merged=False`: the base and the adapters apart; `adapters_only`: the adapters
+        alone, gathering nothing else)."""
         out = {}
         for name, t in self.model.state_dict().items():
+            if adapters_only and not name.endswith((".lora_A", ".lora_B")):
+                continue
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
             out[name] = t.detach().cpu()
-        if self.lora_scale is not None and merged:
+        if self.lora_scale is not None and merged and not adapters_only:
             from engines.training.lora import merged_state_dict
 
             out = merged_state_dict(out, self.lora_scale)
