@@ -354,7 +354,9 @@ class ActorWorker(ModelWorker, FusedRolloutEndpoints, ReplicaEndpoints):
             state = self.engine.full_state_dict(merged=False, adapters_only=self._base_loaded)
             copied = received = 0
             if not self._base_loaded:
-                base = {k: t for k, t in state.items() if not k.endswith((".lora_A", ".lora_B"))}
+                from engines.training.lora import is_adapter
+
+                base = {k: t for k, t in state.items() if not is_adapter(k)}
                 self.generator.load_weights(base.items())
                 copied = sum(t.numel() * t.element_size() for t in base.values())
                 self._base_loaded = True

@@ -322,12 +322,12 @@ class VLLMGenerationEngine:
         return copied
 
     def load_adapter(self, state: dict[str, torch.Tensor], lora: Any, version: int) -> int:
-        """Serve the LoRA adapters in `state` (the policy's base and adapters apart, `full_state_dict(
-        merged=False)`) from the next request on: written in PEFT's format and given to vLLM as a new LoRA request
+        """Serve the LoRA adapters in `state` (`full_state_dict(merged=False)`, with or without the base: only the
+        adapters are read) from the next request on: written in PEFT's format and given to vLLM as a new LoRA request
         (its id and name change with every version, so vLLM loads it afresh); returns the adapter bytes."""
         from vllm.lora.request import LoRARequest
 
-        from engines.training.lora import save_peft_adapter
+        from engines.training.lora import is_adapter, save_peft_adapter
 
         assert self._lora_dir is not None, "this engine was built without lora_rank"
         self._wake()
@@ -341,7 +341,7 @@ class VLLMGenerationEngine:
             if Path(old.lora_path) != folder:
                 shutil.rmtree(old.lora_path, ignore_errors=True)
         self._after_load()
-        return sum(t.numel() * t.element_size() for k, t in state.items() if k.endswith((".lora_A", ".lora_B")))
+        return sum(t.numel() * t.element_size() for k, t in state.items() if is_adapter(k))
 
     def _after_load(self) -> None:
         self.llm.reset_prefix_cache()  # its KV blocks were computed by the old weights

@@ -25,7 +25,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LoraConfig", "apply_lora", "check_targets", "merged_state_dict", "save_peft_adapter", "ALL_LINEAR"]
+__all__ = [
+    "LoraConfig",
+    "apply_lora",
+    "check_targets",
+    "is_adapter",
+    "merged_state_dict",
+    "save_peft_adapter",
+    "ALL_LINEAR",
+]
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder's linear layers (Llama and Qwen2 names): `lora_target_modules=all-linear`."""
@@ -87,10 +95,15 @@ def check_targets(linear_names: set[str], cfg: LoraConfig, model_name: str = "th
         )
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a state-dict key is a LoRA adapter's (`<linear>.lora_A` / `.lora_B`), not a base weight."""
+    return name.endswith((".lora_A", ".lora_B"))
+
+
 def merged_state_dict(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """A plain model's state dict from an adapted one's: W + scale · B A for each adapted layer, adapters dropped
     (the copy a generation engine, an export or a rollout replica loads)."""
-    out = {k: v for k, v in state.items() if not k.endswith((".lora_A", ".lora_B"))}
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
     for key, a in state.items():
         if key.endswith(".lora_A"):
             prefix = key[: -len("lora_A")]
@@ -111,7 +124,7 @@ def save_peft_adapter(path: str | Path, state: dict[str, torch.Tensor], cfg: Lor
 
     tensors, targets = {}, set()
     for key, t in state.items():
-        if key.endswith((".lora_A", ".lora_B")):
+        if is_adapter(key):
             module, kind = key.rsplit(".", 1)
             tensors[f"base_model.model.{module}.{kind}.weight"] = t.detach().to("cpu").contiguous()
             targets.add(module.rsplit(".", 1)[-1])

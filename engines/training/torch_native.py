@@ -44,6 +44,7 @@ from engines.ops import (
     top_log_probs,
 )
 from engines.training.common import LossFn, OptimConfig, token_mean
+from engines.training.lora import is_adapter
 from engines.training.packing import pack, packed_micro_batches
 from flowactors import Batch
 
@@ -420,7 +421,7 @@ class TrainEngine:
         alone, gathering nothing else)."""
         out = {}
         for name, t in self.model.state_dict().items():
-            if adapters_only and not name.endswith((".lora_A", ".lora_B")):
+            if adapters_only and not is_adapter(name):
                 continue
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
