@@ -12,7 +12,13 @@ Modes, each on its own 2-slot embedded cluster with the same seeds and workload:
   `async_correction=none` (no proximal log-prob pass).
 - `async_partial`: `async_split` at K = 1 with `partial_rollout=true`: the replica holds a step's surplus of prompt
   groups, decodes in segments of max_new_tokens / 4 and hands each step the first groups to finish; the long ones
-  continue under the next version (engines/rollout/partial.py).
+  continue under the next version (engines/rollout/partial.py). Deterministic: versions change where the schedule
+  says, so two runs are equal.
+- `async_stream`: `async_partial` streaming (`async_rl.deterministic=false`, algorithms/rollout/streaming.py): the
+  replica decodes without pause in a thread of its own, a version lands between two segments as soon as the trainer
+  sends it, and each step takes the first groups to finish. `async_partial / async_stream` is the cost of
+  determinism. (The replica's decoding runs outside the worker's calls, so its busy time is not in the slot
+  figures, only in tokens/s.)
 
 Workload. Response lengths per step from a Pareto distribution (seeded by step, the same in every mode): most are
 a few tokens, about one in eight runs to `max_new_tokens`; each row's length is forced (`stop_at`, `ignore_eos`).
@@ -93,11 +99,12 @@ MODES = {
     "async_split": ("split", 1, "tis", False),
     "async_split_k2": ("split", 2, "tis", False),
     "async_split_none": ("split", 1, "none", False),
-    "async_partial": ("split", 1, "tis", True),
+    "async_partial": ("split", 1, "tis", "deterministic"),
+    "async_stream": ("split", 1, "tis", "streaming"),
 }
 
 
-def config(w: Workload, placement: str, staleness: int, correction: str, steps: int, partial: bool) -> GRPOConfig:
+def config(w: Workload, placement: str, staleness: int, correction: str, steps: int, partial: bool | str) -> GRPOConfig:
     model = ModelConfig(
         hidden_size=w.hidden_size,
         num_layers=w.num_layers,
@@ -119,7 +126,12 @@ def config(w: Workload, placement: str, staleness: int, correction: str, steps: 
         model=model,
         placement=placement,
         dashboard="none",
-        async_rl=AsyncConfig(staleness=staleness, correction=correction, partial_rollout=partial),
+        async_rl=AsyncConfig(
+            staleness=staleness,
+            correction=correction,
+            partial_rollout=bool(partial),
+            deterministic=partial != "streaming",
+        ),
     )
 
 
@@ -163,7 +175,8 @@ def run_mode(name: str, w: Workload, steps: int, warmup: int) -> dict:
     return {
         "mode": name,
         "staleness": staleness,
-        "partial_rollout": partial,
+        "partial_rollout": bool(partial),
+        "deterministic": partial != "streaming",
         "correction": correction if staleness else None,
         "tokens_per_s": round(tokens / wall, 1),
         "step_s": round(wall / len(measured), 4),
@@ -173,12 +186,15 @@ def run_mode(name: str, w: Workload, steps: int, warmup: int) -> dict:
         "slot_busy_by_stage_s": kinds,
         "staleness_hist": hist or {"0": 1.0},
         "reward_mean_last": round(statistics.mean(r["reward_mean"] for r in measured), 4),
+        # what the measured steps trained: a mode that trains shorter responses is not faster for it
+        "response_length_mean": round(statistics.mean(r["response_length_mean"] for r in measured), 2),
     }
 
 
 _KIND = {
     "generate_sequences": "G",
     "generate_partial": "G",
+    "stream_partial": "G",
     "update_actor": "U",
     "update_critic": "U",
     "policy_weights": "W",
@@ -355,6 +371,11 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"async_partial / async_split (K=1): "
             f"{by['async_partial']['tokens_per_s'] / by['async_split']['tokens_per_s']:.2f}x (target >= 1.25x)"
+        )
+    if "async_partial" in by and "async_stream" in by:
+        print(
+            f"async_stream / async_partial (K=1): "
+            f"{by['async_stream']['tokens_per_s'] / by['async_partial']['tokens_per_s']:.2f}x (the cost of determinism)"
         )
     if best is not None and "sync_colocated" in by:
         print(

@@ -52,7 +52,7 @@ from engines.protocols import MINIBATCH
 from engines.registry import check_training_layout, generation_engine, training_engine
 from engines.rollout.agent import AgentConfig, EpisodeEngine
 from engines.rollout.fused import FusedRolloutEndpoints
-from engines.rollout.replica import ReplicaEndpoints
+from engines.rollout.replica import ReplicaEndpoints, between_segments
 from engines.rollout.stream import SamplingConfig
 from engines.specs import GenerationSpec, UpdateSpec, generation_spec
 from engines.training.common import LossFn, OptimConfig
@@ -398,6 +398,7 @@ class ActorWorker(ModelWorker, FusedRolloutEndpoints, ReplicaEndpoints):
         return self._gen_model
 
     @endpoint(protocol=MESH)
+    @between_segments
     def generate_sequences(self, prompts: Batch, spec: GenerationSpec | None = None) -> Batch:
         """Sample one response per prompt row; `spec`: greedy or sampled, and the base seed for rows without a
         `seed` column (None: GenerationSpec()). A rollout replica (one that `load_policy` fed) also records the
@@ -458,6 +459,7 @@ class ActorWorker(ModelWorker, FusedRolloutEndpoints, ReplicaEndpoints):
 
     def shutdown(self) -> None:
         self._end_stream()
+        self._stop_decoding()
         close = getattr(self.generator, "shutdown", None)
         if close is not None:
             close()

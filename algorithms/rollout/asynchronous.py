@@ -60,6 +60,12 @@ class AsyncConfig:
     """Partial rollouts: the per-token staleness bound. A token more than this many versions older than the
     trainer's policy is kept as context but masked out of the policy loss (counted as async/too_stale); 0:
     K + max_new_tokens / partial_segment, which a sequence that never waits for a slot stays within."""
+    deterministic: bool = False
+    """Partial rollouts: false (the default) streams them (algorithms.rollout.streaming: every replica decodes
+    without pause in a thread of its own, a new version lands between two segments as soon as the trainer sends
+    it, and each step takes the first groups to finish on any replica); true keeps runs reproducible for tests and
+    debugging (versions change at segment boundaries fixed by the schedule, each replica hands out a fixed share of
+    every step's groups), at the cost benchmarks/async.py measures (docs/asynchronous.md)."""
     correction: str = "tis"
     """How the loss corrects for samples from an older policy: `tis` (decoupled PPO with truncated importance
     sampling, as AReaL and verl: the ratio is clipped against the trainer's own log-probs before the update (the

@@ -255,6 +255,7 @@ class RLConfig(RunConfig):
         "partial_rollout": "async_rl.partial_rollout",
         "partial_segment": "async_rl.partial_segment",
         "partial_surplus": "async_rl.partial_surplus",
+        "async_deterministic": "async_rl.deterministic",
         "token_staleness": "async_rl.token_staleness",
         "fuse": "fusion.enabled",
         **{

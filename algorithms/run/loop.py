@@ -37,6 +37,7 @@ from algorithms.data.prompts import PromptData
 from algorithms.data.tasks import get_task
 from algorithms.rollout.asynchronous import RolloutPipeline
 from algorithms.rollout.fusion import overlap_note
+from algorithms.rollout.streaming import StreamingRollouts
 from algorithms.run.build import Roles, build_roles, prompt_data
 from algorithms.run.cli import open_controller, parse_args, user_errors
 from algorithms.run.config import RLConfig, derived_sizes
@@ -198,7 +199,8 @@ class Runner:
         self.algo.setup(self.ctl, self.roles, self.data)
         self.pipeline = None
         if self.roles.rollout is not None:  # started once the run knows its first step (start_pipeline)
-            self.pipeline = RolloutPipeline(
+            streaming = self.cfg.async_rl.partial_rollout and not self.cfg.async_rl.deterministic
+            self.pipeline = (StreamingRollouts if streaming else RolloutPipeline)(
                 self.ctl,
                 self.roles.actor,
                 self.roles.rollout,

@@ -129,6 +129,11 @@ def _check_async(cfg: RLConfig) -> None:
         )
     tp = cfg.rollout.tp or 1  # each replica's generation TP
     if tp > 1:
+        if cfg.async_rl.partial_rollout and not cfg.async_rl.deterministic:
+            raise ConfigError(
+                f"rollout_tp={tp}: a replica's {tp} TP ranks decode in lockstep, which streaming partial rollouts "
+                f"(each replica decoding on its own) do not keep; add async_deterministic=true, or set rollout_tp=0"
+            )
         if cfg.async_rl.sync != "sharded":
             raise ConfigError(
                 f"rollout_tp={tp} gives each rollout replica {tp} ranks, which take their shards by the "

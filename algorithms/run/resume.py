@@ -53,6 +53,7 @@ _FIXED_AT_START = (
     "async_rl.staleness",
     "async_rl.partial_rollout",
     "async_rl.partial_surplus",
+    "async_rl.deterministic",
 )
 
 

@@ -104,26 +104,43 @@ class PartialRollouts:
             raise ValueError(f"a partial rollout needs segment >= 1 and quota >= 0, got {segment} and {quota}")
         ran = False
         while not ran or len(self.ready) < quota:
-            if not self._running():
+            if not self.running():
                 raise ValueError(
                     f"this replica holds {len(self.ready)} finished groups and nothing in flight, but the call asks "
                     f"for {quota}: give it at least as many prompt groups as it hands out"
                 )
             self._segment(generate, version, segment)
             ran = True
-        out, self.ready = self.ready[:quota], self.ready[quota:]
+        return self.hand_out(quota)
+
+    def decode(self, generate: Callable[[Any], Any], version: int, segment: int) -> bool:
+        """One segment of every unfinished sequence under policy `version` (streaming rollouts call this in a
+        loop); False when nothing is in flight."""
+        if segment < 1:
+            raise ValueError(f"a partial rollout needs segment >= 1, got {segment}")
+        if not self.running():
+            return False
+        self._segment(generate, version, segment)
+        return True
+
+    def hand_out(self, quota: int | None = None) -> Batch:
+        """The first `quota` finished groups (None: all of them), in the order they finished, laid out as
+        `generate_sequences`' samples (`group` renumbered from 0); they leave this replica."""
+        n = len(self.ready) if quota is None else quota
+        out, self.ready = self.ready[:n], self.ready[n:]
         return self._assemble([self.groups.pop(uid) for uid in out])
 
     def held(self) -> list[int]:
         """The uids of the groups this rank holds (in flight or finished and not yet handed out)."""
         return list(self.groups)
 
-    # -- one segment --------------------------------------------------------------------------------------------------
-    def _running(self) -> list[_Sequence]:
-        return [s for g in self.groups.values() for s in g if not s.done]
+    def running(self) -> bool:
+        """Whether any sequence is unfinished."""
+        return any(not s.done for g in self.groups.values() for s in g)
 
+    # -- one segment --------------------------------------------------------------------------------------------------
     def _segment(self, generate: Callable[[Any], Any], version: int, segment: int) -> None:
-        rows = self._running()
+        rows = [s for g in self.groups.values() for s in g if not s.done]
         if self.episodes is not None:
             before = [len(s.episode.tokens) for s in rows]
             generate([s.episode for s in rows])

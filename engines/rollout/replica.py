@@ -18,15 +18,41 @@ A mixin of engines.roles.ActorWorker: it uses the worker's training engine, rank
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from engines.rollout.decode_loop import DecodeLoop
 from engines.rollout.partial import PartialRollouts
-from flowactors import MESH, ONE_TO_ALL, RANK_ZERO, Batch, Layout, endpoint, link
+from flowactors import ALL_TO_ALL, MESH, ONE_TO_ALL, RANK_ZERO, Batch, Layout, endpoint, link
 
-__all__ = ["ReplicaEndpoints", "Piece", "SyncPlan", "plan_sync", "address", "local_block", "sync_subgroups"]
+__all__ = [
+    "ReplicaEndpoints",
+    "between_segments",
+    "Piece",
+    "SyncPlan",
+    "plan_sync",
+    "address",
+    "local_block",
+    "sync_subgroups",
+]
+
+
+def between_segments(fn: Callable) -> Callable:
+    """A replica endpoint that touches what streaming rollouts decode with (weights, held sequences): it runs
+    between two of their segments (engines.rollout.decode_loop), or as it is when the replica does not stream."""
+
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        with self._quiet():
+            return fn(self, *args, **kwargs)
+
+    return run
+
 
 _ALIGN = 16
 """Byte alignment of each block in a bucket's buffer (so a block's bytes can be viewed as its dtype)."""
@@ -235,6 +261,7 @@ class ReplicaEndpoints:
         return state if self.rank == 0 else {}
 
     @endpoint(protocol=ONE_TO_ALL)
+    @between_segments
     def load_policy(self, weights: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Become a rollout replica of the trainer's policy `version` (asynchronous RL): load `weights`
         (`policy_weights` of the trainer, any layout) into this rank's whole copy; the generation engine takes
@@ -342,6 +369,7 @@ class ReplicaEndpoints:
         return {"bytes": float(sent), "peak_bucket_bytes": float(peak), "seconds": time.perf_counter() - t0}
 
     @endpoint(protocol=ONE_TO_ALL)
+    @between_segments
     def receive_policy(
         self, link_name: str, bucket_bytes: int, version: int, changed_only: bool = False
     ) -> dict[str, float]:
@@ -464,29 +492,84 @@ class ReplicaEndpoints:
         local = groups // replicas
         part = self._partial_rollouts()
         part.admit(prompts)
-        if part.episodes is not None:  # multi-turn: a segment is a turn of every running episode
-            out = part.run(
-                lambda eps: part.episodes.advance(self._replica_model(), eps, self.sampling),
-                self.policy_version,
-                local,
-                segment,
-            )
-        else:
-            out = part.run(lambda b: self._generate(b, None), self.policy_version, local, segment)
+        out = part.run(self._segment_generate(part), self.policy_version, local, segment)
         return Batch({**out.tensors, "group": out["group"] + index * local}, out.rows, out.meta)
 
+    def _segment_generate(self, part: PartialRollouts):
+        """What decodes one segment of `part`: a generate over a prompt batch, or, for multi-turn episodes, a turn
+        of every running episode."""
+        if part.episodes is not None:
+            return lambda eps: part.episodes.advance(self._replica_model(), eps, self.sampling)
+        return lambda b: self._generate(b, None)
+
+    # -- streaming partial rollouts (async_rl.deterministic=false) ------------------------------------------------
+    @endpoint(protocol=ALL_TO_ALL)
+    def stream_partial(self, prompts: Batch, segment: int, wait_s: float) -> dict:
+        """Streaming partial rollouts: admit `prompts` (this rank's fresh prompt groups, possibly none) and keep
+        decoding everything held, a segment at a time, in a thread of this worker's own (engines.rollout.decode_loop)
+        under whatever policy version the replica has when the segment starts; a weight sync lands between two
+        segments. Returns at once what has finished since the last call, waiting up to `wait_s` seconds for at
+        least one group when none has: {"samples": the finished groups (generate_sequences' layout, `group` from
+        0), "held": the uids still held, "version": the replica's version}."""
+        if self.policy_version is None:
+            raise ValueError("stream_partial runs on a rollout replica: load_policy or receive_policy first")
+        if self.hybrid is not None:
+            raise ValueError(
+                "streaming partial rollouts need whole-copy replicas (a generation TP group decodes in lockstep); "
+                "set async_rl.deterministic=true or rollout_tp=1"
+            )
+        part = self._partial_rollouts()
+        loop = self.__dict__.get("_decoding")
+        if loop is None or not loop.alive or loop.segment != segment:
+            if loop is not None and loop.error is not None:
+                with loop.paused():  # raises the loop's error
+                    pass
+            self._stop_decoding()
+            generate = self._segment_generate(part)
+            loop = self._decoding = DecodeLoop(lambda: part.decode(generate, self.policy_version, segment))
+            loop.segment = segment
+        with loop.paused():
+            part.admit(prompts)
+        deadline = time.monotonic() + wait_s
+        while True:
+            with loop.paused():
+                if part.ready or not part.running() or time.monotonic() >= deadline:
+                    return {"samples": part.hand_out(), "held": part.held(), "version": self.policy_version}
+                loop.progress.clear()
+            loop.progress.wait(max(0.0, deadline - time.monotonic()))
+
     @endpoint(protocol=ONE_TO_ALL)
+    def stop_streaming(self) -> bool:
+        """End streaming partial rollouts' decode loop (after its segment in progress); what it holds stays."""
+        return self._stop_decoding()
+
+    def _stop_decoding(self) -> bool:
+        loop = self.__dict__.pop("_decoding", None)
+        if loop is None:
+            return False
+        loop.stop()
+        return True
+
+    def _quiet(self):
+        """A block the streaming decode loop waits for (between two segments); nothing without one."""
+        loop = self.__dict__.get("_decoding")
+        return loop.paused() if loop is not None else nullcontext()
+
+    @endpoint(protocol=ONE_TO_ALL)
+    @between_segments
     def partial_held(self) -> list[int]:
         """The prompt groups (uids) this rank's partial rollouts hold: the controller's ledger check (a replica's
         TP rank 0 answers for it: its other TP ranks hold the same)."""
         return self._partial_rollouts().held() if self.coords[2] == 0 else []
 
     @endpoint(protocol=ONE_TO_ALL)
+    @between_segments
     def partial_state(self) -> dict:
         """What this rank's partial rollouts hold (for a checkpoint: `load_partial_state` restores it)."""
         return self._partial_rollouts().state_dict()
 
     @endpoint(protocol=ONE_TO_ALL)
+    @between_segments
     def load_partial_state(self, states: list[dict]) -> int:
         """Restore every rank's partial rollouts from `partial_state()`'s list (one per rank); returns how many
         unfinished sequences this rank holds again."""

@@ -151,3 +151,99 @@ def test_a_call_that_cannot_fill_its_quota_says_so(setup):
     part.admit(prompts(tok, 1, 2, 0))
     with pytest.raises(ValueError, match="give it at least as many prompt groups"):
         part.run(generator(tok, old, sampling), 0, quota=2, segment=4)
+
+
+# -- streaming: the decode loop (engines.rollout.decode_loop) ---------------------------------------------------------
+
+
+def test_a_decode_loop_switches_versions_only_between_segments(setup):
+    """The replica's decode loop runs segments in its own thread; a weight change made inside `paused()` waits for
+    the segment in progress, so every token's recorded version and log-prob are its own version's."""
+    import threading
+
+    from engines.rollout.decode_loop import DecodeLoop
+
+    tok, old, new = setup
+    sampling = SamplingConfig(max_new_tokens=12, ignore_eos=True)
+    part = PartialRollouts(sampling, eos=tok.eos_token_id, pad=tok.pad_token_id)
+    policy = {"model": old, "version": 0}
+    eng = HFGenerationEngine(tok.eos_token_id, tok.pad_token_id)
+    main = threading.get_ident()
+    threads = set()
+
+    def generate(batch):
+        threads.add(threading.get_ident())
+        return eng.generate(policy["model"], batch, sampling)
+
+    loop = DecodeLoop(lambda: part.decode(generate, policy["version"], 2))
+    try:
+        with loop.paused():
+            part.admit(prompts(tok, 3, 2, 0))
+            loop.progress.clear()
+        assert loop.progress.wait(60)  # a segment ran, by itself
+        with loop.paused():
+            assert part.running()  # 6 segments of 2 tokens: at most a few ran before this block
+            policy.update(model=new, version=1)
+        while True:
+            with loop.paused():
+                if not part.running():
+                    out = part.hand_out()
+                    break
+                loop.progress.clear()
+            loop.progress.wait(60)
+    finally:
+        loop.stop()
+    assert not loop.alive and main not in threads and len(threads) == 1
+    versions, mask = out[POLICY_VERSIONS], out[RESPONSE_MASK].bool()
+    assert (versions[mask] == 0).any() and (versions[mask] == 1).any()  # every sequence spans the change
+    per_row_change = [(v[m] == 1).nonzero()[0, 0].item() for v, m in zip(versions, mask)]
+    assert all(c % 2 == 0 for c in per_row_change)  # at a segment boundary
+    by_version = torch.where(versions == 0, token_log_probs(old, out), token_log_probs(new, out))
+    assert torch.allclose(out[ROLLOUT_LOG_PROBS][mask], by_version[mask], atol=1e-5)
+
+
+def test_a_decode_loop_that_fails_says_so_at_the_next_call():
+    from engines.rollout.decode_loop import DecodeLoop
+
+    def step() -> bool:
+        raise OSError("the model is gone")
+
+    loop = DecodeLoop(step)
+    assert loop.progress.wait(30)
+    with pytest.raises(RuntimeError, match="decode loop failed: OSError: the model is gone"):
+        with loop.paused():
+            pass
+    loop.stop()
+    assert not loop.alive
+
+
+def test_an_idle_decode_loop_waits_for_work_and_stops():
+    from engines.rollout.decode_loop import DecodeLoop
+
+    work, done = [3], []
+
+    def step() -> bool:
+        if not work[0]:
+            return False
+        work[0] -= 1
+        done.append(1)
+        return True
+
+    loop = DecodeLoop(step)
+    for _ in range(100):
+        with loop.paused():
+            if len(done) == 3:
+                break
+            loop.progress.clear()
+        loop.progress.wait(5)
+    calls = len(done)
+    with loop.paused():
+        work[0] = 2  # admitted: the idle loop takes it up after this block
+    for _ in range(100):
+        with loop.paused():
+            if len(done) == 5:
+                break
+            loop.progress.clear()
+        loop.progress.wait(5)
+    loop.stop()
+    assert calls == 3 and len(done) == 5 and not loop.alive
