@@ -84,15 +84,16 @@ def test_grpo_learns_tool_arith_with_the_tool_and_not_without(tmp_path):
 
 @pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
 def test_grpo_learns_tool_arith_with_partial_rollouts(tmp_path):
-    """Asynchronous, partial: episodes continue across versions a turn at a time (engines.rollout.partial), every
-    group is trained once, and the tool task is learned as with whole rollouts."""
+    """Asynchronous, partial (streaming, the default): the replica advances its episodes a turn at a time in its own
+    thread (algorithms.rollout.streaming), every group is trained once, and the tool task is learned as with whole
+    rollouts. (Whether an episode spans versions depends on timing here; tests/engines/test_agent.py checks that a
+    continued one is right.)"""
     from algorithms.grpo import main
 
     h = run(main, tmp_path, "task=tool_arith", "async_staleness=1", "partial_rollout=true", "--placement", "split")
     assert window(h, "success_mean", -20, None) >= 0.8
     assert window(h, "success_mean", -20, None) > window(h, "success_mean", 0, 20) + 0.1
     assert window(h, "tool_calls_mean", -20, None) > 0.9
-    assert sum(r["async/requeued"] for r in h) > 0  # episodes did span versions
     assert all(r["async/duplicates"] == 0 and r["async/lost"] == 0 for r in h)
 
 

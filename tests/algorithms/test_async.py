@@ -247,10 +247,11 @@ def test_each_algorithm_learns_its_task_under_staleness(tmp_path, algo, stalenes
     if not partial:
         assert h[-1]["async/staleness_mean"] == staleness
         return
-    # partial rollouts: samples continue across versions, each group is trained once, none is lost
+    # partial rollouts: samples continue across versions, each group is trained once, none is lost; streaming
+    # (the default) lands each version when the trainer sends it, so tokens are off-policy by timing, not by K
     assert sum(r["async/requeued"] for r in h) > 0
     assert all(r["async/duplicates"] == 0 and r["async/lost"] == 0 for r in h)
-    assert all(r["async/staleness_mean"] >= staleness for r in h[staleness:])
+    assert sum(r["async/staleness_mean"] for r in h) > 0
 
 
 @pytest.mark.e2e  # whole program runs: CI's second tier (.ci/run)
