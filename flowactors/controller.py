@@ -467,6 +467,12 @@ class Controller:
         if self._world is None:
             raise PlacementError(f"link {name!r}: create the groups before linking them")
         ranks = [self._world.index(a) for a in addresses]
+        if ranks != sorted(ranks):  # torch.distributed numbers a group's members in the world's order
+            raise PlacementError(
+                f"link {name!r}: the linked groups' ranks must come in the order of the cluster's slots (a process "
+                f"group numbers its members so), but {', '.join(g.name for g in groups)} are on world ranks "
+                f"{ranks}; place the groups so the first is on the earlier slots, or link them in that order"
+            )
         members, at = {}, 0
         for g in groups:
             members[g.name] = list(range(at, at + g.world_size))

@@ -10,7 +10,9 @@ plan can be saved and handed to an algorithm script unchanged:
 
 Models in one set live in the same worker processes and take turns; sets run concurrently. For models that only
 score, "train" still names their (p, t, d) sharding. A missing "parallel" entry means pure data parallelism
-(1, 1, gpus); a missing "generate" means the actor generates with its training (p, t).
+(1, 1, gpus); a missing "generate" means the actor generates with its training (p, t). Asynchronous RL adds a
+"rollout" model, the replicas' pool (a set of its own): "train": [1, t, d] is d replicas of t ranks each, and its
+"rollout_engine" their generation engine; the actor then trains only.
 
 `validate` checks a plan against a cluster before anything is started, and says what to change.
 """
@@ -69,8 +71,20 @@ class ModelPlan:
                 f"{self.role}: train sizes p·t·d = {p}·{t}·{d} = {p * t * d} must equal its "
                 f"{self.gpus} GPUs; change d to {self.gpus // (p * t) or 1} or the pool size"
             )
-        if self.rollout_engine is not None and self.role != "actor":
-            raise PlanError(f"{self.role}: only the actor generates; drop its 'rollout_engine'")
+        if self.rollout_engine is not None and self.role not in ("actor", "rollout"):
+            raise PlanError(f"{self.role}: only the actor and the rollout replicas generate; drop its 'rollout_engine'")
+        if self.role == "rollout":  # asynchronous RL's replicas: d replicas of t ranks, generating with those sizes
+            if p != 1:
+                raise PlanError(
+                    f"rollout: the replicas have no pipeline stages; train must be [1, t, d] (d replicas of t "
+                    f"ranks), got {list(self.train)}"
+                )
+            if self.generate is not None and tuple(self.generate) != (1, t):
+                raise PlanError(
+                    f"rollout: a replica generates with its own sizes; generate must be [1, {t}] or left out, "
+                    f"got {list(self.generate)}"
+                )
+            return
         if self.generate is None:
             return
         if self.role != "actor":
@@ -86,7 +100,8 @@ class ModelPlan:
 
     @property
     def parallel(self) -> Parallel:
-        p_g, t_g = self.generate or ((self.train[0], self.train[1]) if self.role == "actor" else (0, 0))
+        generates = self.role in ("actor", "rollout")
+        p_g, t_g = self.generate or ((self.train[0], self.train[1]) if generates else (0, 0))
         return Parallel(*self.train, p_g=p_g, t_g=t_g)
 
 

@@ -119,6 +119,8 @@ def pools_for_plan(plan: Plan, cluster: ResourcePool | Iterable[Slot] | Iterable
             f"the plan needs {sum(sizes.values())} device slots but the cluster has {len(cluster)}: "
             f"start more workers or shrink the pools {sizes}"
         )
-    largest_first = dict(sorted(sizes.items(), key=lambda kv: -kv[1]))
+    # largest first (whole nodes to the big pools); asynchronous RL's replicas last, so that a link from the
+    # trainer to them (flowactors.Controller.link) runs over ascending world ranks
+    largest_first = dict(sorted(sizes.items(), key=lambda kv: (kv[0] == "rollout", -kv[1])))
     pools = cluster.split(largest_first)
     return {name: pools[name] for name in sizes}

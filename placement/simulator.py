@@ -60,6 +60,8 @@ ROLES = {
     "reward": Role("reward", trains=False, lm_head=False, scores_baseline=True),
     "cost": Role("cost", trains=False, lm_head=False),
     "teacher": Role("teacher", trains=False),
+    "rollout": Role("rollout", trains=False, generates=True),
+    # (asynchronous RL's rollout replicas: a pool of their own in a plan, never in a searched algorithm's roles)
 }
 
 ALGORITHMS = {

@@ -120,14 +120,34 @@ def _check_async(cfg: RLConfig) -> None:
             f"add --placement split (placement={cfg.placement} shares every slot), or set "
             f"async_staleness=0"
         )
-    if cfg.plan:
-        raise ConfigError(f"async_staleness={k} with a placement plan is not built yet; use --placement split")
     if cfg.fusion.enabled:
         raise ConfigError(
             f"async_staleness={k} with fuse=true is not built yet (a rollout that runs ahead is "
             f"scored whole); drop one of them"
         )
-    tp = cfg.rollout.tp or 1  # each replica's generation TP
+    if cfg.plan:  # the replicas' sizes are the plan's (_check_async_plan, once it is read)
+        return
+    _check_replicas(cfg, cfg.rollout.tp or 1)
+    if cfg.address is None and cfg.cluster == "local":
+        rollout = cfg.async_rl.rollout_slots or cfg.n_slots // 2
+        if cfg.n_slots < 2 or rollout >= cfg.n_slots:
+            raise ConfigError(
+                f"async_staleness={k} needs slots for the rollout replicas and slots for training: "
+                f"n_slots={cfg.n_slots} with async_rollout_slots={rollout}; use n_slots >= 2 and "
+                f"async_rollout_slots < n_slots"
+            )
+        tp = cfg.rollout.tp or 1
+        if rollout % tp:
+            raise ConfigError(
+                f"async_rollout_slots={rollout} cannot hold rollout replicas of rollout_tp={tp} ranks each; "
+                f"use a multiple of {tp} slots"
+            )
+        if cfg.async_rl.partial_rollout:
+            cfg.async_rl.check_replica_ranks(cfg.prompts_per_step, rollout // tp)
+
+
+def _check_replicas(cfg: RLConfig, tp: int) -> None:
+    """What replicas of `tp` ranks each (a generation TP group) need of the settings."""
     if tp > 1:
         if cfg.async_rl.partial_rollout and not cfg.async_rl.deterministic:
             raise ConfigError(
@@ -144,21 +164,39 @@ def _check_async(cfg: RLConfig) -> None:
                 f"rollout_tp={tp} splits each replica's vocabulary over {tp} ranks: set model.pad_vocab_to={tp} "
                 f"(or a multiple; the trainer's model then has the same padded vocabulary)"
             )
-    if cfg.address is None and cfg.cluster == "local":
-        rollout = cfg.async_rl.rollout_slots or cfg.n_slots // 2
-        if cfg.n_slots < 2 or rollout >= cfg.n_slots:
+
+
+def _check_async_plan(cfg: RLConfig, plan) -> None:
+    """A placement plan and asynchronous RL: the plan has the replicas' pool (a "rollout" model, alone in its set)
+    exactly when the run is asynchronous, and its sizes suit the settings."""
+    k = cfg.async_rl.staleness
+    if "rollout" not in plan.roles:
+        if k:
             raise ConfigError(
-                f"async_staleness={k} needs slots for the rollout replicas and slots for training: "
-                f"n_slots={cfg.n_slots} with async_rollout_slots={rollout}; use n_slots >= 2 and "
-                f"async_rollout_slots < n_slots"
+                f"async_staleness={k} with a placement plan needs the rollout replicas in it: add a set "
+                f'["rollout"] with "gpus" and "parallel": {{"rollout": {{"train": [1, t, d]}}}} (d replicas of t '
+                f"ranks), or use --placement split"
             )
-        if rollout % tp:
-            raise ConfigError(
-                f"async_rollout_slots={rollout} cannot hold rollout replicas of rollout_tp={tp} ranks each; "
-                f"use a multiple of {tp} slots"
-            )
-        if cfg.async_rl.partial_rollout:
-            cfg.async_rl.check_replica_ranks(cfg.prompts_per_step, rollout // tp)
+        return
+    if not k:
+        raise ConfigError(
+            "the placement plan has a rollout pool, for asynchronous RL's replicas; set async_staleness >= 1, or "
+            "drop the rollout set from the plan"
+        )
+    if plan.pool_of("rollout") != "rollout":
+        raise ConfigError(
+            f"the rollout replicas generate while the others train, so they need a pool of their own; the plan "
+            f"puts them with {plan.pool_of('rollout').replace('+', ', ')}: give rollout a set alone"
+        )
+    if plan.model("actor").generate is not None or plan.model("actor").rollout_engine is not None:
+        raise ConfigError(
+            f"under async_staleness={k} the actor trains and the replicas generate: move the actor's 'generate' "
+            f"and 'rollout_engine' to the plan's rollout model"
+        )
+    _, tp, d = plan.model("rollout").train
+    _check_replicas(cfg, tp)
+    if cfg.async_rl.partial_rollout:
+        cfg.async_rl.check_replica_ranks(cfg.prompts_per_step, d)
 
 
 def check_before_start(cfg: RLConfig) -> RunPlan:
@@ -166,6 +204,8 @@ def check_before_start(cfg: RLConfig) -> RunPlan:
     worker starts."""
     check_settings(cfg)
     run_plan = resolve(cfg)
+    if run_plan.plan is not None:
+        _check_async_plan(cfg, run_plan.plan)
     for role, dp in run_plan.planned_dp.items():
         try:
             derived_sizes(cfg, dp)
@@ -434,6 +474,11 @@ def resolve(cfg: RLConfig) -> RunPlan:
     """The run's plan from its configuration (ConfigError or PlanError for one that cannot be resolved)."""
     plan = _load_plan(cfg) if cfg.plan else None
     actor = plan.model("actor") if plan is not None else None
+    if plan is not None and "rollout" in plan.roles:  # asynchronous RL: the replicas generate, with their sizes
+        replicas = plan.model("rollout")
+        engine = replicas.rollout_engine or cfg.rollout.engine
+        tp = replicas.train[1]
+        return RunPlan(plan, engine, tp if tp > 1 else None, 1, _planned_dp(cfg, plan), ())
     engine = actor.rollout_engine if actor is not None and actor.rollout_engine is not None else cfg.rollout.engine
     tp, pp = cfg.rollout.tp or None, 1
     if actor is not None and actor.generate is not None:

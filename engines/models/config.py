@@ -254,9 +254,14 @@ def save_pretrained(
     path: str | Path,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write a Hugging Face folder (config, safetensors, tokenizer) that transformers and vLLM load."""
+    """Write a Hugging Face folder (config, safetensors, tokenizer) that transformers and vLLM load. The caller
+    decides who writes (a group's rank 0): transformers would write only on the torch.distributed world's rank 0,
+    which a group placed on later slots (a plan's pool, the rollout replicas) does not hold, and would then write
+    nothing but the tokenizer, silently."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "should_save_on_this_rank"):
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process  # this instance only
     model.save_pretrained(str(p), state_dict=state_dict, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(p))

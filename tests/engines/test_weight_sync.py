@@ -96,6 +96,18 @@ def test_sharded_sync_equals_the_whole_dict_sync(controller4, zero_stage):
         replicas.close()
 
 
+def test_a_link_in_other_than_the_slots_order_is_refused(controller4):
+    """torch.distributed numbers a process group's members in the world's order, so a link whose groups come in
+    another order would give its members ranks other than the link's: refused, naming the fix."""
+    trainer, replicas = _groups(controller4, "sync_order", OptimConfig(zero_stage=1))
+    try:
+        with pytest.raises(fa.PlacementError, match=r"must come in the order of the cluster's slots .* \[2, 3, 0, 1\]"):
+            controller4.link("sync_reversed", [replicas, trainer], sync_subgroups(2, Layout(dp=2)))
+    finally:
+        trainer.close()
+        replicas.close()
+
+
 def test_lora_syncs_move_only_the_adapters_after_the_first(controller4):
     optim = OptimConfig(lr=1e-2, lora_rank=4, lora_alpha=8.0, zero_stage=3)
     trainer, replicas = _groups(controller4, "sync_lora", optim)

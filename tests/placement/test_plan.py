@@ -43,7 +43,9 @@ def test_the_actor_entry_names_its_rollout_engine():
     assert plan.model("actor").rollout_engine == "vllm" and plan.to_dict() == data
     assert Plan.from_dict(PLAN).model("actor").rollout_engine is None  # the run's setting decides
     data["parallel"]["critic"]["rollout_engine"] = "vllm"
-    with pytest.raises(PlanError, match="critic: only the actor generates; drop its 'rollout_engine'"):
+    with pytest.raises(
+        PlanError, match="critic: only the actor and the rollout replicas generate; drop its 'rollout_engine'"
+    ):
         Plan.from_dict(data)
 
 
@@ -75,6 +77,16 @@ def test_automap_output_is_a_plan(capsys, tmp_path):
         ({"parallel": {"actor": {"train": [1, 4, 2], "generate": [1, 3]}}}, "must divide the training sizes"),
         ({"parallel": {"ref": {"train": [1, 1, 8], "generate": [1, 1]}}}, "only the actor generates"),
         ({"colour": "red"}, r"unknown plan keys \['colour'\]"),
+        (
+            {"placement": [["actor", "ref"], ["critic", "reward"], ["rollout"]], "gpus": {**PLAN["gpus"], "rollout": 4}}
+            | {"parallel": {"rollout": {"train": [2, 1, 2]}}},
+            r"rollout: the replicas have no pipeline stages; train must be \[1, t, d\]",
+        ),
+        (
+            {"placement": [["actor", "ref"], ["critic", "reward"], ["rollout"]], "gpus": {**PLAN["gpus"], "rollout": 4}}
+            | {"parallel": {"rollout": {"train": [1, 2, 2], "generate": [1, 1]}}},
+            r"rollout: a replica generates with its own sizes; generate must be \[1, 2\] or left out",
+        ),
         ({"placement": ["actor", "ref", "critic", "reward"]}, "placement must be a list of colocated sets"),
     ],
 )

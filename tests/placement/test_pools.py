@@ -52,6 +52,21 @@ def test_pools_for_plan_keep_pools_on_whole_nodes():
         pools_for_plan(plan, _cluster(hosts=1))
 
 
+def test_asynchronous_replicas_take_the_last_slots_whatever_their_size():
+    """A rollout pool (asynchronous RL's replicas) comes after the others, so the link from the trainer to it runs
+    over ascending world ranks (flowactors.Controller.link refuses any other order)."""
+    plan = Plan.from_dict(
+        {
+            "placement": [["rollout"], ["actor", "ref"], ["reward"]],
+            "gpus": {"rollout": 4, "actor": 2, "ref": 2, "reward": 2},
+            "parallel": {"rollout": {"train": [1, 2, 2]}},
+        }
+    )
+    pools = pools_for_plan(plan, _cluster())
+    assert [(s.host, s.device) for s in pools["rollout"]] == [("node1", d) for d in range(4)]
+    assert [(s.host, s.device) for s in pools["actor+ref"]] == [("node0", 0), ("node0", 1)]
+
+
 def test_pools_from_worker_addresses():
     addresses = ["tcp://10.0.0.2:4001", "tcp://10.0.0.1:4001", "tcp://10.0.0.1:4002", "tcp://10.0.0.2:4002"]
     slots = slots_from_addresses(addresses)
