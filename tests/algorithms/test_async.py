@@ -385,6 +385,25 @@ def test_streaming_partial_rollouts_train_every_group_once_across_a_resume(tmp_p
     assert all(r["async/too_stale"] == 0 for r in first + resumed)
 
 
+@pytest.mark.e2e  # a whole program's run: CI's second tier (.ci/run)
+def test_a_streaming_replica_killed_mid_run_loses_no_group_and_trains_none_twice(tmp_path, capsys):
+    """Streaming partial rollouts on a 2-worker cluster; the replica's worker (the second slot) is SIGKILLed after
+    the step-2 checkpoint: the run recovers from it (the replica's snapshot, the groups waiting at the controller,
+    the ledger) and every step, before and after, trains each group once and loses none."""
+    ck = tmp_path / "ck"
+    with worker_killed_when(lambda: (ck / "step_000002").exists()) as (address, victim, killed):
+        history = grpo(
+            ["--steps", "6", *PARTIAL, "--address", address, "--checkpoint-dir", str(ck), "--save-every", "2"]
+            + ["recovery_wait_s=60"]
+        )
+    err = capsys.readouterr().err
+    assert killed.is_set(), "the run ended before the worker was killed: the test proved nothing"
+    assert f"worker {victim} died" in err and re.search(r"recovering \(1/\d+\)", err), err[-3000:]
+    assert [r["step"] for r in history] == list(range(6))
+    assert all(r["async/duplicates"] == 0 and r["async/lost"] == 0 for r in history)
+    assert all(r["async/held_groups"] == 8 for r in history)
+
+
 @pytest.mark.e2e
 def test_replicas_with_generation_tp_sample_what_whole_copies_do_from_half_the_bytes(tmp_path):
     """rollout_tp=2 under asynchronous RL: one replica of two TP ranks instead of two whole copies. Each TP rank
