@@ -520,14 +520,14 @@ class ReplicaEndpoints:
             )
         part = self._partial_rollouts()
         loop = self.__dict__.get("_decoding")
-        if loop is None or not loop.alive or loop.segment != segment:
+        if loop is None or not loop.alive or self.__dict__.get("_decoding_segment") != segment:
             if loop is not None and loop.error is not None:
                 with loop.paused():  # raises the loop's error
                     pass
             self._stop_decoding()
             generate = self._segment_generate(part)
             loop = self._decoding = DecodeLoop(lambda: part.decode(generate, self.policy_version, segment))
-            loop.segment = segment
+            self._decoding_segment = segment
         with loop.paused():
             part.admit(prompts)
         deadline = time.monotonic() + wait_s
