@@ -471,7 +471,7 @@ class Controller:
             raise PlacementError(
                 f"link {name!r}: the linked groups' ranks must come in the order of the cluster's slots (a process "
                 f"group numbers its members so), but {', '.join(g.name for g in groups)} are on world ranks "
-                f"{ranks}; place the groups so the first is on the earlier slots, or link them in that order"
+                f"{ranks}; place the groups so that the first is on the earlier slots"
             )
         members, at = {}, 0
         for g in groups:

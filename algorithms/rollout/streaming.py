@@ -72,6 +72,11 @@ class StreamingRollouts(RolloutPipeline):
         self._reset()
         self._first_version = self.version = step
         self._sync_weights(step)
+        if state is not None and "partial" in state and "stream" not in state:
+            raise ValueError(
+                "this checkpoint holds deterministic partial rollouts (saved with async_rl.deterministic=true, or "
+                "before streaming existed); resume it with async_deterministic=true"
+            )
         if state is not None and "stream" in state:
             self.rollout.load_partial_state(state["partial"])
             self.ledger = PromptLedger.from_state(state["ledger"])

@@ -127,6 +127,11 @@ def _check_async(cfg: RLConfig) -> None:
         )
     if cfg.plan:  # the replicas' sizes are the plan's (_check_async_plan, once it is read)
         return
+    if cfg.rollout.tp == 1 and cfg.async_rl.partial_rollout and not cfg.async_rl.deterministic:
+        raise ConfigError(
+            "rollout_tp=1 makes each replica a 3D-HybridEngine of one rank, which streaming partial rollouts do not "
+            "run (they decode whole copies); set rollout_tp=0, or add async_deterministic=true"
+        )
     _check_replicas(cfg, cfg.rollout.tp or 1)
     if cfg.address is None and cfg.cluster == "local":
         rollout = cfg.async_rl.rollout_slots or cfg.n_slots // 2

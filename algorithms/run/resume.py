@@ -94,9 +94,12 @@ def _matches(key: str, names: tuple[str, ...]) -> bool:
 def setting_changes(saved_config: dict, cfg: RLConfig) -> list[Change]:
     """The settings (not of the run's environment) whose value differs from the checkpoint's config."""
     saved, now = _flat(saved_config), _flat(dataclasses.asdict(cfg))
+    saved_keys = set(saved)
     # a setting newer than the checkpoint ran as its default there (the section did not exist yet)
     defaults = _flat(dataclasses.asdict(type(cfg)()))
     saved = {**{k: v for k, v in defaults.items() if k not in saved}, **saved}
+    if saved.get("async_rl.partial_rollout") and "async_rl.deterministic" not in saved_keys:
+        saved["async_rl.deterministic"] = True  # partial rollouts ran on the fixed schedule before streaming
     keys = [k for k in now if not _matches(k, _ENVIRONMENT)]
     names = {key: short for short, targets in short_forms(cfg).items() for key in targets}
     return [Change(k, saved.get(k), now[k], names.get(k, k)) for k in keys if saved.get(k) != now[k]]

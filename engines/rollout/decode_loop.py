@@ -16,6 +16,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
+
 __all__ = ["DecodeLoop"]
 
 
@@ -35,10 +37,16 @@ class DecodeLoop:
         self.progress = threading.Event()
         """Set after every segment (and when the loop stops): a caller waiting for finished work clears it inside
         `paused()` and waits on it outside."""
+        # the current CUDA device is per thread: decode on the one the worker pinned, not on device 0
+        self._device = (
+            torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopped or not (self._waiting or self._idle))

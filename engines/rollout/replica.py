@@ -516,7 +516,7 @@ class ReplicaEndpoints:
         if self.hybrid is not None:
             raise ValueError(
                 "streaming partial rollouts need whole-copy replicas (a generation TP group decodes in lockstep); "
-                "set async_rl.deterministic=true or rollout_tp=1"
+                "set async_rl.deterministic=true or rollout_tp=0"
             )
         part = self._partial_rollouts()
         loop = self.__dict__.get("_decoding")

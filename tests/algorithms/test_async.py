@@ -84,6 +84,11 @@ def same(a, b):
             r"async_deterministic=true",
         ),
         (
+            ["async_staleness=1", "--placement", "split", "partial_rollout=true", "rollout_tp=1"],
+            r"rollout_tp=1 makes each replica a 3D-HybridEngine of one rank, which streaming partial rollouts do not "
+            r"run .* set rollout_tp=0",
+        ),
+        (
             ["async_staleness=1", "--placement", "split", "n_slots=4", "rollout_tp=2"],
             r"rollout_tp=2 splits each replica's vocabulary over 2 ranks: set model.pad_vocab_to=2",
         ),
@@ -170,6 +175,26 @@ def test_the_staleness_is_fixed_at_a_run_s_start_and_older_checkpoints_resume_un
     cfg = apply_overrides(GRPOConfig(), ["async_staleness=1", "placement=split"])
     with pytest.raises(ConfigError, match=r"async_staleness (None|0) -> 1"):
         check_resumable(saved, cfg)
+
+
+def test_a_partial_rollout_checkpoint_from_before_streaming_resumes_only_deterministic():
+    """Partial rollouts ran on the fixed schedule before `async_rl.deterministic` existed: such a checkpoint holds
+    a deterministic pipeline's state, so resuming it under streaming (the new default) is refused with the fix,
+    and `async_deterministic=true` resumes it; a run without partial rollouts is unaffected."""
+    import dataclasses
+
+    from algorithms.run.config import ConfigError, GRPOConfig, apply_overrides
+    from algorithms.run.resume import check_resumable
+
+    partial = ["async_staleness=1", "placement=split", "partial_rollout=true"]
+    saved = dataclasses.asdict(apply_overrides(GRPOConfig(), partial))
+    del saved["async_rl"]["deterministic"]
+    with pytest.raises(ConfigError, match=r"async_deterministic True -> False"):
+        check_resumable(saved, apply_overrides(GRPOConfig(), partial))
+    assert check_resumable(saved, apply_overrides(GRPOConfig(), [*partial, "async_deterministic=true"])) == []
+    whole = dataclasses.asdict(apply_overrides(GRPOConfig(), partial[:2]))
+    del whole["async_rl"]["deterministic"]
+    assert check_resumable(whole, apply_overrides(GRPOConfig(), partial[:2])) == []
 
 
 # -- on a cluster ---------------------------------------------------------------------------------------------------
