@@ -40,7 +40,8 @@ def test_algorithms_train_on_episodes(tmp_path, algo):
         assert h[0]["cost_mean"] > 0  # some episodes used the unsafe tool
 
 
-@pytest.mark.e2e  # three whole program runs: CI's second tier (.ci/run)
+@pytest.mark.slow  # three whole program runs (~1 min), for CI's time (-m slow runs it; the e2e tier keeps
+# episodes learning under asynchronous partial rollouts)
 def test_fused_and_asynchronous_steps_sample_the_same_episodes(tmp_path):
     """Episodes streamed to the scorers in chunks (stage fusion) and episodes sampled by rollout replicas
     (asynchronous RL) are the plain step's episodes: the first step's metrics agree exactly."""

@@ -325,7 +325,11 @@ def test_each_algorithm_learns_its_task_under_staleness(tmp_path, algo, stalenes
 
 
 @pytest.mark.e2e  # whole program runs: CI's second tier (.ci/run)
-@pytest.mark.parametrize("staleness, partial", [(1, "false"), (2, "true")])
+@pytest.mark.parametrize(
+    "staleness, partial",
+    # (whole rollouts with -m slow, for CI's time: the partial run covers Safe-RLHF's asynchronous λ)
+    [pytest.param(1, "false", marks=pytest.mark.slow), (2, "true")],
+)
 def test_safe_rlhf_keeps_its_constraint_under_staleness(tmp_path, staleness, partial):
     from algorithms.safe_rlhf import main
 
