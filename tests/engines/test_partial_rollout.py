@@ -229,21 +229,19 @@ def test_an_idle_decode_loop_waits_for_work_and_stops():
         done.append(1)
         return True
 
+    def wait_for(n: int) -> None:
+        for _ in range(100):
+            with loop.paused():
+                if len(done) == n:
+                    return
+                loop.progress.clear()
+            loop.progress.wait(5)
+
     loop = DecodeLoop(step)
-    for _ in range(100):
-        with loop.paused():
-            if len(done) == 3:
-                break
-            loop.progress.clear()
-        loop.progress.wait(5)
+    wait_for(3)
     calls = len(done)
     with loop.paused():
         work[0] = 2  # admitted: the idle loop takes it up after this block
-    for _ in range(100):
-        with loop.paused():
-            if len(done) == 5:
-                break
-            loop.progress.clear()
-        loop.progress.wait(5)
+    wait_for(5)
     loop.stop()
     assert calls == 3 and len(done) == 5 and not loop.alive
