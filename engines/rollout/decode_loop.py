@@ -80,7 +80,8 @@ class DecodeLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        """Decoding, or ready to: not stopped and not failed."""
+        return self._thread.is_alive() and self.error is None
 
     def stop(self, timeout: float = 60.0) -> None:
         """End the loop after the segment in progress."""

@@ -551,9 +551,11 @@ class ReplicaEndpoints:
         return True
 
     def _quiet(self):
-        """A block the streaming decode loop waits for (between two segments); nothing without one."""
+        """A block the streaming decode loop waits for (between two segments); nothing without a running one (a
+        loop that failed decodes nothing more: a weight sync still takes part in its collective, and the failure
+        is raised by the next `stream_partial`)."""
         loop = self.__dict__.get("_decoding")
-        return loop.paused() if loop is not None else nullcontext()
+        return loop.paused() if loop is not None and loop.alive else nullcontext()
 
     @endpoint(protocol=ONE_TO_ALL)
     @between_segments

@@ -213,6 +213,7 @@ def test_a_decode_loop_that_fails_says_so_at_the_next_call():
     with pytest.raises(RuntimeError, match="decode loop failed: OSError: the model is gone"):
         with loop.paused():
             pass
+    assert not loop.alive  # (a replica's weight sync then runs without waiting for it: ReplicaEndpoints._quiet)
     loop.stop()
     assert not loop.alive
 
