@@ -281,11 +281,7 @@ class RolloutPipeline:
 
     def _issue(self, j: int, version: int, surplus: bool = False) -> None:
         if self.partial:  # the step's fresh groups (and, at a fresh start, the surplus the replicas keep)
-            groups = self.batch[0] + (self.surplus if surplus else 0)
-            prompts = self.data.next_batch(groups, self.batch[1])
-            uids = prompts["group"] + self._next_uid
-            self._next_uid += groups
-            prompts = Batch({**prompts.tensors, PROMPT_UID: uids}, prompts.rows, prompts.meta)
+            prompts = self._draw(self.batch[0] + (self.surplus if surplus else 0))
             samples = self.rollout.generate_partial(prompts, self.batch[0], self.segment)
             self._held[j] = (self._next_uid, self.rollout.partial_held())
             greedy = None
@@ -299,6 +295,13 @@ class RolloutPipeline:
         samples = self.rollout.generate_sequences(prompts)
         greedy = self.rollout.generate_sequences(prompts, GenerationSpec(greedy=True)) if self.greedy_baseline else None
         self.queue.append(Generated(j, version, samples, greedy, self.staleness))
+
+    def _draw(self, groups: int) -> Batch:
+        """The next `groups` prompt groups of the data, each with its ledger id (PROMPT_UID, in draw order)."""
+        prompts = self.data.next_batch(groups, self.batch[1])
+        uids = prompts["group"] + self._next_uid
+        self._next_uid += groups
+        return Batch({**prompts.tensors, PROMPT_UID: uids}, prompts.rows, prompts.meta)
 
     def drain(self) -> None:
         """Wait for the rollouts still in flight (the run is over: nothing is left running as the cluster closes)."""
@@ -326,16 +329,19 @@ class RolloutPipeline:
     def _ledger_metrics(self, i: int, samples: Batch) -> dict[str, float]:
         """Exactly once, checked: the groups step i trained that an earlier step already had (duplicates), and the
         groups issued up to step i's rollout that were neither trained nor held by the replicas after it (lost)."""
-        groups, uids = samples["group"], samples[PROMPT_UID]
-        trained = [int(uids[groups == g][0]) for g in groups.unique().tolist()]
         issued, held = self._held.pop(i)
-        duplicates = self.ledger.train(trained)
+        duplicates = self._train(samples)
         held_uids = _flat_held(held)
         return {
             "async/duplicates": float(duplicates),
             "async/lost": float(self.ledger.lost(issued, held_uids)),
             "async/held_groups": float(len(held_uids)),
         }
+
+    def _train(self, samples: Batch) -> int:
+        """Record the prompt groups of a step's samples as trained in the ledger; how many already were."""
+        groups, uids = samples["group"], samples[PROMPT_UID]
+        return self.ledger.train([int(uids[groups == g][0]) for g in groups.unique().tolist()])
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -50,7 +50,7 @@ class StreamingRollouts(RolloutPipeline):
         super().__init__(*args, **kwargs)
         if self.rollout.layout.tp > 1 or self.rollout.layout.pp > 1:
             raise ValueError(
-                "streaming partial rollouts need whole-copy replicas (rollout_tp=1): a generation TP group decodes "
+                "streaming partial rollouts need whole-copy replicas (rollout_tp=0): a generation TP group decodes "
                 "in lockstep; set async_rl.deterministic=true for replicas with a generation layout"
             )
         self.replicas = self.rollout.world_size
@@ -154,12 +154,6 @@ class StreamingRollouts(RolloutPipeline):
         }
 
     # -- the replicas -------------------------------------------------------------------------------------------
-    def _draw(self, groups: int) -> Batch:
-        prompts = self.data.next_batch(groups, self.batch[1])
-        uids = prompts["group"] + self._next_uid
-        self._next_uid += groups
-        return Batch({**prompts.tensors, PROMPT_UID: uids}, prompts.rows, prompts.meta)
-
     def _admit(self, prompts: Batch) -> None:
         """Give each fresh group to the replica that handed out the most groups not yet given back (so every replica
         keeps holding about as many as it started with)."""
@@ -197,9 +191,7 @@ class StreamingRollouts(RolloutPipeline):
     def _ledger(self, samples: Batch) -> dict[str, float]:
         """Exactly once, checked at a step: the groups it trains that an earlier step had (duplicates), and the
         groups drawn so far that are neither trained, nor finished and waiting, nor held by a replica (lost)."""
-        groups, uids = samples["group"], samples[PROMPT_UID]
-        trained = [int(uids[groups == g][0]) for g in groups.unique().tolist()]
-        duplicates = self.ledger.train(trained)
+        duplicates = self._train(samples)
         waiting = [int(b[PROMPT_UID][0]) for b in self.buffer]
         held = [u for rank in self.held for u in rank] + waiting
         return {
