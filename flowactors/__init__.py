@@ -20,7 +20,7 @@ from flowactors.errors import (
     WorkerLostError,
 )
 from flowactors.group import ActorGroup
-from flowactors.log import _configure_from_env, configure_logging
+from flowactors.log import configure_from_env, configure_logging
 from flowactors.protocols import (
     ALL_TO_ALL,
     DP,
@@ -35,7 +35,7 @@ from flowactors.protocols import (
 )
 from flowactors.worker import Worker, endpoint, link
 
-_configure_from_env()
+configure_from_env()
 
 __all__ = [
     "Batch",

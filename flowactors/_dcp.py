@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from flowactors._integrity import CheckpointError, _BlockCrc, _write_sidecar
+from flowactors._integrity import BlockCrc, CheckpointError, write_sidecar
 
 __all__ = ["load_sharded", "save_sharded"]
 
@@ -95,7 +95,7 @@ def save_sharded(
             # Only files still as written: anything else is left for the commit to read back.
             if path.parent == directory and path.is_file() and path.stat().st_size == entry["size"]:
                 written[path.name] = entry
-        _write_sidecar(directory, written, name=f"rank{rank}")
+        write_sidecar(directory, written, name=f"rank{rank}")
 
 
 def load_sharded(
@@ -181,7 +181,7 @@ class _ChecksummingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        crc = _BlockCrc()
+        crc = BlockCrc()
         with super().create_stream(path, mode) as raw:
             yield _ChecksummingStream(raw, crc)
         with self._lock:
@@ -195,9 +195,9 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class _ChecksummingStream(io.RawIOBase):
-    """A write-only file that feeds every byte to a ``_BlockCrc`` on its way to ``raw``."""
+    """A write-only file that feeds every byte to a ``BlockCrc`` on its way to ``raw``."""
 
-    def __init__(self, raw: Any, crc: _BlockCrc) -> None:
+    def __init__(self, raw: Any, crc: BlockCrc) -> None:
         super().__init__()
         self._raw = raw
         self._crc = crc

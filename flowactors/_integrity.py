@@ -1,9 +1,9 @@
 """The checksum layer under the checkpoint store: block CRC-32s, rank sidecars, durable writes, CheckpointError.
 
 Both sides of a save need it: the ranks, which checksum their files as ``_dcp.save_sharded`` streams them out
-(``_BlockCrc``) and leave the result in a sidecar (``_write_sidecar``), and the controller's store
-(``checkpoint.py``), which merges the sidecars (``_collect_sidecars``), reads back and checksums whatever no rank
-vouched for (``_block_crcs``) and verifies on load. It lives below both so that dependencies point one way:
+(``BlockCrc``) and leave the result in a sidecar (``write_sidecar``), and the controller's store
+(``checkpoint.py``), which merges the sidecars (``collect_sidecars``), reads back and checksums whatever no rank
+vouched for (``block_crcs``) and verifies on load. It lives below both so that dependencies point one way:
 ``checkpoint`` imports ``_dcp`` and this module, ``_dcp`` imports this module only. Why CRC-32 over 64 MiB blocks
 is explained in ``checkpoint.py``'s docstring.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["CheckpointError"]
 
-_BLOCK_BYTES = 64 << 20  # one checksum per block; blocks are the unit of parallel checksumming
+BLOCK_BYTES = 64 << 20  # one checksum per block; blocks are the unit of parallel checksumming
 _READ_BYTES = 1 << 20  # one read call, checksummed while still in the CPU cache (8 MiB was ~7% slower); reused
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _SIDECAR_PREFIX = ".flowactors-crc32-"  # per-rank checksums of the files it wrote; merged into the manifest
@@ -37,14 +37,14 @@ class CheckpointError(Exception):
         self.file = file
 
 
-def _write_durable(path: Path, data: bytes) -> None:
+def write_durable(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -54,13 +54,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _block_crcs(directory: Path, sizes: Mapping[str, int], *, threads: int, fsync: bool) -> dict[str, list[str]]:
-    """CRC-32 (8 hex digits) of every ``_BLOCK_BYTES`` block of every file, read by ``threads`` threads; with
+def block_crcs(directory: Path, sizes: Mapping[str, int], *, threads: int, fsync: bool) -> dict[str, list[str]]:
+    """CRC-32 (8 hex digits) of every ``BLOCK_BYTES`` block of every file, read by ``threads`` threads; with
     ``fsync``, each file is also fsynced (the writers may have been other processes)."""
     tasks = [
-        (rel, offset, min(_BLOCK_BYTES, size - offset))
+        (rel, offset, min(BLOCK_BYTES, size - offset))
         for rel, size in sizes.items()
-        for offset in range(0, max(size, 1), _BLOCK_BYTES)
+        for offset in range(0, max(size, 1), BLOCK_BYTES)
     ]
     # Largest blocks first, so a big file's tail does not run alone at the end.
     tasks.sort(key=lambda task: task[2], reverse=True)
@@ -102,18 +102,18 @@ def _block_crcs(directory: Path, sizes: Mapping[str, int], *, threads: int, fsyn
     return {rel: [by_offset[o] for o in sorted(by_offset)] for rel, by_offset in out.items()}
 
 
-def _write_sidecar(directory: Path, files: Mapping[str, Mapping[str, Any]], *, name: str) -> None:
+def write_sidecar(directory: Path, files: Mapping[str, Mapping[str, Any]], *, name: str) -> None:
     """Record checksums a rank computed for files it wrote ({name relative to ``directory``: {"size", "crc32"}},
-    blocks of ``_BLOCK_BYTES``) in a hidden sidecar that ``commit`` takes instead of reading the files back."""
-    body = {"block_bytes": _BLOCK_BYTES, "files": {rel: dict(files[rel]) for rel in sorted(files)}}
+    blocks of ``BLOCK_BYTES``) in a hidden sidecar that ``commit`` takes instead of reading the files back."""
+    body = {"block_bytes": BLOCK_BYTES, "files": {rel: dict(files[rel]) for rel in sorted(files)}}
     tmp = Path(directory) / f"{_SIDECAR_PREFIX}{name}.tmp"
-    _write_durable(tmp, json.dumps(body).encode())
+    write_durable(tmp, json.dumps(body).encode())
     os.replace(tmp, Path(directory) / f"{_SIDECAR_PREFIX}{name}{_SIDECAR_SUFFIX}")
 
 
-class _BlockCrc:
-    """CRC-32 of every ``_BLOCK_BYTES`` block of a byte stream, fed as it is written (same values as
-    ``_block_crcs`` gives reading the file back)."""
+class BlockCrc:
+    """CRC-32 of every ``BLOCK_BYTES`` block of a byte stream, fed as it is written (same values as
+    ``block_crcs`` gives reading the file back)."""
 
     def __init__(self) -> None:
         self.size = 0
@@ -125,11 +125,11 @@ class _BlockCrc:
         view = memoryview(data).cast("B")
         position = 0
         while position < len(view):
-            take = min(_BLOCK_BYTES - self._in_block, len(view) - position)
+            take = min(BLOCK_BYTES - self._in_block, len(view) - position)
             self._crc = zlib.crc32(view[position : position + take], self._crc)
             self._in_block += take
             position += take
-            if self._in_block == _BLOCK_BYTES:
+            if self._in_block == BLOCK_BYTES:
                 self._blocks.append(f"{self._crc:08x}")
                 self._crc, self._in_block = 0, 0
         self.size += len(view)
@@ -139,7 +139,7 @@ class _BlockCrc:
         return {"size": self.size, "crc32": self._blocks + tail}
 
 
-def _collect_sidecars(root: Path) -> dict[str, dict[str, Any]]:
+def collect_sidecars(root: Path) -> dict[str, dict[str, Any]]:
     """Merge and delete the sidecars under ``root``: {path relative to root: {"size", "crc32"}}. A sidecar that
     does not parse (a rank died while writing it) is dropped; its files are then checksummed by the commit."""
     vouched: dict[str, dict[str, Any]] = {}
@@ -148,7 +148,7 @@ def _collect_sidecars(root: Path) -> dict[str, dict[str, Any]]:
             body = json.loads(sidecar.read_bytes()) if sidecar.name.endswith(_SIDECAR_SUFFIX) else None
         except ValueError:
             body = None
-        if body is not None and body.get("block_bytes") == _BLOCK_BYTES:
+        if body is not None and body.get("block_bytes") == BLOCK_BYTES:
             base = sidecar.parent.relative_to(root)
             for rel, entry in body["files"].items():
                 vouched[(base / rel).as_posix()] = entry

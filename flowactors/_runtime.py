@@ -37,7 +37,7 @@ _log = structlog.get_logger("flowactors.worker")
 
 
 @dataclass
-class _GroupContext:
+class GroupContext:
     name: str
     rank: int
     layout: Layout
@@ -72,8 +72,13 @@ SPLIT_REF = "__flowactors_split__"
 """(SPLIT_REF, parts, index, value): take part `index` of `value` split into `parts` when it is a Batch."""
 _REFS = (CALL_REF, PART_REF, SPLIT_REF)
 
-_GROUPS: dict[str, _GroupContext] = {}
+_GROUPS: dict[str, GroupContext] = {}
 _WORLD: dict[str, Any] = {}
+
+
+def context_of(name: str) -> GroupContext | None:
+    """This process's rank of group `name` (None when it has none here)."""
+    return _GROUPS.get(name)
 
 
 @dataclass
@@ -281,7 +286,7 @@ def new_group(
         if me in global_ranks and global_ranks.index(me) in sub:
             mine[tuple(sub)] = group
     if me in global_ranks:
-        _GROUPS[name] = _GroupContext(name, global_ranks.index(me), layout, pg, mesh, mine)
+        _GROUPS[name] = GroupContext(name, global_ranks.index(me), layout, pg, mesh, mine)
         return True
     return False
 
@@ -366,8 +371,8 @@ def call(
     _after: Any = None,
 ) -> Any:
     result = _call(name, method, rank, args, kwargs, split, step, agree, keep)
-    if push is not None:  # (the controller's inbox, this task's key): flowactors._push
-        from flowactors._push import push as send
+    if push is not None:  # (the controller's inbox, this task's key): flowactors.transport.pushed
+        from flowactors.transport.payload import push as send
 
         send(push[0], push[1], result)
     return result
@@ -430,7 +435,7 @@ class _Failed(Exception):
     """Internal: this rank did not run the method (its failure is already recorded)."""
 
 
-def _agree(ctx: _GroupContext, method: str, failure: RankFailure | None) -> RankFailure | None:
+def _agree(ctx: GroupContext, method: str, failure: RankFailure | None) -> RankFailure | None:
     """All-reduce over the group which ranks could not take their inputs; a rank whose own inputs are fine but
     a peer's are not gets a `peer` failure naming them. Every rank calls this at the same point of the same call
     (the calls to a process run in issue order), so it cannot cross another collective."""

@@ -33,12 +33,12 @@ import torch
 
 from flowactors._dcp import load_sharded, save_sharded
 from flowactors._integrity import (
-    _BLOCK_BYTES,
+    BLOCK_BYTES,
     CheckpointError,
-    _block_crcs,
-    _collect_sidecars,
-    _fsync_dir,
-    _write_durable,
+    block_crcs,
+    collect_sidecars,
+    fsync_dir,
+    write_durable,
 )
 
 __all__ = [
@@ -413,7 +413,7 @@ class CheckpointStore:
         Checksums that ranks computed right after writing (``save_sharded`` sidecars) are taken for files whose
         size still matches, so the controller reads back only what no rank vouched for.
         """
-        vouched = _collect_sidecars(directory)
+        vouched = collect_sidecars(directory)
         sizes: dict[str, int] = {}
         for dirpath, dirnames, filenames in os.walk(directory):
             for name in filenames:
@@ -428,9 +428,9 @@ class CheckpointStore:
                 sizes[rel] = full.stat().st_size
             dirnames.sort()
         unvouched = {rel: size for rel, size in sizes.items() if rel not in vouched or vouched[rel]["size"] != size}
-        blocks = _block_crcs(directory, unvouched, threads=self.io_threads, fsync=True)
+        blocks = block_crcs(directory, unvouched, threads=self.io_threads, fsync=True)
         for dirpath, _, _ in os.walk(directory, topdown=False):
-            _fsync_dir(Path(dirpath))
+            fsync_dir(Path(dirpath))
         _log.debug("checkpoint_checksummed", files=len(sizes), read_back=len(unvouched))
         return {
             rel: {"size": size, "crc32": blocks[rel] if rel in blocks else vouched[rel]["crc32"]}
@@ -457,7 +457,7 @@ class CheckpointStore:
                     file=rel,
                 )
         sizes = {rel: entry["size"] for rel, entry in files.items()}
-        actual = _block_crcs(path, sizes, threads=self.io_threads, fsync=False)
+        actual = block_crcs(path, sizes, threads=self.io_threads, fsync=False)
         for rel, entry in files.items():
             for index, (got, want) in enumerate(zip(actual[rel], entry["crc32"], strict=True)):
                 if got != want:
@@ -481,7 +481,7 @@ class CheckpointStore:
             else:
                 trash = None
             os.rename(pending.path, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._pending.pop(pending.path, None)
         if trash is not None:
             self._delete_later(trash)
@@ -489,9 +489,9 @@ class CheckpointStore:
 
     def _write_latest(self, name: str) -> None:
         tmp = self.root / f"{_LATEST_TMP_PREFIX}{uuid.uuid4().hex[:8]}"
-        _write_durable(tmp, (name + "\n").encode())
+        write_durable(tmp, (name + "\n").encode())
         os.replace(tmp, self.root / LATEST_NAME)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _apply_retention(self, newest: int) -> None:
         published = sorted(self._published())
@@ -508,7 +508,7 @@ class CheckpointStore:
             os.rename(path, trash)
             self._delete_later(trash)
             _log.info("checkpoint_deleted", step=step, path=str(path), reason="retention")
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _delete_later(self, trash: Path) -> None:
         """Remove a directory already renamed out of the way, off the save's critical path (freeing a large
@@ -550,13 +550,13 @@ def _write_manifest(directory: Path, step: int, files: Mapping[str, Any]) -> dic
         "step": step,
         "created_unix": time.time(),
         "checksum": "crc32",
-        "block_bytes": _BLOCK_BYTES,
+        "block_bytes": BLOCK_BYTES,
         "roles": roles,
         "files": dict(files),
     }
     manifest = {**body, "manifest_crc32": _manifest_crc(body)}
-    _write_durable(directory / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(directory)
+    write_durable(directory / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
+    fsync_dir(directory)
     return manifest
 
 
@@ -608,7 +608,7 @@ def _write_controller_state(directory: Path, state: Mapping[str, Any]) -> None:
     directory.mkdir(exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     encoded = _encode(state, tensors, "controller_state")
-    _write_durable(directory / _STATE_JSON, json.dumps(encoded, indent=1).encode())
+    write_durable(directory / _STATE_JSON, json.dumps(encoded, indent=1).encode())
     if tensors:
         with open(directory / _STATE_TENSORS, "wb") as f:
             torch.save(tensors, f)

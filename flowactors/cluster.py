@@ -43,7 +43,7 @@ def start_local(
     run's own authority, made in memory for this run (`Security.temporary`) and handed to the worker processes as
     they spawn, never written anywhere. Without it any local user could connect a Dask client, or send a pickle to a
     worker, and run code as the trainer. The direct-call sockets are guarded by secrets learned over these comms
-    (flowactors._direct)."""
+    (flowactors.transport.channel)."""
     import torch
 
     if n_slots < 1:

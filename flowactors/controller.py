@@ -4,8 +4,8 @@ docs/design.md §3. What this module owns, and where the rest lives:
 
 - **Calls.** `CallFuture` is a group call's future; the controller issues every call through one `Transport`
   (`flowactors.transport`), chosen when it opens: direct calls straight to the workers with the embedded cluster
-  (`direct_calls`, `flowactors._direct`), else one pinned Dask task per rank (`flowactors._submit`), with small
-  results pushed back (`push_results`, `flowactors._push`). Whichever it is, calls to one worker process run in
+  (`direct_calls`, `flowactors.transport.channel`), else one pinned Dask task per rank (`flowactors.transport.tasks`), with small
+  results pushed back (`push_results`, `flowactors.transport.pushed`). Whichever it is, calls to one worker process run in
   the order the controller issued them (docs/design.md §3 Ordering): submission holds the controller's lock.
 - **Cluster.** `Controller.local()` (an embedded LocalCluster) and `Controller.connect(address)` (a running
   scheduler) start or join the cluster through `flowactors.cluster`; Slurm through `flowactors.slurm`.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -36,101 +35,13 @@ from distributed.client import FutureCancelledError, FuturesCancelledError
 
 from flowactors import _runtime, watchdog
 from flowactors import cluster as _cluster
-from flowactors._submit import scatter_to
 from flowactors.errors import PlacementError, RemoteError, WorkerLostError
+from flowactors.futures import CallFuture, new_token, unwrap
 from flowactors.profiling import ComputeProfile, controller_share
-from flowactors.protocols import ONE_TO_ALL, Layout, Protocol
-from flowactors.transport import CallTimeout, Transport, WorkerGone, open_transport
+from flowactors.protocols import ONE_TO_ALL, Layout
+from flowactors.transport import CallTimeout, Transport, WorkerGone
 
-__all__ = ["Controller", "CallFuture"]
-
-
-class CallFuture:
-    """The future of one group call: one future per rank (its transport's) plus the protocol that joins their outputs.
-
-    There is no separate collect task (it would add a scheduling hop to every call): `.result()` gathers the
-    rank outputs and joins them on the controller, and a later call or `Controller.apply` that takes this future
-    receives the rank outputs on its worker and joins them there, so the bytes never pass through the controller.
-    A later call whose ranks take the same parts (`parts`, see `flowactors.group`) receives on each rank only the
-    output of the rank that produced its part.
-    """
-
-    __slots__ = (
-        "_controller",
-        "futures",
-        "protocol",
-        "layout",
-        "group",
-        "method",
-        "addresses",
-        "pushed",
-        "__weakref__",
-    )
-
-    def __init__(
-        self,
-        controller: "Controller",
-        futures: Sequence[Future],
-        protocol: Protocol,
-        layout: Layout,
-        group: str,
-        method: str,
-        addresses: Sequence[str],
-        pushed: bool = False,
-    ) -> None:
-        """`pushed`: the ranks also push their outputs to the controller (flowactors._push)."""
-        self._controller, self.futures, self.pushed = controller, list(futures), pushed
-        self.protocol, self.layout, self.group, self.method = protocol, layout, group, method
-        self.addresses = tuple(addresses)
-
-    @property
-    def label(self) -> str:
-        return f"{self.group}.{self.method}"
-
-    def done(self) -> bool:
-        return all(f.done() for f in self.futures)
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The joined output. Past `timeout` (default: the controller's watchdog, `call_timeout_s`) a
-        `HangError` reports the stack of every rank of this call."""
-        ctl = self._controller
-        outputs = ctl._resolve([self], ctl.call_timeout_s if timeout is None else timeout)[0]
-        try:
-            return _runtime.collect(self.group, self.method, self.protocol, self.layout, *outputs)
-        except RemoteError as e:
-            lost = ctl._input_lost_to(e, self.label)
-            if lost is not None:
-                raise lost from e
-            raise
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            self.result(timeout)
-        except BaseException as e:
-            return e
-        return None
-
-    @property
-    def direct(self) -> bool:
-        """Whether this call went on the direct path (flowactors._direct), not through the scheduler."""
-        return bool(self.futures) and self._controller.transport.direct
-
-    @property
-    def parts(self) -> list[list[int]] | None:
-        """The ranks of each part of the output (Protocol.parts), or None when the protocol does not say."""
-        return self.protocol.parts(self.layout) if self.protocol.parts is not None else None
-
-    def _ref(self) -> tuple:
-        """What travels in a task's arguments: Dask resolves the futures, the worker joins the outputs."""
-        return (_runtime.CALL_REF, self.group, self.method, self.protocol, self.layout, list(self.futures))
-
-    def _part_ref(self, part: int) -> tuple:
-        """Part `part` of the output alone: its rank's output, and the outcome of the part's other ranks."""
-        ranks = self.parts[part]  # type: ignore[index]
-        return (_runtime.PART_REF, self.group, self.method, ranks, [self.futures[r] for r in ranks])
-
-    def __repr__(self) -> str:
-        return f"<CallFuture {self.label} {[f.status for f in self.futures]}>"
+__all__ = ["Controller", "CallFuture", "open_transport"]
 
 
 class Controller:
@@ -149,9 +60,9 @@ class Controller:
     ) -> None:
         """`stream_interval_ms`: the batching interval of the Dask streams between client, scheduler and workers
         (flowactors._streams; None keeps Dask's 2-10 ms, which most call hops then pay). `push_results`: ranks
-        send small outputs straight to the controller (flowactors._push); None: only with the embedded cluster.
+        send small outputs straight to the controller (flowactors.transport.pushed); None: only with the embedded cluster.
         `direct_calls`: calls go from the controller straight to the workers, not through the scheduler
-        (flowactors._direct); None: only with the embedded cluster."""
+        (flowactors.transport.channel); None: only with the embedded cluster."""
         self.client = client
         self.cluster = cluster
         self.collective_timeout_s = collective_timeout_s
@@ -237,17 +148,17 @@ class Controller:
     # -- the call path --------------------------------------------------------------------------------------
     @property
     def direct_calls(self) -> bool:
-        """Whether pinned work goes straight to the workers (flowactors._direct) instead of through the scheduler."""
+        """Whether pinned work goes straight to the workers (flowactors.transport.channel) instead of through the scheduler."""
         return self.transport.direct
 
     @property
     def pushes_results(self) -> bool:
-        """Whether group calls' ranks push their outputs to this controller (flowactors._push)."""
+        """Whether group calls' ranks push their outputs to this controller (flowactors.transport.pushed)."""
         return self.transport.pushes_results
 
     @property
     def _inbox(self) -> Any:
-        """The inbox of pushed results (flowactors._push.ResultInbox), None on the other transports."""
+        """The inbox of pushed results (flowactors.transport.pushed.ResultInbox), None on the other transports."""
         return getattr(self.transport, "inbox", None)
 
     def push_target(self, key: str) -> dict[str, Any]:
@@ -262,7 +173,7 @@ class Controller:
     def submit_pinned_all(self, tasks: Sequence[tuple[str, Any, tuple, dict, str]]) -> list[Any]:
         """Several (address, fn, args, kwargs, key) tasks, e.g. every rank of one call, each run on its address
         after every task issued there before it; they share one place in the issue order, and the Dask transports
-        send them to the scheduler in one graph update (`flowactors._submit`). One future per task (a Dask future,
+        send them to the scheduler in one graph update (`flowactors.transport.tasks`). One future per task (a Dask future,
         or a direct one)."""
         with self._lock:
             for address, *_, key in tasks:
@@ -280,16 +191,18 @@ class Controller:
         """Run a pure function on call results where the data is (any worker), e.g. joining batches or
         computing advantages; futures in the arguments are resolved there, never on the controller."""
         label = name or getattr(fn, "__name__", "apply")
-        args = tuple(_unwrap_one(a) for a in args)
-        kwargs = {k: _unwrap_one(v) for k, v in kwargs.items()}
+        args = tuple(unwrap(a) for a in args)
+        kwargs = {k: unwrap(v) for k, v in kwargs.items()}
         site = self.transport.apply_site(args, kwargs, [a for a in self.slots if a not in self._lost] or self.slots)
-        fut = self.submit_pinned_all([(site, _runtime.apply, (fn, args, kwargs), {}, f"{label}-{_token()}")])[0]
+        fut = self.submit_pinned_all([(site, _runtime.apply, (fn, args, kwargs), {}, f"{label}-{new_token()}")])[0]
         return self._track(
             CallFuture(self, [fut], _runtime.SINGLE, Layout(), label, "apply", (site,) if site is not None else ())
         )
 
     def scatter_to(self, items: Sequence[tuple[str, Any]]) -> list[Future]:
         """Send each value straight to its worker (not through the scheduler), all at once; one future each."""
+        from flowactors.transport.tasks import scatter_to
+
         return scatter_to(self.client, items)
 
     # -- waiting --------------------------------------------------------------------------------------------
@@ -298,7 +211,7 @@ class Controller:
 
         Past `timeout` (default: the watchdog `call_timeout_s`; None waits forever) raise a `HangError` that
         reports, for every rank of every unfinished call, what its worker is executing and where."""
-        self._resolve(calls, self.call_timeout_s if timeout is None else timeout, values=False)
+        self.resolve(calls, self.call_timeout_s if timeout is None else timeout, values=False)
 
     def gather(self, futures: Sequence[Any], timeout: float | None = None) -> list:
         """The values of per-rank futures as `submit_pinned_all` returns them."""
@@ -306,9 +219,9 @@ class Controller:
         call = CallFuture(
             self, futures, ONE_TO_ALL, Layout(dp=len(futures)), "runtime", "gather", where if all(where) else ()
         )
-        return self._resolve([call], timeout)[0]
+        return self.resolve([call], timeout)[0]
 
-    def _resolve(self, calls: Sequence[CallFuture], timeout: float | None, values: bool = True) -> list[list]:
+    def resolve(self, calls: Sequence[CallFuture], timeout: float | None, values: bool = True) -> list[list]:
         """Each call's per-rank outputs (when `values`) once all finished, as the transport gives them, with its
         failures in the controller's terms: past `timeout` a `HangError` with every unfinished rank's stack, a
         dead worker a `WorkerLostError` naming what it hosted."""
@@ -327,7 +240,7 @@ class Controller:
                     raise lost from e
             raise
         except RemoteError as e:  # a runtime function's, e.g. one that read an output of the dead worker
-            lost = self._input_lost_to(e, calls[0].label if calls else "call")
+            lost = self.lost_input_error(e, calls[0].label if calls else "call")
             if lost is not None:
                 raise lost from e
             raise
@@ -366,7 +279,7 @@ class Controller:
             futures = [f for c in self._calls.pop(address, ()) for f in c.futures]
         await self.transport.worker_lost(address, futures)
 
-    def _input_lost_to(self, error: RemoteError, label: str, grace_s: float = 10.0) -> WorkerLostError | None:
+    def lost_input_error(self, error: RemoteError, label: str, grace_s: float = 10.0) -> WorkerLostError | None:
         """A call that failed because an input could not be fetched from a worker that died (the direct path's
         `InputLost`, possibly a few calls down the chain) failed for that death: its WorkerLostError, once the
         scheduler has reported it (within `grace_s`), so the program recovers as from any lost worker."""
@@ -437,10 +350,10 @@ class Controller:
             raise WorkerLostError(next(iter(self._lost)), [], call="init_world")
         world = list(self.slots)
         # CUDA is asked of a worker: the controller may run on a machine without GPUs (a Slurm login node)
-        reserve = self.submit_pinned(world[0], _runtime.free_port, key=f"world.free_port-{_token()}")
-        host, port, cuda = self._await_setup("world", "free_port", [reserve], world[:1])[0]
+        reserve = self.submit_pinned(world[0], _runtime.free_port, key=f"world.free_port-{new_token()}")
+        host, port, cuda = self.await_setup("world", "free_port", [reserve], world[:1])[0]
         want = backend or ("nccl" if cuda else "gloo")
-        token = _token()
+        token = new_token()
         futs = self.submit_pinned_all(
             [
                 (
@@ -453,7 +366,7 @@ class Controller:
                 for r, a in enumerate(world)
             ]
         )
-        self._await_setup("world", "init_world", futs, world)
+        self.await_setup("world", "init_world", futs, world)
         self._world, self._backend = world, want
 
     def link(self, name: str, groups: Sequence[Any], subgroups: Sequence[tuple[int, ...]] = ()) -> str:
@@ -477,7 +390,7 @@ class Controller:
         for g in groups:
             members[g.name] = list(range(at, at + g.world_size))
             at += g.world_size
-        token = _token()
+        token = new_token()
         futs = self.submit_pinned_all(
             [
                 (
@@ -490,7 +403,7 @@ class Controller:
                 for r, a in enumerate(self._world)
             ]
         )
-        self._await_setup(name, "link", futs, self._world)
+        self.await_setup(name, "link", futs, self._world)
         return name
 
     def new_group_ranks(
@@ -512,18 +425,18 @@ class Controller:
                 f"recreate the controller to include them"
             )
         ranks = [self._world.index(a) for a in addresses]
-        token = _token()
+        token = new_token()
         futs = self.submit_pinned_all(
             [
                 (a, _runtime.new_group, (name, ranks, layout, list(subgroups)), {}, f"{name}.new_group-{r}-{token}")
                 for r, a in enumerate(self._world)
             ]
         )
-        self._await_setup(name, "new_group", futs, self._world)
+        self.await_setup(name, "new_group", futs, self._world)
         for rank, a in enumerate(addresses):
             self._hosted.setdefault(a, []).append((name, rank))
 
-    def _await_setup(self, group: str, step: str, futures: Sequence[Any], addresses: Sequence[str]) -> list:
+    def await_setup(self, group: str, step: str, futures: Sequence[Any], addresses: Sequence[str]) -> list:
         """The per-rank results of the tasks that form the world or build a group (one per address), waited for
         like a call: under the watchdog (`call_timeout_s`; past it a `HangError` with every unfinished rank's
         stack, named `group.step`), a dead worker a `WorkerLostError`, and a rank that returned a failure a
@@ -543,7 +456,7 @@ class Controller:
         listening, and an embedded cluster's worker processes alive until the nanny kills them."""
         if self._world is None:
             return
-        token = _token()
+        token = new_token()
         futs = self.submit_pinned_all(
             [
                 (a, _runtime.teardown_world, (), {}, f"world.teardown-{r}-{token}")
@@ -558,14 +471,22 @@ class Controller:
         self._world = None
 
 
-def _unwrap_one(v: Any) -> Any:
-    """CallFutures (also inside a list or tuple) become their Dask futures, which Dask then resolves."""
-    if isinstance(v, CallFuture):
-        return v._ref()
-    if isinstance(v, (list, tuple)) and any(isinstance(x, CallFuture) for x in v):
-        return type(v)(_unwrap_one(x) for x in v)
-    return v
+def open_transport(client: Any, embedded: bool, direct_calls: bool | None, push_results: bool | None) -> Transport:
+    """The transport a controller uses: direct calls when asked, or by default with the embedded cluster
+    (`embedded`) and with a joined cluster whose comms are plain TCP; else Dask tasks, with pushed results when
+    asked or by default with the embedded cluster. The direct path authenticates each connection with a secret
+    learned over the cluster's comms but does not encrypt: on a TLS cluster that would be a weaker door than the
+    cluster's own, so a TLS cluster keeps the Dask path unless asked; on the embedded cluster (127.0.0.1) there is
+    nothing to encrypt against."""
+    plain = str(getattr(client.scheduler, "address", "")).startswith("tcp://")
+    if direct_calls or (direct_calls is None and (embedded or plain)):
+        from flowactors.transport.channel import DirectTransport
 
+        return DirectTransport(client)
+    if push_results or (push_results is None and embedded):
+        from flowactors.transport.pushed import PushTransport
 
-def _token() -> str:
-    return uuid.uuid4().hex[:16]
+        return PushTransport(client)
+    from flowactors.transport.tasks import DaskTransport
+
+    return DaskTransport(client)

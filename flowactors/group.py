@@ -29,8 +29,9 @@ from typing import Any
 from distributed import Future
 
 from flowactors import _runtime
-from flowactors.controller import CallFuture, Controller, _token, _unwrap_one
+from flowactors.controller import Controller
 from flowactors.errors import EndpointError, HangError, PlacementError, RemoteError
+from flowactors.futures import CallFuture, new_token, unwrap
 from flowactors.protocols import Layout, Protocol
 from flowactors.worker import Worker, endpoints_of
 
@@ -133,7 +134,7 @@ class ActorGroup:
         controller.groups[name] = self
         for method, proto in self.endpoints.items():
             setattr(self, method, _Method(self, method, proto))
-        token = _token()
+        token = new_token()
         futs = controller.submit_pinned_all(
             [
                 (a, _runtime.construct, (name, self.cls, tuple(args), dict(kwargs)), {}, f"{name}.__init__-{r}-{token}")
@@ -141,7 +142,7 @@ class ActorGroup:
             ]
         )
         try:
-            controller._await_setup(name, "__init__", futs, addresses)
+            controller.await_setup(name, "__init__", futs, addresses)
         except RemoteError:
             self.close()
             raise
@@ -172,14 +173,14 @@ class ActorGroup:
         if not _contains_future((*args, *kwargs.values())):
             per_rank = protocol.split(args, kwargs, layout)
         elif protocol.destinations is None:  # an opaque protocol: whole inputs to every rank, split there
-            per_rank = [(_unwrap(args), {k: _unwrap_one(v) for k, v in kwargs.items()})] * self.world_size
+            per_rank = [(_unwrap(args), {k: unwrap(v) for k, v in kwargs.items()})] * self.world_size
             split = (protocol, layout)
         else:
             per_rank, agree = _route(protocol, layout, args, kwargs)
         per_rank = ctl.transport.ship(self.addresses, per_rank)  # large batches straight to their worker, on Dask
         keep = _kept_ranks(protocol, layout)
         agree = agree and self.world_size > 1
-        token, label = _token(), f"{self.name}.{method}"
+        token, label = new_token(), f"{self.name}.{method}"
         outs = ctl.submit_pinned_all(
             [
                 (
@@ -201,7 +202,7 @@ class ActorGroup:
         if self._closed:
             return
         self._closed = True
-        token, lost = _token(), self.controller.lost_workers
+        token, lost = new_token(), self.controller.lost_workers
         futs = self.controller.submit_pinned_all(
             [
                 (a, _runtime.destroy, (self.name,), {}, f"{self.name}.close-{r}-{token}")
@@ -245,7 +246,7 @@ def _route(protocol: Protocol, layout: Layout, args: tuple, kwargs: dict) -> tup
     n = max(dest) + 1
 
     def hold(v: Any) -> Any:
-        return _Held(v) if isinstance(v, (CallFuture, Future)) else _unwrap_one(v)
+        return _Held(v) if isinstance(v, (CallFuture, Future)) else unwrap(v)
 
     per_rank = protocol.split(tuple(hold(a) for a in args), {k: hold(v) for k, v in kwargs.items()}, layout)
     direct = False
@@ -285,7 +286,7 @@ def _kept_ranks(protocol: Protocol, layout: Layout) -> set[int]:
 
 
 def _unwrap(args: tuple) -> tuple:
-    return tuple(_unwrap_one(a) for a in args)
+    return tuple(unwrap(a) for a in args)
 
 
 def _contains_future(values: tuple) -> bool:

@@ -47,5 +47,5 @@ def configure_logging(renderer: str = "console", level: str = "warning") -> None
     )
 
 
-def _configure_from_env() -> None:
+def configure_from_env() -> None:
     configure_logging(os.environ.get("FLOWACTORS_LOG", "console"), os.environ.get("FLOWACTORS_LOG_LEVEL", "warning"))

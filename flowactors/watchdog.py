@@ -19,7 +19,7 @@ from flowactors.errors import HangError
 if TYPE_CHECKING:
     from distributed import Client
 
-    from flowactors.controller import CallFuture
+    from flowactors.futures import CallFuture
     from flowactors.transport import Transport
 
 __all__ = ["hang_error", "hang_report"]

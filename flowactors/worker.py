@@ -87,7 +87,7 @@ class Worker:
         too, e.g. two models trained in one fused pipeline schedule. Raises LookupError when that group has no rank here."""
         from flowactors import _runtime
 
-        ctx = _runtime._GROUPS.get(group_name)
+        ctx = _runtime.context_of(group_name)
         if ctx is None or ctx.instance is None:
             raise LookupError(
                 f"group {group_name!r} has no rank in this worker process (the one of {self.group_name!r}"

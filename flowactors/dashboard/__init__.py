@@ -14,16 +14,15 @@ docs/deployment.md (Watching a run).
 """
 
 from flowactors.dashboard.aggregate import (  # noqa: F401 - tests'
-    _PALETTE,
-    _RUNTIME_COLORS,
     DEFAULT_METRIC_LIMIT,
+    PALETTE,
+    RUNTIME_COLORS,
     STATE_COLORS,
+    Busy,
     Interval,
     TaskRecord,
-    _Busy,
-    _length,
-    _union,
     aggregate_graph,
+    covered_length,
     metric_series,
     node_of,
     role_color,
@@ -31,6 +30,7 @@ from flowactors.dashboard.aggregate import (  # noqa: F401 - tests'
     slot_usage,
     snapshot,
     stage_idle,
+    union_of,
 )
 from flowactors.dashboard.plugin import METRICS_TOPIC, PLUGIN_NAME, STEP_TOPIC, FlowactorsDashboard, install_dashboard
 

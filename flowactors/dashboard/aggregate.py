@@ -16,7 +16,7 @@ from typing import Any
 
 from dask.utils import key_split
 
-from flowactors.profiling import union_spans as _union
+from flowactors.profiling import union_spans as union_of
 
 __all__ = [
     "TaskRecord",
@@ -37,9 +37,9 @@ __all__ = [
 DEFAULT_METRIC_LIMIT = 12  # metrics charted when the caller names none: the first ones published
 
 # The runtime's own pseudo-roles: helper tasks without a group, and forming the torch.distributed world.
-_RUNTIME_COLORS = {"task": "#8c8c8c", "world": "#5f6b73"}
+RUNTIME_COLORS = {"task": "#8c8c8c", "world": "#5f6b73"}
 # Other roles get one of these (see the module docstring), never one the caller's `role_colors` took.
-_PALETTE = (
+PALETTE = (
     "#4e79a7",
     "#f28e2b",
     "#59a14f",
@@ -132,14 +132,14 @@ def role_of(node: str) -> str:
 def role_color(role: str, role_colors: Mapping[str, str] | None = None) -> str:
     """The caller's colour for `role` if it fixed one, the runtime's for `task` and `world`, else a palette
     colour by a stable hash of the name, skipping the colours the caller fixed (while any are left)."""
-    fixed = {**_RUNTIME_COLORS, **(role_colors or {})}
+    fixed = {**RUNTIME_COLORS, **(role_colors or {})}
     if role in fixed:
         return fixed[role]
-    free = [c for c in _PALETTE if c not in fixed.values()] or list(_PALETTE)
+    free = [c for c in PALETTE if c not in fixed.values()] or list(PALETTE)
     return free[zlib.crc32(role.encode()) % len(free)]
 
 
-def _state(scheduler_state: str) -> str:
+def record_state(scheduler_state: str) -> str:
     return _SCHEDULER_STATES.get(scheduler_state, "waiting")
 
 
@@ -259,7 +259,7 @@ def _task_depths(producers: Mapping[str, Sequence[str]], node_by_key: Mapping[st
     return depth
 
 
-def _length(spans: Iterable[tuple[float, float]]) -> float:
+def covered_length(spans: Iterable[tuple[float, float]]) -> float:
     return sum(b - a for a, b in spans)
 
 
@@ -277,7 +277,7 @@ def slot_usage(
     out = []
     for slot in slots:
         ivs = sorted(per_slot[slot], key=lambda iv: iv.start)
-        busy = _length(_union(((iv.start, iv.stop) for iv in ivs), start, stop))
+        busy = covered_length(union_of(((iv.start, iv.stop) for iv in ivs), start, stop))
         by_role: dict[str, float] = {}
         segments: list[list] = []
         for iv in ivs:
@@ -301,7 +301,7 @@ def slot_usage(
     return out
 
 
-class _Busy:
+class Busy:
     """A slot's merged busy spans with prefix sums: busy seconds within any [lo, hi] in O(log n)."""
 
     def __init__(self, spans: list[tuple[float, float]]) -> None:
@@ -331,7 +331,7 @@ def stage_idle(
     clipped), the slot-seconds its own tasks computed, and the slot-seconds within its span in which a slot ran
     nothing at all. The latest `max_stages`, sorted by start."""
     ivs = [iv for iv in intervals if iv.stop > start and iv.start < stop]
-    busy = {s: _Busy(_union(((iv.start, iv.stop) for iv in ivs if iv.worker == s), start, stop)) for s in slots}
+    busy = {s: Busy(union_of(((iv.start, iv.stop) for iv in ivs if iv.worker == s), start, stop)) for s in slots}
     stages: dict[tuple[int | None, str], list[Interval]] = {}
     for iv in ivs:
         stages.setdefault((iv.step, iv.node), []).append(iv)
@@ -340,7 +340,7 @@ def stage_idle(
         lo, hi = max(min(iv.start for iv in mine), start), min(max(iv.stop for iv in mine), stop)
         span = max(hi - lo, 0.0)
         own = sum(
-            _length(_union(((iv.start, iv.stop) for iv in mine if iv.worker == w), lo, hi))
+            covered_length(union_of(((iv.start, iv.stop) for iv in mine if iv.worker == w), lo, hi))
             for w in {iv.worker for iv in mine}
         )
         idle = sum(span - b.between(lo, hi) for b in busy.values())

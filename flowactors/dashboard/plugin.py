@@ -19,18 +19,18 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from flowactors._direct import CALLS_TOPIC, ISSUED_TOPIC
 from flowactors.dashboard.aggregate import (
-    _PALETTE,
-    _RUNTIME_COLORS,
+    PALETTE,
+    RUNTIME_COLORS,
     Interval,
     TaskRecord,
-    _state,
     node_of,
+    record_state,
     role_color,
     role_of,
     snapshot,
 )
+from flowactors.transport.wire import CALLS_TOPIC, ISSUED_TOPIC
 
 __all__ = ["FlowactorsDashboard", "install_dashboard", "PLUGIN_NAME", "METRICS_TOPIC", "STEP_TOPIC"]
 
@@ -82,7 +82,7 @@ class FlowactorsDashboard(SchedulerPlugin):
         self._key_step: dict[str, int] = {}
         self._step_times: deque[tuple[float, int]] = deque(maxlen=1000)  # (when, step from then on)
         self._intervals: deque[Interval] = deque(maxlen=self.max_intervals)
-        self._colors: dict[str, str] = {**_RUNTIME_COLORS, **self.role_colors}  # grows as roles appear
+        self._colors: dict[str, str] = {**RUNTIME_COLORS, **self.role_colors}  # grows as roles appear
         self._usual: dict[str, float] = {}  # call node -> its tasks' usual compute seconds (a moving average)
 
     def __getstate__(self) -> dict:  # only the settings travel to the scheduler
@@ -157,7 +157,7 @@ class FlowactorsDashboard(SchedulerPlugin):
             if ts is None or key in self._key_step or not isinstance(key, str) or records is None:
                 continue
             records[key] = TaskRecord(
-                key, _state(ts.state), tuple(str(d.key) for d in ts.dependencies), _order_deps(ts)
+                key, record_state(ts.state), tuple(str(d.key) for d in ts.dependencies), _order_deps(ts)
             )
             self._color_role(role_of(node_of(key)))
             self._key_step[key] = self.step
@@ -213,7 +213,7 @@ class FlowactorsDashboard(SchedulerPlugin):
         return rec
 
     def _direct_calls(self, worker: str, calls: Iterable[Mapping]) -> None:
-        """What a worker reports of the items it ran on the direct call path (flowactors._direct): each one
+        """What a worker reports of the items it ran on the direct call path (flowactors.transport.channel): each one
         received (waiting), started (processing) and ended (memory or erred, with its compute span)."""
         skew = self._skew(worker)
         times = [t for t, _ in self._step_times]
@@ -249,14 +249,14 @@ class FlowactorsDashboard(SchedulerPlugin):
 
     def _color_role(self, role: str) -> None:
         if role not in self._colors:
-            free = [c for c in _PALETTE if c not in self._colors.values()]
+            free = [c for c in PALETTE if c not in self._colors.values()]
             self._colors[role] = free[0] if free else role_color(role, self.role_colors)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         step = self._key_step.get(key)
         if step is not None:
             rec = self._steps[step][key]
-            rec.state = _state(finish)
+            rec.state = record_state(finish)
             rec.done = rec.done or finish == "memory"
             if finish == "processing":
                 from distributed.metrics import time
@@ -332,7 +332,7 @@ class FlowactorsDashboard(SchedulerPlugin):
             from distributed.protocol.pickle import dumps
             from distributed.protocol.serialize import Serialized, deserialize
 
-            from flowactors._direct import running_stack
+            from flowactors.transport.server import running_stack
 
             replies = await self.scheduler.broadcast(
                 msg={

@@ -186,11 +186,11 @@ def test_flipped_byte_in_a_later_block_of_a_large_file(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep_last=1)
     pending = store.begin(5)
     big = pending.role_dir("actor") / "big.bin"
-    big.write_bytes(os.urandom(checkpoint._BLOCK_BYTES + 4096))
+    big.write_bytes(os.urandom(checkpoint.BLOCK_BYTES + 4096))
     done = store.commit(pending, {})
     assert len(done.manifest["files"]["actor/big.bin"]["crc32"]) == 2
-    _flip_one_byte(big.parent.parent.parent / "step_000005" / "actor" / "big.bin", checkpoint._BLOCK_BYTES + 7)
-    with pytest.raises(CheckpointError, match=rf"bytes {checkpoint._BLOCK_BYTES}\.\."):
+    _flip_one_byte(big.parent.parent.parent / "step_000005" / "actor" / "big.bin", checkpoint.BLOCK_BYTES + 7)
+    with pytest.raises(CheckpointError, match=rf"bytes {checkpoint.BLOCK_BYTES}\.\."):
         store.load(done.path)
     with capture_logs():
         assert store.latest_complete() is None
@@ -449,10 +449,10 @@ def test_rank_checksums_are_merged_and_not_read_back(store: CheckpointStore, mon
     assert vouched == {p.name for p in (pending.path / "actor").iterdir() if not p.name.startswith(".flowactors")}
 
     read_back: list[str] = []
-    real = checkpoint._block_crcs
+    real = checkpoint.block_crcs
     monkeypatch.setattr(
         checkpoint,
-        "_block_crcs",
+        "block_crcs",
         lambda directory, sizes, **kw: read_back.extend(sizes) or real(directory, sizes, **kw),
     )
     done = store.commit(pending, {"x": 1})
@@ -492,11 +492,11 @@ def test_bad_rank_checksums_never_make_a_bad_checkpoint_pass(store: CheckpointSt
 def test_streamed_block_checksums_equal_read_back_ones(tmp_path: Path, monkeypatch, size: int) -> None:
     import flowactors._integrity as integrity
 
-    monkeypatch.setattr(integrity, "_BLOCK_BYTES", 1024)
+    monkeypatch.setattr(integrity, "BLOCK_BYTES", 1024)
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
-    streamed = integrity._BlockCrc()
+    streamed = integrity.BlockCrc()
     for start in range(0, size, 333):  # writes that straddle block boundaries
         streamed.update(data[start : start + 333])
-    read_back = integrity._block_crcs(tmp_path, {"f": size}, threads=2, fsync=False)
+    read_back = integrity.block_crcs(tmp_path, {"f": size}, threads=2, fsync=False)
     assert streamed.result() == {"size": size, "crc32": read_back["f"]}

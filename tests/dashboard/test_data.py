@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from flowactors.dashboard import (
-    _PALETTE,
     DEFAULT_METRIC_LIMIT,
+    PALETTE,
     FlowactorsDashboard,
     Interval,
     TaskRecord,
@@ -42,15 +42,15 @@ def test_keys_map_to_call_nodes_and_roles():
 def test_role_colours_come_from_the_caller_the_runtime_or_the_palette():
     # the runtime's own pseudo-roles have their colours; the caller's colours win for its roles
     assert (role_color("task"), role_color("world")) == ("#8c8c8c", "#5f6b73")
-    fixed = {"actor": "#010203", "critic": _PALETTE[0], "ref": _PALETTE[1]}
-    assert role_color("actor", fixed) == "#010203" and role_color("critic", fixed) == _PALETTE[0]
+    fixed = {"actor": "#010203", "critic": PALETTE[0], "ref": PALETTE[1]}
+    assert role_color("actor", fixed) == "#010203" and role_color("critic", fixed) == PALETTE[0]
     assert role_color("task", fixed) == "#8c8c8c"
     # other roles: a palette colour by a stable hash of the name, never one the caller fixed
-    assert role_color("rt") == role_color("rt") in _PALETTE and role_color("actor") in _PALETTE
+    assert role_color("rt") == role_color("rt") in PALETTE and role_color("actor") in PALETTE
     names = [f"group{i}" for i in range(200)]
-    assert {role_color(n, fixed) for n in names} == set(_PALETTE) - set(fixed.values())
+    assert {role_color(n, fixed) for n in names} == set(PALETTE) - set(fixed.values())
     # a caller who took the whole palette: roles still get palette colours
-    assert role_color("rt", {f"r{i}": c for i, c in enumerate(_PALETTE)}) in _PALETTE
+    assert role_color("rt", {f"r{i}": c for i, c in enumerate(PALETTE)}) in PALETTE
 
 
 def ppo_like_step() -> list[TaskRecord]:
@@ -311,7 +311,7 @@ def test_plugin_tags_tasks_with_the_step_and_forgets_old_steps():
 
 
 def test_plugin_gives_roles_the_free_palette_colours_in_the_order_they_appear():
-    p = FlowactorsDashboard(metrics=("kl",), role_colors={"b": _PALETTE[0], "x": "#010203"})
+    p = FlowactorsDashboard(metrics=("kl",), role_colors={"b": PALETTE[0], "x": "#010203"})
     keys = [k("world.init", 0), k("b.m", 0), k("c.m", 0), k("join"), k("a.m", 0), k("c.n", 1)]
     sched = _fake_scheduler({key: _ts("waiting") for key in keys})
     p.update_graph(sched, tasks=keys)
@@ -319,17 +319,17 @@ def test_plugin_gives_roles_the_free_palette_colours_in_the_order_they_appear():
     assert p._colors == {
         "task": "#8c8c8c",
         "world": "#5f6b73",
-        "b": _PALETTE[0],
+        "b": PALETTE[0],
         "x": "#010203",
-        "c": _PALETTE[1],
-        "a": _PALETTE[2],
+        "c": PALETTE[1],
+        "a": PALETTE[2],
     }
     clone = pickle.loads(pickle.dumps(p))  # the settings travel; the colours handed out restart with the plugin
-    assert (clone.metrics, clone.role_colors) == (("kl",), {"b": _PALETTE[0], "x": "#010203"})
-    assert clone._colors == {"task": "#8c8c8c", "world": "#5f6b73", "b": _PALETTE[0], "x": "#010203"}
-    for i in range(len(_PALETTE) + 3):  # more roles than colours: the rest share palette colours by hash
+    assert (clone.metrics, clone.role_colors) == (("kl",), {"b": PALETTE[0], "x": "#010203"})
+    assert clone._colors == {"task": "#8c8c8c", "world": "#5f6b73", "b": PALETTE[0], "x": "#010203"}
+    for i in range(len(PALETTE) + 3):  # more roles than colours: the rest share palette colours by hash
         p._color_role(f"extra{i}")
-    assert len(p._colors) == 6 + len(_PALETTE) + 3 and set(p._colors.values()) >= set(_PALETTE)
+    assert len(p._colors) == 6 + len(PALETTE) + 3 and set(p._colors.values()) >= set(PALETTE)
 
 
 def test_install_dashboard_refuses_a_scheduler_without_dashboard():
@@ -358,16 +358,16 @@ def test_install_dashboard_refuses_a_scheduler_without_dashboard():
 def test_busy_seconds_between_any_bounds_match_a_direct_sum():
     import random
 
-    from flowactors.dashboard import _Busy, _length, _union
+    from flowactors.dashboard import Busy, covered_length, union_of
 
     rng = random.Random(0)
     for _ in range(200):
-        spans = _union(
+        spans = union_of(
             [(a, a + rng.uniform(0, 2)) for a in (rng.uniform(0, 20) for _ in range(rng.randrange(8)))], 0.0, 30.0
         )
         lo = rng.uniform(-1, 25)
         hi = lo + rng.uniform(0, 10)
-        assert _Busy(spans).between(lo, hi) == pytest.approx(_length(_union(spans, lo, hi)), abs=1e-9)
+        assert Busy(spans).between(lo, hi) == pytest.approx(covered_length(union_of(spans, lo, hi)), abs=1e-9)
 
 
 def test_direct_calls_are_waiting_when_issued_processing_when_started_and_done_when_they_end():

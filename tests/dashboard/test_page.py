@@ -54,7 +54,7 @@ def page():
             scorer.sleep(0.05).result()
             assert rows.result() == 8 and total.result() == [3.0 * step] * 2
             ctl.report_metrics(step, {"reward_mean": 0.2 + 0.1 * step, "kl": 0.01 * step, "cost_mean": 1.0 - step / 4})
-        # Calls on the direct path (flowactors._direct) reach the page when their workers report them (every
+        # Calls on the direct path (flowactors.transport.channel) reach the page when their workers report them (every
         # 0.2 s): read it once the last step's calls are all there, as the page's own polling would.
         deadline = time.monotonic() + 15
         while True:

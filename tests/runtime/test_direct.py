@@ -1,4 +1,4 @@
-"""The direct call path (flowactors._direct) on a real 2-worker LocalCluster: calls never reach the scheduler, keep
+"""The direct call path (flowactors.transport.channel) on a real 2-worker LocalCluster: calls never reach the scheduler, keep
 issue order per process, chain worker to worker, store large outputs until nobody can ask for them, fail at the call
 site on arguments that cannot travel, and show on the dashboard's records and in the controller's profile."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import flowactors as fa
-from flowactors import _direct
 from flowactors import serialization as ser
 from flowactors.dashboard import FlowactorsDashboard
+from flowactors.transport import server, wire
 from tests.runtime.workers import Reducer, nap
 
 
@@ -33,10 +33,6 @@ def group(ctl):
 
 def _scheduler_knows(keys, dask_scheduler=None):
     return sorted(str(k) for k in keys if k in dask_scheduler.tasks)
-
-
-def _stored(dask_worker=None):
-    return sorted(_direct._STORE)
 
 
 def test_the_embedded_cluster_calls_directly_and_the_scheduler_sees_no_task(ctl, group):
@@ -74,14 +70,14 @@ def test_chained_outputs_pass_worker_to_worker_and_are_released_with_their_futur
     assert torch.equal(out["x"], (torch.arange(32768) + 1) * 2)
     assert torch.equal(out["rank"], torch.arange(2).repeat_interleave(16384))
     mine = {f.key for f in first.futures + second.futures}
-    held = ctl.client.run(_stored)
+    held = ctl.client.run(server.stored_keys)
     assert sorted(len(mine & set(keys)) for keys in held.values()) == [2, 2]  # each worker: its rank's two outputs
     del first, second
     gc.collect()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(mine & set(v) for v in ctl.client.run(_stored).values()):
+    while time.monotonic() < deadline and any(mine & set(v) for v in ctl.client.run(server.stored_keys).values()):
         time.sleep(0.1)
-    assert not any(mine & set(v) for v in ctl.client.run(_stored).values())
+    assert not any(mine & set(v) for v in ctl.client.run(server.stored_keys).values())
 
 
 def test_an_argument_that_cannot_travel_fails_at_the_call_and_takes_no_place_in_the_order(group):
@@ -138,7 +134,7 @@ def test_direct_items_become_dashboard_records_and_profile_spans(ctl, group):
     deadline = time.monotonic() + 10
     reports = []
     while time.monotonic() < deadline:
-        events = ctl.client.get_events(_direct.CALLS_TOPIC)
+        events = ctl.client.get_events(wire.CALLS_TOPIC)
         mine = {f.key for f in call.futures}
         reports = [m for _, m in events if any(c["key"] in mine for c in m["calls"])]
         states = [c.get("state", "end") for m in reports for c in m["calls"] if c["key"] in mine]
@@ -148,7 +144,7 @@ def test_direct_items_become_dashboard_records_and_profile_spans(ctl, group):
     # each rank's item: received (waiting), started (processing), ended
     assert sorted(states) == ["end", "end", "processing", "processing", "waiting", "waiting"]
     for m in reports:
-        plugin.log_event(_direct.CALLS_TOPIC, m)
+        plugin.log_event(wire.CALLS_TOPIC, m)
     recs = plugin._steps[5]
     for f in call.futures:
         rec = recs[f.key]
@@ -179,7 +175,7 @@ def test_on_a_cluster_it_joined_the_controller_leaves_no_listener_behind():
         ctl = fa.Controller(client, None, direct_calls=True)
         g = fa.ActorGroup(ctl, Reducer, name="joined")
         assert g.all_reduce(1.0).result() == [3.0, 3.0] and ctl.direct_calls
-        ports = client.run(_direct.listen_port)
+        ports = client.run(server.listen_port)
         ctl.close()
         for port, _ in ports.values():
             with socket.socket() as s:

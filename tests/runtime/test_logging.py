@@ -16,7 +16,7 @@ class _Echo:
 
 
 def test_each_call_logs_one_event_with_its_coordinates():
-    _runtime._GROUPS["log_probe"] = _runtime._GroupContext("log_probe", 1, Layout(dp=2), None, None, instance=_Echo())
+    _runtime._GROUPS["log_probe"] = _runtime.GroupContext("log_probe", 1, Layout(dp=2), None, None, instance=_Echo())
     fa.configure_logging("console", "info")
     try:
         with capture_logs() as logs:

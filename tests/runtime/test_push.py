@@ -1,4 +1,4 @@
-"""Results pushed by the ranks to the controller (flowactors._push) on a real 2-worker LocalCluster: small outputs
+"""Results pushed by the ranks to the controller (flowactors.transport.pushed) on a real 2-worker LocalCluster: small outputs
 arrive by push, large ones through Dask, and order, chaining, failures and the watchdog behave as on the Dask
 path."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flowactors as fa
-from flowactors._push import PUSH_BYTES, payload_bytes
+from flowactors.transport.payload import PUSH_BYTES, payload_bytes
 from tests.runtime.workers import Reducer
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import flowactors as fa
-from flowactors import _direct
+from flowactors.transport import server, wire
 from tests.runtime.workers import Reducer
 
 
@@ -118,7 +118,7 @@ def _closed_by_peer(s: socket.socket) -> bool:
 
 
 def _direct_port(ctl, address: str) -> int:
-    return ctl.client.run(_direct.listen_port, workers=[address])[address][0]
+    return ctl.client.run(server.listen_port, workers=[address])[address][0]
 
 
 def test_a_strangers_pickle_on_a_direct_socket_is_never_read(ctl, group, tmp_path):
@@ -132,7 +132,7 @@ def test_a_strangers_pickle_on_a_direct_socket_is_never_read(ctl, group, tmp_pat
             s.sendall(struct.pack("!QI", len(data), 0) + data)  # a frame, where the proof should be
             assert _closed_by_peer(s)  # at once: the frame was taken for a (wrong) proof
         assert not marker.exists()
-        assert any("did not authenticate" in r for r in ctl.client.run(_direct.refused, workers=[address])[address])
+        assert any("did not authenticate" in r for r in ctl.client.run(server.refused, workers=[address])[address])
     assert group.all_reduce(2.0).result() == [6.0, 6.0]
 
 
@@ -158,11 +158,11 @@ def test_an_authenticated_peer_past_the_size_limit_is_cut_off_before_allocation(
         b, _ = server.accept()
     with a, b:
         a.sendall(struct.pack("!QI", 1 << 40, 0))
-        with pytest.raises(_direct.ProtocolError, match="more than MAX_MESSAGE_BYTES"):
-            _direct._Connection(b).receive_frames()
+        with pytest.raises(wire.ProtocolError, match="more than MAX_MESSAGE_BYTES"):
+            wire.Connection(b).receive_frames()
         a.sendall(struct.pack("!QI", 8, 1 << 20))
-        with pytest.raises(_direct.ProtocolError, match="buffers"):
-            _direct._Connection(b).receive_frames()
+        with pytest.raises(wire.ProtocolError, match="buffers"):
+            wire.Connection(b).receive_frames()
 
 
 def test_hundreds_of_held_connections_do_not_stall_the_run(ctl, group):
@@ -179,7 +179,7 @@ def test_hundreds_of_held_connections_do_not_stall_the_run(ctl, group):
             assert group.all_reduce(float(i)).result() == [3.0 * i, 3.0 * i]
         assert time.monotonic() - start < 10
         direct = held[:600]
-        deadline = time.monotonic() + _direct.HANDSHAKE_S + 20
+        deadline = time.monotonic() + wire.HANDSHAKE_S + 20
         closed = 0
         for s in direct:
             s.settimeout(max(0.1, deadline - time.monotonic()))
@@ -196,14 +196,14 @@ def test_hundreds_of_held_connections_do_not_stall_the_run(ctl, group):
 
 def test_a_controller_that_knows_the_secret_gets_through_and_one_that_guesses_does_not(ctl, group):
     address = ctl.slots[0]
-    port, secret = ctl.client.run(_direct.listen_port, workers=[address])[address]
+    port, secret = ctl.client.run(server.listen_port, workers=[address])[address]
     results = {}
 
     def attempt(name: str, key: bytes) -> None:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            _direct._answer(s, key)
-            conn = _direct._Connection(s)
-            conn.send(_direct._frames(("release", [])))  # a message the worker acts on without replying
+            wire.answer(s, key)
+            conn = wire.Connection(s)
+            conn.send(wire.frames(("release", [])))  # a message the worker acts on without replying
             s.settimeout(2)
             try:
                 results[name] = "closed" if _closed_by_peer(s) else "sent something"

@@ -4,7 +4,7 @@ still pinned, ordered and prioritised."""
 import pytest
 
 import flowactors as fa
-from flowactors._submit import PinnedTask, submit_pinned_tasks
+from flowactors.transport.tasks import PinnedTask, submit_pinned_tasks
 from tests.runtime.workers import Reducer, nap
 
 
@@ -29,7 +29,7 @@ def _graph_updates(ctl) -> int:
 
 @pytest.fixture(scope="module")
 def controller4():
-    """Calls through the scheduler, not the direct path (flowactors._direct)."""
+    """Calls through the scheduler, not the direct path (flowactors.transport.channel)."""
     ctl = fa.Controller.local(4, dashboard=None, collective_timeout_s=120, direct_calls=False)
     yield ctl
     ctl.close()

@@ -2,13 +2,14 @@
 
 docs/design.md §3. The controller decides *what* runs where and in which order (the issue order, the watchdog, the
 failures it reports); a `Transport` carries it. The controller holds exactly one, chosen when it opens
-(`open_transport`) and kept for its life:
+(`flowactors.controller.open_transport`) and kept for its life:
 
-- **Dask tasks** (`flowactors._submit.DaskTransport`): one pinned task per rank, chained to the previous task on
+- **Dask tasks** (`flowactors.transport.tasks.DaskTransport`): one pinned task per rank, chained to the previous task on
   the same process, every rank of a call in one graph update; the task stream shows each call.
-- **Dask tasks with pushed results** (`flowactors._push.PushTransport`): the same tasks; each rank also sends a
+- **Dask tasks with pushed results** (`flowactors.transport.pushed.PushTransport`): the same tasks; each rank also sends a
   small output straight to the controller, which `result()` returns without Dask's return path.
-- **Direct calls** (`flowactors._direct.DirectTransport`): requests on one socket per worker, not through the
+- **Direct calls** (`flowactors.transport.channel.DirectTransport`; its wire,
+  `flowactors.transport.wire`, and the workers' end, `flowactors.transport.server`): requests on one socket per worker, not through the
   scheduler; the default with the embedded cluster (~10x faster for a small call).
 
 A transport reports what it sees in its own terms: `CallTimeout` when a wait ran out, `WorkerGone` when it found
@@ -24,9 +25,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flowactors.controller import CallFuture
+    from flowactors.futures import CallFuture
 
-__all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "open_transport", "by_call"]
+__all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "by_call"]
 
 Work = tuple[str | None, Any, tuple, dict, str]
 """(address, fn, args, kwargs, key): `fn(*args, **kwargs)` to run on the worker at `address` under `key`. An
@@ -122,24 +123,3 @@ def by_call(outputs: Sequence[Any], calls: Sequence["CallFuture"]) -> list[list]
         out.append(list(outputs[i : i + len(c.futures)]))
         i += len(c.futures)
     return out
-
-
-def open_transport(client: Any, embedded: bool, direct_calls: bool | None, push_results: bool | None) -> Transport:
-    """The transport a controller uses: direct calls when asked, or by default with the embedded cluster
-    (`embedded`) and with a joined cluster whose comms are plain TCP; else Dask tasks, with pushed results when
-    asked or by default with the embedded cluster. The direct path authenticates each connection with a secret
-    learned over the cluster's comms but does not encrypt: on a TLS cluster that would be a weaker door than the
-    cluster's own, so a TLS cluster keeps the Dask path unless asked; on the embedded cluster (127.0.0.1) there is
-    nothing to encrypt against."""
-    plain = str(getattr(client.scheduler, "address", "")).startswith("tcp://")
-    if direct_calls or (direct_calls is None and (embedded or plain)):
-        from flowactors._direct import DirectTransport
-
-        return DirectTransport(client)
-    if push_results or (push_results is None and embedded):
-        from flowactors._push import PushTransport
-
-        return PushTransport(client)
-    from flowactors._submit import DaskTransport
-
-    return DaskTransport(client)

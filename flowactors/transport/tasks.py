@@ -38,7 +38,7 @@ from flowactors.batch import Batch
 from flowactors.transport import CallTimeout, Transport, Work, by_call
 
 if TYPE_CHECKING:
-    from flowactors.controller import CallFuture
+    from flowactors.futures import CallFuture
 
 __all__ = ["DaskTransport", "PinnedTask", "scatter_to", "submit_pinned_tasks"]
 

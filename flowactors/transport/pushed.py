@@ -27,18 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import Client, Future
 
-from flowactors._submit import DaskTransport
 from flowactors.transport import by_call
+from flowactors.transport.payload import TOO_LARGE
+from flowactors.transport.tasks import DaskTransport
 
 if TYPE_CHECKING:
-    from flowactors.controller import CallFuture
+    from flowactors.futures import CallFuture
 
-__all__ = ["PUSH_BYTES", "PushTransport", "ResultInbox", "payload_bytes", "push"]
+__all__ = ["PushTransport", "ResultInbox"]
 
-PUSH_BYTES = 64 * 1024
-"""Outputs up to this size (`payload_bytes`) are pushed; larger ones are fetched through Dask."""
-
-_TOO_LARGE = "flowactors.push: too large"
 _MISSING = object()
 _POLL_S = 0.005
 """How often a waiting `result()` also checks the Dask futures (a failure or a lost worker ends the wait)."""
@@ -77,7 +74,7 @@ class ResultInbox:
             while True:
                 got = [self._values.get(k, _MISSING) for k in keys]
                 if all(v is not _MISSING for v in got):
-                    return None if any(isinstance(v, str) and v == _TOO_LARGE for v in got) else got
+                    return None if any(isinstance(v, str) and v == TOO_LARGE for v in got) else got
                 if any(f.status in ("error", "cancelled", "lost") for f in futures):
                     return None
                 if all(f.status == "finished" for f in futures):
@@ -140,43 +137,3 @@ def _client_host(client: Client) -> str:
     comm = getattr(client.scheduler_comm, "comm", None)
     local = getattr(comm, "local_address", None)
     return get_address_host(local) if local else "127.0.0.1"
-
-
-def payload_bytes(value: Any) -> int:
-    """Bytes `value` would put on the wire: Batch and tensor data counted (Dask's `sizeof` counts neither, and is
-    left so: it drives the workers' memory accounting), containers summed, anything else by `sizeof`."""
-    import torch
-    from dask.sizeof import sizeof
-
-    from flowactors.batch import Batch
-
-    if isinstance(value, Batch):
-        return value.nbytes
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(payload_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return sum(payload_bytes(v) for v in value)
-    return sizeof(value)
-
-
-def push(address: str, key: str, value: Any) -> None:
-    """Worker side: send `value` (or a too-large marker) to the inbox at `address`, without waiting. A failed push
-    costs nothing but the fast path: the controller then reads the value through Dask."""
-    try:
-        from distributed import get_worker
-        from distributed.protocol import to_serialize
-
-        worker = get_worker()
-        payload = value if payload_bytes(value) <= PUSH_BYTES else _TOO_LARGE
-
-        async def send() -> None:
-            try:
-                await worker.rpc(address).flowactors_push(key=key, value=to_serialize(payload))
-            except Exception:
-                pass
-
-        worker.loop.add_callback(send)
-    except Exception:
-        pass

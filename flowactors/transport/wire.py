@@ -1,0 +1,232 @@
+"""The direct path's wire: message frames, the handshake, stored-output references and fetches.
+
+What both ends of a direct call share (docs/design.md §3, Direct calls; docs/security.md): a message is one pickle
+(protocol 5, tensors out of band) behind a fixed header; a connection serves only a peer that proves it holds the
+listening worker's secret (an HMAC of a nonce); reads are bounded (`MAX_MESSAGE_BYTES`, `MAX_BUFFERS`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import socket
+import struct
+import threading
+from typing import Any
+
+__all__ = [
+    "CALLS_TOPIC",
+    "HANDSHAKE_S",
+    "INLINE_BYTES",
+    "ISSUED_TOPIC",
+    "MAX_MESSAGE_BYTES",
+    "Connection",
+    "DirectRef",
+    "Fetcher",
+    "InputRaised",
+    "ProtocolError",
+    "answer",
+    "authenticate",
+    "dial",
+    "frames",
+    "unwrap_reply",
+]
+
+INLINE_BYTES = 64 * 1024
+"""Outputs up to this size (flowactors.transport.pushed.payload_bytes) come back in the reply; larger ones stay on the worker
+until `result()` asks."""
+CALLS_TOPIC = "flowactors.calls"
+ISSUED_TOPIC = "flowactors.issued"
+"""The controller's reports of the items it sends, as it sends them (the dashboard's waiting calls)."""
+_FRAME = struct.Struct("!QI")  # pickle bytes, number of out-of-band buffers; then each buffer's length (!Q), data
+MAX_MESSAGE_BYTES = 1 << 33
+"""The most one direct-path message (a call's pickled arguments, or a reply) may hold: 8 GiB. Larger values travel
+as Dask futures (`Client.scatter`) or as another call's output, worker to worker."""
+MAX_BUFFERS = 1 << 16
+HANDSHAKE_S = 10.0
+"""How long a new connection has to answer the worker's nonce before it is closed."""
+_HELLO = b"flowactors-direct/1"
+_NONCE_BYTES = 32
+
+
+class DirectRef:
+    """An output held by a worker's direct store, as it travels in arguments (a `DirectFuture` pickles to this)."""
+
+    __slots__ = ("key", "address")
+
+    def __init__(self, key: str, address: str) -> None:
+        self.key, self.address = key, address
+
+    def __reduce__(self) -> tuple:
+        return (DirectRef, (self.key, self.address))
+
+    def __repr__(self) -> str:
+        return f"<DirectRef {self.key} on {self.address}>"
+
+
+class ProtocolError(ConnectionError):
+    """A peer that did not authenticate, or sent a frame past the limits: its connection is closed."""
+
+
+class Connection:
+    """One socket between a controller and a worker, written whole-message at a time under a lock."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.lock = threading.Lock()
+
+    def send(self, frames: list) -> None:
+        with self.lock:
+            self.sock.sendall(frames[0])
+            for f in frames[1:]:
+                self.sock.sendall(f)
+
+    def receive(self) -> Any:
+        """The next message (ConnectionError once the other end closed)."""
+        import pickle
+
+        data, buffers = self.receive_frames()
+        return pickle.loads(data, buffers=buffers)
+
+    def receive_frames(self) -> tuple[bytearray, list[bytearray]]:
+        """The next message's pickle bytes and out-of-band buffers, not yet unpickled."""
+        n, count = _FRAME.unpack(read_exactly(self.sock, _FRAME.size))
+        if count > MAX_BUFFERS:
+            raise ProtocolError(f"a message announced {count} buffers, more than the {MAX_BUFFERS} allowed")
+        sizes = struct.unpack(f"!{count}Q", read_exactly(self.sock, 8 * count)) if count else ()
+        if n + sum(sizes) > MAX_MESSAGE_BYTES:
+            raise ProtocolError(
+                f"a message announced {n + sum(sizes)} bytes, more than MAX_MESSAGE_BYTES = "
+                f"{MAX_MESSAGE_BYTES}; send values that large as Dask futures (Client.scatter)"
+            )
+        data = read_exactly(self.sock, n)
+        return data, [read_exactly(self.sock, k) for k in sizes]
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def frames(obj: Any) -> list:
+    """`obj` as the frames of one message: pickle protocol 5, tensors out of band (cloudpickle where needed)."""
+    from distributed.protocol.pickle import dumps
+
+    buffers: list = []
+    data = dumps(obj, buffer_callback=buffers.append)
+    views = [b.raw() for b in buffers]
+    return [
+        _FRAME.pack(len(data), len(views)) + struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)) + data,
+        *views,
+    ]
+
+
+def _proof(secret: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, _HELLO + nonce, hashlib.sha256).digest()
+
+
+def authenticate(sock: socket.socket, secret: bytes) -> bool:
+    """The worker's side of the handshake: send a nonce, check the peer's HMAC of it within `HANDSHAKE_S`."""
+    nonce = secrets.token_bytes(_NONCE_BYTES)
+    try:
+        sock.settimeout(HANDSHAKE_S)
+        sock.sendall(_HELLO + nonce)
+        ok = hmac.compare_digest(bytes(read_exactly(sock, hashlib.sha256().digest_size)), _proof(secret, nonce))
+        sock.settimeout(None)
+        return ok
+    except (OSError, ConnectionError):  # timed out, or gone
+        return False
+
+
+def answer(sock: socket.socket, secret: bytes) -> None:
+    """The controller's side: prove it holds the worker's secret."""
+    hello = bytes(read_exactly(sock, len(_HELLO) + _NONCE_BYTES))
+    if not hello.startswith(_HELLO):
+        raise ProtocolError(f"{sock.getpeername()} is not a flowactors direct-path listener")
+    sock.sendall(_proof(secret, hello[len(_HELLO) :]))
+
+
+def dial(address: str, port: int, secret: bytes) -> Connection:
+    """An authenticated connection to the direct listener of the worker at `address`."""
+    from distributed.comm import get_address_host
+
+    sock = socket.create_connection((get_address_host(address), port), timeout=30)
+    try:
+        answer(sock, secret)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return Connection(sock)
+
+
+class Fetcher:
+    """Fetches stored outputs from workers' direct listeners (a `get` per connection at a time, connections
+    pooled per worker): the controller's `values()` and a worker's inputs held by a peer. The bytes of a large
+    output travel here, authenticated but not encrypted, rather than on Dask's comms, which with TLS would encrypt
+    them on a machine where no one else can read the loopback traffic anyway."""
+
+    def __init__(self, listener: Any) -> None:
+        self._listener = listener  # address -> (port, secret)
+        self._idle: dict[str, list[Connection]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str, key: str) -> dict:
+        """The worker's reply for `key`: {"status": "ok", "value"}, "raised" (with "exception") or "missing"."""
+        with self._lock:
+            idle = self._idle.get(address)
+            conn = idle.pop() if idle else None
+        if conn is None:
+            conn = dial(address, *self._listener(address))
+        try:
+            conn.send(frames(("get", key)))
+            reply = conn.receive()
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            self._idle.setdefault(address, []).append(conn)
+        return reply
+
+    def forget(self, address: str) -> None:
+        with self._lock:
+            for conn in self._idle.pop(address, []):
+                conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+
+def read_exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("the connection was closed")
+        got += k
+    return buf
+
+
+class InputRaised(Exception):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def unwrap_reply(reply: Any) -> Any:
+    """The value of a fetch's reply (`_lookup`); raises `InputRaised` for an item that raised, LookupError for
+    one that was released."""
+    if isinstance(reply, dict) and reply.get("status") == "raised":
+        raise InputRaised(reply.get("exception"))
+    if isinstance(reply, dict) and reply.get("status") == "missing":
+        raise LookupError(reply.get("message"))
+    return reply.get("value") if isinstance(reply, dict) else reply
