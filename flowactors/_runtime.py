@@ -378,6 +378,23 @@ def call(
     return result
 
 
+def call_rank(
+    rank: int,
+    keep: bool,
+    name: str,
+    method: str,
+    inputs: tuple,
+    split: tuple[Protocol, Layout] | None,
+    step: int | None,
+    agree: bool = False,
+    push: tuple[str, str] | None = None,
+    _after: Any = None,
+) -> Any:
+    """`call` as a fan-out runs it (`flowactors.transport.fanout`): the rank's own fields first, then the inputs
+    every rank shares ((args, kwargs), already resolved to this rank's part)."""
+    return call(name, method, rank, inputs[0], inputs[1], split, step, agree, keep, push)
+
+
 def _call(
     name: str,
     method: str,

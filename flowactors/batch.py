@@ -122,6 +122,12 @@ class Batch:
 
     def split(self, parts: int) -> list["Batch"]:
         """`parts` equal, contiguous parts; a batch that does not divide is an error (pad it first)."""
+        self.check_split(parts)
+        size = len(self) // parts
+        return [self.slice(i * size, (i + 1) * size) for i in range(parts)]
+
+    def check_split(self, parts: int) -> None:
+        """Raise what `split(parts)` would raise for this batch, without splitting it."""
         n = len(self)
         if parts < 1:
             raise ValueError(f"cannot split a batch into {parts} parts; parts must be >= 1")
@@ -130,8 +136,6 @@ class Batch:
                 f"batch of {n} rows cannot be split into {parts} equal parts; pad it "
                 f"(Batch.pad_to_multiple({parts})) or change the batch size to a multiple of {parts}"
             )
-        size = n // parts
-        return [self.slice(i * size, (i + 1) * size) for i in range(parts)]
 
     def chunk(self, size: int) -> list["Batch"]:
         """Contiguous parts of `size` rows (the last may be shorter), e.g. micro-batches."""

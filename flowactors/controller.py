@@ -40,6 +40,7 @@ from flowactors.futures import CallFuture, new_token, unwrap
 from flowactors.profiling import ComputeProfile, controller_share
 from flowactors.protocols import ONE_TO_ALL, Layout
 from flowactors.transport import CallTimeout, Transport, WorkerGone
+from flowactors.transport.fanout import Fanout
 
 __all__ = ["Controller", "CallFuture", "open_transport"]
 
@@ -180,6 +181,16 @@ class Controller:
                 if address in self._lost:
                     raise WorkerLostError(address, self._lost[address], call=key.rsplit("-", 1)[0])
             return self.transport.submit(tasks, self.step)
+
+    def submit_fanout(self, call: Fanout) -> list[Any]:
+        """Every rank of `call` (`flowactors.transport.fanout`), each run on its worker after every task issued
+        there before it, as `submit_pinned_all` does for per-rank items; the transport decides how it travels (the
+        direct path: down a tree, serialized once). One future per rank."""
+        with self._lock:
+            for r in call.ranks:
+                if r.address in self._lost:
+                    raise WorkerLostError(r.address, self._lost[r.address], call=r.key.rsplit("-", 1)[0])
+            return self.transport.submit_fanout(call, self.step)
 
     def _track(self, call: CallFuture) -> CallFuture:
         for a in call.addresses:

@@ -29,10 +29,12 @@ from typing import Any
 from distributed import Future
 
 from flowactors import _runtime
+from flowactors.batch import Batch
 from flowactors.controller import Controller
 from flowactors.errors import EndpointError, HangError, PlacementError, RemoteError
 from flowactors.futures import CallFuture, new_token, unwrap
 from flowactors.protocols import Layout, Protocol
+from flowactors.transport.fanout import Fanout, Parts, Rank, Split
 from flowactors.worker import Worker, endpoints_of
 
 __all__ = ["ActorGroup"]
@@ -167,6 +169,17 @@ class ActorGroup:
     def _call(self, method: str, protocol: Protocol, args: tuple, kwargs: dict) -> CallFuture:
         if self._closed:
             raise PlacementError(f"group {self.name!r} is closed; create it again to call {method}")
+        ctl = self.controller
+        if ctl.transport.fans_out:
+            outs = ctl.submit_fanout(self._fanout(method, protocol, args, kwargs))
+        else:
+            outs = ctl.submit_pinned_all(self._per_rank(method, protocol, args, kwargs))
+        return ctl._track(
+            CallFuture(ctl, outs, protocol, self.layout, self.name, method, self.addresses, pushed=ctl.pushes_results)
+        )
+
+    def _per_rank(self, method: str, protocol: Protocol, args: tuple, kwargs: dict) -> list:
+        """The call as one work item per rank, its inputs split here (the Dask transports)."""
         ctl, layout = self.controller, self.layout
         split: tuple[Protocol, Layout] | None = None
         agree = False
@@ -181,20 +194,54 @@ class ActorGroup:
         keep = _kept_ranks(protocol, layout)
         agree = agree and self.world_size > 1
         token, label = new_token(), f"{self.name}.{method}"
-        outs = ctl.submit_pinned_all(
+        return [
+            (
+                a,
+                _runtime.call,
+                (self.name, method, r, per_rank[r][0], per_rank[r][1], split, ctl.step, agree, r in keep),
+                ctl.push_target(f"{label}-{r}-{token}"),
+                f"{label}-{r}-{token}",
+            )
+            for r, a in enumerate(self.addresses)
+        ]
+
+    def _fanout(self, method: str, protocol: Protocol, args: tuple, kwargs: dict) -> Fanout:
+        """The call described once (`flowactors.transport.fanout`): its inputs with `Split`/`Parts` where each rank
+        takes a part, so the transport splits them on the way (the direct path's tree) rather than here."""
+        layout, world = self.layout, self.world_size
+        split: tuple[Protocol, Layout] | None = None
+        agree = False
+        if protocol.destinations is not None:
+            dest = protocol.destinations(layout)
+            n = max(dest) + 1
+            if _contains_future((*args, *kwargs.values())):
+                inputs, agree = _route_parts(n, args, kwargs)
+            else:
+                inputs = (tuple(_split_mark(a, n) for a in args), {k: _split_mark(v, n) for k, v in kwargs.items()})
+            parts = dest
+        elif _contains_future((*args, *kwargs.values())):  # an opaque protocol: whole inputs, split on the rank
+            inputs, parts, split = (
+                (_unwrap(args), {k: unwrap(v) for k, v in kwargs.items()}),
+                [-1] * world,
+                (protocol, layout),
+            )
+        else:
+            per_rank = protocol.split(args, kwargs, layout)
+            if all(p is per_rank[0] for p in per_rank):  # every rank the same inputs (one_to_all, rank_zero)
+                inputs, parts = per_rank[0], [-1] * world
+            else:
+                inputs, parts = Parts(per_rank), list(range(world))
+        keep = _kept_ranks(protocol, layout)
+        agree = agree and world > 1
+        token, label, ctl = new_token(), f"{self.name}.{method}", self.controller
+        return Fanout(
+            _runtime.call_rank,
+            (self.name, method, inputs, split, ctl.step, agree),
+            {},
             [
-                (
-                    a,
-                    _runtime.call,
-                    (self.name, method, r, per_rank[r][0], per_rank[r][1], split, ctl.step, agree, r in keep),
-                    ctl.push_target(f"{label}-{r}-{token}"),
-                    f"{label}-{r}-{token}",
-                )
+                Rank(a, f"{label}-{r}-{token}", parts[r], (r, r in keep), ctl.push_target(f"{label}-{r}-{token}"))
                 for r, a in enumerate(self.addresses)
-            ]
-        )
-        return ctl._track(
-            CallFuture(ctl, outs, protocol, layout, self.name, method, self.addresses, pushed=ctl.pushes_results)
+            ],
         )
 
     def close(self, wait: bool = True) -> None:
@@ -264,6 +311,33 @@ def _route(protocol: Protocol, layout: Layout, args: tuple, kwargs: dict) -> tup
         for r, (a_r, kw_r) in enumerate(per_rank)
     ]
     return out, direct
+
+
+def _split_mark(value: Any, parts: int) -> Any:
+    """A Batch argument of a call whose protocol splits it into `parts` (checked here, at the call site)."""
+    if isinstance(value, Batch):
+        try:
+            value.check_split(parts)
+        except ValueError as e:
+            raise ValueError(f"{e} (the group has data-parallel size {parts})") from None
+        return Split(value, parts)
+    return value
+
+
+def _route_parts(parts: int, args: tuple, kwargs: dict) -> tuple[tuple, bool]:
+    """`_route` for a fan-out: the inputs once, each future argument as `Parts` (what rank r needs of it for its
+    part, `_share`) and each Batch as a `Split`; and whether a rank receives a part alone."""
+    alone = False
+
+    def mark(v: Any) -> Any:
+        nonlocal alone
+        if not isinstance(v, (CallFuture, Future)):
+            return _split_mark(unwrap(v), parts)
+        shares = [_share(v, parts, p) for p in range(parts)]
+        alone = alone or shares[0][1]
+        return Parts([ref for ref, _ in shares])
+
+    return (tuple(mark(a) for a in args), {k: mark(v) for k, v in kwargs.items()}), alone
 
 
 def _share(value: Any, parts: int, part: int) -> tuple[Any, bool]:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
+    from flowactors.transport.fanout import Fanout
 
 __all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "by_call"]
 
@@ -52,6 +53,8 @@ class Transport(ABC):
 
     direct: bool = False
     pushes_results: bool = False
+    fans_out: bool = False
+    """Whether `submit_fanout` does better than one item per rank (it sends a call down a tree)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
@@ -61,6 +64,13 @@ class Transport(ABC):
     def submit(self, tasks: Sequence[Work], step: int | None) -> list[Any]:
         """Start `tasks`, each on its worker after everything issued there before (docs/design.md §3, Ordering);
         one future per task, in order. The caller holds the controller's lock: this is the issue order."""
+
+    def submit_fanout(self, call: "Fanout", step: int | None) -> list[Any]:
+        """Start every rank of `call` (`flowactors.transport.fanout`); one future per rank, in order. By default
+        its per-rank items, through `submit`."""
+        from flowactors.transport.fanout import expand
+
+        return self.submit(expand(call), step)
 
     def apply_site(self, args: tuple, kwargs: dict, slots: Sequence[str]) -> str | None:
         """The worker a `Controller.apply` over these (unwrapped) arguments runs on, one of `slots`; None: the

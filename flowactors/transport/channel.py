@@ -14,6 +14,7 @@ docs/benchmarks.md (Group calls); the handshake and bounded reads: docs/security
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 import weakref
@@ -22,6 +23,7 @@ from contextlib import suppress as _suppress
 from typing import Any
 
 from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
+from flowactors.transport.fanout import Fanout, has_parts, resolve, subtree_of, subtrees, trim
 from flowactors.transport.server import PLUGIN_NAME, DirectPlugin, listen_port, running_stack, spans_between
 from flowactors.transport.wire import ISSUED_TOPIC, Connection, DirectRef, Fetcher, dial, frames, unwrap_reply
 
@@ -35,14 +37,36 @@ RELEASE_S = 0.5
 class DirectFuture:
     """One item sent on the direct path; the part of `distributed.Future`'s surface that `CallFuture` uses."""
 
-    __slots__ = ("key", "address", "status", "value", "stored", "error", "_channel", "__weakref__")
+    __slots__ = (
+        "key",
+        "address",
+        "status",
+        "value",
+        "stored",
+        "error",
+        "seq",
+        "tree",
+        "lost_at",
+        "replied",
+        "_channel",
+        "__weakref__",
+    )
 
-    def __init__(self, channel: "DirectChannel", key: str, address: str) -> None:
-        self._channel, self.key, self.address = channel, key, address
+    def __init__(self, channel: "DirectChannel", key: str, address: str, seq: int = -1, tree: Any = None) -> None:
+        self._channel, self.key, self.address, self.seq, self.tree = channel, key, address, seq, tree
         self.status = "pending"  # then "finished", "error" (the function raised) or "lost" (its worker died)
         self.value: Any = None
         self.stored = False  # finished, the value left on the worker (too large for the reply)
         self.error: BaseException | None = None
+        self.lost_at: str | None = None  # "lost": the worker that died (this one's, or a relay's on its way)
+        self.replied = False  # its worker (or the relay above it) has answered for it: nothing more will come
+
+    def __del__(self) -> None:
+        """Its output is dropped on its worker once nobody can ask for it."""
+        try:
+            self._channel.release_one(self.key, self.address)
+        except Exception:  # interpreter shutdown
+            pass
 
     def done(self) -> bool:
         return self.status != "pending"
@@ -53,7 +77,7 @@ class DirectFuture:
         if not self._channel.wait([self], timeout):
             raise TimeoutError(f"{self.key} did not finish within {timeout} s")
         if self.status == "lost":
-            raise ConnectionError(f"the worker {self.address} running {self.key} died") from self.error
+            raise ConnectionError(f"the worker {self.lost_at or self.address} running {self.key} died") from self.error
         if self.status == "error":
             raise self.error if isinstance(self.error, BaseException) else RuntimeError(self.error)
         return self._channel.values([self])[0]
@@ -63,6 +87,15 @@ class DirectFuture:
 
     def __repr__(self) -> str:
         return f"<DirectFuture {self.key} {self.status}>"
+
+
+class _Tree:
+    """A call sent down a tree: its ranks' futures and addresses in rank order, the inputs held until it is done."""
+
+    __slots__ = ("futures", "addresses", "inputs", "left")
+
+    def __init__(self, futures: list[DirectFuture], addresses: list[str], inputs: Any) -> None:
+        self.futures, self.addresses, self.inputs, self.left = futures, addresses, inputs, len(futures)
 
 
 def _later(seconds: float, fn: Any) -> None:
@@ -79,7 +112,8 @@ def _later(seconds: float, fn: Any) -> None:
 class DirectChannel:
     """The controller's end: sends items, keeps their futures, releases stored outputs nobody can ask for."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, listeners: dict[str, tuple[int, bytes]] | None = None) -> None:
+        """`listeners`: every worker's direct port and secret, given instead of asked of a Dask `client`."""
         self._client = client
         self._cond = threading.Condition()
         self._pending: dict[str, weakref.WeakSet[DirectFuture]] = {}
@@ -90,10 +124,19 @@ class DirectChannel:
         self._fetch_pool: Any = None
         self._dropped: dict[str, list[str]] = {}
         self._flush_pending = False
-        self._issued: list[dict] = []  # issue reports not yet sent to the scheduler (the dashboard's)
+        self._issued: list[tuple] = []  # what was sent and not yet reported to the scheduler (the dashboard's)
+        self._issue_pending = False
         self._last_sent: dict[str, str] = {}  # address -> the key sent there last (the order edge)
         self._closed = False
-        client.register_plugin(DirectPlugin(), name=PLUGIN_NAME)
+        self.id = secrets.token_hex(8)  # the workers order this controller's items by it and their numbers
+        self._seq: dict[str, int] = {}  # address -> the number of the next item sent there
+        self._trees: dict[str, _Tree] = {}  # calls sent down a tree, by id, until every rank answered
+        self._cancelled: dict[str, DirectFuture] = {}  # tree ranks cancelled before they answered
+        self._tree_count = 0
+        if listeners is not None:  # light stand-in workers (benchmarks/fanout.py): no Dask client
+            self._listeners.update(listeners)
+        else:
+            client.register_plugin(DirectPlugin(), name=PLUGIN_NAME)
 
     # -- connections -----------------------------------------------------------------------------------------
     def _listener(self, address: str) -> tuple[int, bytes]:
@@ -121,24 +164,49 @@ class DirectChannel:
     def _read_replies(self, address: str, conn: Connection) -> None:
         while True:
             try:
-                key, status, value, stored = conn.receive()
+                msg = conn.receive()
             except Exception as e:
                 if self._connections.get(address) is conn:
                     del self._connections[address]
                 if not self._closed:
                     self.fail_address(address, ConnectionError(f"lost the connection to worker {address}: {e}"))
                 return
-            self._on_reply(key, status, value, stored)
-            del value  # nothing of a finished item may stay referenced here while the next reply is awaited
+            self._on_replies(msg[2] if msg[0] == "replies" else [msg])
+            del msg  # nothing of a finished item may stay referenced here while the next reply is awaited
 
-    def _on_reply(self, key: str, status: str, value: Any, stored: bool) -> None:
+    def _on_replies(self, replies: list) -> None:
+        """Finish the futures of `replies` ((key, status, value, stored) each) under one lock. A rank reported
+        "lost" by the relay above it (whose connection to the subtree broke) is lost at that subtree's first rank;
+        its own worker, if alive, skips its number (the item may never arrive)."""
+        skips: dict[str, list[int]] = {}
         with self._cond:
-            entry = self._inflight.pop(key, None)  # the future, and the arguments held for it until now
-        if entry is not None:
-            if status == "error":
-                self._finish(entry[0], "error", error=value)
-            else:
-                self._finish(entry[0], "finished", value=value, stored=stored)
+            for key, status, value, stored in replies:
+                entry = self._inflight.pop(key, None)  # the future, and the arguments held for it until now
+                if entry is None:
+                    cancelled = self._cancelled.pop(key, None)  # its reply still counts for its tree
+                    if cancelled is not None:
+                        self._replied(cancelled)
+                    continue
+                fut = entry[0]
+                self._replied(fut)
+                if status == "error":
+                    self._set(fut, "error", None, False, value)
+                elif status == "lost":
+                    fut.lost_at = value[0]
+                    self._set(fut, "lost", None, False, ConnectionError(value[1]))
+                    if fut.address != fut.lost_at:
+                        skips.setdefault(fut.address, []).append(fut.seq)
+                else:
+                    self._set(fut, "finished", value, stored, None)
+            self._cond.notify_all()
+        for address, seqs in skips.items():
+            self._skip(address, seqs)
+
+    def _skip(self, address: str, seqs: list[int]) -> None:
+        try:
+            self._connection(address).send(frames(("skip", self.id, seqs)))
+        except Exception:  # gone too: nothing waits there any more
+            pass
 
     def close(self) -> None:
         """Close the connections, and the workers' listeners with the plugin (a long-lived cluster keeps none)."""
@@ -164,7 +232,8 @@ class DirectChannel:
         self._report_issued(items, step)
         out = []
         for (address, _, args, kwargs, key), task in zip(items, encoded):
-            fut = DirectFuture(self, key, address)
+            seq = self._next_seq(address)
+            fut = DirectFuture(self, key, address, seq)
             out.append(fut)
             with self._cond:
                 self._pending.setdefault(address, weakref.WeakSet()).add(fut)
@@ -172,42 +241,111 @@ class DirectChannel:
                 release = self._dropped.pop(address, [])  # outputs to drop there: they ride along
             try:
                 conn = self._connection(address)
-                conn.send([*frames(("call", key, step, release)), *task])  # the task: a message of its own
+                conn.send([*frames(("call", key, step, release, self.id, seq)), *task])  # the task: a message apart
             except Exception as e:
                 with self._cond:
                     self._inflight.pop(key, None)
                 self._finish(fut, "lost", error=e)
         return out
 
-    def _report_issued(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None) -> None:
-        """Tell the scheduler (its dashboard) what is being sent, gathered over ISSUE_REPORT_S and sent from a
-        timer thread: the caller does not wait on the scheduler."""
+    def _next_seq(self, address: str) -> int:
+        seq = self._seq.get(address, 0)
+        self._seq[address] = seq + 1
+        return seq
+
+    def submit_fanout(self, call: Fanout, step: int | None = None) -> list[DirectFuture]:
+        """Send `call` down a tree (`flowactors.transport.fanout`): the controller serializes the inputs once (once
+        per root where ranks take parts: each root's subtree gets only its parts) and sends to at most `FANOUT`
+        roots; each node sends its subtrees on and the replies come back up the same way. The ranks' items keep
+        their place in each worker's issue order (their numbers), so trees and single items mix freely."""
+        ranks = call.ranks
+        addresses = [r.address for r in ranks]
+        if any(a not in self._listeners for a in addresses):
+            self._listener(next(a for a in addresses if a not in self._listeners))  # every worker's, at once
+        marked = has_parts((call.args, call.kwargs))
+        roots = subtrees(len(ranks))
+        if marked:  # each root's parts; all serialized before anything is sent (an error leaves no rank alone)
+            payloads = []
+            for start, stop in roots:
+                lo, hi = min(r.part for r in ranks[start:stop]), max(r.part for r in ranks[start:stop])
+                payloads.append(frames((call.fn, trim(call.args, lo, hi), trim(call.kwargs, lo, hi))))
+        else:
+            payloads = [frames((call.fn, call.args, call.kwargs))] * len(roots)
+        self._tree_count += 1
+        tree_id = f"{self.id}:{self._tree_count}"
+        entries, futs = [], []
+        with self._cond:
+            dropped = self._dropped
+            for r in ranks:
+                seq = self._next_seq(r.address)
+                fut = DirectFuture(self, r.key, r.address, seq, tree_id)
+                futs.append(fut)
+                self._pending.setdefault(r.address, weakref.WeakSet()).add(fut)
+                self._inflight[r.key] = (fut, None)
+                entries.append((r.address, r.key, seq, r.part, r.extra, r.kwargs, dropped.pop(r.address, None)))
+            self._trees[tree_id] = _Tree(futs, addresses, (call.args, call.kwargs))
         from distributed.metrics import time as clock
 
-        reports, now = [], clock()
-        for address, _, args, kwargs, key in items:
-            deps = list(dict.fromkeys(f.key for f in _direct_futures((args, kwargs))))  # they travel as DirectRefs
-            reports.append(
-                {
-                    "key": key,
-                    "worker": address,
-                    "deps": deps,
-                    "step": step,
-                    "order": self._last_sent.get(address),
-                    "at": now,
-                }
-            )
-            self._last_sent[address] = key
         with self._cond:
-            self._issued.extend(reports)
-            if len(self._issued) > len(reports):
+            self._issued.append((call, futs, step, clock()))
+        self._schedule_issued()
+        for (start, stop), payload in zip(roots, payloads):
+            try:
+                conn = self._connection(addresses[start])
+                conn.send([*frames(("tree", tree_id, self.id, step, entries[start:stop], marked, 1)), *payload])
+            except Exception as e:
+                lost = [
+                    (ranks[i].key, "lost", (addresses[start], f"{type(e).__name__}: {e}"), False)
+                    for i in range(start, stop)
+                ]
+                self._on_replies(lost)
+        return futs
+
+    def _report_issued(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None) -> None:
+        """Tell the scheduler (its dashboard) what is being sent, gathered over ISSUE_REPORT_S and sent from a
+        timer thread: the caller does not wait on the scheduler, nor pay for the reports."""
+        from distributed.metrics import time as clock
+
+        with self._cond:
+            self._issued.append((items, None, step, clock()))
+        self._schedule_issued()
+
+    def _schedule_issued(self) -> None:
+        with self._cond:
+            if self._issue_pending:
                 return  # a send is already scheduled and will take these too
+            self._issue_pending = True
         _later(ISSUE_REPORT_S, self._send_issued)
+
+    def _reports(self, items: Any, futs: list[DirectFuture] | None, step: int | None, at: float) -> list[dict]:
+        """The issue reports of single `items` (Work), or of a fan-out's ranks (`items` a Fanout, `futs` theirs)."""
+        if futs is None:
+            sent = [(address, key, (args, kwargs)) for address, _, args, kwargs, key in items]
+        else:
+            parts: dict[int, Any] = {}
+            for r in items.ranks:
+                if r.part not in parts:
+                    inputs = (items.args, items.kwargs)
+                    parts[r.part] = inputs if r.part < 0 else (resolve(inputs[0], r.part), resolve(inputs[1], r.part))
+            sent = [(r.address, r.key, parts[r.part]) for r in items.ranks]
+        deps_of: dict[int, list[str]] = {}
+        reports = []
+        for address, key, inputs in sent:
+            if id(inputs) not in deps_of:  # they travel as DirectRefs
+                deps_of[id(inputs)] = list(dict.fromkeys(f.key for f in _direct_futures(inputs)))
+            order = self._last_sent.get(address)
+            self._last_sent[address] = key
+            reports.append(
+                {"key": key, "worker": address, "deps": deps_of[id(inputs)], "step": step, "order": order, "at": at}
+            )
+        return reports
 
     def _send_issued(self) -> None:
         with self._cond:
-            calls, self._issued = self._issued, []
-        if calls and not self._closed:
+            issued, self._issued = self._issued, []
+            self._issue_pending = False
+        calls = [r for items, futs, step, at in issued for r in self._reports(items, futs, step, at)]
+        if calls and not self._closed and self._client is not None:
             try:
                 self._client.log_event(ISSUED_TOPIC, {"calls": calls})
             except Exception:
@@ -222,13 +360,29 @@ class DirectChannel:
         error: BaseException | None = None,
     ) -> None:
         with self._cond:
-            if fut.status != "pending":
-                return
-            fut.value, fut.stored, fut.error, fut.status = value, stored, error, status
-            pending = self._pending.get(fut.address)
-            if pending is not None:
-                pending.discard(fut)
+            self._set(fut, status, value, stored, error)
             self._cond.notify_all()
+
+    def _set(self, fut: DirectFuture, status: str, value: Any, stored: bool, error: BaseException | None) -> None:
+        """(Holding `_cond`.) Finish `fut`; a tree whose last future this was is forgotten."""
+        if fut.status != "pending":
+            return
+        fut.value, fut.stored, fut.error, fut.status = value, stored, error, status
+        pending = self._pending.get(fut.address)
+        if pending is not None:
+            pending.discard(fut)
+
+    def _replied(self, fut: DirectFuture) -> None:
+        """(Holding `_cond`.) Nothing more will come for `fut`; a tree all of whose ranks answered is forgotten."""
+        if fut.replied:
+            return
+        fut.replied = True
+        if fut.tree is not None:
+            tree = self._trees.get(fut.tree)
+            if tree is not None:
+                tree.left -= 1
+                if tree.left <= 0:
+                    del self._trees[fut.tree]
 
     # -- waiting and values ------------------------------------------------------------------------------------
     def wait(self, futures: Sequence[DirectFuture], timeout: float | None) -> bool:
@@ -265,20 +419,51 @@ class DirectChannel:
             return min(addresses, key=lambda a: len(self._pending.get(a, ())))
 
     def fail_address(self, address: str, error: BaseException, lost: bool = True) -> list[DirectFuture]:
-        """Fail every pending item sent to `address`: `lost` (its worker died: the connection is closed too), or
-        cancelled with `error` (the worker lives on; what it still replies for them is ignored). Returns them."""
+        """Fail every pending item sent to `address`: `lost` (its worker died: the connection is closed too, and
+        the ranks of the trees it relayed that have not answered are lost with it), or cancelled with `error` (the
+        worker lives on; what it still replies for them is ignored). Returns them."""
         with self._cond:
             futs = list(self._pending.pop(address, ()))
             for f in futs:
                 self._inflight.pop(f.key, None)
+                if f.tree is not None and not lost:
+                    self._cancelled[f.key] = f
         for f in futs:
             self._finish(f, "lost" if lost else "error", error=error)
+        if lost:
+            self._lose_relayed(address)
         conn = self._connections.pop(address, None) if lost else None
         if conn is not None:
             conn.close()
         if lost:
             self._fetcher.forget(address)
         return futs
+
+    def _lose_relayed(self, address: str) -> None:
+        """`address` died: in every tree it was a node of, the ranks below it that have not answered may never
+        get their items. They are lost at `address`, and their workers skip their numbers."""
+        skips: dict[str, list[int]] = {}
+        with self._cond:
+            for tree in list(self._trees.values()):
+                try:
+                    at = tree.addresses.index(address)
+                except ValueError:
+                    continue
+                start, stop = subtree_of(len(tree.addresses), at)
+                for f in tree.futures[start:stop]:
+                    if f.replied:
+                        continue
+                    self._inflight.pop(f.key, None)
+                    self._cancelled.pop(f.key, None)
+                    self._replied(f)
+                    if f.status == "pending":
+                        f.lost_at = address
+                        self._set(f, "lost", None, False, ConnectionError(f"worker {address} died"))
+                    if f.address != address:
+                        skips.setdefault(f.address, []).append(f.seq)
+            self._cond.notify_all()
+        for a, seqs in skips.items():
+            self._skip(a, seqs)
 
     def release_one(self, key: str, address: str) -> None:
         """Drop the stored output of `key` on `address` (its future is gone: nobody can refer to it any more).
@@ -295,12 +480,9 @@ class DirectChannel:
         with self._cond:
             by_address, self._dropped, self._flush_pending = self._dropped, {}, False
         for address, keys in by_address.items():
-            conn = self._connections.get(address)
-            if conn is None:
-                continue  # never connected, or gone with its worker
-            try:
-                conn.send(frames(("release", keys)))
-            except OSError:  # a dead worker holds nothing any more
+            try:  # a worker reached only through trees is connected to now
+                self._connection(address).send(frames(("release", keys)))
+            except Exception:  # gone with its worker: a dead worker holds nothing any more
                 pass
 
     def reset(self) -> None:
@@ -335,16 +517,17 @@ class DirectTransport(Transport):
     """Calls on the direct path (`DirectChannel`): the controller's `Transport` over it."""
 
     direct = True
+    fans_out = True
 
     def __init__(self, client: Any) -> None:
         super().__init__(client)
         self.channel = DirectChannel(client)
 
     def submit(self, tasks: Sequence[Work], step: int | None) -> list[DirectFuture]:
-        futs = self.channel.submit(tasks, step=step)
-        for f in futs:  # its stored output is dropped once nobody can ask for it
-            weakref.finalize(f, self.channel.release_one, f.key, f.address)
-        return futs
+        return self.channel.submit(tasks, step=step)
+
+    def submit_fanout(self, call: Fanout, step: int | None) -> list[DirectFuture]:
+        return self.channel.submit_fanout(call, step=step)
 
     def apply_site(self, args: tuple, kwargs: dict, slots: Sequence[str]) -> str:
         """The worker that produced the first input (its output is there), else the least busy one."""
@@ -359,9 +542,10 @@ class DirectTransport(Transport):
             raise CallTimeout()
         for c in calls:
             lost = next((f for f in c.futures if f.status == "lost"), None)
-            if lost is not None:
-                self.channel.fail_address(lost.address, ConnectionError(f"worker {lost.address} died"))
-                raise WorkerGone(lost.address, c.label) from lost.error
+            if lost is not None:  # its worker died, or the worker of a relay on its way
+                dead = lost.lost_at or lost.address
+                self.channel.fail_address(dead, ConnectionError(f"worker {dead} died"))
+                raise WorkerGone(dead, c.label) from lost.error
         if not values:
             return []
         for c in calls:

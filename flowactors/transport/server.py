@@ -19,6 +19,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from flowactors.transport.fanout import resolve, subtrees, trim
 from flowactors.transport.wire import (
     CALLS_TOPIC,
     HANDSHAKE_S,
@@ -29,7 +30,9 @@ from flowactors.transport.wire import (
     InputRaised,
     ProtocolError,
     authenticate,
+    dial,
     frames,
+    raw_frames,
     unwrap_reply,
 )
 
@@ -50,7 +53,7 @@ PLUGIN_NAME = "flowactors-direct"
 _STORE: dict[str, Any] = {}
 _READY: dict[str, asyncio.Event] = {}  # touched on the worker's event loop only
 _SPANS: deque[tuple[str, float, float]] = deque(maxlen=20000)
-_REPORTS: deque[dict] = deque()
+_REPORTS: deque[dict] = deque(maxlen=200000)
 _RUNNING: dict[str, Any] = {}  # {"key": ..., "thread": ident} while the task thread runs an item
 _PEERS: dict[str, tuple[int, bytes]] = {}  # every worker's direct listener, as the controller told this one
 
@@ -114,61 +117,333 @@ def refused(dask_worker: Any = None) -> list[str]:
     return list(REFUSED)
 
 
-class _Order:
-    """What one controller's connection ran last on this worker (the dashboard's order edge)."""
-
-    __slots__ = ("last",)
+class _Sequencer:
+    """Runs each controller's items on this worker in the order the controller issued them (its sequence numbers),
+    whichever connection brought them: straight from the controller, or forwarded down a call's tree by a peer.
+    A number the controller gave up on (its relay died) is skipped; an item that arrives after that is dropped."""
 
     def __init__(self) -> None:
-        self.last: str | None = None
+        self._lock = threading.Lock()
+        self._state: dict[str, list] = {}  # controller id -> [next number, {number: start}, skipped, last key]
+
+    def offer(self, cid: str, seq: int, key: str, start: Any) -> None:
+        """`start(previous key)` queues the item on the task thread, once every earlier item of `cid` has been."""
+        with self._lock:
+            st = self._state.setdefault(cid, [0, {}, set(), None])
+            if seq < st[0] or seq in st[2]:
+                st[2].discard(seq)
+                return
+            st[1][seq] = (key, start)
+            self._drain(st)
+
+    def skip(self, cid: str, seqs: Sequence[int]) -> None:
+        with self._lock:
+            st = self._state.setdefault(cid, [0, {}, set(), None])
+            st[2].update(s for s in seqs if s >= st[0])
+            self._drain(st)
+
+    @staticmethod
+    def _drain(st: list) -> None:
+        while True:
+            if st[0] in st[2]:  # given up on by the controller: not run even if it arrived
+                st[2].discard(st[0])
+                st[1].pop(st[0], None)
+            elif st[0] in st[1]:
+                key, start = st[1].pop(st[0])
+                start(st[3])
+                st[3] = key
+            else:
+                return
+            st[0] += 1
+
+
+def _sequencer(worker: Any) -> _Sequencer:
+    seq = getattr(worker, "_flowactors_sequencer", None)
+    if seq is None:
+        with _SEQ_LOCK:
+            seq = getattr(worker, "_flowactors_sequencer", None)
+            if seq is None:
+                seq = worker._flowactors_sequencer = _Sequencer()
+    return seq
+
+
+_SEQ_LOCK = threading.Lock()
 
 
 def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
-    """Authenticate the peer, then read its items in order and queue each on the task thread; its inputs are
-    fetched meanwhile."""
-    import pickle
-
+    """Authenticate the peer, then read its messages: items (queued on the task thread in their controller's issue
+    order, their inputs fetched meanwhile), a call's tree (this worker's item, and the subtrees below it sent on to
+    their first ranks), releases, skips, the peers' table, fetches."""
     if not authenticate(sock, secret):
         REFUSED.append(f"{peer}: did not authenticate within {HANDSHAKE_S:g} s")
         sock.close()
         return
     conn = Connection(sock)
     loop = worker.loop.asyncio_loop
-    executor = worker.executors["default"]
-    order = _Order()
     while True:
         try:
             msg = conn.receive()
-            if msg[0] == "release":
+            kind = msg[0]
+            if kind == "release":
                 loop.call_soon_threadsafe(_handle_release, msg[1])
                 continue
-            if msg[0] == "peers":
+            if kind == "peers":
                 _PEERS.update(msg[1])
                 continue
-            if msg[0] == "get":  # on a fetch connection: one get at a time, so waiting here holds up no one
+            if kind == "skip":
+                _sequencer(worker).skip(msg[1], msg[2])
+                continue
+            if kind == "get":  # on a fetch connection: one get at a time, so waiting here holds up no one
                 _serve_get(conn, loop, msg[1])
                 continue
-            _, key, step, release = msg
-            if release:
-                loop.call_soon_threadsafe(_handle_release, release)
-            data, buffers = conn.receive_frames()  # unpickled apart: a failure there is this item's failure
+            data, buffers = conn.receive_frames()  # unpickled apart: a failure there is the item's failure
         except Exception as e:
             if isinstance(e, ProtocolError):
                 REFUSED.append(f"{peer}: {e}")
             conn.close()
             return
-        try:
-            fn, args, kwargs = pickle.loads(data, buffers=buffers)
-        except BaseException as e:
-            fn, args, kwargs = _raise, (e,), {}
-        refs: dict[str, DirectRef] = {}
-        _collect_refs((args, kwargs), refs)
-        previous, order.last = order.last, key  # items of one connection run in the order they arrive
+        if kind == "tree":
+            _tree(worker, conn, msg, data, buffers)
+            continue
+        _, key, step, release, cid, seq = msg
+        if release:
+            loop.call_soon_threadsafe(_handle_release, release)
+        _queue(worker, cid, seq, key, step, _decode(data, buffers), _Reply(conn).one)
+
+
+def _decode(data: Any, buffers: list) -> tuple:
+    """(fn, args, kwargs) of an item's frames; a failure to unpickle becomes the item's failure."""
+    import pickle
+
+    try:
+        return pickle.loads(data, buffers=buffers)
+    except BaseException as e:
+        return _raise, (e,), {}
+
+
+def _queue(worker: Any, cid: str, seq: int, key: str, step: Any, task: tuple, reply: Any) -> None:
+    """Queue `task` (fn, args, kwargs) on the task thread in `cid`'s issue order; `reply` takes its reply."""
+    fn, args, kwargs = task
+    refs: dict[str, DirectRef] = {}
+    _collect_refs((args, kwargs), refs)
+
+    def start(previous: str | None) -> None:
         _REPORTS.append(
             {"key": key, "deps": list(refs), "order": previous, "state": "waiting", "step": step, "at": time.time()}
         )
+        loop = worker.loop.asyncio_loop
         inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs), loop) if refs else None
-        executor.submit(_job, worker, conn, previous, key, step, fn, args, kwargs, inputs, list(refs))
+        worker.executors["default"].submit(
+            _job, worker, reply, previous, key, step, fn, args, kwargs, inputs, list(refs)
+        )
+
+    _sequencer(worker).offer(cid, seq, key, start)
+
+
+class _Reply:
+    """Sends replies up one connection (to the controller, or to the peer that forwarded a tree)."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def one(self, reply: tuple) -> None:
+        try:
+            try:
+                out = frames(reply)
+            except Exception as e:
+                out = frames(
+                    (reply[0], "error", RuntimeError(f"{reply[0]}: its result cannot be sent back: {e}"), False)
+                )
+            self.conn.send(out)
+        except OSError:  # the controller went away
+            pass
+
+    def many(self, tree: int, replies: list) -> None:
+        try:
+            try:
+                out = frames(("replies", tree, replies))
+            except Exception:
+                out = frames(("replies", tree, [_sendable(r) for r in replies]))
+            self.conn.send(out)
+        except OSError:  # the one above went away: it is lost to the controller too
+            pass
+
+
+def _sendable(reply: tuple) -> tuple:
+    try:
+        frames(reply)
+        return reply
+    except Exception as e:
+        return (reply[0], "error", RuntimeError(f"{reply[0]}: its result cannot be sent back: {e}"), False)
+
+
+AGGREGATE_S = 0.05
+"""A node of a call's tree sends up what its subtree has replied when all has, or after this long (so the
+controller's view of a call some of whose ranks hang stays current)."""
+
+
+class _Gather:
+    """A tree node's replies for one call: its own and its subtrees', sent up together."""
+
+    __slots__ = ("reply", "tree", "left", "held", "since", "lock")
+
+    def __init__(self, reply: _Reply, tree: int, expected: int) -> None:
+        self.reply, self.tree, self.left = reply, tree, expected
+        self.held: list = []
+        self.since = 0.0
+        self.lock = threading.Lock()
+
+    def add(self, replies: list) -> None:
+        with self.lock:
+            if not self.held:
+                self.since = time.monotonic()
+            self.held.extend(replies)
+            self.left -= len(replies)
+            done = self.left <= 0
+            out = self.held if done else None
+            if done:
+                self.held = []
+        if done:
+            _PARTIAL.discard(self)
+            self.reply.many(self.tree, out)
+        else:
+            _flush_later(self)
+
+    def one(self, reply: tuple) -> None:
+        self.add([reply])
+
+    def flush(self, older_than: float) -> bool:
+        """Send up what is held when it has waited `older_than` seconds; whether anything is still expected."""
+        with self.lock:
+            out = None
+            if self.held and time.monotonic() - self.since >= older_than:
+                out, self.held = self.held, []
+            left = self.left
+        if out:
+            self.reply.many(self.tree, out)
+        return left > 0
+
+
+_PARTIAL: set[_Gather] = set()
+_PARTIAL_LOCK = threading.Lock()
+_FLUSHER: list[threading.Thread] = []
+
+
+def _flush_later(gather: _Gather) -> None:
+    with _PARTIAL_LOCK:
+        _PARTIAL.add(gather)
+        if not _FLUSHER:
+            t = threading.Thread(target=_flush_loop, daemon=True, name="flowactors-direct flush")
+            _FLUSHER.append(t)
+            t.start()
+
+
+def _flush_loop() -> None:
+    while True:
+        time.sleep(AGGREGATE_S / 2)
+        with _PARTIAL_LOCK:
+            waiting = list(_PARTIAL)
+        for g in waiting:
+            if not g.flush(AGGREGATE_S):
+                _PARTIAL.discard(g)
+
+
+def _tree(worker: Any, conn: Connection, msg: tuple, data: Any, buffers: list) -> None:
+    """A call's tree: `entries` are this subtree's ranks, this worker's first. Send each subtree below on to its
+    first rank (with only the parts its ranks take), then queue this worker's item; replies go up together."""
+    _, tree, cid, step, entries, marked, level = msg
+    gather = _Gather(_Reply(conn), tree, len(entries))
+    decoded: list = []
+
+    def task() -> tuple:
+        if not decoded:
+            decoded.append(_decode(data, buffers))
+        return decoded[0]
+
+    rest = entries[1:]
+    for start, stop in subtrees(len(rest)):
+        child = rest[start:stop]
+        try:
+            if marked:
+                fn, args, kwargs = task()
+                lo, hi = min(e[3] for e in child), max(e[3] for e in child)
+                payload = frames((fn, trim(args, lo, hi), trim(kwargs, lo, hi)))
+            else:
+                payload = raw_frames(data, buffers)
+            _RELAYS.send(
+                worker.address, child, [*frames(("tree", tree, cid, step, child, marked, level + 1)), *payload], gather
+            )
+        except Exception as e:
+            gather.add([(e_[1], "lost", (child[0][0], f"{type(e).__name__}: {e}"), False) for e_ in child])
+    address, key, seq, part, extra, kw, release = entries[0]
+    _LEVELS[level] = _LEVELS.get(level, 0) + 1
+    if release:
+        worker.loop.asyncio_loop.call_soon_threadsafe(_handle_release, release)
+    fn, args, kwargs = task()
+    if part >= 0 and fn is not _raise:
+        try:
+            args, kwargs = resolve(args, part), resolve(kwargs, part)
+        except BaseException as e:
+            fn, args, kwargs = _raise, (e,), {}
+    if fn is not _raise:
+        args, kwargs = (*extra, *args), {**kwargs, **kw}
+    _queue(worker, cid, seq, key, step, (fn, args, kwargs), gather.one)
+
+
+_LEVELS: dict[int, int] = {}
+"""How many tree items this process took at each level of their tree (1: sent by the controller)."""
+
+
+class _Relays:
+    """This process's connections to the peers it forwards subtrees to, each with a thread reading their replies
+    up; a connection that breaks fails every rank of the subtrees still waiting on it (their first rank died)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conns: dict[tuple[str, str], tuple[Connection, dict]] = {}
+
+    def send(self, here: str, child: list, message: list, gather: _Gather) -> None:
+        address = child[0][0]
+        with self._lock:
+            got = self._conns.get((here, address))
+            if got is None:
+                conn = dial(address, *_peer(address))
+                conn.send(frames(("peers", dict(_PEERS))))
+                got = self._conns[(here, address)] = (conn, {})
+                threading.Thread(
+                    target=self._read, args=(here, address, got), daemon=True, name=f"flowactors-direct relay {address}"
+                ).start()
+            got[1][gather.tree] = (gather, {e[1] for e in child})
+        got[0].send(message)
+
+    def _read(self, here: str, address: str, got: tuple) -> None:
+        conn, waiting = got
+        while True:
+            try:
+                _, tree, replies = conn.receive()
+            except Exception as e:
+                with self._lock:
+                    if self._conns.get((here, address)) is got:
+                        del self._conns[(here, address)]
+                    left = list(waiting.values())
+                    waiting.clear()
+                for gather, keys in left:
+                    gather.add([(k, "lost", (address, f"lost the connection to {address}: {e}"), False) for k in keys])
+                conn.close()
+                return
+            with self._lock:
+                entry = waiting.get(tree)
+                if entry is not None:
+                    entry[1].difference_update(r[0] for r in replies)
+                    if not entry[1]:
+                        del waiting[tree]
+            if entry is not None:
+                entry[0].add(replies)
+
+
+_RELAYS = _Relays()
 
 
 def _serve_get(conn: Connection, loop: Any, key: str) -> None:
@@ -189,7 +464,7 @@ def _raise(error: BaseException) -> None:
 
 def _job(
     worker: Any,
-    conn: Connection,
+    reply_to: Any,
     previous: str | None,
     key: str,
     step: int | None,
@@ -200,7 +475,7 @@ def _job(
     deps: list[str],
 ) -> None:
     """In the worker's task thread: wait for the inputs, run the item as a task would run (`get_worker()` answers
-    there), keep its output, reply to the controller."""
+    there), keep its output, hand its reply to `reply_to` (up to the controller, directly or through the tree)."""
     from distributed.metrics import time as now
     from distributed.worker import _worker_cvar
 
@@ -235,19 +510,11 @@ def _job(
     _STORE[key] = _Raised(failed) if failed is not None else value
     worker.loop.asyncio_loop.call_soon_threadsafe(_mark_ready, key)
     if failed is not None:
-        reply = (key, "error", failed, False)
+        reply_to((key, "error", failed, False))
     elif payload_bytes(value) <= INLINE_BYTES:
-        reply = (key, "ok", value, False)
+        reply_to((key, "ok", value, False))
     else:
-        reply = (key, "ok", None, True)
-    try:
-        try:
-            out = frames(reply)
-        except Exception as e:
-            out = frames((key, "error", RuntimeError(f"{key}: its result cannot be sent back: {e}"), False))
-        conn.send(out)
-    except OSError:  # the controller went away
-        pass
+        reply_to((key, "ok", None, True))
 
 
 def _mark_ready(key: str) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "authenticate",
     "dial",
     "frames",
+    "raw_frames",
     "unwrap_reply",
 ]
 
@@ -121,6 +122,16 @@ def frames(obj: Any) -> list:
     views = [b.raw() for b in buffers]
     return [
         _FRAME.pack(len(data), len(views)) + struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)) + data,
+        *views,
+    ]
+
+
+def raw_frames(data: Any, buffers: list) -> list:
+    """The frames of a message received as `data` and `buffers` (`Connection.receive_frames`), to send it on
+    unchanged without unpickling it."""
+    views = [memoryview(b) for b in buffers]
+    return [
+        _FRAME.pack(len(data), len(views)) + struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)) + bytes(data),
         *views,
     ]
 
