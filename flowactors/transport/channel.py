@@ -17,13 +17,12 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from contextlib import suppress as _suppress
 from typing import Any
 
 from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
-from flowactors.transport.fanout import Fanout, has_parts, resolve, subtree_of, subtrees, trim
+from flowactors.transport.fanout import ROOTS, Fanout, has_parts, resolve, subtree_of, subtrees, trim
 from flowactors.transport.server import PLUGIN_NAME, DirectPlugin, listen_port, running_stack, spans_between
 from flowactors.transport.wire import ISSUED_TOPIC, Connection, DirectRef, Fetcher, dial, frames, unwrap_reply
 
@@ -116,7 +115,7 @@ class DirectChannel:
         """`listeners`: every worker's direct port and secret, given instead of asked of a Dask `client`."""
         self._client = client
         self._cond = threading.Condition()
-        self._pending: dict[str, weakref.WeakSet[DirectFuture]] = {}
+        self._pending: dict[str, dict[str, DirectFuture]] = {}  # address -> {key: future} of what is not done
         self._inflight: dict[str, tuple[DirectFuture, Any]] = {}  # key -> (future, its arguments, held)
         self._connections: dict[str, Connection] = {}
         self._listeners: dict[str, tuple[int, bytes]] = {}  # each worker's direct port and secret
@@ -236,7 +235,7 @@ class DirectChannel:
             fut = DirectFuture(self, key, address, seq)
             out.append(fut)
             with self._cond:
-                self._pending.setdefault(address, weakref.WeakSet()).add(fut)
+                self._pending.setdefault(address, {})[key] = fut
                 self._inflight[key] = (fut, (args, kwargs))
                 release = self._dropped.pop(address, [])  # outputs to drop there: they ride along
             try:
@@ -263,7 +262,7 @@ class DirectChannel:
         if any(a not in self._listeners for a in addresses):
             self._listener(next(a for a in addresses if a not in self._listeners))  # every worker's, at once
         marked = has_parts((call.args, call.kwargs))
-        roots = subtrees(len(ranks))
+        roots = subtrees(len(ranks), ROOTS)
         if marked:  # each root's parts; all serialized before anything is sent (an error leaves no rank alone)
             payloads = []
             for start, stop in roots:
@@ -276,13 +275,19 @@ class DirectChannel:
         entries, futs = [], []
         with self._cond:
             dropped = self._dropped
+            pending, inflight, seqs = self._pending, self._inflight, self._seq
             for r in ranks:
-                seq = self._next_seq(r.address)
-                fut = DirectFuture(self, r.key, r.address, seq, tree_id)
+                address = r.address
+                seq = seqs.get(address, 0)
+                seqs[address] = seq + 1
+                fut = DirectFuture(self, r.key, address, seq, tree_id)
                 futs.append(fut)
-                self._pending.setdefault(r.address, weakref.WeakSet()).add(fut)
-                self._inflight[r.key] = (fut, None)
-                entries.append((r.address, r.key, seq, r.part, r.extra, r.kwargs, dropped.pop(r.address, None)))
+                waiting = pending.get(address)
+                if waiting is None:
+                    waiting = pending[address] = {}
+                waiting[r.key] = fut
+                inflight[r.key] = (fut, None)
+                entries.append((address, r.key, seq, r.part, r.extra, r.kwargs, dropped.pop(address, None)))
             self._trees[tree_id] = _Tree(futs, addresses, (call.args, call.kwargs))
         from distributed.metrics import time as clock
 
@@ -344,8 +349,10 @@ class DirectChannel:
         with self._cond:
             issued, self._issued = self._issued, []
             self._issue_pending = False
+        if self._closed or self._client is None:
+            return
         calls = [r for items, futs, step, at in issued for r in self._reports(items, futs, step, at)]
-        if calls and not self._closed and self._client is not None:
+        if calls:
             try:
                 self._client.log_event(ISSUED_TOPIC, {"calls": calls})
             except Exception:
@@ -370,7 +377,7 @@ class DirectChannel:
         fut.value, fut.stored, fut.error, fut.status = value, stored, error, status
         pending = self._pending.get(fut.address)
         if pending is not None:
-            pending.discard(fut)
+            pending.pop(fut.key, None)
 
     def _replied(self, fut: DirectFuture) -> None:
         """(Holding `_cond`.) Nothing more will come for `fut`; a tree all of whose ranks answered is forgotten."""
@@ -423,7 +430,7 @@ class DirectChannel:
         the ranks of the trees it relayed that have not answered are lost with it), or cancelled with `error` (the
         worker lives on; what it still replies for them is ignored). Returns them."""
         with self._cond:
-            futs = list(self._pending.pop(address, ()))
+            futs = list(self._pending.pop(address, {}).values())
             for f in futs:
                 self._inflight.pop(f.key, None)
                 if f.tree is not None and not lost:
@@ -477,12 +484,18 @@ class DirectChannel:
         _later(RELEASE_S, self._release)
 
     def _release(self) -> None:
+        """Send the drops to the workers this controller is connected to; a worker it reaches only through trees
+        gets its drops with its next item (connecting to every rank of a large tree would undo the tree)."""
         with self._cond:
             by_address, self._dropped, self._flush_pending = self._dropped, {}, False
+            for address in [a for a in by_address if a not in self._connections]:
+                self._dropped.setdefault(address, []).extend(by_address.pop(address))
         for address, keys in by_address.items():
-            try:  # a worker reached only through trees is connected to now
-                self._connection(address).send(frames(("release", keys)))
-            except Exception:  # gone with its worker: a dead worker holds nothing any more
+            conn = self._connections.get(address)
+            try:
+                if conn is not None:
+                    conn.send(frames(("release", keys)))
+            except OSError:  # gone with its worker: a dead worker holds nothing any more
                 pass
 
     def reset(self) -> None:

@@ -29,7 +29,10 @@ __all__ = [
 ]
 
 FANOUT = 8
-"""Children per node of a call's tree (and roots the controller sends to): 1,024 ranks are 4 levels deep."""
+"""Children per node of a call's tree."""
+ROOTS = 2
+"""Ranks the controller sends a call to (the roots of its tree): its cost per call then hardly grows with the ranks
+(what does grow is the bookkeeping of one future per rank); 1,024 ranks are 4 levels deep."""
 
 
 class Split:
@@ -144,9 +147,9 @@ def expand(call: Fanout) -> list[tuple[str, Any, tuple, dict, str]]:
     return items
 
 
-def subtrees(n: int, fanout: int = FANOUT) -> list[tuple[int, int]]:
+def subtrees(n: int, fanout: int) -> list[tuple[int, int]]:
     """Cut `n` consecutive ranks into at most `fanout` contiguous (start, stop) runs, as equal as can be: the
-    subtrees below one node (whose first rank is the subtree's own node)."""
+    subtrees below one node, or the controller (`ROOTS`); each run's first rank is the node of its subtree."""
     k = min(n, fanout)
     if k == 0:
         return []
@@ -159,9 +162,9 @@ def subtrees(n: int, fanout: int = FANOUT) -> list[tuple[int, int]]:
     return out
 
 
-def subtree_of(n: int, index: int, fanout: int = FANOUT) -> tuple[int, int]:
+def subtree_of(n: int, index: int, fanout: int = FANOUT, roots: int = ROOTS) -> tuple[int, int]:
     """The (start, stop) ranks of the subtree whose node is rank `index` of a tree over `n` ranks."""
-    start, stop, runs = 0, n, subtrees(n, fanout)
+    start, stop, runs = 0, n, subtrees(n, roots)
     while True:
         for a, b in runs:
             if a + start <= index < b + start:
@@ -173,8 +176,8 @@ def subtree_of(n: int, index: int, fanout: int = FANOUT) -> tuple[int, int]:
         start += 1
 
 
-def depth(n: int, fanout: int = FANOUT) -> int:
+def depth(n: int, fanout: int = FANOUT, roots: int = ROOTS) -> int:
     """Levels of the tree over `n` ranks (1: the controller reaches every rank itself)."""
     if n <= 0:
         return 0
-    return 1 + max((depth(stop - start - 1, fanout) for start, stop in subtrees(n, fanout)), default=0)
+    return 1 + max((depth(stop - start - 1, fanout, fanout) for start, stop in subtrees(n, roots)), default=0)

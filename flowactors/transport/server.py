@@ -19,7 +19,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from flowactors.transport.fanout import resolve, subtrees, trim
+from flowactors.transport.fanout import FANOUT, resolve, subtrees, trim
 from flowactors.transport.wire import (
     CALLS_TOPIC,
     HANDSHAKE_S,
@@ -40,11 +40,13 @@ __all__ = [
     "PLUGIN_NAME",
     "REFUSED",
     "DirectPlugin",
+    "listen",
     "listen_port",
     "refused",
     "running_stack",
     "spans_between",
     "stored_keys",
+    "tree_levels",
 ]
 
 REPORT_S = 0.2
@@ -65,15 +67,9 @@ class DirectPlugin(WorkerPlugin):
     idempotent = True
 
     def setup(self, worker: Any) -> None:
-        from distributed.comm import get_address_host
         from tornado.ioloop import PeriodicCallback
 
-        self._listener = socket.create_server((get_address_host(worker.address), 0), backlog=128)
-        secret = secrets.token_bytes(32)
-        worker._flowactors_direct = (self._listener.getsockname()[1], secret)
-        threading.Thread(
-            target=_accept, args=(worker, self._listener, secret), daemon=True, name="flowactors-direct accept"
-        ).start()
+        self._listener = listen(worker)
         self._report = PeriodicCallback(lambda: _flush_reports(worker), REPORT_S * 1000)
         self._report.start()
 
@@ -89,6 +85,26 @@ class DirectPlugin(WorkerPlugin):
             except OSError:
                 pass
             listener.close()
+
+
+def listen(worker: Any) -> socket.socket:
+    """Start `worker`'s listener (on the interface of its address, with a secret of its own) and the thread that
+    accepts its connections; `worker` needs `address`, `loop.asyncio_loop`, `executors["default"]` and
+    `log_event`, as a Dask worker has (or a light stand-in, benchmarks/fanout.py)."""
+    from distributed.comm import get_address_host
+
+    listener = socket.create_server((get_address_host(worker.address), 0), backlog=1024)
+    secret = secrets.token_bytes(32)
+    worker._flowactors_direct = (listener.getsockname()[1], secret)
+    threading.Thread(
+        target=_accept, args=(worker, listener, secret), daemon=True, name="flowactors-direct accept"
+    ).start()
+    return listener
+
+
+def tree_levels(dask_worker: Any = None) -> dict[int, int]:
+    """How many items of call trees this process ran at each level of their tree (1: sent by the controller)."""
+    return dict(_LEVELS)
 
 
 def listen_port(dask_worker: Any = None) -> tuple[int, bytes]:
@@ -363,7 +379,7 @@ def _tree(worker: Any, conn: Connection, msg: tuple, data: Any, buffers: list) -
         return decoded[0]
 
     rest = entries[1:]
-    for start, stop in subtrees(len(rest)):
+    for start, stop in subtrees(len(rest), FANOUT):
         child = rest[start:stop]
         try:
             if marked:
