@@ -71,7 +71,7 @@ class Controller:
         self.step: int | None = None
         self.groups: dict[str, Any] = {}
         self._lock = threading.Lock()  # the issue order, and the failure bookkeeping below
-        self._calls: dict[str, weakref.WeakSet[CallFuture]] = {}
+        self._calls: weakref.WeakSet[CallFuture] = weakref.WeakSet()  # issued and alive (failures, recovery)
         self._hosted: dict[str, list[tuple[str, int]]] = {}
         self._lost: dict[str, list[tuple[str, int]]] = {}
         self._world: list[str] | None = None
@@ -193,8 +193,7 @@ class Controller:
             return self.transport.submit_fanout(call, self.step)
 
     def _track(self, call: CallFuture) -> CallFuture:
-        for a in call.addresses:
-            self._calls.setdefault(a, weakref.WeakSet()).add(call)
+        self._calls.add(call)  # one entry per call: a failure (rare) finds a worker's calls by their addresses
         self.transport.track(call)
         return call
 
@@ -287,7 +286,7 @@ class Controller:
             return
         with self._lock:
             self._lost[address] = self._hosted.get(address, [])
-            futures = [f for c in self._calls.pop(address, ()) for f in c.futures]
+            futures = [f for c in list(self._calls) if address in c.addresses for f in c.futures]
         await self.transport.worker_lost(address, futures)
 
     def lost_input_error(self, error: RemoteError, label: str, grace_s: float = 10.0) -> WorkerLostError | None:
@@ -336,7 +335,7 @@ class Controller:
                 f"come back; need at least {min_slots}"
             )
         with self._lock:
-            stale = [f for calls in self._calls.values() for c in calls for f in c.futures]
+            stale = [f for c in list(self._calls) for f in c.futures]
             self._calls.clear()
             self._hosted.clear()
             self._lost.clear()

@@ -234,12 +234,14 @@ class ActorGroup:
         keep = _kept_ranks(protocol, layout)
         agree = agree and world > 1
         token, label, ctl = new_token(), f"{self.name}.{method}", self.controller
+        keys = [f"{label}-{r}-{token}" for r in range(world)]
+        pushed = ctl.pushes_results
         return Fanout(
             _runtime.call_rank,
             (self.name, method, inputs, split, ctl.step, agree),
             {},
             [
-                Rank(a, f"{label}-{r}-{token}", parts[r], (r, r in keep), ctl.push_target(f"{label}-{r}-{token}"))
+                Rank(a, keys[r], parts[r], (r, r in keep), ctl.push_target(keys[r]) if pushed else _NO_KWARGS)
                 for r, a in enumerate(self.addresses)
             ],
         )
@@ -311,6 +313,9 @@ def _route(protocol: Protocol, layout: Layout, args: tuple, kwargs: dict) -> tup
         for r, (a_r, kw_r) in enumerate(per_rank)
     ]
     return out, direct
+
+
+_NO_KWARGS: dict = {}  # shared by every rank that takes no keywords of its own (never written to)
 
 
 def _split_mark(value: Any, parts: int) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from contextlib import suppress as _suppress
 from typing import Any
@@ -91,10 +92,30 @@ class DirectFuture:
 class _Tree:
     """A call sent down a tree: its ranks' futures and addresses in rank order, the inputs held until it is done."""
 
-    __slots__ = ("futures", "addresses", "inputs", "left")
+    __slots__ = ("futures", "addresses", "inputs", "left", "_index")
 
     def __init__(self, futures: list[DirectFuture], addresses: list[str], inputs: Any) -> None:
         self.futures, self.addresses, self.inputs, self.left = futures, addresses, inputs, len(futures)
+        self._index: dict[str, int] | None = None
+
+    def position(self, address: str) -> int | None:
+        """The rank index of `address` in this tree (None: not one of its ranks)."""
+        if self._index is None:
+            self._index = {a: i for i, a in enumerate(self.addresses)}
+        return self._index.get(address)
+
+
+def _unfinished(futures: Sequence[DirectFuture]) -> bool:
+    """Whether some of `futures` may still finish: one is pending and none is lost (its worker died: the others
+    may never finish)."""
+    pending = False
+    for f in futures:
+        status = f.status
+        if status == "lost":
+            return False
+        if status == "pending":
+            pending = True
+    return pending
 
 
 def _later(seconds: float, fn: Any) -> None:
@@ -122,6 +143,7 @@ class DirectChannel:
         self._fetcher = Fetcher(self._listener)
         self._fetch_pool: Any = None
         self._dropped: dict[str, list[str]] = {}
+        self._drops: deque[tuple[str, str]] = deque()  # (address, key) released by finalizers, not yet sorted
         self._flush_pending = False
         self._issued: list[tuple] = []  # what was sent and not yet reported to the scheduler (the dashboard's)
         self._issue_pending = False
@@ -130,7 +152,6 @@ class DirectChannel:
         self.id = secrets.token_hex(8)  # the workers order this controller's items by it and their numbers
         self._seq: dict[str, int] = {}  # address -> the number of the next item sent there
         self._trees: dict[str, _Tree] = {}  # calls sent down a tree, by id, until every rank answered
-        self._cancelled: dict[str, DirectFuture] = {}  # tree ranks cancelled before they answered
         self._tree_count = 0
         if listeners is not None:  # light stand-in workers (benchmarks/fanout.py): no Dask client
             self._listeners.update(listeners)
@@ -170,36 +191,59 @@ class DirectChannel:
                 if not self._closed:
                     self.fail_address(address, ConnectionError(f"lost the connection to worker {address}: {e}"))
                 return
-            self._on_replies(msg[2] if msg[0] == "replies" else [msg])
+            if msg[0] == "replies":
+                self._on_tree_replies(msg[1], msg[2])
+            else:
+                self._on_replies([msg])
             del msg  # nothing of a finished item may stay referenced here while the next reply is awaited
 
     def _on_replies(self, replies: list) -> None:
-        """Finish the futures of `replies` ((key, status, value, stored) each) under one lock. A rank reported
-        "lost" by the relay above it (whose connection to the subtree broke) is lost at that subtree's first rank;
-        its own worker, if alive, skips its number (the item may never arrive)."""
-        skips: dict[str, list[int]] = {}
+        """Finish the futures of single items' `replies` ((key, status, value, stored) each)."""
         with self._cond:
             for key, status, value, stored in replies:
                 entry = self._inflight.pop(key, None)  # the future, and the arguments held for it until now
-                if entry is None:
-                    cancelled = self._cancelled.pop(key, None)  # its reply still counts for its tree
-                    if cancelled is not None:
-                        self._replied(cancelled)
-                    continue
-                fut = entry[0]
-                self._replied(fut)
-                if status == "error":
-                    self._set(fut, "error", None, False, value)
-                elif status == "lost":
-                    fut.lost_at = value[0]
-                    self._set(fut, "lost", None, False, ConnectionError(value[1]))
-                    if fut.address != fut.lost_at:
-                        skips.setdefault(fut.address, []).append(fut.seq)
-                else:
-                    self._set(fut, "finished", value, stored, None)
+                if entry is not None:
+                    self._answer(entry[0], status, value, stored, None)
+            self._cond.notify_all()
+
+    def _on_tree_replies(self, tree_id: str, replies: list) -> None:
+        """Finish the futures of a tree's `replies` ((rank index, status, value, stored) each) under one lock. A
+        rank reported "lost" by the relay above it (whose connection to the subtree broke) is lost at that
+        subtree's first rank; its own worker, if alive, skips its number (the item may never arrive)."""
+        skips: dict[str, list[int]] = {}
+        with self._cond:
+            tree = self._trees.get(tree_id)
+            if tree is None:
+                return
+            futures = tree.futures
+            for i, status, value, stored in replies:
+                fut = futures[i]
+                if not fut.replied:
+                    fut.replied = True
+                    tree.left -= 1
+                    self._answer(fut, status, value, stored, skips)
+            if tree.left <= 0:
+                del self._trees[tree_id]
             self._cond.notify_all()
         for address, seqs in skips.items():
             self._skip(address, seqs)
+
+    def _answer(self, fut: DirectFuture, status: str, value: Any, stored: bool, skips: dict | None) -> None:
+        """(Holding `_cond`.) `fut`'s reply; nothing for a future already cancelled."""
+        if fut.status != "pending":
+            return
+        if status == "error":
+            fut.error, fut.status = value, "error"
+        elif status == "lost":
+            fut.lost_at, fut.error, fut.status = value[0], ConnectionError(value[1]), "lost"
+            if skips is not None and fut.address != fut.lost_at:
+                skips.setdefault(fut.address, []).append(fut.seq)
+        else:
+            fut.value, fut.stored, fut.status = value, stored, "finished"
+        if fut.tree is None:
+            waiting = self._pending.get(fut.address)
+            if waiting is not None:
+                waiting.pop(fut.key, None)
 
     def _skip(self, address: str, seqs: list[int]) -> None:
         try:
@@ -237,6 +281,7 @@ class DirectChannel:
             with self._cond:
                 self._pending.setdefault(address, {})[key] = fut
                 self._inflight[key] = (fut, (args, kwargs))
+                self._drain_drops()
                 release = self._dropped.pop(address, [])  # outputs to drop there: they ride along
             try:
                 conn = self._connection(address)
@@ -275,18 +320,13 @@ class DirectChannel:
         entries, futs = [], []
         with self._cond:
             dropped = self._dropped
-            pending, inflight, seqs = self._pending, self._inflight, self._seq
+            self._drain_drops()
+            seqs = self._seq
             for r in ranks:
                 address = r.address
                 seq = seqs.get(address, 0)
                 seqs[address] = seq + 1
-                fut = DirectFuture(self, r.key, address, seq, tree_id)
-                futs.append(fut)
-                waiting = pending.get(address)
-                if waiting is None:
-                    waiting = pending[address] = {}
-                waiting[r.key] = fut
-                inflight[r.key] = (fut, None)
+                futs.append(DirectFuture(self, r.key, address, seq, tree_id))
                 entries.append((address, r.key, seq, r.part, r.extra, r.kwargs, dropped.pop(address, None)))
             self._trees[tree_id] = _Tree(futs, addresses, (call.args, call.kwargs))
         from distributed.metrics import time as clock
@@ -297,13 +337,11 @@ class DirectChannel:
         for (start, stop), payload in zip(roots, payloads):
             try:
                 conn = self._connection(addresses[start])
-                conn.send([*frames(("tree", tree_id, self.id, step, entries[start:stop], marked, 1)), *payload])
+                header = ("tree", tree_id, self.id, step, entries[start:stop], start, marked, 1)
+                conn.send([*frames(header), *payload])
             except Exception as e:
-                lost = [
-                    (ranks[i].key, "lost", (addresses[start], f"{type(e).__name__}: {e}"), False)
-                    for i in range(start, stop)
-                ]
-                self._on_replies(lost)
+                lost = [(i, "lost", (addresses[start], f"{type(e).__name__}: {e}"), False) for i in range(start, stop)]
+                self._on_tree_replies(tree_id, lost)
         return futs
 
     def _report_issued(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None) -> None:
@@ -366,30 +404,15 @@ class DirectChannel:
         stored: bool = False,
         error: BaseException | None = None,
     ) -> None:
+        """Finish `fut` here (its send failed, its worker died, or it was cancelled)."""
         with self._cond:
-            self._set(fut, status, value, stored, error)
+            if fut.status == "pending":
+                fut.value, fut.stored, fut.error, fut.status = value, stored, error, status
+                if fut.tree is None:
+                    waiting = self._pending.get(fut.address)
+                    if waiting is not None:
+                        waiting.pop(fut.key, None)
             self._cond.notify_all()
-
-    def _set(self, fut: DirectFuture, status: str, value: Any, stored: bool, error: BaseException | None) -> None:
-        """(Holding `_cond`.) Finish `fut`; a tree whose last future this was is forgotten."""
-        if fut.status != "pending":
-            return
-        fut.value, fut.stored, fut.error, fut.status = value, stored, error, status
-        pending = self._pending.get(fut.address)
-        if pending is not None:
-            pending.pop(fut.key, None)
-
-    def _replied(self, fut: DirectFuture) -> None:
-        """(Holding `_cond`.) Nothing more will come for `fut`; a tree all of whose ranks answered is forgotten."""
-        if fut.replied:
-            return
-        fut.replied = True
-        if fut.tree is not None:
-            tree = self._trees.get(fut.tree)
-            if tree is not None:
-                tree.left -= 1
-                if tree.left <= 0:
-                    del self._trees[fut.tree]
 
     # -- waiting and values ------------------------------------------------------------------------------------
     def wait(self, futures: Sequence[DirectFuture], timeout: float | None) -> bool:
@@ -397,7 +420,7 @@ class DirectChannel:
         False when `timeout` ran out first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not all(f.done() for f in futures) and not any(f.status == "lost" for f in futures):
+            while _unfinished(futures):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -423,7 +446,13 @@ class DirectChannel:
     def least_busy(self, addresses: Sequence[str]) -> str:
         """The address with the fewest items sent and not yet done (the first among equals)."""
         with self._cond:
-            return min(addresses, key=lambda a: len(self._pending.get(a, ())))
+            busy = {a: len(self._pending.get(a, ())) for a in addresses}
+            for tree in self._trees.values():
+                for a in addresses:
+                    i = tree.position(a)
+                    if i is not None and tree.futures[i].status == "pending":
+                        busy[a] += 1
+            return min(addresses, key=busy.__getitem__)
 
     def fail_address(self, address: str, error: BaseException, lost: bool = True) -> list[DirectFuture]:
         """Fail every pending item sent to `address`: `lost` (its worker died: the connection is closed too, and
@@ -433,8 +462,10 @@ class DirectChannel:
             futs = list(self._pending.pop(address, {}).values())
             for f in futs:
                 self._inflight.pop(f.key, None)
-                if f.tree is not None and not lost:
-                    self._cancelled[f.key] = f
+            for tree in self._trees.values():
+                i = tree.position(address)
+                if i is not None and tree.futures[i].status == "pending":
+                    futs.append(tree.futures[i])
         for f in futs:
             self._finish(f, "lost" if lost else "error", error=error)
         if lost:
@@ -447,49 +478,55 @@ class DirectChannel:
         return futs
 
     def _lose_relayed(self, address: str) -> None:
-        """`address` died: in every tree it was a node of, the ranks below it that have not answered may never
-        get their items. They are lost at `address`, and their workers skip their numbers."""
+        """`address` died: in every tree it was a node of, it and the ranks below it that have not answered may
+        never answer. They are lost at `address`, and the workers of the others skip their numbers."""
         skips: dict[str, list[int]] = {}
         with self._cond:
-            for tree in list(self._trees.values()):
-                try:
-                    at = tree.addresses.index(address)
-                except ValueError:
+            for tree_id, tree in list(self._trees.items()):
+                at = tree.position(address)
+                if at is None:
                     continue
-                start, stop = subtree_of(len(tree.addresses), at)
+                start, stop = subtree_of(len(tree.futures), at)
                 for f in tree.futures[start:stop]:
                     if f.replied:
                         continue
-                    self._inflight.pop(f.key, None)
-                    self._cancelled.pop(f.key, None)
-                    self._replied(f)
+                    f.replied = True
+                    tree.left -= 1
                     if f.status == "pending":
-                        f.lost_at = address
-                        self._set(f, "lost", None, False, ConnectionError(f"worker {address} died"))
+                        f.lost_at, f.error, f.status = address, ConnectionError(f"worker {address} died"), "lost"
                     if f.address != address:
                         skips.setdefault(f.address, []).append(f.seq)
+                if tree.left <= 0:
+                    del self._trees[tree_id]
             self._cond.notify_all()
         for a, seqs in skips.items():
             self._skip(a, seqs)
 
     def release_one(self, key: str, address: str) -> None:
         """Drop the stored output of `key` on `address` (its future is gone: nobody can refer to it any more).
-        Called from finalizers in any thread: the next item sent to that worker takes the drops along, and a quiet
-        worker gets them on their own after `RELEASE_S`."""
-        with self._cond:
-            self._dropped.setdefault(address, []).append(key)
-            if self._flush_pending:
-                return
+        Called from finalizers in any thread (an append, no lock): the next item sent to that worker takes the
+        drops along, and a quiet worker this controller is connected to gets them on their own after `RELEASE_S`."""
+        self._drops.append((address, key))
+        if not self._flush_pending:
             self._flush_pending = True
-        _later(RELEASE_S, self._release)
+            _later(RELEASE_S, self._release)
+
+    def _drain_drops(self) -> None:
+        """(Holding `_cond`.) Move the finalizers' drops into the per-worker lists."""
+        drops, dropped = self._drops, self._dropped
+        while drops:
+            address, key = drops.popleft()
+            dropped.setdefault(address, []).append(key)
 
     def _release(self) -> None:
         """Send the drops to the workers this controller is connected to; a worker it reaches only through trees
         gets its drops with its next item (connecting to every rank of a large tree would undo the tree)."""
         with self._cond:
-            by_address, self._dropped, self._flush_pending = self._dropped, {}, False
+            self._flush_pending = False
+            self._drain_drops()
+            by_address, self._dropped = self._dropped, {}
             for address in [a for a in by_address if a not in self._connections]:
-                self._dropped.setdefault(address, []).extend(by_address.pop(address))
+                self._dropped[address] = by_address.pop(address)
         for address, keys in by_address.items():
             conn = self._connections.get(address)
             try:

@@ -327,9 +327,6 @@ class _Gather:
         else:
             _flush_later(self)
 
-    def one(self, reply: tuple) -> None:
-        self.add([reply])
-
     def flush(self, older_than: float) -> bool:
         """Send up what is held when it has waited `older_than` seconds; whether anything is still expected."""
         with self.lock:
@@ -369,7 +366,7 @@ def _flush_loop() -> None:
 def _tree(worker: Any, conn: Connection, msg: tuple, data: Any, buffers: list) -> None:
     """A call's tree: `entries` are this subtree's ranks, this worker's first. Send each subtree below on to its
     first rank (with only the parts its ranks take), then queue this worker's item; replies go up together."""
-    _, tree, cid, step, entries, marked, level = msg
+    _, tree, cid, step, entries, first, marked, level = msg
     gather = _Gather(_Reply(conn), tree, len(entries))
     decoded: list = []
 
@@ -380,7 +377,7 @@ def _tree(worker: Any, conn: Connection, msg: tuple, data: Any, buffers: list) -
 
     rest = entries[1:]
     for start, stop in subtrees(len(rest), FANOUT):
-        child = rest[start:stop]
+        child, child_first = rest[start:stop], first + 1 + start
         try:
             if marked:
                 fn, args, kwargs = task()
@@ -388,11 +385,11 @@ def _tree(worker: Any, conn: Connection, msg: tuple, data: Any, buffers: list) -
                 payload = frames((fn, trim(args, lo, hi), trim(kwargs, lo, hi)))
             else:
                 payload = raw_frames(data, buffers)
-            _RELAYS.send(
-                worker.address, child, [*frames(("tree", tree, cid, step, child, marked, level + 1)), *payload], gather
-            )
+            header = ("tree", tree, cid, step, child, child_first, marked, level + 1)
+            _RELAYS.send(worker.address, child, child_first, [*frames(header), *payload], gather)
         except Exception as e:
-            gather.add([(e_[1], "lost", (child[0][0], f"{type(e).__name__}: {e}"), False) for e_ in child])
+            lost = (child[0][0], f"{type(e).__name__}: {e}")
+            gather.add([(child_first + j, "lost", lost, False) for j in range(len(child))])
     address, key, seq, part, extra, kw, release = entries[0]
     _LEVELS[level] = _LEVELS.get(level, 0) + 1
     if release:
@@ -405,7 +402,7 @@ def _tree(worker: Any, conn: Connection, msg: tuple, data: Any, buffers: list) -
             fn, args, kwargs = _raise, (e,), {}
     if fn is not _raise:
         args, kwargs = (*extra, *args), {**kwargs, **kw}
-    _queue(worker, cid, seq, key, step, (fn, args, kwargs), gather.one)
+    _queue(worker, cid, seq, key, step, (fn, args, kwargs), lambda r: gather.add([(first, r[1], r[2], r[3])]))
 
 
 _LEVELS: dict[int, int] = {}
@@ -420,7 +417,7 @@ class _Relays:
         self._lock = threading.Lock()
         self._conns: dict[tuple[str, str], tuple[Connection, dict]] = {}
 
-    def send(self, here: str, child: list, message: list, gather: _Gather) -> None:
+    def send(self, here: str, child: list, first: int, message: list, gather: _Gather) -> None:
         address = child[0][0]
         with self._lock:
             got = self._conns.get((here, address))
@@ -431,7 +428,7 @@ class _Relays:
                 threading.Thread(
                     target=self._read, args=(here, address, got), daemon=True, name=f"flowactors-direct relay {address}"
                 ).start()
-            got[1][gather.tree] = (gather, {e[1] for e in child})
+            got[1][gather.tree] = (gather, set(range(first, first + len(child))))
         got[0].send(message)
 
     def _read(self, here: str, address: str, got: tuple) -> None:
