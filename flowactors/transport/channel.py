@@ -23,7 +23,7 @@ from contextlib import suppress as _suppress
 from typing import Any
 
 from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
-from flowactors.transport.fanout import ROOTS, Fanout, has_parts, resolve, subtree_of, subtrees, trim
+from flowactors.transport.fanout import ROOTS, Fanout, has_parts, part_refs, subtree_of, subtrees, trim
 from flowactors.transport.server import PLUGIN_NAME, DirectPlugin, listen_port, running_stack, spans_between
 from flowactors.transport.wire import ISSUED_TOPIC, Connection, DirectRef, Fetcher, dial, frames, unwrap_reply
 
@@ -362,26 +362,27 @@ class DirectChannel:
 
     def _reports(self, items: Any, futs: list[DirectFuture] | None, step: int | None, at: float) -> list[dict]:
         """The issue reports of single `items` (Work), or of a fan-out's ranks (`items` a Fanout, `futs` theirs)."""
-        if futs is None:
-            sent = [(address, key, (args, kwargs)) for address, _, args, kwargs, key in items]
-        else:
-            parts: dict[int, Any] = {}
-            for r in items.ranks:
-                if r.part not in parts:
-                    inputs = (items.args, items.kwargs)
-                    parts[r.part] = inputs if r.part < 0 else (resolve(inputs[0], r.part), resolve(inputs[1], r.part))
-            sent = [(r.address, r.key, parts[r.part]) for r in items.ranks]
-        deps_of: dict[int, list[str]] = {}
         reports = []
-        for address, key, inputs in sent:
-            if id(inputs) not in deps_of:  # they travel as DirectRefs
-                deps_of[id(inputs)] = list(dict.fromkeys(f.key for f in _direct_futures(inputs)))
-            order = self._last_sent.get(address)
-            self._last_sent[address] = key
-            reports.append(
-                {"key": key, "worker": address, "deps": deps_of[id(inputs)], "step": step, "order": order, "at": at}
-            )
+        if futs is None:
+            for address, _, args, kwargs, key in items:
+                deps = list(dict.fromkeys(f.key for f in _direct_futures((args, kwargs))))  # they travel as DirectRefs
+                reports.append(self._report(address, key, deps, step, at))
+            return reports
+        shared, parts = part_refs((items.args, items.kwargs))
+        base = [f.key for f in _direct_futures(shared)]
+        deps_of: dict[int, list[str]] = {}
+        for r in items.ranks:
+            deps = deps_of.get(r.part)
+            if deps is None:
+                own = [f.key for p in parts for f in _direct_futures(p.values[r.part - p.first])] if r.part >= 0 else []
+                deps = deps_of[r.part] = list(dict.fromkeys(base + own))
+            reports.append(self._report(r.address, r.key, deps, step, at))
         return reports
+
+    def _report(self, address: str, key: str, deps: list[str], step: int | None, at: float) -> dict:
+        order = self._last_sent.get(address)
+        self._last_sent[address] = key
+        return {"key": key, "worker": address, "deps": deps, "step": step, "order": order, "at": at}
 
     def _send_issued(self) -> None:
         with self._cond:

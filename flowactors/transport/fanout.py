@@ -109,6 +109,19 @@ def has_parts(value: Any) -> bool:
     return found
 
 
+def part_refs(value: Any) -> tuple[Any, list[Parts]]:
+    """`value` with its markers taken out (None in their place), and its `Parts` markers: what every rank refers to
+    and what only some do (the dashboard's dependencies of each rank, without cutting any rows)."""
+    found: list[Parts] = []
+
+    def leaf(m: Any) -> Any:
+        if isinstance(m, Parts):
+            found.append(m)
+        return None
+
+    return _walk(value, leaf), found
+
+
 def resolve(value: Any, part: int) -> Any:
     """`value` with every marker replaced by its part `part` (of the call's numbering)."""
 
