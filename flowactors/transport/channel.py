@@ -14,7 +14,9 @@ docs/benchmarks.md (Group calls); the handshake and bounded reads: docs/security
 
 from __future__ import annotations
 
+import atexit
 import secrets
+import sys
 import threading
 import time
 from collections import deque
@@ -32,6 +34,17 @@ __all__ = ["DirectChannel", "DirectFuture", "DirectTransport"]
 ISSUE_REPORT_S = 0.2
 """The controller gathers issue reports this long into one message to the scheduler, off the caller's thread."""
 RELEASE_S = 0.5
+
+
+_EXITING = False
+
+
+def _exiting() -> None:
+    global _EXITING
+    _EXITING = True
+
+
+atexit.register(_exiting)
 
 
 class DirectFuture:
@@ -62,10 +75,13 @@ class DirectFuture:
         self.replied = False  # its worker (or the relay above it) has answered for it: nothing more will come
 
     def __del__(self) -> None:
-        """Its output is dropped on its worker once nobody can ask for it."""
+        """Its output is dropped on its worker once nobody can ask for it (not at exit: no thread may start then,
+        and the workers' stores go with the cluster)."""
+        if _EXITING or sys.is_finalizing():
+            return
         try:
             self._channel.release_one(self.key, self.address)
-        except Exception:  # interpreter shutdown
+        except Exception:
             pass
 
     def done(self) -> bool:
