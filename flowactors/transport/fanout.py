@@ -84,16 +84,22 @@ class Fanout:
     ranks: list[Rank]
 
 
-def _walk(value: Any, leaf: Any) -> Any:
-    if isinstance(value, (Split, Parts)):
+def map_leaves(value: Any, kinds: type | tuple[type, ...], leaf: Any) -> Any:
+    """`value` with every object of `kinds` inside it (in tuples, lists and dict values, not named tuples) replaced
+    by `leaf(object)`: how markers, and on the workers references to stored outputs, are found and resolved."""
+    if isinstance(value, kinds):
         return leaf(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_walk(v, leaf) for v in value)
+        return tuple(map_leaves(v, kinds, leaf) for v in value)
     if isinstance(value, list):
-        return [_walk(v, leaf) for v in value]
+        return [map_leaves(v, kinds, leaf) for v in value]
     if isinstance(value, dict):
-        return {k: _walk(v, leaf) for k, v in value.items()}
+        return {k: map_leaves(v, kinds, leaf) for k, v in value.items()}
     return value
+
+
+def _walk(value: Any, leaf: Any) -> Any:
+    return map_leaves(value, (Split, Parts), leaf)
 
 
 def has_parts(value: Any) -> bool:

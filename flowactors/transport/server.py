@@ -19,7 +19,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from flowactors.transport.fanout import FANOUT, resolve, subtrees, trim
+from flowactors.transport.fanout import FANOUT, map_leaves, resolve, subtrees, trim
 from flowactors.transport.wire import (
     CALLS_TOPIC,
     HANDSHAKE_S,
@@ -630,26 +630,11 @@ async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef]) -> 
 
 
 def _collect_refs(value: Any, out: dict[str, DirectRef]) -> None:
-    if isinstance(value, DirectRef):
-        out[value.key] = value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _collect_refs(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect_refs(v, out)
+    map_leaves(value, DirectRef, lambda ref: out.setdefault(ref.key, ref))
 
 
 def _replace_refs(value: Any, got: dict[str, Any]) -> Any:
-    if isinstance(value, DirectRef):
-        return got[value.key]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_replace_refs(v, got) for v in value)
-    if isinstance(value, list):
-        return [_replace_refs(v, got) for v in value]
-    if isinstance(value, dict):
-        return {k: _replace_refs(v, got) for k, v in value.items()}
-    return value
+    return map_leaves(value, DirectRef, lambda ref: got[ref.key])
 
 
 def _flush_reports(worker: Any) -> None:
