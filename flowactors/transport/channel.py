@@ -160,6 +160,8 @@ class DirectChannel:
         self._fetch_pool: Any = None
         self._dropped: dict[str, list[str]] = {}
         self._drops: deque[tuple[str, str]] = deque()  # (address, key) released by finalizers, not yet sorted
+        self._skips: dict[str, list[int]] = {}  # address -> numbers it must not wait for, sent with its next item
+        self._dialing = threading.Lock()
         self._flush_pending = False
         self._issued: list[tuple] = []  # what was sent and not yet reported to the scheduler (the dashboard's)
         self._issue_pending = False
@@ -189,12 +191,18 @@ class DirectChannel:
     def _connection(self, address: str) -> Connection:
         conn = self._connections.get(address)
         if conn is None:
-            conn = dial(address, *self._listener(address))
-            conn.send(frames(("peers", dict(self._listeners))))
-            self._connections[address] = conn
-            threading.Thread(
-                target=self._read_replies, args=(address, conn), daemon=True, name=f"flowactors-direct {address}"
-            ).start()
+            with self._dialing:  # one connection per worker, whichever thread asks first
+                conn = self._connections.get(address)
+                if conn is None:
+                    conn = dial(address, *self._listener(address))
+                    conn.send(frames(("peers", dict(self._listeners))))
+                    self._connections[address] = conn
+                    threading.Thread(
+                        target=self._read_replies,
+                        args=(address, conn),
+                        daemon=True,
+                        name=f"flowactors-direct {address}",
+                    ).start()
         return conn
 
     def _read_replies(self, address: str, conn: Connection) -> None:
@@ -245,15 +253,17 @@ class DirectChannel:
             self._skip(address, seqs)
 
     def _answer(self, fut: DirectFuture, status: str, value: Any, stored: bool, skips: dict | None) -> None:
-        """(Holding `_cond`.) `fut`'s reply; nothing for a future already cancelled."""
+        """(Holding `_cond`.) `fut`'s reply; nothing for a future already cancelled but its number skipped where
+        its item may never have arrived (the worker may live: a relay's connection to it can break for other
+        reasons, and a skip to a dead worker costs nothing)."""
+        if status == "lost" and skips is not None:
+            skips.setdefault(fut.address, []).append(fut.seq)
         if fut.status != "pending":
             return
         if status == "error":
             fut.error, fut.status = value, "error"
         elif status == "lost":
             fut.lost_at, fut.error, fut.status = value[0], ConnectionError(value[1]), "lost"
-            if skips is not None and fut.address != fut.lost_at:
-                skips.setdefault(fut.address, []).append(fut.seq)
         else:
             fut.value, fut.stored, fut.status = value, stored, "finished"
         if fut.tree is None:
@@ -262,10 +272,17 @@ class DirectChannel:
                 waiting.pop(fut.key, None)
 
     def _skip(self, address: str, seqs: list[int]) -> None:
-        try:
-            self._connection(address).send(frames(("skip", self.id, seqs)))
-        except Exception:  # gone too: nothing waits there any more
-            pass
+        """Tell `address` never to wait for items `seqs` (they may never arrive): now on its connection if there is
+        one, else with the next item sent to it (never a dial from a reader thread or the event loop)."""
+        conn = self._connections.get(address)
+        if conn is not None:
+            try:
+                conn.send(frames(("skip", self.id, seqs)))
+                return
+            except OSError:  # gone: the next connection takes them
+                pass
+        with self._cond:
+            self._skips.setdefault(address, []).extend(seqs)
 
     def close(self) -> None:
         """Close the connections, and the workers' listeners with the plugin (a long-lived cluster keeps none)."""
@@ -299,12 +316,15 @@ class DirectChannel:
                 self._inflight[key] = (fut, (args, kwargs))
                 self._drain_drops()
                 release = self._dropped.pop(address, [])  # outputs to drop there: they ride along
+                skips = self._skips.pop(address, [])
             try:
                 conn = self._connection(address)
-                conn.send([*frames(("call", key, step, release, self.id, seq)), *task])  # the task: a message apart
+                head = frames(("skip", self.id, skips)) if skips else []
+                conn.send([*head, *frames(("call", key, step, release, self.id, seq)), *task])  # the task apart
             except Exception as e:
                 with self._cond:
                     self._inflight.pop(key, None)
+                    self._skips.setdefault(address, []).extend([*skips, seq])  # if it lives, it must not wait
                 self._finish(fut, "lost", error=e)
         return out
 
@@ -343,7 +363,10 @@ class DirectChannel:
                 seq = seqs.get(address, 0)
                 seqs[address] = seq + 1
                 futs.append(DirectFuture(self, r.key, address, seq, tree_id))
-                entries.append((address, r.key, seq, r.part, r.extra, r.kwargs, dropped.pop(address, None)))
+                release = (
+                    (dropped.pop(address, None), self._skips.pop(address, None)) if dropped or self._skips else None
+                )
+                entries.append((address, r.key, seq, r.part, r.extra, r.kwargs, release))
             self._trees[tree_id] = _Tree(futs, addresses, (call.args, call.kwargs))
         from distributed.metrics import time as clock
 
@@ -487,6 +510,8 @@ class DirectChannel:
             self._finish(f, "lost" if lost else "error", error=error)
         if lost:
             self._lose_relayed(address)
+            with self._cond:
+                self._dropped.pop(address, None)
         conn = self._connections.pop(address, None) if lost else None
         if conn is not None:
             conn.close()
@@ -511,8 +536,7 @@ class DirectChannel:
                     tree.left -= 1
                     if f.status == "pending":
                         f.lost_at, f.error, f.status = address, ConnectionError(f"worker {address} died"), "lost"
-                    if f.address != address:
-                        skips.setdefault(f.address, []).append(f.seq)
+                    skips.setdefault(f.address, []).append(f.seq)
                 if tree.left <= 0:
                     del self._trees[tree_id]
             self._cond.notify_all()

@@ -86,15 +86,20 @@ class Fanout:
 
 def map_leaves(value: Any, kinds: type | tuple[type, ...], leaf: Any) -> Any:
     """`value` with every object of `kinds` inside it (in tuples, lists and dict values, not named tuples) replaced
-    by `leaf(object)`: how markers, and on the workers references to stored outputs, are found and resolved."""
+    by `leaf(object)`: how markers, and on the workers references to stored outputs, are found and resolved. A
+    container with nothing to replace inside is returned as it is (its own type kept)."""
     if isinstance(value, kinds):
         return leaf(value)
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(map_leaves(v, kinds, leaf) for v in value)
-    if isinstance(value, list):
-        return [map_leaves(v, kinds, leaf) for v in value]
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        new = [map_leaves(v, kinds, leaf) for v in value]
+        if all(a is b for a, b in zip(new, value)):
+            return value  # nothing inside changed: the very object (a list subclass stays one)
+        return tuple(new) if isinstance(value, tuple) else new
     if isinstance(value, dict):
-        return {k: map_leaves(v, kinds, leaf) for k, v in value.items()}
+        items = {k: map_leaves(v, kinds, leaf) for k, v in value.items()}
+        if all(items[k] is v for k, v in value.items()):
+            return value
+        return items
     return value
 
 

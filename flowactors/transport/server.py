@@ -166,8 +166,10 @@ class _Sequencer:
                 st[1].pop(st[0], None)
             elif st[0] in st[1]:
                 key, start = st[1].pop(st[0])
-                start(st[3])
-                st[3] = key
+                st[0] += 1
+                previous, st[3] = st[3], key
+                start(previous)  # never raises (`_queue`)
+                continue
             else:
                 return
             st[0] += 1
@@ -219,7 +221,10 @@ def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
             conn.close()
             return
         if kind == "tree":
-            _tree(worker, conn, msg, data, buffers)
+            try:
+                _tree(worker, conn, msg, data, buffers)
+            except Exception as e:  # a malformed tree: its ranks below here are not reached; the loop goes on
+                REFUSED.append(f"{peer}: a call's tree could not be handled: {type(e).__name__}: {e}")
             continue
         _, key, step, release, cid, seq = msg
         if release:
@@ -244,14 +249,19 @@ def _queue(worker: Any, cid: str, seq: int, key: str, step: Any, task: tuple, re
     _collect_refs((args, kwargs), refs)
 
     def start(previous: str | None) -> None:
-        _REPORTS.append(
-            {"key": key, "deps": list(refs), "order": previous, "state": "waiting", "step": step, "at": time.time()}
-        )
-        loop = worker.loop.asyncio_loop
-        inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs), loop) if refs else None
-        worker.executors["default"].submit(
-            _job, worker, reply, previous, key, step, fn, args, kwargs, inputs, list(refs)
-        )
+        try:
+            _REPORTS.append(
+                {"key": key, "deps": list(refs), "order": previous, "state": "waiting", "step": step, "at": time.time()}
+            )
+            loop = worker.loop.asyncio_loop
+            inputs = (
+                asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs), loop) if refs else None
+            )
+            worker.executors["default"].submit(
+                _job, worker, reply, previous, key, step, fn, args, kwargs, inputs, list(refs)
+            )
+        except Exception as e:  # the worker is closing: the item fails, the order goes on
+            reply((key, "error", e, False))
 
     _sequencer(worker).offer(cid, seq, key, start)
 
@@ -392,8 +402,12 @@ def _tree(worker: Any, conn: Connection, msg: tuple, data: Any, buffers: list) -
             gather.add([(child_first + j, "lost", lost, False) for j in range(len(child))])
     address, key, seq, part, extra, kw, release = entries[0]
     _LEVELS[level] = _LEVELS.get(level, 0) + 1
-    if release:
-        worker.loop.asyncio_loop.call_soon_threadsafe(_handle_release, release)
+    if release:  # (outputs to drop, numbers not to wait for) that rode along
+        drops, skips = release
+        if drops:
+            worker.loop.asyncio_loop.call_soon_threadsafe(_handle_release, drops)
+        if skips:
+            _sequencer(worker).skip(cid, skips)
     fn, args, kwargs = task()
     if part >= 0 and fn is not _raise:
         try:
@@ -429,7 +443,14 @@ class _Relays:
                     target=self._read, args=(here, address, got), daemon=True, name=f"flowactors-direct relay {address}"
                 ).start()
             got[1][gather.tree] = (gather, set(range(first, first + len(child))))
-        got[0].send(message)
+        try:
+            got[0].send(message)
+        except Exception as e:  # the reader may have reported these already (its connection broke): once only
+            with self._lock:
+                entry = got[1].pop(gather.tree, None)
+            if entry is not None:
+                lost = (address, f"{type(e).__name__}: {e}")
+                gather.add([(i, "lost", lost, False) for i in sorted(entry[1])])
 
     def _read(self, here: str, address: str, got: tuple) -> None:
         conn, waiting = got

@@ -179,3 +179,18 @@ def test_a_hang_down_the_tree_reports_every_rank(controller4):
         assert g.straggle(0.0).result(timeout=60) == [4.0] * 4
     finally:
         g.close()
+
+
+def test_inputs_without_markers_keep_their_own_containers():
+    """Resolving a rank's part rebuilds only what holds a marker: an OrderedDict or a list subclass argument next
+    to a split batch reaches the rank as the very object the caller passed."""
+    from collections import OrderedDict
+
+    class Rows(list):
+        pass
+
+    ordered, rows = OrderedDict(b=1, a=2), Rows([1, 2])
+    args = (fo.Split(_batch(4), 2), ordered, rows)
+    got = fo.resolve(args, 1)
+    assert got[1] is ordered and got[2] is rows and len(got[0]) == 2
+    assert fo.map_leaves((ordered, [rows]), fo.Parts, lambda m: m) == (ordered, [rows])
