@@ -372,7 +372,7 @@ def test_ctrl_c_and_sigterm_end_with_one_line_saying_what_was_saved(tmp_path, si
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 128 + getattr(signal, sig)
+    assert proc.returncode == 128 + getattr(signal, sig), err[-3000:]
     lines = [x for x in err.replace("\r", "\n").splitlines() if x.strip() and "%|" not in x and "roles (" not in x]
     assert lines and "Traceback" not in err and len(lines) == 1, err[-3000:]
     steps = len(metrics.read_text().splitlines())
