@@ -421,6 +421,8 @@ class Runner:
                     if self.store and self.cfg.checkpoint.save_every and (i + 1) % self.cfg.checkpoint.save_every == 0:
                         record["checkpoint_s"] = self.save(i + 1)
                 except fa.WorkerLostError as e:
+                    if _INTERRUPTED.is_set():  # the signal reached the workers too: nothing to recover from
+                        raise Interrupted(_SIGNAL[0]) from e
                     self.recover(e)
                     i = self.start
                     bar.n = i
@@ -526,6 +528,13 @@ def run_program(
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"{name}: {interrupted_note(signum, runner)}", file=sys.stderr)
         raise SystemExit(128 + signum) from None
+    except Exception:
+        # The signal's `Interrupted` can be raised where Python ignores exceptions (a finalizer the garbage collector
+        # ran in the main thread); what fails next (the workers got the signal too) is the interrupt's doing.
+        if not _INTERRUPTED.is_set():
+            raise
+        print(f"{name}: {interrupted_note(_SIGNAL[0], runner)}", file=sys.stderr)
+        raise SystemExit(128 + _SIGNAL[0]) from None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -575,6 +584,7 @@ def _interrupts_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGINT, _exit_now)
         signal.signal(signal.SIGTERM, _exit_now)
         _INTERRUPTED.set()
+        _SIGNAL[0] = signum
         _quiet_logs()
         threading.excepthook = lambda args: None  # the direct path's reader threads, as their connections close
         raise Interrupted(signum)
@@ -597,6 +607,7 @@ def _exit_now(signum: int, frame: Any) -> None:
 
 
 _INTERRUPTED = threading.Event()
+_SIGNAL = [int(signal.SIGINT)]  # the signal that set _INTERRUPTED
 
 
 def _quiet_logs(dask_worker: Any = None) -> None:
