@@ -24,7 +24,10 @@ __all__ = [
     "SLOT_RESOURCES",
     "check_interval",
     "discover_slots",
+    "natural",
+    "pool_workers",
     "probe_scheduler",
+    "resize_pool",
     "shorten_streams",
     "start_local",
     "stop_workers",
@@ -88,6 +91,31 @@ def _local_cluster(n_slots: int, dashboard: str | None, secure: bool, resources:
     )
 
 
+def resize_pool(cluster: Any, resource: str, n: int) -> None:
+    """Start or stop workers of `cluster` (a SpecCluster: LocalCluster, a dask-jobqueue cluster) that carry
+    `resource` and no slot, until `n` of them are asked for: an elastic pool beside the slots. The cluster's
+    template for new workers becomes a pool worker's, so its own `scale` and `adapt` grow and shrink the pool
+    (they stop the newest workers first, which are the pool's)."""
+    import copy
+
+    if n < 0:
+        raise ValueError(f"a pool has >= 0 workers, got {n}")
+    spec = copy.deepcopy(cluster.new_spec)
+    spec.setdefault("options", {})["resources"] = {resource: 1}
+    cluster.new_spec = spec
+    others = len(cluster.worker_spec) - len(pool_workers(cluster, resource))
+    cluster.scale(others + n)
+
+
+def pool_workers(cluster: Any, resource: str) -> list[str]:
+    """The names of `cluster`'s worker specs that carry `resource` (see `resize_pool`)."""
+    return [
+        name
+        for name, spec in cluster.worker_spec.items()
+        if resource in (spec.get("options", {}).get("resources") or {})
+    ]
+
+
 def stop_workers(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
     """Stop the embedded cluster's worker processes, giving each `timeout_s` to exit. LocalCluster's own close
     allows 4 s, after which the nanny kills the process and warns; a worker that holds torch and its models
@@ -121,7 +149,7 @@ def discover_slots(client: Client) -> list[str]:
             f"(calls to one process must run one at a time): {bad}; start workers with "
             f"`dask worker --nthreads 1 --resources slot=1`"
         )
-    return [a for *_, a in sorted(slots, key=lambda s: (s[0], _natural(s[1])))]
+    return [a for *_, a in sorted(slots, key=lambda s: (s[0], natural(s[1])))]
 
 
 def probe_scheduler(address: str, timeout_s: float, security: Any = None) -> None:
@@ -199,5 +227,5 @@ def shorten_streams(client: Client, interval_s: float) -> None:
         )
 
 
-def _natural(name: str) -> tuple:
+def natural(name: str) -> tuple:
     return (0, int(name)) if name.isdigit() else (1, name)

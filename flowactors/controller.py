@@ -282,7 +282,7 @@ class Controller:
         if not isinstance(msg, dict) or msg.get("action") != "remove-worker":
             return
         address = msg.get("worker")
-        if address not in self.slots:
+        if address not in self.slots and address not in self._hosted:  # a slot, or a pool worker with a group
             return
         with self._lock:
             self._lost[address] = self._hosted.get(address, [])
@@ -314,6 +314,49 @@ class Controller:
     @property
     def lost_workers(self) -> list[str]:
         return list(self._lost)
+
+    def forget_lost(self, address: str) -> None:
+        """A lost pool worker (not a slot) whose groups their owner has written off (an elastic fleet's replica):
+        the controller stops counting it as lost, so the calls that need no slot of it go on without `recover`."""
+        if address in self.slots:
+            raise PlacementError(f"{address} is a slot of the controller's world: a lost slot needs recover()")
+        with self._lock:
+            self._lost.pop(address, None)
+            self._hosted.pop(address, None)
+
+    def resize_pool(self, resource: str, n: int) -> None:
+        """Ask the cluster this controller started or was given (a SpecCluster: the embedded one, dask-jobqueue's)
+        for `n` workers carrying `resource`; they arrive (or go) while the run goes on (`workers_with`)."""
+        if self.cluster is None or not hasattr(self.cluster, "worker_spec"):
+            raise PlacementError(
+                "this controller joined a cluster it cannot scale (--address): start pool workers there, e.g. "
+                f"`dask worker --nthreads 1 --resources {resource}=1 ADDRESS`"
+            )
+        _cluster.resize_pool(self.cluster, resource, n)
+
+    def retire_worker(self, address: str) -> None:
+        """Close a pool worker gracefully (after its owner took back what it held): a cluster this controller
+        scales forgets its spec, so it is not restarted; on a joined cluster the scheduler retires it."""
+        if address in self.slots:
+            raise PlacementError(f"{address} is a slot of the controller's world; only pool workers are retired")
+        if self.cluster is not None and hasattr(self.cluster, "worker_spec"):
+            name = self.client.scheduler_info(n_workers=-1)["workers"].get(address, {}).get("name")
+            if name is not None:
+                self.cluster.sync(self.cluster.scale_down, [name])
+                return
+        self.client.retire_workers([address], close_workers=True)
+
+    def workers_with(self, resource: str) -> list[str]:
+        """Live workers that carry `resource` and are not slots: the members of an elastic pool, which Dask adds
+        and removes while a run goes on (`dask worker --resources rollout=1`, `cluster.scale`, a jobqueue's
+        `adapt`), in order of name."""
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        found = [
+            (str(w.get("name", "")), a)
+            for a, w in workers.items()
+            if w.get("resources", {}).get(resource) and a not in self.slots and a not in self._lost
+        ]
+        return [a for _, a in sorted(found, key=lambda f: _cluster.natural(f[0]))]
 
     def recover(self, wait_s: float = 60.0, min_slots: int = 1) -> list[str]:
         """Forget every group and the torch.distributed world after a worker died, and take the live slots.
@@ -443,6 +486,46 @@ class Controller:
             ]
         )
         self.await_setup(name, "new_group", futs, self._world)
+        for rank, a in enumerate(addresses):
+            self._hosted.setdefault(a, []).append((name, rank))
+
+    def new_own_world(
+        self, name: str, addresses: Sequence[str], layout: Layout, backend: str | None, subgroups: Sequence = ()
+    ) -> None:
+        """Form a torch.distributed world of the group's own over `addresses` (workers outside the controller's
+        world, which is formed once and cannot take in a worker that joins later) and the group's process group
+        and subgroups in it: the group's ranks are that world's ranks."""
+        clash = [a for a in addresses if a in self.slots]
+        if clash:
+            raise PlacementError(
+                f"group {name!r}: {clash} are slots of the controller's world, which a worker process cannot leave "
+                f"for a world of a group's own; give such a group pool workers (Controller.workers_with)"
+            )
+        reserve = self.submit_pinned(addresses[0], _runtime.free_port, key=f"{name}.free_port-{new_token()}")
+        host, port, cuda = self.await_setup(name, "free_port", [reserve], list(addresses[:1]))[0]
+        want = backend or ("nccl" if cuda else "gloo")
+        token, n = new_token(), len(addresses)
+        args = (host, port, want, self.collective_timeout_s)
+        futs = self.submit_pinned_all(
+            [
+                (a, _runtime.init_world, (r, n, *args, r), {}, f"{name}.init_world-{r}-{token}")
+                for r, a in enumerate(addresses)
+            ]
+        )
+        self.await_setup(name, "init_world", futs, addresses)
+        futs = self.submit_pinned_all(
+            [
+                (
+                    a,
+                    _runtime.new_group,
+                    (name, list(range(n)), layout, list(subgroups)),
+                    {},
+                    f"{name}.new_group-{r}-{token}",
+                )
+                for r, a in enumerate(addresses)
+            ]
+        )
+        self.await_setup(name, "new_group", futs, addresses)
         for rank, a in enumerate(addresses):
             self._hosted.setdefault(a, []).append((name, rank))
 

@@ -61,6 +61,10 @@ class ActorGroup:
     Created through `ActorGroup(controller, cls, name=..., ...)`; blocks until every rank's `__init__` ran, so a
     constructor error surfaces here, naming the rank, and a rank that does not finish within the controller's
     watchdog (`call_timeout_s`) is a `HangError` with the stack of every rank still running.
+
+    `own_world=True` puts the group on pool workers outside the controller's world (`Controller.workers_with`:
+    workers that joined a running job), its ranks forming a torch.distributed world of their own; such a group
+    cannot be linked, and losing one of its workers fails only its own calls.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class ActorGroup:
         args: tuple = (),
         kwargs: dict | None = None,
         backend: str | None = None,
+        own_world: bool = False,
     ) -> None:
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
             raise TypeError(f"{cls!r} is not a flowactors.Worker subclass; derive the model worker from Worker")
@@ -82,12 +87,14 @@ class ActorGroup:
                 f"a group named {name!r} already exists on this controller; choose another "
                 f"name or close it first (group.close())"
             )
+        if own_world and slots is None:
+            raise PlacementError(f"group {name!r} has a world of its own: give it its workers (slots=...)")
         if slots is None:
             n = layout.world_size if layout is not None else len(controller.slots)
             slots = controller.slots[:n]
         else:
             n = len(slots)
-        if n > len(controller.slots):
+        if n > len(controller.slots) and not own_world:
             raise PlacementError(
                 f"group {name!r} needs {n} slots but the cluster has {len(controller.slots)} "
                 f"usable ones; start more workers (Controller.local(n_slots={n})) or use a "
@@ -105,7 +112,7 @@ class ActorGroup:
                 f"group {name!r} was given the same slot twice; one rank per worker process "
                 f"(colocate models by creating several groups on the same slots)"
             )
-        unknown = [a for a in addresses if a not in controller.slots]
+        unknown = [a for a in addresses if a not in controller.slots and not own_world]
         if unknown:
             raise PlacementError(
                 f"group {name!r} was given slots the cluster does not have: {unknown}; use "
@@ -120,6 +127,7 @@ class ActorGroup:
             )
         self.controller, self.cls, self.name, self.layout = controller, cls, name, layout
         self.addresses = addresses
+        self.own_world = own_world
         self.endpoints = endpoints_of(cls)
         self._closed = False
         try:
@@ -132,7 +140,10 @@ class ActorGroup:
         """Form the process group on every world rank, then run `__init__` on every rank of this group, each
         wait under the controller's watchdog (a rank stuck in a collective is a HangError with its stack)."""
         controller, name, addresses = self.controller, self.name, self.addresses
-        controller.new_group_ranks(name, addresses, self.layout, backend, subgroups)
+        if self.own_world:
+            controller.new_own_world(name, addresses, self.layout, backend, subgroups)
+        else:
+            controller.new_group_ranks(name, addresses, self.layout, backend, subgroups)
         controller.groups[name] = self
         for method, proto in self.endpoints.items():
             setattr(self, method, _Method(self, method, proto))
@@ -247,17 +258,15 @@ class ActorGroup:
         )
 
     def close(self, wait: bool = True) -> None:
-        """Drop the instances (their memory is freed on the workers). The process group stays with the world."""
+        """Drop the instances (their memory is freed on the workers). The process group stays with the world (a
+        world of the group's own goes with it)."""
         if self._closed:
             return
         self._closed = True
         token, lost = new_token(), self.controller.lost_workers
+        fn, args = (_runtime.teardown_world, ()) if self.own_world else (_runtime.destroy, (self.name,))
         futs = self.controller.submit_pinned_all(
-            [
-                (a, _runtime.destroy, (self.name,), {}, f"{self.name}.close-{r}-{token}")
-                for r, a in enumerate(self.addresses)
-                if a not in lost
-            ]
+            [(a, fn, args, {}, f"{self.name}.close-{r}-{token}") for r, a in enumerate(self.addresses) if a not in lost]
         )
         try:
             if wait:

@@ -1,0 +1,69 @@
+"""Elastic pools: workers that join a running job carry a resource (not a slot), host groups with a torch.distributed
+world of their own, and can be lost or retired without the controller's world noticing (Controller.workers_with,
+resize_pool, retire_worker, forget_lost; ActorGroup(own_world=True))."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import flowactors as fa
+from tests.runtime.workers import Reducer
+
+
+def _wait_for(fn, n: int, timeout_s: float = 90.0) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if len(got) == n:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"expected {n} pool workers, have {fn()}")
+
+
+def test_pool_workers_join_host_own_world_groups_and_leave_without_touching_the_slots():
+    with fa.Controller.local(2, dashboard=None, collective_timeout_s=60) as ctl:
+        trainer = fa.ActorGroup(ctl, Reducer, name="trainer", args=(1.0,))
+        assert trainer.all_reduce(1.0).result() == [3.0, 3.0]  # the world of the slots is formed
+        ctl.resize_pool("rollout", 2)
+        pool = _wait_for(lambda: ctl.workers_with("rollout"), 2)
+        assert not set(pool) & set(ctl.slots)
+        assert ctl.slots == fa.cluster.discover_slots(ctl.client)  # pool workers are no slots
+        # one group of two ranks over both pool workers: a world of its own, whose collectives work
+        both = fa.ActorGroup(ctl, Reducer, name="both", slots=pool, args=(2.0,), own_world=True)
+        assert both.all_reduce(1.0).result() == [6.0, 6.0]
+        both.close()
+        # then one world per worker (the worker left the two-rank world when that group closed)
+        a = fa.ActorGroup(ctl, Reducer, name="a", slots=pool[:1], args=(1.0,), own_world=True)
+        b = fa.ActorGroup(ctl, Reducer, name="b", slots=pool[1:], args=(5.0,), own_world=True)
+        assert a.all_reduce(2.0).result() == [2.0]
+        assert b.all_reduce(2.0).result() == [10.0]
+        # losing b's worker fails b's calls naming it, and nothing else
+        pid = b.pid().result()[0]
+        pending = b.sleep(30.0)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(fa.WorkerLostError) as lost:
+            pending.result(timeout=60)
+        assert lost.value.address == pool[1] and "b" in str(lost.value)
+        ctl.forget_lost(pool[1])
+        assert ctl.lost_workers == []
+        assert trainer.all_reduce(1.0).result() == [3.0, 3.0]
+        assert a.all_reduce(3.0).result() == [3.0]
+        # the nanny restarts the killed worker under a new address: it arrives as a pool worker again
+        back = _wait_for(lambda: ctl.workers_with("rollout"), 2)
+        assert pool[0] in back and pool[1] not in back
+        # a graceful retire takes one away for good; resizing to zero the rest
+        ctl.retire_worker(pool[0])
+        _wait_for(lambda: ctl.workers_with("rollout"), 1)
+        time.sleep(1.0)
+        assert len(ctl.workers_with("rollout")) == 1  # not restarted
+        ctl.resize_pool("rollout", 0)
+        _wait_for(lambda: ctl.workers_with("rollout"), 0)
+        assert trainer.all_reduce(1.0).result() == [3.0, 3.0]
+        with pytest.raises(fa.PlacementError, match="slots of the controller's world"):
+            fa.ActorGroup(ctl, Reducer, name="c", slots=ctl.slots[:1], own_world=True)
+        with pytest.raises(fa.PlacementError, match="only pool workers"):
+            ctl.retire_worker(ctl.slots[0])
