@@ -83,6 +83,11 @@ class AsyncConfig:
     """The truncation of `tis`'s importance weight (>= 1)."""
     rollout_slots: int = 0
     """Slots of the rollout replicas (the last ones); 0: half of the run's slots, rounded down."""
+    replicas: str = ""
+    """An elastic rollout fleet, `MIN:MAX` (or `N` for N:N): the replicas are one-rank groups on pool workers that
+    carry the `rollout` resource, which join and leave while the run goes on (algorithms.rollout.fleet); the
+    trainer's groups take every slot. Needs streaming partial rollouts. Empty: replicas on slots of their own
+    (`--placement split`), fixed for the run."""
 
     def __post_init__(self) -> None:
         if self.staleness < 0:
@@ -108,6 +113,30 @@ class AsyncConfig:
             raise ConfigError(f"async_sync must be sharded or rank0, got {self.sync!r}")
         if not self.sync_bucket_mb > 0:
             raise ConfigError(f"async_sync_bucket_mb must be > 0, got {self.sync_bucket_mb}")
+        if self.replicas:
+            self.fleet_bounds()  # well formed
+            if not self.partial_rollout or self.deterministic:
+                raise ConfigError(
+                    f"async_rl.replicas={self.replicas} (an elastic fleet) hands prompt groups to whichever replicas "
+                    f"are there, which streaming partial rollouts do: add async_staleness=1 partial_rollout=true "
+                    f"(and not async_deterministic=true)"
+                )
+
+    def fleet_bounds(self) -> tuple[int, int] | None:
+        """The elastic fleet's (MIN, MAX) replicas, None without one."""
+        if not self.replicas:
+            return None
+        low, _, high = str(self.replicas).partition(":")
+        try:
+            bounds = int(low), int(high or low)
+        except ValueError:
+            bounds = (0, 0)
+        if not 1 <= bounds[0] <= bounds[1]:
+            raise ConfigError(
+                f"async_rl.replicas is MIN:MAX replicas of the elastic rollout fleet with 1 <= MIN <= MAX (or N), "
+                f"got {self.replicas!r}"
+            )
+        return bounds
 
     def loss_terms(self) -> dict[str, Any]:
         """The off-policy terms of the programs' PolicyLoss (algorithms.objectives.losses): none for synchronous
@@ -190,7 +219,7 @@ class RolloutPipeline:
         self,
         ctl: fa.Controller,
         actor: fa.ActorGroup,
-        rollout: fa.ActorGroup,
+        rollout: fa.ActorGroup | None,
         data: PromptData,
         staleness: int,
         sync: AsyncConfig,
@@ -213,7 +242,8 @@ class RolloutPipeline:
         if self.partial:
             if max_new_tokens < 1:
                 raise ValueError("partial rollouts need the rollouts' max_new_tokens")
-            sync.check_replica_ranks(batch[0], rollout.layout.dp)  # (before start only on a local cluster)
+            if rollout is not None:  # (an elastic fleet shares groups among whichever replicas are there)
+                sync.check_replica_ranks(batch[0], rollout.layout.dp)  # (before start only on a local cluster)
             self.segment = sync.segment(max_new_tokens)
             self.surplus = sync.surplus(batch[0])
         self.ledger = PromptLedger()
@@ -221,7 +251,9 @@ class RolloutPipeline:
         self._held: dict[int, tuple[int, fa.CallFuture | list[int]]] = {}  # step -> (uids issued, groups held)
         self._taken: dict[int, Generated] = {}
         self.link: str | None = None
-        if sync.sync == "sharded":  # one process group over the trainer's and the replicas' ranks, formed once
+        if (
+            sync.sync == "sharded" and rollout is not None
+        ):  # one process group over the trainer's and the replicas' ranks, formed once
             groups = sync_subgroups(actor.world_size, rollout.layout)
             self.link = ctl.link(f"policy-sync-{uuid.uuid4().hex[:8]}", [actor, rollout], groups)
         self.greedy_baseline = greedy_baseline

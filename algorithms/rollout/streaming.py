@@ -48,12 +48,12 @@ class StreamingRollouts(RolloutPipeline):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.rollout.layout.tp > 1 or self.rollout.layout.pp > 1:
+        if self.rollout is not None and (self.rollout.layout.tp > 1 or self.rollout.layout.pp > 1):
             raise ValueError(
                 "streaming partial rollouts need whole-copy replicas (rollout_tp=0): a generation TP group decodes "
                 "in lockstep; set async_rl.deterministic=true for replicas with a generation layout"
             )
-        self.replicas = self.rollout.world_size
+        self.replicas = self.rollout.world_size if self.rollout is not None else 0
         self._reset()
 
     def _reset(self) -> None:
@@ -109,13 +109,15 @@ class StreamingRollouts(RolloutPipeline):
         self._metrics[i] = self._ledger(samples)
         self._admit(self._draw(need))
         self._poll(0.0)  # the fresh groups reach the replicas now: they decode while the trainer trains
-        greedy = None
-        if self.greedy_baseline:  # whole greedy responses by the replicas' current version
-            greedy = self.rollout.generate_sequences(prompts_of(samples), GenerationSpec(greedy=True))
+        greedy = self._greedy(prompts_of(samples)) if self.greedy_baseline else None
         mask = samples[RESPONSE_MASK].bool()
         oldest = int(samples[POLICY_VERSIONS][mask].min()) if mask.any() else self.version
         self._taken[i] = Generated(i, oldest, samples, greedy, self.bound)
         return self._taken[i]
+
+    def _greedy(self, prompts: Batch) -> fa.CallFuture:
+        """Whole greedy responses to `prompts` by the replicas' current version (ReMax's baseline)."""
+        return self.rollout.generate_sequences(prompts, GenerationSpec(greedy=True))
 
     def after_update(self, i: int) -> None:
         """Step i's update is issued: sync version i + 1 at once (it lands between two segments)."""
@@ -193,12 +195,16 @@ class StreamingRollouts(RolloutPipeline):
         groups drawn so far that are neither trained, nor finished and waiting, nor held by a replica (lost)."""
         duplicates = self._train(samples)
         waiting = [int(b[PROMPT_UID][0]) for b in self.buffer]
-        held = [u for rank in self.held for u in rank] + waiting
+        held = self._held_uids() + waiting
         return {
             "async/duplicates": float(duplicates),
             "async/lost": float(self.ledger.lost(self._next_uid, held)),
             "async/held_groups": float(len(held)),
         }
+
+    def _held_uids(self) -> list[int]:
+        """The groups the replicas hold (at their last poll)."""
+        return [u for rank in self.held for u in rank]
 
 
 def _shares(n: int, parts: int) -> list[range]:

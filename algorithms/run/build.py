@@ -49,6 +49,9 @@ class Roles:
     rollout: fa.ActorGroup | None = None
     """The actor's rollout replicas, on slots of their own (asynchronous RL: algorithms.rollout.asynchronous); they hold a
     copy of a recent policy, so checkpoints leave them out."""
+    replica_factory: Callable[[str, str], fa.ActorGroup] | None = None
+    """An elastic fleet's replicas: `replica_factory(name, address)` builds one on a pool worker
+    (algorithms.rollout.fleet); None otherwise."""
     fused_critics: tuple[str, ...] = ()
     """The critics that train in the actor's fused pipeline (fusion.train; RunPlan.fused_critics)."""
 
@@ -200,25 +203,26 @@ def build_roles(
         )
     if with_cost:
         built["cost"] = _scorer(group, "cost", cfg.cost_model, task.cost, cfg.model, cfg.actor.zero_stage)
+    replica_factory = None
     if cfg.async_rl.staleness:  # the replicas, on the torch engine, take the actor's policy
         # a whole copy per replica rank, or with rollout_tp a TP shard per rank of each replica (the
         # 3D-HybridEngine with equal training and generation TP: it generates from the shards it receives); with
         # the sharded sync LoRA's adapters on it too (syncs then move only them), else the merged weights rank 0
         # sends
-        lora = cfg.actor.lora_rank if cfg.async_rl.sync == "sharded" else 0
+        fleet = cfg.async_rl.fleet_bounds() is not None
+        lora = cfg.actor.lora_rank if cfg.async_rl.sync == "sharded" and not fleet else 0
         optim = dataclasses.replace(cfg.actor, zero_stage=1, lora_rank=lora)
-        built["rollout"] = group(
-            "rollout",
-            ActorWorker,
-            dataclasses.replace(cfg.model, engine="torch"),
-            optim,
-            sampling(cfg, task),
-            run_plan.rollout_tp,
-            run_plan.rollout_engine,
-            1,
-            agent,
-        )
+        model = dataclasses.replace(cfg.model, engine="torch")
+        args = (model, optim, sampling(cfg, task), run_plan.rollout_tp, run_plan.rollout_engine, 1, agent)
+        if fleet:  # one-rank replicas on pool workers, built as they arrive (algorithms.rollout.fleet)
+
+            def replica_factory(name: str, address: str) -> fa.ActorGroup:
+                return fa.ActorGroup(ctl, ActorWorker, name=name, slots=[address], args=args, own_world=True)
+
+        else:
+            built["rollout"] = group("rollout", ActorWorker, *args)
     return Roles(
+        replica_factory=replica_factory,
         actor=actor,
         ref=ref,
         reward=reward,

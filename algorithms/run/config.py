@@ -250,7 +250,7 @@ class RLConfig(RunConfig):
         # the features
         **{
             f"async_{name}": f"async_rl.{name}"
-            for name in ("staleness", "correction", "tis_cap", "rollout_slots", "sync", "sync_bucket_mb")
+            for name in ("staleness", "correction", "tis_cap", "rollout_slots", "sync", "sync_bucket_mb", "replicas")
         },
         "partial_rollout": "async_rl.partial_rollout",
         "partial_segment": "async_rl.partial_segment",

@@ -36,6 +36,7 @@ import flowactors as fa
 from algorithms.data.prompts import PromptData
 from algorithms.data.tasks import get_task
 from algorithms.rollout.asynchronous import RolloutPipeline
+from algorithms.rollout.fleet import FleetRollouts
 from algorithms.rollout.fusion import overlap_note
 from algorithms.rollout.streaming import StreamingRollouts
 from algorithms.run.build import Roles, build_roles, prompt_data
@@ -198,9 +199,13 @@ class Runner:
         self.algo.stage = self.stage
         self.algo.setup(self.ctl, self.roles, self.data)
         self.pipeline = None
-        if self.roles.rollout is not None:  # started once the run knows its first step (start_pipeline)
+        if self.roles.rollout is not None or self.roles.replica_factory is not None:  # started by start_pipeline
             streaming = self.cfg.async_rl.partial_rollout and not self.cfg.async_rl.deterministic
-            self.pipeline = (StreamingRollouts if streaming else RolloutPipeline)(
+            kind, extra = (StreamingRollouts if streaming else RolloutPipeline), {}
+            if self.roles.replica_factory is not None:
+                kind = FleetRollouts
+                extra = {"make_replica": self.roles.replica_factory, "bounds": self.cfg.async_rl.fleet_bounds()}
+            self.pipeline = kind(
                 self.ctl,
                 self.roles.actor,
                 self.roles.rollout,
@@ -212,6 +217,7 @@ class Runner:
                 greedy_baseline=self.algo.greedy_baseline,
                 past_the_end=bool(self.store and self.cfg.checkpoint.save_every),
                 max_new_tokens=self.cfg.rollout.max_new_tokens or self.data.task.max_new_tokens,
+                **extra,
             )
 
     def start_pipeline(self, step: int, state: dict | None = None) -> None:

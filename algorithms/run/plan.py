@@ -114,6 +114,9 @@ def _check_fusion(cfg: RLConfig) -> None:
 
 def _check_async(cfg: RLConfig) -> None:
     k = cfg.async_rl.staleness
+    if cfg.async_rl.fleet_bounds() is not None:
+        _check_fleet(cfg)
+        return
     if cfg.placement != "split" and not cfg.plan:
         raise ConfigError(
             f"async_staleness={k} runs the rollouts on slots of their own while the others train; "
@@ -149,6 +152,22 @@ def _check_async(cfg: RLConfig) -> None:
             )
         if cfg.async_rl.partial_rollout:
             cfg.async_rl.check_replica_ranks(cfg.prompts_per_step, rollout // tp)
+
+
+def _check_fleet(cfg: RLConfig) -> None:
+    """An elastic rollout fleet: one-rank whole-copy replicas on pool workers; the trainer keeps every slot."""
+    what = f"async_rl.replicas={cfg.async_rl.replicas}"
+    if cfg.plan:
+        raise ConfigError(f"{what} puts the replicas on pool workers, not in a placement plan; drop --plan or it")
+    if cfg.rollout.tp:
+        raise ConfigError(f"{what}: fleet replicas are whole copies of one rank each; set rollout_tp=0")
+    if cfg.fusion.enabled:
+        raise ConfigError(f"{what} with fuse=true is not built yet; drop one of them")
+    if cfg.cluster != "local":
+        raise ConfigError(
+            f"{what} on --cluster {cfg.cluster} is not built yet (the fleet's own jobs); start rollout workers "
+            f"against the scheduler (dask worker --resources rollout=1) and use --address"
+        )
 
 
 def _check_replicas(cfg: RLConfig, tp: int) -> None:
@@ -440,7 +459,7 @@ def _planned_dp(cfg: RLConfig, plan) -> dict[str, int]:
         return {m.role: m.train[2] for m in plan.models}
     if cfg.address is not None or cfg.cluster != "local":
         return {}  # known once the cluster's slots are (place() checks then)
-    if cfg.placement == "split" and cfg.async_rl.staleness:
+    if cfg.placement == "split" and cfg.async_rl.staleness and not cfg.async_rl.replicas:
         rollout = cfg.async_rl.rollout_slots or cfg.n_slots // 2
         return {"actor": cfg.n_slots - rollout, "rollout": rollout // (cfg.rollout.tp or 1)}
     if cfg.placement == "split":
@@ -551,7 +570,7 @@ def place(ctl: Controller, cfg: RLConfig, run_plan: RunPlan | None = None) -> Po
             addresses, layout = out["critic"]
             out["critic"] = (reverse_stages(addresses, layout), layout)
         result = Pools(out)
-    elif cfg.async_rl.staleness:  # the rollout replicas on the last slots, everything that trains on the others
+    elif cfg.async_rl.staleness and not cfg.async_rl.replicas:  # the replicas on the last slots, the rest on the others
         result = Pools(_async_split(cfg, list(slots)))
     else:
         actor_side = scorer_side = list(slots)

@@ -56,6 +56,9 @@ _STORE: dict[str, Any] = {}
 _READY: dict[str, asyncio.Event] = {}  # touched on the worker's event loop only
 _SPANS: deque[tuple[str, float, float]] = deque(maxlen=20000)
 _REPORTS: deque[dict] = deque(maxlen=200000)
+_FETCHED: dict[str, dict[str, int]] = {}
+"""For the last items that fetched inputs from peers: item key -> {peer address: bytes} (`fetched_for`)."""
+_FETCHED_KEEP = 4096
 _RUNNING: dict[str, Any] = {}  # {"key": ..., "thread": ident} while the task thread runs an item
 _PEERS: dict[str, tuple[int, bytes]] = {}  # every worker's direct listener, as the controller told this one
 
@@ -255,7 +258,9 @@ def _queue(worker: Any, cid: str, seq: int, key: str, step: Any, task: tuple, re
             )
             loop = worker.loop.asyncio_loop
             inputs = (
-                asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs), loop) if refs else None
+                asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs, key), loop)
+                if refs
+                else None
             )
             worker.executors["default"].submit(
                 _job, worker, reply, previous, key, step, fn, args, kwargs, inputs, list(refs)
@@ -610,7 +615,17 @@ def _handle_release(keys: Sequence[str]) -> None:
             del _READY[k]
 
 
-async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef]) -> Any:
+def fetched_for(keys: Sequence[str], dask_worker: Any = None) -> dict[str, int]:
+    """The bytes the items `keys` of this worker fetched from peers for their inputs, by peer address (items
+    long gone are forgotten: the last 4,096 are kept)."""
+    out: dict[str, int] = {}
+    for k in keys:
+        for address, n in _FETCHED.get(k, {}).items():
+            out[address] = out.get(address, 0) + n
+    return out
+
+
+async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef], item: str = "") -> Any:
     """`value` with its DirectRefs (`refs`, by key) replaced by what they name (fetched from their worker where not
     held here); an input that cannot be had becomes a RankFailure, which the runtime reports as the rank's failure,
     and one whose item raised raises `InputRaised`."""
@@ -626,7 +641,13 @@ async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef]) -> 
                     raise InputRaised(got.error)
                 return got
             loop = asyncio.get_running_loop()
-            return unwrap_reply(await loop.run_in_executor(_fetch_pool(), _FETCHER.get, ref.address, ref.key))
+            reply, size = await loop.run_in_executor(_fetch_pool(), _FETCHER.get_sized, ref.address, ref.key)
+            if item:
+                sizes = _FETCHED.setdefault(item, {})
+                sizes[ref.address] = sizes.get(ref.address, 0) + size
+                while len(_FETCHED) > _FETCHED_KEEP:
+                    del _FETCHED[next(iter(_FETCHED))]
+            return unwrap_reply(reply)
         except InputRaised:
             raise
         except Exception as e:

@@ -202,6 +202,12 @@ class Fetcher:
 
     def get(self, address: str, key: str) -> dict:
         """The worker's reply for `key`: {"status": "ok", "value"}, "raised" (with "exception") or "missing"."""
+        return self.get_sized(address, key)[0]
+
+    def get_sized(self, address: str, key: str) -> tuple[dict, int]:
+        """`get`'s reply and the bytes it took on the wire."""
+        import pickle
+
         with self._lock:
             idle = self._idle.get(address)
             conn = idle.pop() if idle else None
@@ -209,13 +215,13 @@ class Fetcher:
             conn = dial(address, *self._listener(address))
         try:
             conn.send(frames(("get", key)))
-            reply = conn.receive()
+            data, buffers = conn.receive_frames()
         except BaseException:
             conn.close()
             raise
         with self._lock:
             self._idle.setdefault(address, []).append(conn)
-        return reply
+        return pickle.loads(data, buffers=buffers), len(data) + sum(len(b) for b in buffers)
 
     def forget(self, address: str) -> None:
         with self._lock:

@@ -1,0 +1,430 @@
+"""An elastic rollout fleet (`async_rl.replicas=MIN:MAX`): rollout replicas that join and leave a running job.
+
+Each replica is a one-rank group of its own (`fa.ActorGroup(own_world=True)`) on a pool worker, a Dask worker that
+carries the `rollout` resource and no slot: the trainer's groups keep every slot and never change. Workers arrive
+and go as Dask brings them (`cluster.scale`, a jobqueue's `adapt`, `dask worker --resources rollout=1` against an
+`--address` cluster, a node preempted); on the embedded cluster the fleet asks for them itself (`Autoscale`).
+
+- **Join**: a worker that arrives is built into a replica in the background (its model loads while the run goes
+  on), then takes the current weights from a peer replica, not from the trainer (`peer.policy_weights()` chained
+  into its `load_policy`, worker to worker), and from then on fresh prompt groups and every later version.
+- **Leave**: a replica whose worker dies loses only what it held unfinished: those prompt groups, kept by the
+  controller until they come back finished, go back to the prompt stream (to the replicas holding least) and are
+  generated again under the same ledger ids. A graceful retire (the autoscaler's scale-down) first collects what
+  the replica finished, then requeues only its unfinished groups, then closes the worker.
+- **Exactly once**: the streaming pipeline's ledger (`async/duplicates`, `async/lost`), with the groups waiting to
+  be requeued counted as held; metrics `fleet/replicas`, `fleet/joined`, `fleet/left`, `fleet/requeued`,
+  `fleet/join_s` (a worker's arrival to its first poll) and `fleet/join_trainer_bytes` (what a join fetched from
+  the trainer's workers: 0).
+
+Weight syncs go from trainer rank 0 to every replica over the workers' transport (`policy_weights` into
+`load_policy`), not over the sharded sync's process group: that is a collective formed over fixed ranks, which a
+replica that dies mid-sync would leave hanging. docs/asynchronous.md#an-elastic-fleet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import flowactors as fa
+from algorithms.rollout.asynchronous import _batch, _plain
+from algorithms.rollout.streaming import StreamingRollouts
+from engines import GenerationSpec
+from engines.rollout.partial import PROMPT_UID
+from flowactors import Batch
+
+__all__ = ["Autoscale", "FleetRollouts", "RESOURCE"]
+
+RESOURCE = "rollout"
+"""The Dask resource a pool worker carries to be a rollout replica (`dask worker --resources rollout=1`)."""
+CHECK_S = 0.5
+"""How often the fleet asks the scheduler for arrivals (a worker that died is reported at once, by its calls)."""
+WAIT_S = 600.0
+"""How long a step waits for a replica when the fleet has none, before the run fails."""
+
+
+@dataclass
+class Replica:
+    group: fa.ActorGroup
+    address: str
+    arrived: float
+    assigned: dict[int, None] = field(default_factory=dict)  # uids admitted and not handed back finished, in order
+    pending: list[Batch] = field(default_factory=list)  # fresh groups for its next poll
+    polled: bool = False
+    join_load: fa.CallFuture | None = None  # its load of a peer's weights, until measured
+
+
+class _Loads:
+    """One version's `load_policy` calls on the replicas, read like one call's result (the lost ones left out)."""
+
+    def __init__(self, calls: list[fa.CallFuture]) -> None:
+        self.calls = calls
+
+    def result(self) -> list[dict]:
+        out = []
+        for c in self.calls:
+            try:
+                out += c.result()
+            except fa.WorkerLostError:
+                pass
+        return out or [{"bytes": 0.0, "seconds": 0.0}]
+
+
+class Autoscale:
+    """The embedded cluster's scaling rule: grow the fleet by one (up to MAX) after a step that waited for
+    rollouts longer than `grow_wait_s`; retire one (down to MIN) after `calm_steps` steps in a row that found a
+    whole further step's groups already finished. One change at a time: nothing while a join is under way."""
+
+    def __init__(self, low: int, high: int, grow_wait_s: float = 0.5, calm_steps: int = 3) -> None:
+        self.low, self.high, self.grow_wait_s, self.calm_steps = low, high, grow_wait_s, calm_steps
+        self.calm = 0
+
+    def decide(self, size: int, waited_s: float, spare_groups: int, step_groups: int, joining: bool) -> int:
+        """+1, -1 or 0 replicas, after a step that waited `waited_s` for its groups and left `spare_groups` finished
+        groups waiting."""
+        self.calm = self.calm + 1 if spare_groups >= step_groups and waited_s == 0 else 0
+        if joining:
+            return 0
+        if size < self.low:
+            return 1
+        if waited_s > self.grow_wait_s and size < self.high:
+            self.calm = 0
+            return 1
+        if self.calm >= self.calm_steps and size > self.low:
+            self.calm = 0
+            return -1
+        return 0
+
+
+class FleetRollouts(StreamingRollouts):
+    """Streaming partial rollouts over an elastic fleet (see the module docstring); the pipeline's calls."""
+
+    def __init__(
+        self,
+        *args: Any,
+        make_replica: Callable[[str, str], fa.ActorGroup],
+        bounds: tuple[int, int],
+        **kwargs: Any,
+    ) -> None:
+        """`make_replica(name, address)`: a replica group on a pool worker; `bounds`: (MIN, MAX) replicas."""
+        super().__init__(*args, **kwargs)
+        self.make_replica, self.bounds = make_replica, bounds
+        self.scaler = Autoscale(*bounds) if hasattr(self.ctl.cluster, "worker_spec") else None
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="fleet-join")
+        self.fleet: list[Replica] = []
+        self._building: dict[str, tuple[float, Future]] = {}
+        self._seen_dead: set[str] = set()
+        self._names = 0
+        self._checked = 0.0
+        self._counts = {"joined": 0, "left": 0, "requeued": 0}
+        self._join_s: list[float] = []
+        self._join_bytes: list[tuple[float, float]] = []
+        self._waited = 0.0
+        self.prompts: dict[int, Batch] = {}  # every group admitted and not handed back finished, by uid
+        self.requeue: list[int] = []  # uids waiting for a replica
+
+    # -- the pipeline's calls ---------------------------------------------------------------------------------------
+    def start(self, step: int, state: dict[str, Any] | None = None) -> None:
+        if state is not None and "fleet" not in state:
+            raise ValueError(
+                "this checkpoint holds rollouts of fixed replicas (saved without async_rl.replicas); resume it "
+                "without async_rl.replicas, with the same placement"
+            )
+        self.queue.clear()
+        self._syncs.clear()
+        self._reset()
+        self.inflight = None
+        self.prompts, self.requeue = {}, []
+        self._first_version = self.version = step
+        if self.scaler is not None:
+            self.ctl.resize_pool(RESOURCE, self.bounds[0])
+        deadline = time.monotonic() + WAIT_S
+        while len(self.fleet) < self.bounds[0]:  # the first MIN replicas, built at once
+            self._arrivals()
+            self._settle_joins(block=True, first=not self.fleet)
+            if time.monotonic() > deadline:
+                raise RuntimeError(self._none_message())
+            if len(self.fleet) < self.bounds[0]:
+                time.sleep(0.2)
+        self._sync_weights(step)
+        if state is not None:
+            self.ledger_from(state)
+        else:
+            self._admit(self._draw(self.batch[0] + self.surplus))
+        self._poll(0.0)
+
+    def ledger_from(self, state: dict[str, Any]) -> None:
+        """A checkpoint's fleet state: the ledger, the finished groups waiting, and every group the replicas held,
+        requeued (the replicas at a resume are whichever workers are there: unfinished sequences start over)."""
+        from algorithms.rollout.asynchronous import PromptLedger
+
+        self.ledger = PromptLedger.from_state(state["ledger"])
+        self._next_uid = int(state["next_uid"])
+        self.buffer = [_batch(b) for b in state["fleet"]["buffer"]]
+        held = [_batch(b) for b in state["fleet"]["held"]]
+        for b in held:
+            self.prompts[int(b[PROMPT_UID][0])] = b
+        self._admit(Batch.concat(held) if held else Batch())
+
+    def take(self, i: int):
+        t0 = time.perf_counter()
+        self._waited = 0.0
+        ready_before = len(self.buffer)
+        out = super().take(i)
+        if ready_before < self.batch[0]:
+            self._waited = time.perf_counter() - t0
+        metrics = self._metrics.setdefault(i, {})
+        metrics.update(self._fleet_metrics())
+        if self.scaler is not None:
+            change = self.scaler.decide(
+                len(self.fleet), self._waited, len(self.buffer), self.batch[0], bool(self._building)
+            )
+            if change > 0:
+                self.ctl.resize_pool(RESOURCE, len(self.fleet) + len(self._building) + 1)
+            elif change < 0:
+                self._retire(min(self.fleet, key=lambda r: (len(r.assigned), -self.fleet.index(r))))
+        return out
+
+    def after_update(self, i: int) -> None:
+        self.version = i + 1
+        self._sync_weights(i + 1)
+
+    def drain(self) -> None:
+        if self.inflight is not None:
+            self._collect()
+        for r in list(self.fleet):
+            try:
+                r.group.stop_streaming().result()
+            except fa.WorkerLostError:
+                pass
+        self._builder.shutdown(wait=True, cancel_futures=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.inflight is not None:
+            self._collect()
+        return {
+            "ledger": self.ledger.state_dict(),
+            "next_uid": self._next_uid,
+            "fleet": {
+                "buffer": [_plain(b) for b in self.buffer],
+                "held": [_plain(self.prompts[u]) for u in sorted(self.prompts)],
+            },
+            "staleness": self.staleness,
+            "bound": self.bound,
+            "in_flight": [],
+        }
+
+    # -- joins ------------------------------------------------------------------------------------------------------
+    def _arrivals(self) -> None:
+        """Start building a replica on every pool worker that arrived (up to MAX, joins included)."""
+        self._checked = time.monotonic()
+        known = {r.address for r in self.fleet} | set(self._building)
+        for address in self.ctl.workers_with(RESOURCE):
+            if address in known or address in self._seen_dead:
+                continue
+            if len(self.fleet) + len(self._building) >= self.bounds[1]:
+                break
+            self._names += 1
+            name = f"rollout-{self._names}"
+            self._building[address] = (time.perf_counter(), self._builder.submit(self.make_replica, name, address))
+
+    def _settle_joins(self, block: bool = False, first: bool = False) -> None:
+        """Replicas whose build finished take the current weights from a peer (the trainer's only when the fleet
+        has no replica: the run's start) and join the fleet."""
+        for address, (arrived, build) in list(self._building.items()):
+            if not block and not build.done():
+                continue
+            del self._building[address]
+            try:
+                group = build.result()
+            except (fa.WorkerLostError, fa.RemoteError, fa.PlacementError) as e:
+                self._seen_dead.add(address)
+                print(f"[fleet] a replica on {address} could not be built: {e}")
+                continue
+            replica = Replica(group, address, arrived)
+            if self.fleet:  # a peer's weights: it has every version issued so far, in order
+                peer = self.fleet[0].group
+                replica.join_load = replica.group.load_policy(peer.policy_weights(), self.version)
+            self.fleet.append(replica)
+            if not first:
+                self._counts["joined"] += 1
+
+    def _measure_join(self, replica: Replica) -> None:
+        """What the join's weight load fetched, from the trainer's workers and from peers (the direct transport
+        counts it; nothing is reported on the others)."""
+        call, replica.join_load = replica.join_load, None
+        sizes = self.ctl.fetched_bytes(call) if call is not None else None
+        if sizes is None:
+            return
+        trainer = set(self.actor.addresses)
+        self._join_bytes.append(
+            (
+                float(sum(n for a, n in sizes.items() if a in trainer)),
+                float(sum(n for a, n in sizes.items() if a not in trainer)),
+            )
+        )
+
+    # -- leaves -----------------------------------------------------------------------------------------------------
+    def _lose(self, replica: Replica) -> None:
+        """A replica's worker died: its unfinished groups go back to the prompt stream."""
+        if replica not in self.fleet:
+            return
+        self.fleet.remove(replica)
+        self._seen_dead.add(replica.address)
+        replica.group.close(wait=False)
+        try:
+            self.ctl.forget_lost(replica.address)
+        except fa.PlacementError:
+            pass
+        self._counts["left"] += 1
+        self._requeue(list(replica.assigned))
+        print(f"[fleet] replica on {replica.address} lost; {len(replica.assigned)} groups requeued")
+
+    def _retire(self, replica: Replica) -> None:
+        """A graceful leave: collect what it finished, requeue only the rest, close its worker."""
+        if self.inflight is not None:
+            self._collect()
+        self.fleet.remove(replica)
+        try:
+            replica.group.stop_streaming().result()
+            out = replica.group.stream_partial([Batch()], [self.segment], [0.0]).result()[0]
+            self._take_finished(replica, out["samples"])
+        except fa.WorkerLostError:
+            pass
+        self._counts["left"] += 1
+        self._requeue(list(replica.assigned))
+        replica.group.close(wait=False)
+        self._seen_dead.add(replica.address)
+        self.ctl.retire_worker(replica.address)
+
+    def _requeue(self, uids: list[int]) -> None:
+        self._counts["requeued"] += len(uids)
+        self.requeue += uids
+
+    # -- the streaming pipeline's replica calls ---------------------------------------------------------------------
+    def _admit(self, prompts: Batch) -> None:
+        """Each fresh group to the replica holding fewest; none there: they wait for one."""
+        if not len(prompts):
+            return
+        groups = prompts["group"]
+        for g in groups.unique().tolist():
+            rows = prompts.take((groups == g).nonzero().flatten().tolist())
+            uid = int(rows[PROMPT_UID][0])
+            self.prompts[uid] = rows
+            self._give(uid)
+
+    def _give(self, uid: int) -> None:
+        if not self.fleet:
+            self.requeue.append(uid)
+            return
+        r = min(self.fleet, key=lambda r: (len(r.assigned), self.fleet.index(r)))
+        r.assigned[uid] = None
+        r.pending.append(self.prompts[uid])
+
+    def _poll(self, wait_s: float) -> None:
+        if time.monotonic() - self._checked > CHECK_S:
+            self._arrivals()
+        self._settle_joins()
+        waiting, self.requeue = self.requeue, []
+        for uid in waiting:
+            self._give(uid)
+        calls = {}
+        for r in list(self.fleet):
+            fresh = _regroup(r.pending)
+            try:
+                calls[r.address] = (r, r.group.stream_partial([fresh], [self.segment], [wait_s]))
+            except fa.WorkerLostError:
+                self._lose(r)
+                continue
+            r.pending = []
+            if not r.polled:
+                r.polled = True
+                self._join_s.append(time.perf_counter() - r.arrived)
+        if not calls:
+            if not self._building and time.monotonic() - self._checked > WAIT_S:
+                raise RuntimeError(self._none_message())
+            time.sleep(min(wait_s, 0.2) or 0.05)
+        self.inflight = calls  # type: ignore[assignment]
+
+    def _collect(self) -> None:
+        calls, self.inflight = self.inflight or {}, None
+        for r, call in calls.values():
+            try:
+                out = call.result()[0]
+            except fa.WorkerLostError:
+                self._lose(r)
+                continue
+            self._take_finished(r, out["samples"])
+            if r.join_load is not None:
+                self._measure_join(r)
+        self.held = [list(r.assigned) for r in self.fleet]
+
+    def _take_finished(self, r: Replica, samples: Batch) -> None:
+        if not len(samples):
+            return
+        groups = samples["group"]
+        for g in groups.unique().tolist():
+            group = samples.take((groups == g).nonzero().flatten().tolist())
+            uid = int(group[PROMPT_UID][0])
+            r.assigned.pop(uid, None)
+            self.prompts.pop(uid, None)
+            self.buffer.append(group)
+
+    def _held_uids(self) -> list[int]:
+        return [u for r in self.fleet for u in r.assigned] + list(self.requeue)
+
+    def _sync_weights(self, version: int) -> None:
+        if not self.fleet:
+            return  # a replica that joins takes the weights then
+        weights = self.actor.policy_weights()
+        calls = []
+        for r in list(self.fleet):
+            try:
+                calls.append(r.group.load_policy(weights, version))
+            except fa.WorkerLostError:
+                self._lose(r)
+        self._syncs[version] = _Loads(calls)  # type: ignore[assignment]
+
+    def _greedy(self, prompts: Batch) -> Any:
+        """ReMax's greedy baseline from the first replica (a lost one: from the next)."""
+        while self.fleet:
+            try:
+                return self.fleet[0].group.generate_sequences(prompts, GenerationSpec(greedy=True)).result()
+            except fa.WorkerLostError:
+                self._lose(self.fleet[0])
+        raise RuntimeError(self._none_message())
+
+    # -- metrics ----------------------------------------------------------------------------------------------------
+    def _fleet_metrics(self) -> dict[str, float]:
+        out = {f"fleet/{k}": float(v) for k, v in self._counts.items()}
+        out["fleet/replicas"] = float(len(self.fleet))
+        out["fleet/waited_s"] = self._waited
+        if self._join_s:
+            out["fleet/join_s"] = self._join_s.pop()
+            self._join_s.clear()
+        if self._join_bytes:
+            out["fleet/join_trainer_bytes"] = sum(t for t, _ in self._join_bytes)
+            out["fleet/join_peer_bytes"] = sum(p for _, p in self._join_bytes)
+            self._join_bytes.clear()
+        return out
+
+    def _none_message(self) -> str:
+        return (
+            f"the rollout fleet has no replica: no pool worker with the {RESOURCE!r} resource is live (start one: "
+            f"`dask worker --nthreads 1 --resources {RESOURCE}=1 SCHEDULER`, or let the embedded cluster start them)"
+        )
+
+
+def _regroup(parts: list[Batch]) -> Batch:
+    """Groups given one by one, as one batch whose `group` numbers them from 0 in order (a rank's admission)."""
+    if not parts:
+        return Batch()
+    return Batch.concat(
+        [Batch({**b.tensors, "group": torch.full_like(b["group"], g)}, b.rows, b.meta) for g, b in enumerate(parts)]
+    )
