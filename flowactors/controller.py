@@ -517,6 +517,7 @@ class Controller:
                 f"group {name!r}: {clash} are slots of the controller's world, which a worker process cannot leave "
                 f"for a world of a group's own; give such a group pool workers (Controller.workers_with)"
             )
+        self.transport.connect(addresses)  # joined workers are dialled here, not under the issue lock
         reserve = self.submit_pinned(addresses[0], _runtime.free_port, key=f"{name}.free_port-{new_token()}")
         host, port, cuda = self.await_setup(name, "free_port", [reserve], list(addresses[:1]))[0]
         want = backend or ("nccl" if cuda else "gloo")

@@ -200,6 +200,7 @@ class StreamingRollouts(RolloutPipeline):
             "async/duplicates": float(duplicates),
             "async/lost": float(self.ledger.lost(self._next_uid, held)),
             "async/held_groups": float(len(held)),
+            "async/trained_groups": float(samples[PROMPT_UID].unique().numel()),
         }
 
     def _held_uids(self) -> list[int]:

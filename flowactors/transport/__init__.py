@@ -100,6 +100,11 @@ class Transport(ABC):
 
     # -- failures -------------------------------------------------------------------------------------------
     @abstractmethod
+    def connect(self, addresses: Sequence[str]) -> None:
+        """Open what calls to `addresses` will need, before any is issued (nothing on the Dask transports): a
+        worker that joins a running job is dialled outside the controller's lock, not by the first submission,
+        which holds it."""
+
     async def worker_lost(self, address: str, futures: Sequence[Any]) -> None:
         """The scheduler removed the worker at `address`: fail every future pending there (`futures`: those of
         the calls the controller tracked on it). Runs on the client's event loop."""

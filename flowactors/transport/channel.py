@@ -179,9 +179,12 @@ class DirectChannel:
     # -- connections -----------------------------------------------------------------------------------------
     def _listener(self, address: str) -> tuple[int, bytes]:
         """The port and secret of `address`'s direct listener. Asked of all workers at once, and never of one
-        that died (it would not answer); each connected worker is told the new table, to fetch from its peers."""
+        that died (it would not answer); each connected worker is told the new table, to fetch from its peers. Once
+        the table is known, a worker that joins later is asked alone (the others may be busy: an elastic pool's
+        worker joins while the run trains)."""
         if address not in self._listeners:
-            got = self._client.run(listen_port, on_error="return")
+            only = {"workers": [address]} if self._listeners else {}
+            got = self._client.run(listen_port, on_error="return", **only)
             self._listeners.update({a: v for a, v in got.items() if isinstance(v, tuple)})
             for conn in list(self._connections.values()):
                 with _suppress(OSError):
@@ -616,6 +619,10 @@ class DirectTransport(Transport):
 
     def submit(self, tasks: Sequence[Work], step: int | None) -> list[DirectFuture]:
         return self.channel.submit(tasks, step=step)
+
+    def connect(self, addresses: Sequence[str]) -> None:
+        for a in addresses:
+            self.channel._connection(a)
 
     def submit_fanout(self, call: Fanout, step: int | None) -> list[DirectFuture]:
         return self.channel.submit_fanout(call, step=step)

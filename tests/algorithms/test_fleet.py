@@ -1,0 +1,141 @@
+"""An elastic rollout fleet (algorithms/rollout/fleet.py) on real clusters: replicas on pool workers that join a
+running job (weights from a peer, none from the trainer) and leave it (SIGKILL: unfinished groups requeued; a
+graceful retire: only unfinished ones), every step's batch full and every prompt group trained once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+from distributed import Client, LocalCluster
+
+from algorithms.grpo import main as grpo
+from algorithms.rollout.fleet import RESOURCE, Autoscale
+from flowactors.cluster import resize_pool
+
+FLEET = [
+    "dashboard=none",
+    "sft_steps=10",
+    "prompts_per_step=8",
+    "async_staleness=1",
+    "partial_rollout=true",
+]
+
+
+def _steps(path) -> list[dict]:
+    try:
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _exact(history: list[dict], prompts_per_step: int = 8) -> None:
+    """Full batches, nothing trained twice, nothing lost, at every step."""
+    assert all(r["async/trained_groups"] == prompts_per_step for r in history), [
+        r["async/trained_groups"] for r in history
+    ]
+    assert all(r["async/duplicates"] == 0 and r["async/lost"] == 0 for r in history)
+
+
+@pytest.mark.e2e  # a whole program's run with a cluster changing under it: CI's second tier
+def test_a_replica_joins_at_one_step_and_one_is_killed_at_a_later_one_and_every_group_trains_once(tmp_path):
+    """Two trainer slots and one pool worker; after step 2 the cluster gains a pool worker (Dask's own scale, as an
+    operator or a jobqueue would), which becomes a replica with a peer's weights; after it has served a step, the
+    other replica's worker is SIGKILLed (its nanny then brings a new worker, which joins again). The run never
+    stops: 60 steps, each with its 8 groups, each group trained once."""
+    metrics = tmp_path / "m.jsonl"
+    cluster = LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        resources={"slot": 1},
+    )
+    client = Client(cluster)
+    events: dict[str, int] = {}
+    over = threading.Event()
+
+    def operator() -> None:
+        resize_pool(cluster, RESOURCE, 1)
+        while not over.is_set():
+            done = _steps(metrics)
+            if "grown" not in events and len(done) >= 2:
+                resize_pool(cluster, RESOURCE, 2)
+                events["grown"] = len(done)
+            if "grown" in events and "killed" not in events and done and done[-1].get("fleet/joined", 0) >= 1:
+                if len(done) >= events["grown"] + 2:
+                    pool = [
+                        a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if RESOURCE in w["resources"]
+                    ]
+                    pids = client.run(os.getpid, workers=pool)
+                    first = min(pool, key=lambda a: cluster.scheduler_info["workers"][a]["name"])
+                    os.kill(pids[first], signal.SIGKILL)
+                    events["killed"] = len(done)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=operator, daemon=True)
+    thread.start()
+    try:
+        history = grpo(
+            ["--steps", "60", *FLEET, "async_replicas=1:3", "--address", cluster.scheduler_address]
+            + [f"metrics_file={metrics}"]
+        )
+    finally:
+        over.set()
+        thread.join()
+        client.close()
+        cluster.close()
+    assert "grown" in events and "killed" in events, f"the run ended before the fleet changed: {events}"
+    assert [r["step"] for r in history] == list(range(60))
+    _exact(history)
+    last = history[-1]
+    assert last["fleet/joined"] >= 1 and last["fleet/left"] >= 1
+    assert last["fleet/requeued"] >= 1  # the killed replica held groups (its share of the surplus)
+    joins = [r for r in history if "fleet/join_peer_bytes" in r]
+    assert joins, "no join reported what it fetched"
+    for r in joins:  # a join loads a peer's weights: the whole model, and nothing from the trainer
+        assert r["fleet/join_trainer_bytes"] == 0
+        assert r["fleet/join_peer_bytes"] >= history[0]["async/sync_bytes"]
+    sizes = [r["fleet/replicas"] for r in history]
+    assert max(sizes) >= 2 and sizes[0] == 1
+
+
+def test_the_autoscaler_grows_on_waits_and_retires_after_calm_steps(no_cluster):
+    scale = Autoscale(1, 3, grow_wait_s=0.5, calm_steps=2)
+    assert scale.decide(size=0, waited_s=0.0, spare_groups=0, step_groups=8, joining=False) == 1  # below MIN
+    assert scale.decide(size=1, waited_s=2.0, spare_groups=0, step_groups=8, joining=True) == 0  # one at a time
+    assert scale.decide(size=1, waited_s=2.0, spare_groups=0, step_groups=8, joining=False) == 1
+    assert scale.decide(size=3, waited_s=2.0, spare_groups=0, step_groups=8, joining=False) == 0  # at MAX
+    assert scale.decide(size=2, waited_s=0.0, spare_groups=8, step_groups=8, joining=False) == 0  # calm 1
+    assert scale.decide(size=2, waited_s=0.0, spare_groups=8, step_groups=8, joining=False) == -1  # calm 2
+    assert scale.decide(size=2, waited_s=0.0, spare_groups=8, step_groups=8, joining=False) == 0  # counted anew
+    assert scale.decide(size=1, waited_s=0.0, spare_groups=9, step_groups=8, joining=False) == 0
+    assert scale.decide(size=1, waited_s=0.0, spare_groups=9, step_groups=8, joining=False) == 0  # at MIN
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["async_replicas=2:1"], r"async_rl.replicas is MIN:MAX replicas .* 1 <= MIN <= MAX"),
+        (["async_replicas=x"], r"async_rl.replicas is MIN:MAX"),
+        (["async_staleness=1", "async_replicas=2"], r"add async_staleness=1 partial_rollout=true"),
+        (
+            ["async_staleness=1", "partial_rollout=true", "async_deterministic=true", "async_replicas=2"],
+            r"and not async_deterministic=true",
+        ),
+        (["async_staleness=1", "partial_rollout=true", "async_replicas=1:2", "rollout_tp=2"], r"set rollout_tp=0"),
+    ],
+)
+def test_bad_fleet_settings_are_one_line_before_the_cluster_starts(capsys, no_cluster, argv, message):
+    import re
+
+    with pytest.raises(SystemExit) as e:
+        grpo(["dashboard=none", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
