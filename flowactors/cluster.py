@@ -97,14 +97,19 @@ def resize_pool(cluster: Any, resource: str, n: int) -> None:
     template for new workers becomes a pool worker's, so its own `scale` and `adapt` grow and shrink the pool
     (they stop the newest workers first, which are the pool's)."""
     import copy
+    import secrets
 
     if n < 0:
         raise ValueError(f"a pool has >= 0 workers, got {n}")
     spec = copy.deepcopy(cluster.new_spec)
     spec.setdefault("options", {})["resources"] = {resource: 1}
     cluster.new_spec = spec
-    others = len(cluster.worker_spec) - len(pool_workers(cluster, resource))
-    cluster.scale(others + n)
+    pool = pool_workers(cluster, resource)
+    for name in pool[n:][::-1]:  # the newest first
+        del cluster.worker_spec[name]
+    for _ in range(n - len(pool)):  # a name never used: one that was retired may still be closing
+        cluster.worker_spec[f"{resource}-{secrets.token_hex(4)}"] = copy.deepcopy(spec)
+    cluster.scale(len(cluster.worker_spec))  # starts and stops workers to match the specs
 
 
 def pool_workers(cluster: Any, resource: str) -> list[str]:

@@ -292,8 +292,7 @@ class FleetRollouts(StreamingRollouts):
             self._collect()
         self.fleet.remove(replica)
         try:
-            replica.group.stop_streaming().result()
-            out = replica.group.stream_partial([Batch()], [self.segment], [0.0]).result()[0]
+            out = replica.group.hand_back().result()[0]
             self._take_finished(replica, out["samples"])
         except fa.WorkerLostError:
             pass

@@ -539,6 +539,17 @@ class ReplicaEndpoints:
             loop.progress.wait(max(0.0, deadline - time.monotonic()))
 
     @endpoint(protocol=ONE_TO_ALL)
+    def hand_back(self) -> dict:
+        """A replica's graceful leave (an elastic fleet's retire): stop decoding after the segment in progress, hand
+        out every group that has finished, and drop the unfinished ones (the controller gives their prompts to
+        other replicas). Returns `stream_partial`'s {"samples", "held"}, "held" the groups dropped."""
+        self._stop_decoding()
+        part = self._partial_rollouts()
+        out = {"samples": part.hand_out(), "held": part.held(), "version": self.policy_version}
+        part.groups.clear()
+        return out
+
+    @endpoint(protocol=ONE_TO_ALL)
     def stop_streaming(self) -> bool:
         """End streaming partial rollouts' decode loop (after its segment in progress); what it holds stays."""
         return self._stop_decoding()

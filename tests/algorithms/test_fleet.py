@@ -13,8 +13,10 @@ import time
 import pytest
 from distributed import Client, LocalCluster
 
+import flowactors as fa
 from algorithms.grpo import main as grpo
 from algorithms.rollout.fleet import RESOURCE, Autoscale
+from engines.rollout.partial import PROMPT_UID
 from flowactors.cluster import resize_pool
 
 FLEET = [
@@ -70,7 +72,9 @@ def test_a_replica_joins_at_one_step_and_one_is_killed_at_a_later_one_and_every_
             if "grown" in events and "killed" not in events and done and done[-1].get("fleet/joined", 0) >= 1:
                 if len(done) >= events["grown"] + 2:
                     pool = [
-                        a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if RESOURCE in w["resources"]
+                        a
+                        for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+                        if RESOURCE in w["resources"]
                     ]
                     pids = client.run(os.getpid, workers=pool)
                     first = min(pool, key=lambda a: cluster.scheduler_info["workers"][a]["name"])
@@ -103,6 +107,22 @@ def test_a_replica_joins_at_one_step_and_one_is_killed_at_a_later_one_and_every_
         assert r["fleet/join_peer_bytes"] >= history[0]["async/sync_bytes"]
     sizes = [r["fleet/replicas"] for r in history]
     assert max(sizes) >= 2 and sizes[0] == 1
+
+
+def test_a_fleet_run_resumed_from_a_checkpoint_trains_every_group_once(tmp_path):
+    """async_replicas=1:1 on the embedded cluster: the fleet asks the cluster for its pool worker, builds the
+    replica, and every version reaches it from trainer rank 0 (the whole model each sync). A checkpoint keeps the
+    ledger, the finished groups waiting and the prompts of the groups the replicas held; the resumed run (its
+    replica a new one) requeues those, and across both runs every group drawn is trained once."""
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2"]
+    first = grpo(["--steps", "4", *FLEET, "async_replicas=1:1", *ck])
+    resumed = grpo(["--steps", "6", *FLEET, "async_replicas=1:1", *ck, "--resume", "auto"])
+    assert [r["step"] for r in resumed] == [4, 5]
+    history = first + resumed
+    _exact(history)
+    assert all(r["fleet/replicas"] == 1 and r["fleet/joined"] == 0 and r["fleet/left"] == 0 for r in history)
+    assert len({r["async/sync_bytes"] for r in history}) == 1 and history[0]["async/sync_bytes"] > 0
+    assert history[0]["fleet/join_s"] > 0
 
 
 def test_the_autoscaler_grows_on_waits_and_retires_after_calm_steps(no_cluster):
@@ -139,3 +159,46 @@ def test_bad_fleet_settings_are_one_line_before_the_cluster_starts(capsys, no_cl
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err
+
+
+def test_a_graceful_retire_requeues_only_what_the_replica_had_not_finished(tmp_path, monkeypatch):
+    """Two replicas on the embedded cluster's pool (async_replicas=2:2); after step 3 one retires gracefully (the
+    autoscaler's scale-down, called here at a fixed step): every group it had finished is trained as it was, only
+    its unfinished groups go back to the prompt stream, and the fleet, below MIN, asks the cluster for a new
+    worker (tests/runtime/test_pool.py shows such a worker arriving)."""
+    from algorithms.rollout.fleet import FleetRollouts
+
+    seen: dict = {}
+    take = FleetRollouts.take
+
+    def take_and_retire(self, i):
+        out = take(self, i)
+        if i == 3:
+            if self.inflight is not None:
+                self._collect()
+            replica = self.fleet[-1]
+            state = replica.group.partial_state().result()[0]  # a snapshot: groups only finish after it
+            seen["finished"] = {u for u, group in state["groups"] if all(s["done"] for s in group)}
+            seen["unfinished"] = {u for u, group in state["groups"] if not all(s["done"] for s in group)}
+            seen["pending"] = {int(b[PROMPT_UID][0]) for b in replica.pending}
+            before = {int(b[PROMPT_UID][0]) for b in self.buffer}
+            self._retire(replica)
+            seen["requeued"] = set(self.requeue)
+            seen["buffered"] = {int(b[PROMPT_UID][0]) for b in self.buffer} - before
+            seen["address"] = replica.address
+        if i == 8:
+            seen["asked"] = len(fa.cluster.pool_workers(self.ctl.cluster, RESOURCE))
+        return out
+
+    monkeypatch.setattr(FleetRollouts, "take", take_and_retire)
+    history = grpo(["--steps", "10", *FLEET, "async_replicas=2:2", f"metrics_file={tmp_path / 'm.jsonl'}"])
+    assert seen, "the retire did not run"
+    assert seen["finished"] <= seen["buffered"]  # nothing it had finished was requeued ...
+    assert not seen["requeued"] & seen["buffered"]
+    assert seen["requeued"] <= seen["unfinished"] | seen["pending"]  # ... only what it had not
+    assert seen["requeued"] | seen["buffered"] == seen["finished"] | seen["unfinished"] | seen["pending"]
+    assert [r["step"] for r in history] == list(range(10))
+    _exact(history)
+    last = history[-1]
+    assert last["fleet/left"] == 1 and last["fleet/requeued"] == len(seen["requeued"])
+    assert seen["asked"] == 2  # the fleet asked the cluster for a worker: back to MIN
