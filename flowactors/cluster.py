@@ -93,32 +93,46 @@ def _local_cluster(n_slots: int, dashboard: str | None, secure: bool, resources:
 
 def resize_pool(cluster: Any, resource: str, n: int) -> None:
     """Start or stop workers of `cluster` (a SpecCluster: LocalCluster, a dask-jobqueue cluster) that carry
-    `resource` and no slot, until `n` of them are asked for: an elastic pool beside the slots. The cluster's
-    template for new workers becomes a pool worker's, so its own `scale` and `adapt` grow and shrink the pool
-    (they stop the newest workers first, which are the pool's)."""
+    `resource` and no slot, until about `n` of them are asked for: an elastic pool beside the slots (a jobqueue job
+    brings its `processes` workers at once, so jobs are rounded up). The cluster's template for new workers
+    becomes a pool worker's, so its own `scale` and `adapt` grow and shrink the pool (they stop the newest workers
+    first, which are the pool's)."""
     import copy
     import secrets
 
     if n < 0:
         raise ValueError(f"a pool has >= 0 workers, got {n}")
     spec = copy.deepcopy(cluster.new_spec)
-    spec.setdefault("options", {})["resources"] = {resource: 1}
+    options = spec.setdefault("options", {})
+    args = options.get("worker_extra_args")
+    if args and "--resources" in args:  # a dask-jobqueue job: its workers' command line says what they carry
+        args[args.index("--resources") + 1] = f"{resource}=1"
+    else:
+        options["resources"] = {resource: 1}
     cluster.new_spec = spec
+    per_spec = int(options.get("processes") or 1)
+    want = -(-n // per_spec)
     pool = pool_workers(cluster, resource)
-    for name in pool[n:][::-1]:  # the newest first
+    for name in pool[want:][::-1]:  # the newest first
         del cluster.worker_spec[name]
-    for _ in range(n - len(pool)):  # a name never used: one that was retired may still be closing
+    for _ in range(want - len(pool)):  # a name never used: one that was retired may still be closing
         cluster.worker_spec[f"{resource}-{secrets.token_hex(4)}"] = copy.deepcopy(spec)
-    cluster.scale(len(cluster.worker_spec))  # starts and stops workers to match the specs
+    if hasattr(cluster, "job_cls"):  # dask-jobqueue counts workers unless told jobs
+        cluster.scale(jobs=len(cluster.worker_spec))
+    else:
+        cluster.scale(len(cluster.worker_spec))  # starts and stops workers to match the specs
 
 
 def pool_workers(cluster: Any, resource: str) -> list[str]:
     """The names of `cluster`'s worker specs that carry `resource` (see `resize_pool`)."""
-    return [
-        name
-        for name, spec in cluster.worker_spec.items()
-        if resource in (spec.get("options", {}).get("resources") or {})
-    ]
+
+    def carries(options: dict) -> bool:
+        args = options.get("worker_extra_args") or []
+        if "--resources" in args:
+            return any(r.split("=")[0] == resource for r in args[args.index("--resources") + 1].split(","))
+        return resource in (options.get("resources") or {})
+
+    return [name for name, spec in cluster.worker_spec.items() if carries(spec.get("options", {}))]
 
 
 def stop_workers(cluster: LocalCluster, timeout_s: float = 30.0) -> None:

@@ -126,6 +126,7 @@ class FleetRollouts(StreamingRollouts):
         self._join_s: list[float] = []
         self._join_bytes: list[tuple[float, float]] = []
         self._waited = 0.0
+        self._empty_since: float | None = None
         self.prompts: dict[int, Batch] = {}  # every group admitted and not handed back finished, by uid
         self.requeue: list[int] = []  # uids waiting for a replica
 
@@ -345,10 +346,17 @@ class FleetRollouts(StreamingRollouts):
             if not r.polled:
                 r.polled = True
                 self._join_s.append(time.perf_counter() - r.arrived)
-        if not calls:
-            if not self._building and time.monotonic() - self._checked > WAIT_S:
+        if not calls:  # no replica: wait for one (asking the cluster for MIN again, where the fleet can)
+            now = time.monotonic()
+            if self._empty_since is None:
+                self._empty_since = now
+                if self.scaler is not None and not self._building:
+                    self.ctl.resize_pool(RESOURCE, self.bounds[0])
+            elif now - self._empty_since > WAIT_S:
                 raise RuntimeError(self._none_message())
             time.sleep(min(wait_s, 0.2) or 0.05)
+        else:
+            self._empty_since = None
         self.inflight = calls  # type: ignore[assignment]
 
     def _collect(self) -> None:
@@ -362,7 +370,7 @@ class FleetRollouts(StreamingRollouts):
             self._take_finished(r, out["samples"])
             if r.join_load is not None:
                 self._measure_join(r)
-        self.held = [list(r.assigned) for r in self.fleet]
+        self.held = [list(r.assigned) for r in self.fleet] + [list(self.requeue)]
 
     def _take_finished(self, r: Replica, samples: Batch) -> None:
         if not len(samples):

@@ -163,11 +163,6 @@ def _check_fleet(cfg: RLConfig) -> None:
         raise ConfigError(f"{what}: fleet replicas are whole copies of one rank each; set rollout_tp=0")
     if cfg.fusion.enabled:
         raise ConfigError(f"{what} with fuse=true is not built yet; drop one of them")
-    if cfg.cluster != "local":
-        raise ConfigError(
-            f"{what} on --cluster {cfg.cluster} is not built yet (the fleet's own jobs); start rollout workers "
-            f"against the scheduler (dask worker --resources rollout=1) and use --address"
-        )
 
 
 def _check_replicas(cfg: RLConfig, tp: int) -> None:

@@ -98,13 +98,13 @@ class Transport(ABC):
     def settle(self, futures: Sequence[Any], timeout: float) -> None:
         """Wait up to `timeout` for `futures`, whatever their outcome (closing: errors may be raised or not)."""
 
-    # -- failures -------------------------------------------------------------------------------------------
-    @abstractmethod
     def connect(self, addresses: Sequence[str]) -> None:
         """Open what calls to `addresses` will need, before any is issued (nothing on the Dask transports): a
         worker that joins a running job is dialled outside the controller's lock, not by the first submission,
         which holds it."""
 
+    # -- failures -------------------------------------------------------------------------------------------
+    @abstractmethod
     async def worker_lost(self, address: str, futures: Sequence[Any]) -> None:
         """The scheduler removed the worker at `address`: fail every future pending there (`futures`: those of
         the calls the controller tracked on it). Runs on the client's event loop."""

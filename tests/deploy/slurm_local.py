@@ -163,7 +163,9 @@ class LocalSlurm:
                     "JobAcctGatherType=jobacct_gather/none",
                     "SchedulerType=sched/backfill",
                     "GresTypes=gpu",
-                    f"NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} RealMemory={_real_memory_mb()}{gres} "
+                    # more CPUs than the machine's 2, so that a rollout fleet's jobs run beside the trainer's
+                    "SlurmdParameters=config_overrides",
+                    f"NodeName={host} NodeAddr=127.0.0.1 CPUs={max(8, os.cpu_count() or 1)} RealMemory={_real_memory_mb()}{gres} "
                     "State=UNKNOWN",
                     f"PartitionName={self.partition} Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
                     "",

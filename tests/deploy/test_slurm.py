@@ -353,3 +353,59 @@ def test_a_job_slurm_cannot_run_is_refused_at_once_with_sbatchs_words(local_slur
         open_slurm(_settings(local_slurm, tmp_path, gpus_per_node=4))  # the node has 2
     assert time.monotonic() - t0 < 10
     assert local_slurm.job_ids() == []
+
+
+def test_the_rollout_fleet_grows_and_shrinks_with_slurm_jobs_of_its_own(local_slurm, tmp_path, monkeypatch):
+    """--cluster slurm async_replicas=1:2: the trainer's jobs keep their two CPU workers while the fleet submits a
+    job of its own for its first replica, one more to grow (a second job whose worker joins with a peer's
+    weights), then retires that replica, which cancels its job; every step's batch full, every group trained once.
+    The scale-ups and the retire are the autoscaler's own calls, made here at fixed steps."""
+    from algorithms.grpo import main as grpo
+    from algorithms.rollout.fleet import RESOURCE, Autoscale, FleetRollouts
+
+    monkeypatch.setattr(Autoscale, "decide", lambda self, *a, **k: 0)  # the test decides when
+    seen: dict = {}
+    take = FleetRollouts.take
+
+    def take_and_scale(self, i):
+        out = take(self, i)
+        if i == 2:
+            seen["jobs_before"] = len(local_slurm.job_ids())
+            self.ctl.resize_pool(RESOURCE, 2)
+            deadline = time.monotonic() + 120
+            while len(self.fleet) < 2 and time.monotonic() < deadline:
+                self._poll(0.2)
+                self._collect()
+            seen["grown"] = len(self.fleet)
+            seen["jobs_up"] = len(local_slurm.job_ids())
+        if i == 5:
+            self._retire(self.fleet[-1])
+            deadline = time.monotonic() + 30
+            while len(local_slurm.job_ids()) >= seen["jobs_up"] and time.monotonic() < deadline:
+                time.sleep(0.3)
+            seen["jobs_down"] = len(local_slurm.job_ids())
+        return out
+
+    monkeypatch.setattr(FleetRollouts, "take", take_and_scale)
+    slurm = [
+        f"slurm.partition={local_slurm.partition}",
+        "slurm.gpus_per_node=0",
+        "slurm.nodes=2",  # (one worker per job: the trainer's two jobs, one per replica)
+        "slurm.cpu_workers_per_node=1",
+        "slurm.memory_per_job=2GB",
+        "slurm.interface=lo",
+        f"slurm.log_directory={tmp_path / 'jobs'}",
+        f"slurm.credentials_directory={tmp_path}",
+    ]
+    history = grpo(
+        ["--cluster", "slurm", *slurm, "--steps", "8", "dashboard=none", "sft_steps=2", "prompts_per_step=8"]
+        + ["async_staleness=1", "partial_rollout=true", "async_replicas=1:2"]
+    )
+    assert seen["jobs_before"] == 3  # the trainer's two and the first replica's
+    assert seen["grown"] == 2 and seen["jobs_up"] == 4
+    assert seen["jobs_down"] == 3
+    assert [r["step"] for r in history] == list(range(8))
+    assert all(r["async/trained_groups"] == 8 and r["async/duplicates"] == 0 for r in history)
+    assert all(r["async/lost"] == 0 for r in history)
+    assert history[-1]["fleet/joined"] == 1 and history[-1]["fleet/left"] == 1
+    assert _wait_no_jobs(local_slurm) == []
