@@ -14,6 +14,7 @@ thread (calls to one process must run one at a time). `shorten_streams` sets the
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from distributed import Client, LocalCluster
@@ -91,12 +92,13 @@ def _local_cluster(n_slots: int, dashboard: str | None, secure: bool, resources:
     )
 
 
-def resize_pool(cluster: Any, resource: str, n: int) -> None:
+def resize_pool(cluster: Any, resource: str, n: int, preload: Sequence[str] = ()) -> None:
     """Start or stop workers of `cluster` (a SpecCluster: LocalCluster, a dask-jobqueue cluster) that carry
     `resource` and no slot, until about `n` of them are asked for: an elastic pool beside the slots (a jobqueue job
     brings its `processes` workers at once, so jobs are rounded up). The cluster's template for new workers
     becomes a pool worker's, so its own `scale` and `adapt` grow and shrink the pool (they stop the newest workers
-    first, which are the pool's)."""
+    first, which are the pool's). `preload`: modules the pool's workers load before they register (Dask's
+    `--preload`: what a joining worker would otherwise import in its first call)."""
     import copy
     import secrets
 
@@ -107,8 +109,12 @@ def resize_pool(cluster: Any, resource: str, n: int) -> None:
     args = options.get("worker_extra_args")
     if args and "--resources" in args:  # a dask-jobqueue job: its workers' command line says what they carry
         args[args.index("--resources") + 1] = f"{resource}=1"
+        for module in preload:
+            if module not in args:
+                args += ["--preload", module]
     else:
         options["resources"] = {resource: 1}
+        options["preload"] = [*options.get("preload", []), *(m for m in preload if m not in options.get("preload", []))]
     cluster.new_spec = spec
     per_spec = int(options.get("processes") or 1)
     want = -(-n // per_spec)

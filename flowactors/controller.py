@@ -324,15 +324,16 @@ class Controller:
             self._lost.pop(address, None)
             self._hosted.pop(address, None)
 
-    def resize_pool(self, resource: str, n: int) -> None:
+    def resize_pool(self, resource: str, n: int, preload: Sequence[str] = ()) -> None:
         """Ask the cluster this controller started or was given (a SpecCluster: the embedded one, dask-jobqueue's)
-        for `n` workers carrying `resource`; they arrive (or go) while the run goes on (`workers_with`)."""
+        for `n` workers carrying `resource` (loading the `preload` modules before they register); they arrive (or
+        go) while the run goes on (`workers_with`)."""
         if self.cluster is None or not hasattr(self.cluster, "worker_spec"):
             raise PlacementError(
                 "this controller joined a cluster it cannot scale (--address): start pool workers there, e.g. "
                 f"`dask worker --nthreads 1 --resources {resource}=1 ADDRESS`"
             )
-        _cluster.resize_pool(self.cluster, resource, n)
+        _cluster.resize_pool(self.cluster, resource, n, preload)
 
     def retire_worker(self, address: str) -> None:
         """Close a pool worker gracefully (after its owner took back what it held): a cluster this controller

@@ -14,7 +14,7 @@ and go as Dask brings them (`cluster.scale`, a jobqueue's `adapt`, `dask worker 
   the replica finished, then requeues only its unfinished groups, then closes the worker.
 - **Exactly once**: the streaming pipeline's ledger (`async/duplicates`, `async/lost`), with the groups waiting to
   be requeued counted as held; metrics `fleet/replicas`, `fleet/joined`, `fleet/left`, `fleet/requeued`,
-  `fleet/join_s` (a worker's arrival to its first poll) and `fleet/join_trainer_bytes` (what a join fetched from
+  `fleet/join_s` (a worker's arrival to its first generated samples) and `fleet/join_trainer_bytes` (what a join fetched from
   the trainer's workers: 0).
 
 Weight syncs go from trainer rank 0 to every replica over the workers' transport (`policy_weights` into
@@ -43,6 +43,8 @@ __all__ = ["Autoscale", "FleetRollouts", "RESOURCE"]
 
 RESOURCE = "rollout"
 """The Dask resource a pool worker carries to be a rollout replica (`dask worker --resources rollout=1`)."""
+PRELOAD = ("engines.preload",)
+"""What the pool workers the fleet asks for import before they register (engines/preload.py)."""
 CHECK_S = 0.5
 """How often the fleet asks the scheduler for arrivals (a worker that died is reported at once, by its calls)."""
 WAIT_S = 600.0
@@ -125,6 +127,7 @@ class FleetRollouts(StreamingRollouts):
         self._counts = {"joined": 0, "left": 0, "requeued": 0}
         self._join_s: list[float] = []
         self._join_bytes: list[tuple[float, float]] = []
+        self._build_s: list[float] = []
         self._waited = 0.0
         self._empty_since: float | None = None
         self.prompts: dict[int, Batch] = {}  # every group admitted and not handed back finished, by uid
@@ -144,7 +147,7 @@ class FleetRollouts(StreamingRollouts):
         self.prompts, self.requeue = {}, []
         self._first_version = self.version = step
         if self.scaler is not None:
-            self.ctl.resize_pool(RESOURCE, self.bounds[0])
+            self._resize(self.bounds[0])
         deadline = time.monotonic() + WAIT_S
         while len(self.fleet) < self.bounds[0]:  # the first MIN replicas, built at once
             self._arrivals()
@@ -187,7 +190,7 @@ class FleetRollouts(StreamingRollouts):
                 len(self.fleet), self._waited, len(self.buffer), self.batch[0], bool(self._building)
             )
             if change > 0:
-                self.ctl.resize_pool(RESOURCE, len(self.fleet) + len(self._building) + 1)
+                self._resize(len(self.fleet) + len(self._building) + 1)
             elif change < 0:
                 self._retire(min(self.fleet, key=lambda r: (len(r.assigned), -self.fleet.index(r))))
         return out
@@ -221,6 +224,9 @@ class FleetRollouts(StreamingRollouts):
             "in_flight": [],
         }
 
+    def _resize(self, n: int) -> None:
+        self.ctl.resize_pool(RESOURCE, n, PRELOAD)
+
     # -- joins ------------------------------------------------------------------------------------------------------
     def _arrivals(self) -> None:
         """Start building a replica on every pool worker that arrived (up to MAX, joins included)."""
@@ -249,6 +255,7 @@ class FleetRollouts(StreamingRollouts):
                 print(f"[fleet] a replica on {address} could not be built: {e}")
                 continue
             replica = Replica(group, address, arrived)
+            self._build_s.append(time.perf_counter() - arrived)
             if self.fleet:  # a peer's weights: it has every version issued so far, in order
                 peer = self.fleet[0].group
                 replica.join_load = replica.group.load_policy(peer.policy_weights(), self.version)
@@ -343,15 +350,12 @@ class FleetRollouts(StreamingRollouts):
                 self._lose(r)
                 continue
             r.pending = []
-            if not r.polled:
-                r.polled = True
-                self._join_s.append(time.perf_counter() - r.arrived)
         if not calls:  # no replica: wait for one (asking the cluster for MIN again, where the fleet can)
             now = time.monotonic()
             if self._empty_since is None:
                 self._empty_since = now
                 if self.scaler is not None and not self._building:
-                    self.ctl.resize_pool(RESOURCE, self.bounds[0])
+                    self._resize(self.bounds[0])
             elif now - self._empty_since > WAIT_S:
                 raise RuntimeError(self._none_message())
             time.sleep(min(wait_s, 0.2) or 0.05)
@@ -375,6 +379,9 @@ class FleetRollouts(StreamingRollouts):
     def _take_finished(self, r: Replica, samples: Batch) -> None:
         if not len(samples):
             return
+        if not r.polled:  # its first samples: the join is complete
+            r.polled = True
+            self._join_s.append(time.perf_counter() - r.arrived)
         groups = samples["group"]
         for g in groups.unique().tolist():
             group = samples.take((groups == g).nonzero().flatten().tolist())
@@ -415,6 +422,9 @@ class FleetRollouts(StreamingRollouts):
         if self._join_s:
             out["fleet/join_s"] = self._join_s.pop()
             self._join_s.clear()
+        if self._build_s:  # of that: the replica's construction (its model built on the worker)
+            out["fleet/join_build_s"] = self._build_s.pop()
+            self._build_s.clear()
         if self._join_bytes:
             out["fleet/join_trainer_bytes"] = sum(t for t, _ in self._join_bytes)
             out["fleet/join_peer_bytes"] = sum(p for _, p in self._join_bytes)
