@@ -24,6 +24,7 @@ replica that dies mid-sync would leave hanging. docs/asynchronous.md#an-elastic-
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -151,7 +152,7 @@ class FleetRollouts(StreamingRollouts):
         deadline = time.monotonic() + WAIT_S
         while len(self.fleet) < self.bounds[0]:  # the first MIN replicas, built at once
             self._arrivals()
-            self._settle_joins(block=True, first=not self.fleet)
+            self._settle_joins(block=True, first=True)
             if time.monotonic() > deadline:
                 raise RuntimeError(self._none_message())
             if len(self.fleet) < self.bounds[0]:
@@ -242,26 +243,31 @@ class FleetRollouts(StreamingRollouts):
             self._building[address] = (time.perf_counter(), self._builder.submit(self.make_replica, name, address))
 
     def _settle_joins(self, block: bool = False, first: bool = False) -> None:
-        """Replicas whose build finished take the current weights from a peer (the trainer's only when the fleet
-        has no replica: the run's start) and join the fleet."""
+        """Replicas whose build finished take the current weights from a peer and join the fleet (`first`: the
+        run's start, whose first sync brings every replica the trainer's weights)."""
         for address, (arrived, build) in list(self._building.items()):
             if not block and not build.done():
                 continue
             del self._building[address]
             try:
                 group = build.result()
-            except (fa.WorkerLostError, fa.RemoteError, fa.PlacementError) as e:
+            except (fa.WorkerLostError, fa.RemoteError, fa.PlacementError, fa.HangError) as e:
                 self._seen_dead.add(address)
-                print(f"[fleet] a replica on {address} could not be built: {e}")
+                if address in self.ctl.lost_workers:
+                    self.ctl.forget_lost(address)
+                print(f"[fleet] a replica on {address} could not be built: {e}", file=sys.stderr)
                 continue
             replica = Replica(group, address, arrived)
             self._build_s.append(time.perf_counter() - arrived)
-            if self.fleet:  # a peer's weights: it has every version issued so far, in order
+            if not first and self.fleet:  # a peer's weights: it has every version issued so far, in order
                 peer = self.fleet[0].group
                 replica.join_load = replica.group.load_policy(peer.policy_weights(), self.version)
+            elif not first:  # no replica left to take them from: the trainer's
+                replica.group.load_policy(self.actor.policy_weights(), self.version)
             self.fleet.append(replica)
             if not first:
                 self._counts["joined"] += 1
+                print(f"[fleet] a replica joined on {address} ({len(self.fleet)} now)", file=sys.stderr)
 
     def _measure_join(self, replica: Replica) -> None:
         """What the join's weight load fetched, from the trainer's workers and from peers (the direct transport
@@ -292,7 +298,10 @@ class FleetRollouts(StreamingRollouts):
             pass
         self._counts["left"] += 1
         self._requeue(list(replica.assigned))
-        print(f"[fleet] replica on {replica.address} lost; {len(replica.assigned)} groups requeued")
+        print(
+            f"[fleet] the replica on {replica.address} was lost; {len(replica.assigned)} groups requeued",
+            file=sys.stderr,
+        )
 
     def _retire(self, replica: Replica) -> None:
         """A graceful leave: collect what it finished, requeue only the rest, close its worker."""

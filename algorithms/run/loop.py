@@ -467,6 +467,17 @@ def task_settings(cfg: RLConfig) -> tuple[str, list[str]]:
     return f"[{task.name}] the task's settings", [f"{k}={v}" for k, v in task.settings]
 
 
+FLEET_METRICS = ("fleet/replicas", "fleet/joined", "fleet/left", "fleet/requeued")
+
+
+def charted_metrics(algo: Algorithm) -> tuple[str, ...]:
+    """The metrics the dashboard charts: the algorithm's key metrics, and an elastic fleet's size and changes over
+    time where the run has one."""
+    fleet = getattr(getattr(algo, "cfg", None), "async_rl", None)
+    extra = FLEET_METRICS if fleet is not None and fleet.replicas else ()
+    return (*algo.key_metrics, *extra)
+
+
 def run_program(
     algo_cls: type[Algorithm], preset: Callable[[], RLConfig], argv: Sequence[str] | None, description: str
 ) -> list[dict]:
@@ -513,7 +524,7 @@ def run_program(
                 from algorithms.run.dashboard_style import ROLE_COLORS
                 from flowactors.dashboard import install_dashboard
 
-                page = install_dashboard(ctl.client, metrics=algo.key_metrics, role_colors=ROLE_COLORS)
+                page = install_dashboard(ctl.client, metrics=charted_metrics(algo), role_colors=ROLE_COLORS)
                 print(
                     f"[{algo.name}] Dask dashboard: {ctl.dashboard_link} (dataflow, slots, metrics: {page})",
                     file=sys.stderr,

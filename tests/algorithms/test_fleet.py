@@ -109,20 +109,21 @@ def test_a_replica_joins_at_one_step_and_one_is_killed_at_a_later_one_and_every_
     assert max(sizes) >= 2 and sizes[0] == 1
 
 
-def test_a_fleet_run_resumed_from_a_checkpoint_trains_every_group_once(tmp_path):
-    """async_replicas=1:1 on the embedded cluster: the fleet asks the cluster for its pool worker, builds the
-    replica, and every version reaches it from trainer rank 0 (the whole model each sync). A checkpoint keeps the
-    ledger, the finished groups waiting and the prompts of the groups the replicas held; the resumed run (its
-    replica a new one) requeues those, and across both runs every group drawn is trained once."""
-    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2"]
-    first = grpo(["--steps", "4", *FLEET, "async_replicas=1:1", *ck])
-    resumed = grpo(["--steps", "6", *FLEET, "async_replicas=1:1", *ck, "--resume", "auto"])
-    assert [r["step"] for r in resumed] == [4, 5]
-    history = first + resumed
-    _exact(history)
-    assert all(r["fleet/replicas"] == 1 and r["fleet/joined"] == 0 and r["fleet/left"] == 0 for r in history)
-    assert len({r["async/sync_bytes"] for r in history}) == 1 and history[0]["async/sync_bytes"] > 0
-    assert history[0]["fleet/join_s"] > 0
+def test_the_dashboard_charts_the_fleet_over_time(no_cluster):
+    from algorithms.grpo import GRPO, GRPOConfig
+    from algorithms.run.loop import charted_metrics
+
+    fleet = GRPOConfig()
+    fleet.async_rl.replicas = "1:2"
+    plain = GRPO(GRPOConfig())
+    assert charted_metrics(GRPO(fleet)) == (
+        *plain.key_metrics,
+        "fleet/replicas",
+        "fleet/joined",
+        "fleet/left",
+        "fleet/requeued",
+    )
+    assert charted_metrics(plain) == plain.key_metrics
 
 
 def test_the_autoscaler_grows_on_waits_and_retires_after_calm_steps(no_cluster):
@@ -161,11 +162,13 @@ def test_bad_fleet_settings_are_one_line_before_the_cluster_starts(capsys, no_cl
     assert re.search(message, err), err
 
 
-def test_a_graceful_retire_requeues_only_what_the_replica_had_not_finished(tmp_path, monkeypatch):
-    """Two replicas on the embedded cluster's pool (async_replicas=2:2); after step 3 one retires gracefully (the
-    autoscaler's scale-down, called here at a fixed step): every group it had finished is trained as it was, only
-    its unfinished groups go back to the prompt stream, and the fleet, below MIN, asks the cluster for a new
-    worker (tests/runtime/test_pool.py shows such a worker arriving)."""
+def test_a_graceful_retire_requeues_only_unfinished_groups_and_a_resume_trains_every_group_once(tmp_path, monkeypatch):
+    """Two replicas on the embedded cluster's pool (async_replicas=2:2; the fleet asks the cluster for them); after
+    step 2 one retires gracefully (the autoscaler's scale-down, called here at a fixed step): every group it had
+    finished is trained as it was, only its unfinished groups go back to the prompt stream, and the fleet, below
+    MIN, asks the cluster for a new worker (tests/runtime/test_pool.py shows such a worker arriving). A checkpoint
+    keeps the ledger, the finished groups waiting and the prompts of the groups the replicas held; the resumed run
+    (its replicas new ones) requeues those, and across both runs every group drawn is trained once."""
     from algorithms.rollout.fleet import FleetRollouts
 
     seen: dict = {}
@@ -173,7 +176,7 @@ def test_a_graceful_retire_requeues_only_what_the_replica_had_not_finished(tmp_p
 
     def take_and_retire(self, i):
         out = take(self, i)
-        if i == 3:
+        if i == 2:
             if self.inflight is not None:
                 self._collect()
             replica = self.fleet[-1]
@@ -185,20 +188,22 @@ def test_a_graceful_retire_requeues_only_what_the_replica_had_not_finished(tmp_p
             self._retire(replica)
             seen["requeued"] = set(self.requeue)
             seen["buffered"] = {int(b[PROMPT_UID][0]) for b in self.buffer} - before
-            seen["address"] = replica.address
-        if i == 8:
+        if i == 3:
             seen["asked"] = len(fa.cluster.pool_workers(self.ctl.cluster, RESOURCE))
         return out
 
     monkeypatch.setattr(FleetRollouts, "take", take_and_retire)
-    history = grpo(["--steps", "10", *FLEET, "async_replicas=2:2", f"metrics_file={tmp_path / 'm.jsonl'}"])
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2"]
+    first = grpo(["--steps", "4", *FLEET, "async_replicas=2:2", *ck])
     assert seen, "the retire did not run"
     assert seen["finished"] <= seen["buffered"]  # nothing it had finished was requeued ...
     assert not seen["requeued"] & seen["buffered"]
     assert seen["requeued"] <= seen["unfinished"] | seen["pending"]  # ... only what it had not
     assert seen["requeued"] | seen["buffered"] == seen["finished"] | seen["unfinished"] | seen["pending"]
-    assert [r["step"] for r in history] == list(range(10))
-    _exact(history)
-    last = history[-1]
-    assert last["fleet/left"] == 1 and last["fleet/requeued"] == len(seen["requeued"])
+    assert first[-1]["fleet/left"] == 1 and first[-1]["fleet/requeued"] == len(seen["requeued"])
     assert seen["asked"] == 2  # the fleet asked the cluster for a worker: back to MIN
+    resumed = grpo(["--steps", "7", *FLEET, "async_replicas=2:2", *ck, "--resume", "auto"])
+    assert [r["step"] for r in first + resumed] == list(range(7))
+    _exact(first)
+    _exact(resumed)
+    assert resumed[0]["fleet/replicas"] == 2 and resumed[0]["async/sync_bytes"] > 0
