@@ -8,8 +8,11 @@ jobqueue's adapt would), which joins as a replica with a peer's weights; `--kill
 operator SIGKILLs the other replica's worker (its nanny restarts it, and the new worker joins again). Reported:
 
 - `startup_s`: the first replica's time from its worker's arrival to its first generated samples, at the run's
-  start (weights from the trainer); `join_s`: the same for each worker that joined mid-run (weights from a peer);
-  the target is join <= 2x startup;
+  start (weights from the trainer), and `startup_asked_s` from the run asking the cluster for it (the worker
+  process's own start and preload included); `join_s`: a worker that joined mid-run, from its arrival to its first
+  samples at the controller (weights from a peer); the target is join <= 2x start-up. The running pipeline collects
+  finished groups once per step, where a start polls without pause, so a join's first samples are seen up to a
+  step later than they exist;
 - `join_trainer_bytes` / `join_peer_bytes`: what each join fetched from the trainer's workers and from peers;
 - `requeued_per_loss`: prompt groups requeued per lost replica, and the samples that is (x samples_per_prompt);
 - `tokens_per_s` by fleet size: (prompt + response) tokens / wall time of the steps trained with that many
@@ -22,6 +25,7 @@ cores; the figure shows that a fleet change costs the trainer no stop, not how t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -81,11 +85,12 @@ def run(steps: int, grow_at: int, kill_after: int, max_new_tokens: int) -> dict:
     thread = threading.Thread(target=operator, daemon=True)
     thread.start()
     try:
-        history = grpo(
-            ["--steps", str(steps), "dashboard=none", "sft_steps=10", "prompts_per_step=8", "async_staleness=1"]
-            + ["partial_rollout=true", "async_replicas=1:3", f"rollout.max_new_tokens={max_new_tokens}"]
-            + ["--address", cluster.scheduler_address, f"metrics_file={metrics}"]
-        )
+        with contextlib.redirect_stdout(sys.stderr):  # the program's summary: stdout is the table's (or JSON's)
+            history = grpo(
+                ["--steps", str(steps), "dashboard=none", "sft_steps=10", "prompts_per_step=8", "async_staleness=1"]
+                + ["partial_rollout=true", "async_replicas=1:3", f"rollout.max_new_tokens={max_new_tokens}"]
+                + ["--address", cluster.scheduler_address, f"metrics_file={metrics}"]
+            )
     finally:
         over.set()
         thread.join()
@@ -99,8 +104,11 @@ def run(steps: int, grow_at: int, kill_after: int, max_new_tokens: int) -> dict:
             by_size.setdefault(int(r["fleet/replicas"]), []).append(r)
     last = history[-1]
     lost = last["fleet/left"]
+    startup = next(r["fleet/startup_s"] for r in history if "fleet/startup_s" in r)
     return {
         "steps": len(history),
+        "startup_asked_s": startup,
+        "join_over_startup_asked": [j / startup for j in joins[1:]],
         "events": events,
         "startup_s": joins[0] if joins else None,
         "join_s": joins[1:],
@@ -136,10 +144,13 @@ def main() -> None:
         print(json.dumps(out, indent=1))
         return
     print(f"events (steps done when it happened): {out['events']}; every step full and exact: {out['exact']}")
-    print(f"start-up of the first replica (weights from the trainer): {out['startup_s']:.2f} s")
+    print(
+        f"start-up of the first replica (weights from the trainer): {out['startup_s']:.2f} s from its worker's "
+        f"arrival, {out['startup_asked_s']:.2f} s from the run asking for it (the worker's own start included)"
+    )
     print(f"of each start-up and join, building the replica (its model on the worker): {out['build_s']}")
-    for j, ratio in zip(out["join_s"], out["join_over_startup"]):
-        print(f"a join mid-run (weights from a peer): {j:.2f} s = {ratio:.2f}x start-up")
+    for j, ratio, asked in zip(out["join_s"], out["join_over_startup"], out["join_over_startup_asked"]):
+        print(f"a join mid-run (weights from a peer), from arrival: {j:.2f} s = {ratio:.2f}x / {asked:.2f}x start-up")
     print(f"bytes a join fetched: from the trainer {out['join_trainer_bytes']}, from peers {out['join_peer_bytes']}")
     if out["requeued_per_loss"] is not None:
         print(f"requeued per lost replica: {out['requeued_per_loss']:.0f} groups = "

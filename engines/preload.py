@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import transformers  # noqa: F401
+import transformers
 
 import engines
 import engines.rollout.replica  # noqa: F401
+from engines.models.config import SUPPORTED_ARCHITECTURES
+
+# transformers loads each model class on first use, the bulk of building a replica: load the ones we build
+for _name in SUPPORTED_ARCHITECTURES:
+    getattr(transformers, _name)
 
 __all__ = ["dask_setup"]
 

@@ -131,6 +131,8 @@ class FleetRollouts(StreamingRollouts):
         self._build_s: list[float] = []
         self._waited = 0.0
         self._empty_since: float | None = None
+        self._started: float | None = None
+        self._startup_s: float | None = None
         self.prompts: dict[int, Batch] = {}  # every group admitted and not handed back finished, by uid
         self.requeue: list[int] = []  # uids waiting for a replica
 
@@ -147,6 +149,7 @@ class FleetRollouts(StreamingRollouts):
         self.inflight = None
         self.prompts, self.requeue = {}, []
         self._first_version = self.version = step
+        self._started = time.perf_counter()  # the run's start-up of its replicas, from here to their first samples
         if self.scaler is not None:
             self._resize(self.bounds[0])
         deadline = time.monotonic() + WAIT_S
@@ -199,6 +202,7 @@ class FleetRollouts(StreamingRollouts):
     def after_update(self, i: int) -> None:
         self.version = i + 1
         self._sync_weights(i + 1)
+        self._settle_joins()  # a replica built meanwhile joins now, not at the next step's first poll
 
     def drain(self) -> None:
         if self.inflight is not None:
@@ -266,8 +270,18 @@ class FleetRollouts(StreamingRollouts):
                 replica.group.load_policy(self.actor.policy_weights(), self.version)
             self.fleet.append(replica)
             if not first:
+                self._top_up()
                 self._counts["joined"] += 1
                 print(f"[fleet] a replica joined on {address} ({len(self.fleet)} now)", file=sys.stderr)
+
+    def _top_up(self) -> None:
+        """A replica that joins gets its share of groups at once (fresh ones, drawn now), as far as the fleet holds
+        less than a share per replica: a fleet that grows holds more, so that every replica has work (the share:
+        what each of the first MIN replicas started with)."""
+        share = -(-(self.batch[0] + self.surplus) // self.bounds[0])
+        extra = min(share, share * len(self.fleet) - len(self._held_uids()))
+        if extra > 0:
+            self._admit(self._draw(extra))
 
     def _measure_join(self, replica: Replica) -> None:
         """What the join's weight load fetched, from the trainer's workers and from peers (the direct transport
@@ -391,6 +405,8 @@ class FleetRollouts(StreamingRollouts):
         if not r.polled:  # its first samples: the join is complete
             r.polled = True
             self._join_s.append(time.perf_counter() - r.arrived)
+            if self._started is not None:  # the first replica of a start: the whole start-up, asked to ready
+                self._startup_s, self._started = time.perf_counter() - self._started, None
         groups = samples["group"]
         for g in groups.unique().tolist():
             group = samples.take((groups == g).nonzero().flatten().tolist())
@@ -428,6 +444,8 @@ class FleetRollouts(StreamingRollouts):
         out = {f"fleet/{k}": float(v) for k, v in self._counts.items()}
         out["fleet/replicas"] = float(len(self.fleet))
         out["fleet/waited_s"] = self._waited
+        if self._startup_s is not None:
+            out["fleet/startup_s"], self._startup_s = self._startup_s, None
         if self._join_s:
             out["fleet/join_s"] = self._join_s.pop()
             self._join_s.clear()
