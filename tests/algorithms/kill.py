@@ -12,20 +12,21 @@ from contextlib import contextmanager
 from distributed import Client, LocalCluster
 
 
+def slot_cluster(n: int) -> LocalCluster:
+    """A real cluster of `n` single-threaded worker processes advertising a slot each, as a user's would be."""
+    return LocalCluster(
+        n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
+        resources={"slot": 1},
+    )  # fmt: skip
+
+
 @contextmanager
 def worker_killed_when(
     ready: Callable[[], bool], *, timeout_s: float = 120.0
 ) -> Iterator[tuple[str, str, threading.Event]]:
     """Yields (scheduler address, the victim's address, an event set once it was killed). The kill happens when
     `ready()` first holds while the block runs (checked every 50 ms, for at most `timeout_s`)."""
-    cluster = LocalCluster(
-        n_workers=2,
-        threads_per_worker=1,
-        processes=True,
-        host="127.0.0.1",
-        dashboard_address=None,
-        resources={"slot": 1},
-    )
+    cluster = slot_cluster(2)
     client = Client(cluster)
     try:
         victim, pid = list(client.run(os.getpid).items())[1]

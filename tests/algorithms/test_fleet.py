@@ -11,13 +11,14 @@ import threading
 import time
 
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 import flowactors as fa
 from algorithms.grpo import main as grpo
 from algorithms.rollout.fleet import RESOURCE, Autoscale
 from engines.rollout.partial import PROMPT_UID
 from flowactors.cluster import resize_pool
+from tests.algorithms.kill import slot_cluster
 
 FLEET = [
     "dashboard=none",
@@ -50,14 +51,7 @@ def test_a_replica_joins_at_one_step_and_one_is_killed_at_a_later_one_and_every_
     other replica's worker is SIGKILLed (its nanny then brings a new worker, which joins again). The run never
     stops: 60 steps, each with its 8 groups, each group trained once."""
     metrics = tmp_path / "m.jsonl"
-    cluster = LocalCluster(
-        n_workers=2,
-        threads_per_worker=1,
-        processes=True,
-        host="127.0.0.1",
-        dashboard_address=None,
-        resources={"slot": 1},
-    )
+    cluster = slot_cluster(2)
     client = Client(cluster)
     events: dict[str, int] = {}
     over = threading.Event()
