@@ -7,12 +7,12 @@ A cluster of 2 trainer slots and one pool worker (`rollout` resource, algorithms
 jobqueue's adapt would), which joins as a replica with a peer's weights; `--kill-after` steps after it joined, the
 operator SIGKILLs the other replica's worker (its nanny restarts it, and the new worker joins again). Reported:
 
-- `startup_s`: the first replica's time from its worker's arrival to its first generated samples, at the run's
-  start (weights from the trainer), and `startup_asked_s` from the run asking the cluster for it (the worker
-  process's own start and preload included); `join_s`: a worker that joined mid-run, from its arrival to its first
-  samples at the controller (weights from a peer); the target is join <= 2x start-up. The running pipeline collects
-  finished groups once per step, where a start polls without pause, so a join's first samples are seen up to a
-  step later than they exist;
+- `startup_s`: the first replica's time from its worker's arrival to its first finished group, at the run's start
+  (weights from the trainer), and `startup_asked_s` from the run asking the cluster for it (the worker process's
+  own start and preload included, where the run starts it); `join_s`: a worker that joined mid-run, from its
+  arrival to its first finished group (weights from a peer); the target is join <= 2x start-up. The first group's
+  time is the replica's own (from its first call), not when the controller collects it, which a running pipeline
+  does once per step;
 - `join_trainer_bytes` / `join_peer_bytes`: what each join fetched from the trainer's workers and from peers;
 - `requeued_per_loss`: prompt groups requeued per lost replica, and the samples that is (x samples_per_prompt);
 - `tokens_per_s` by fleet size: (prompt + response) tokens / wall time of the steps trained with that many
@@ -150,7 +150,9 @@ def main() -> None:
     )
     print(f"of each start-up and join, building the replica (its model on the worker): {out['build_s']}")
     for j, ratio, asked in zip(out["join_s"], out["join_over_startup"], out["join_over_startup_asked"]):
-        print(f"a join mid-run (weights from a peer), from arrival: {j:.2f} s = {ratio:.2f}x / {asked:.2f}x start-up")
+        print(
+            f"a join mid-run (weights from a peer), arrival to its first finished group: {j:.2f} s = {ratio:.2f}x / {asked:.2f}x start-up"
+        )
     print(f"bytes a join fetched: from the trainer {out['join_trainer_bytes']}, from peers {out['join_peer_bytes']}")
     if out["requeued_per_loss"] is not None:
         print(f"requeued per lost replica: {out['requeued_per_loss']:.0f} groups = "

@@ -14,7 +14,7 @@ and go as Dask brings them (`cluster.scale`, a jobqueue's `adapt`, `dask worker 
   the replica finished, then requeues only its unfinished groups, then closes the worker.
 - **Exactly once**: the streaming pipeline's ledger (`async/duplicates`, `async/lost`), with the groups waiting to
   be requeued counted as held; metrics `fleet/replicas`, `fleet/joined`, `fleet/left`, `fleet/requeued`,
-  `fleet/join_s` (a worker's arrival to its first generated samples) and `fleet/join_trainer_bytes` (what a join fetched from
+  `fleet/join_s` (a worker's arrival to its first finished group, the replica's own clock from its first call) and `fleet/join_trainer_bytes` (what a join fetched from
   the trainer's workers: 0).
 
 Weight syncs go from trainer rank 0 to every replica over the workers' transport (`policy_weights` into
@@ -61,6 +61,7 @@ class Replica:
     pending: list[Batch] = field(default_factory=list)  # fresh groups for its next poll
     polled: bool = False
     join_load: fa.CallFuture | None = None  # its load of a peer's weights, until measured
+    first_poll: float | None = None  # when its first poll was issued
 
 
 class _Loads:
@@ -274,6 +275,14 @@ class FleetRollouts(StreamingRollouts):
                 self._counts["joined"] += 1
                 print(f"[fleet] a replica joined on {address} ({len(self.fleet)} now)", file=sys.stderr)
 
+    def _joined_at(self, r: Replica, seconds: float) -> None:
+        """`r` generated its first samples `seconds` after its worker arrived (the replica's own clock from its
+        first call, so the controller's once-a-step collection does not count)."""
+        self._join_s.append(seconds)
+        if self._started is not None:  # the first replica of a start: the whole start-up, asked to ready
+            self._startup_s = r.arrived - self._started + seconds
+            self._started = None
+
     def _top_up(self) -> None:
         """A replica that joins gets its share of groups at once (fresh ones, drawn now), as far as the fleet holds
         less than a share per replica: a fleet that grows holds more, so that every replica has work (the share:
@@ -373,6 +382,8 @@ class FleetRollouts(StreamingRollouts):
                 self._lose(r)
                 continue
             r.pending = []
+            if r.first_poll is None:
+                r.first_poll = time.perf_counter()
         if not calls:  # no replica: wait for one (asking the cluster for MIN again, where the fleet can)
             now = time.monotonic()
             if self._empty_since is None:
@@ -394,6 +405,9 @@ class FleetRollouts(StreamingRollouts):
             except fa.WorkerLostError:
                 self._lose(r)
                 continue
+            if not r.polled and out.get("first_ready_s") is not None:  # its first group finished: joined
+                r.polled = True
+                self._joined_at(r, r.first_poll - r.arrived + out["first_ready_s"])
             self._take_finished(r, out["samples"])
             if r.join_load is not None:
                 self._measure_join(r)
@@ -402,11 +416,9 @@ class FleetRollouts(StreamingRollouts):
     def _take_finished(self, r: Replica, samples: Batch) -> None:
         if not len(samples):
             return
-        if not r.polled:  # its first samples: the join is complete
+        if not r.polled:  # its first samples (a replica that does not say when its first group finished)
             r.polled = True
-            self._join_s.append(time.perf_counter() - r.arrived)
-            if self._started is not None:  # the first replica of a start: the whole start-up, asked to ready
-                self._startup_s, self._started = time.perf_counter() - self._started, None
+            self._joined_at(r, time.perf_counter() - r.arrived)
         groups = samples["group"]
         for g in groups.unique().tolist():
             group = samples.take((groups == g).nonzero().flatten().tolist())

@@ -30,6 +30,7 @@ per-row stop length (`STOP_AT`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,7 @@ class PartialRollouts:
         self.ready: list[int] = []
         """uids whose samples have all finished, in the order they finished."""
         self.next_uid = 0
+        self.first_ready: float | None = None  # when (time.monotonic) the first group finished here
 
     # -- the calls --------------------------------------------------------------------------------------------------
     def admit(self, prompts: Batch) -> None:
@@ -177,6 +179,8 @@ class PartialRollouts:
         for uid, group in self.groups.items():
             if uid not in self.ready and all(s.done for s in group):
                 self.ready.append(uid)
+                if self.first_ready is None:
+                    self.first_ready = time.monotonic()
 
     def _end(self, tokens: list[int]) -> int | None:
         """The length up to and including the first EOS or completed stop sequence (across segments); None."""

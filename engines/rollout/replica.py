@@ -510,7 +510,8 @@ class ReplicaEndpoints:
         under whatever policy version the replica has when the segment starts; a weight sync lands between two
         segments. Returns at once what has finished since the last call, waiting up to `wait_s` seconds for at
         least one group when none has: {"samples": the finished groups (generate_sequences' layout, `group` from
-        0), "held": the uids still held, "version": the replica's version}."""
+        0), "held": the uids still held, "version": the replica's version, "first_ready_s": seconds from this
+        replica's first call to its first finished group, None before (an elastic fleet's join time)}."""
         if self.policy_version is None:
             raise ValueError("stream_partial runs on a rollout replica: load_policy or receive_policy first")
         if self.hybrid is not None:
@@ -528,13 +529,20 @@ class ReplicaEndpoints:
             generate = self._segment_generate(part)
             loop = self._decoding = DecodeLoop(lambda: part.decode(generate, self.policy_version, segment))
             self._decoding_segment = segment
+        first_call = self.__dict__.setdefault("_first_stream_call", time.monotonic())
         with loop.paused():
             part.admit(prompts)
         deadline = time.monotonic() + wait_s
         while True:
             with loop.paused():
                 if part.ready or not part.running() or time.monotonic() >= deadline:
-                    return {"samples": part.hand_out(), "held": part.held(), "version": self.policy_version}
+                    first = None if part.first_ready is None else part.first_ready - first_call
+                    return {
+                        "samples": part.hand_out(),
+                        "held": part.held(),
+                        "version": self.policy_version,
+                        "first_ready_s": first,
+                    }
                 loop.progress.clear()
             loop.progress.wait(max(0.0, deadline - time.monotonic()))
 
