@@ -72,6 +72,11 @@ class StreamingRollouts(RolloutPipeline):
         self._reset()
         self._first_version = self.version = step
         self._sync_weights(step)
+        if state is not None and "fleet" in state:
+            raise ValueError(
+                "this checkpoint holds an elastic fleet's rollouts (saved with async_rl.replicas); resume it with "
+                "async_rl.replicas"
+            )
         if state is not None and "partial" in state and "stream" not in state:
             raise ValueError(
                 "this checkpoint holds deterministic partial rollouts (saved with async_rl.deterministic=true, or "

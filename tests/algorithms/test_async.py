@@ -319,8 +319,11 @@ def test_each_algorithm_learns_its_task_under_staleness(tmp_path, algo, stalenes
         return
     # partial rollouts: samples continue across versions, each group is trained once, none is lost; streaming
     # (the default) lands each version when the trainer sends it, so tokens are off-policy by timing, not by K
-    assert sum(r["async/requeued"] for r in h) > 0
+    if algo != "remax":  # ReMax's answers are ~3 tokens: they finish long before a version lands (by timing, a
+        # few span one in some runs, none in others: this failed 1 run in 3 on a loaded machine)
+        assert sum(r["async/requeued"] for r in h) > 0
     assert all(r["async/duplicates"] == 0 and r["async/lost"] == 0 for r in h)
+    assert len({r["async/trained_groups"] for r in h}) == 1 and h[0]["async/trained_groups"] > 0  # every batch full
     assert sum(r["async/staleness_mean"] for r in h) > 0
 
 
