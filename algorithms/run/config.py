@@ -596,6 +596,7 @@ class ReinforcePPConfig(RLConfig):
 class DistillConfig(RLConfig):
     ranges: ClassVar[dict[str, str]] = {**RLConfig.ranges, "reward_coef": "[0, inf)"}
     task: str = "digit_sum"
+    steps: int = 60
     sft_steps: int = 100
     prompts_per_step: int = 32
     samples_per_prompt: int = 2
