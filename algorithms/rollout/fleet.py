@@ -264,16 +264,36 @@ class FleetRollouts(StreamingRollouts):
                 continue
             replica = Replica(group, address, arrived)
             self._build_s.append(time.perf_counter() - arrived)
-            if not first and self.fleet:  # a peer's weights: it has every version issued so far, in order
-                peer = self.fleet[0].group
-                replica.join_load = replica.group.load_policy(peer.policy_weights(), self.version)
-            elif not first:  # no replica left to take them from: the trainer's
-                replica.group.load_policy(self.actor.policy_weights(), self.version)
+            if not first and not self._load_weights(replica):
+                continue
             self.fleet.append(replica)
             if not first:
                 self._top_up()
                 self._counts["joined"] += 1
                 print(f"[fleet] a replica joined on {address} ({len(self.fleet)} now)", file=sys.stderr)
+
+    def _load_weights(self, replica: Replica) -> bool:
+        """A joining replica takes the current weights from a peer (it has every version issued so far, in order),
+        or the trainer's where no peer is left; False when the joiner itself was lost meanwhile."""
+        while True:
+            peer = self.fleet[0] if self.fleet else None
+            source = peer.group.policy_weights if peer is not None else self.actor.policy_weights
+            try:
+                load = replica.group.load_policy(source(), self.version)
+            except fa.WorkerLostError as e:
+                if peer is None and e.address != replica.address:
+                    raise  # a trainer worker: the run recovers from it
+                if e.address == replica.address:
+                    self._seen_dead.add(replica.address)
+                    replica.group.close(wait=False)
+                    if replica.address in self.ctl.lost_workers:
+                        self.ctl.forget_lost(replica.address)
+                    return False
+                self._lose(peer)  # the peer died: the next one
+                continue
+            if peer is not None:
+                replica.join_load = load
+            return True
 
     def _joined_at(self, r: Replica, seconds: float) -> None:
         """`r` generated its first samples `seconds` after its worker arrived (the replica's own clock from its
@@ -405,6 +425,8 @@ class FleetRollouts(StreamingRollouts):
             except fa.WorkerLostError:
                 self._lose(r)
                 continue
+            if r not in self.fleet:  # lost after this poll was issued (a sync to it failed): its groups, these
+                continue  # finished ones too, are requeued already; taking them as well would train them twice
             if not r.polled and out.get("first_ready_s") is not None:  # its first group finished: joined
                 r.polled = True
                 self._joined_at(r, r.first_poll - r.arrived + out["first_ready_s"])
