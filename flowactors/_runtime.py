@@ -154,6 +154,27 @@ def init_world(
     return backend
 
 
+def solo_world(
+    name: str, layout: Layout, backend: str | None, timeout_s: float, subgroups: list = (), _after: Any = None
+) -> str:
+    """A one-rank world of this process's own, with `name`'s group in it, in one call: nothing to rendezvous with,
+    so an in-process store and no listener (an elastic pool's one-rank groups: a worker that joins builds faster)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        teardown_world()
+    want = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if want == "nccl":
+        torch.cuda.set_device(0)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.HashStore()
+    dist.init_process_group(want, store=store, rank=0, world_size=1, timeout=timeout)
+    _WORLD.update(key=(1, None, None), rank=0, backend=want, store=store, timeout=timeout)
+    new_group(name, [0], layout, list(subgroups))
+    return want
+
+
 def teardown_world(_after: Any = None) -> None:
     """Destroy the world: its process groups (gloo's listeners with them) and, on rank 0, the rendezvous store,
     which closes when the last reference to it goes; the interface settings of `init_world` are undone."""

@@ -519,6 +519,17 @@ class Controller:
                 f"for a world of a group's own; give such a group pool workers (Controller.workers_with)"
             )
         self.transport.connect(addresses)  # joined workers are dialled here, not under the issue lock
+        if len(addresses) == 1:  # nothing to rendezvous with: one call (an elastic fleet's replicas)
+            key = f"{name}.solo_world-{new_token()}"
+            args = (name, layout, backend, self.collective_timeout_s, list(subgroups))
+            self.await_setup(
+                name,
+                "solo_world",
+                [self.submit_pinned(addresses[0], _runtime.solo_world, *args, key=key)],
+                list(addresses),
+            )
+            self._hosted.setdefault(addresses[0], []).append((name, 0))
+            return
         reserve = self.submit_pinned(addresses[0], _runtime.free_port, key=f"{name}.free_port-{new_token()}")
         host, port, cuda = self.await_setup(name, "free_port", [reserve], list(addresses[:1]))[0]
         want = backend or ("nccl" if cuda else "gloo")
