@@ -158,11 +158,17 @@ def solo_world(
     name: str, layout: Layout, backend: str | None, timeout_s: float, subgroups: list = (), _after: Any = None
 ) -> str:
     """A one-rank world of this process's own, with `name`'s group in it, in one call: nothing to rendezvous with,
-    so an in-process store and no listener (an elastic pool's one-rank groups: a worker that joins builds faster)."""
+    so an in-process store and no listener (an elastic pool's one-rank groups: a worker that joins builds faster).
+
+    Idempotent, as `init_world` is: Dask runs a task again when the scheduler forgot its result while a client
+    still holds its future (a client that reconnects), and a second run must not tear down the group built since."""
     import torch
     import torch.distributed as dist
 
+    key = (1, "solo", name)
     if dist.is_initialized():
+        if _WORLD.get("key") == key and name in _GROUPS:
+            return _WORLD["backend"]
         teardown_world()
     want = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if want == "nccl":
@@ -170,7 +176,7 @@ def solo_world(
     timeout = timedelta(seconds=timeout_s)
     store = dist.HashStore()
     dist.init_process_group(want, store=store, rank=0, world_size=1, timeout=timeout)
-    _WORLD.update(key=(1, None, None), rank=0, backend=want, store=store, timeout=timeout)
+    _WORLD.update(key=key, rank=0, backend=want, store=store, timeout=timeout)
     new_group(name, [0], layout, list(subgroups))
     return want
 

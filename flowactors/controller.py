@@ -241,8 +241,9 @@ class Controller:
             raise watchdog.hang_error(calls, timeout, self.hang_report) from e.__cause__
         except WorkerGone as e:
             with self._lock:
-                self._lost.setdefault(e.address, self._hosted.get(e.address, []))
-            raise self._lost_error([e.address], e.label) from e.__cause__
+                if e.address in self.slots or e.address in self._hosted:  # not one written off (`forget_lost`)
+                    self._lost.setdefault(e.address, self._hosted.get(e.address, []))
+            raise WorkerLostError(e.address, self._lost.get(e.address, []), call=e.label) from e.__cause__
         except (FutureCancelledError, FuturesCancelledError) as e:
             for c in calls:
                 lost = self._lost_error(c.addresses, c.label)

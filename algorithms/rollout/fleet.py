@@ -65,14 +65,17 @@ class Replica:
 
 
 class _Loads:
-    """One version's `load_policy` calls on the replicas, read like one call's result (the lost ones left out)."""
+    """One version's `load_policy` calls on the replicas, read like one call's result (the lost ones left out, and
+    those of replicas that left since: their results are not asked for, a retired worker's are gone with it)."""
 
-    def __init__(self, calls: list[fa.CallFuture]) -> None:
-        self.calls = calls
+    def __init__(self, calls: list[tuple[Replica, fa.CallFuture]], fleet: list[Replica]) -> None:
+        self.calls, self.fleet = calls, fleet
 
     def result(self) -> list[dict]:
         out = []
-        for c in self.calls:
+        for replica, c in self.calls:
+            if not any(r is replica for r in self.fleet):
+                continue
             try:
                 out += c.result()
             except fa.WorkerLostError:
@@ -459,10 +462,10 @@ class FleetRollouts(StreamingRollouts):
         calls = []
         for r in list(self.fleet):
             try:
-                calls.append(r.group.load_policy(weights, version))
+                calls.append((r, r.group.load_policy(weights, version)))
             except fa.WorkerLostError:
                 self._lose(r)
-        self._syncs[version] = _Loads(calls)  # type: ignore[assignment]
+        self._syncs[version] = _Loads(calls, self.fleet)  # type: ignore[assignment]
 
     def _greedy(self, prompts: Batch) -> Any:
         """ReMax's greedy baseline from the first replica (a lost one: from the next)."""

@@ -35,7 +35,7 @@ from distributed.spans import SpanMetadata
 from distributed.utils import TimeoutError as DaskTimeoutError
 
 from flowactors.batch import Batch
-from flowactors.transport import CallTimeout, Transport, Work, by_call
+from flowactors.transport import CallTimeout, Transport, WorkerGone, Work, by_call
 
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
@@ -110,6 +110,7 @@ class DaskTransport(Transport):
         super().__init__(client)
         self._seq = itertools.count()
         self._last: dict[str, Future] = {}  # the latest task issued to each worker: the next one runs after it
+        self._gone: dict[str, str] = {}  # key -> the dead worker of its call, for finished results written off
 
     def submit(self, tasks: Sequence[Work], step: int | None) -> list[Future]:
         """Every rank of one call in one graph update (`submit_pinned_tasks`): one scheduler round of work per
@@ -165,6 +166,10 @@ class DaskTransport(Transport):
         """Without a timeout the values are gathered at once (Dask waits for them); a cancelled future raises
         Dask's cancellation error, which the controller turns into a lost worker where one was."""
         futures = [f for c in calls for f in c.futures]
+        for c in calls:
+            gone = next((self._gone[f.key] for f in c.futures if f.key in self._gone), None)
+            if gone is not None:
+                raise WorkerGone(gone, c.label)
         if timeout is not None or not values:
             try:  # this client's own wait: `distributed.wait` looks for a default client, and this one is not
                 self.client.sync(_wait, futures, timeout=timeout)
@@ -180,8 +185,17 @@ class DaskTransport(Transport):
     async def worker_lost(self, address: str, futures: Sequence[Future]) -> None:
         last = self._last.pop(address, None)
         futures = [*futures, last] if last is not None else list(futures)
-        if futures:
-            await self.client.cancel(futures, asynchronous=True, reason="worker-lost", msg=f"worker {address} died")
+        # A finished result is written off here, not cancelled: cancelling a finished key cancels its dependents
+        # too, and one this client already released (a later task's ordering link) fails the scheduler's
+        # `who_wants` assertion, which breaks the client's stream (it reconnects, and Dask recomputes every key it
+        # holds: setup tasks included). Gathering it is refused in `resolve`, since Dask would recompute a lost
+        # result, and an actor's call is not a pure function.
+        for f in futures:
+            if f.done():
+                self._gone[f.key] = address
+        pending = [f for f in futures if not f.done()]
+        if pending:
+            await self.client.cancel(pending, asynchronous=True, reason="worker-lost", msg=f"worker {address} died")
 
     def reset(self, stale: Sequence[Future]) -> None:
         stale = [*stale, *self._last.values()]

@@ -30,10 +30,12 @@ FLEET = [
 
 
 def _steps(path) -> list[dict]:
+    """The steps written so far (a line still being written is left for the next read)."""
     try:
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        text = path.read_text()
     except FileNotFoundError:
         return []
+    return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
 
 
 def _exact(history: list[dict], prompts_per_step: int = 8) -> None:

@@ -67,3 +67,41 @@ def test_pool_workers_join_host_own_world_groups_and_leave_without_touching_the_
             fa.ActorGroup(ctl, Reducer, name="c", slots=ctl.slots[:1], own_world=True)
         with pytest.raises(fa.PlacementError, match="only pool workers"):
             ctl.retire_worker(ctl.slots[0])
+
+
+def test_on_the_dask_path_a_retired_pool_workers_finished_calls_are_lost_and_nothing_is_recomputed():
+    """The Dask call path: a finished call of a worker that left raises WorkerLostError naming it (Dask would
+    recompute a lost result, and an actor's call is not a pure function), and the retire leaves the client's
+    connection whole: before, cancelling the worker's finished tasks broke it, the client reconnected and Dask ran
+    the setup tasks it still held again, tearing down the replica's world (the Slurm fleet test, one rank a world)."""
+    from flowactors import _runtime
+
+    # (the Dask path as on a TLS cluster: without pushed results, which would hold a finished call's value here)
+    with fa.Controller.local(1, dashboard=None, collective_timeout_s=60, direct_calls=False, push_results=False) as ctl:
+        trainer = fa.ActorGroup(ctl, Reducer, name="trainer", args=(1.0,))
+        assert trainer.all_reduce(2.0).result() == [2.0]
+        ctl.resize_pool("rollout", 1)
+        [w] = _wait_for(lambda: ctl.workers_with("rollout"), 1)
+        a = fa.ActorGroup(ctl, Reducer, name="a", slots=[w], args=(1.0,), own_world=True)
+        # forming its one-rank world again (what a recomputed setup task does) keeps the group and its state
+        again = ctl.submit_pinned(w, _runtime.solo_world, "a", a.layout, None, 60.0, key="a.solo_world-again")
+        assert ctl.gather([again]) == ["gloo"]
+        assert a.all_reduce(2.0).result() == [2.0]
+        done = a.all_reduce(3.0)
+        assert done.result() == [3.0]
+        for _ in range(3):  # later tasks ordered after it, their futures released
+            assert a.all_reduce(1.0).result() == [1.0]
+        scheduler_comm = ctl.client.scheduler_comm
+        ctl.retire_worker(w)
+        deadline = time.monotonic() + 60
+        while w not in ctl.lost_workers and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(fa.WorkerLostError) as lost:
+            done.result(timeout=30)
+        assert lost.value.address == w
+        ctl.forget_lost(w)
+        with pytest.raises(fa.WorkerLostError):  # written off: still lost, and not counted as lost again
+            done.result(timeout=30)
+        assert ctl.lost_workers == []
+        assert trainer.all_reduce(5.0).result() == [5.0]
+        assert ctl.client.scheduler_comm is scheduler_comm and ctl.client.status == "running"
