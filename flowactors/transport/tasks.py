@@ -35,7 +35,7 @@ from distributed.spans import SpanMetadata
 from distributed.utils import TimeoutError as DaskTimeoutError
 
 from flowactors.batch import Batch
-from flowactors.transport import CallTimeout, Transport, WorkerGone, Work, by_call
+from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, by_call
 
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
