@@ -24,10 +24,13 @@ replica that dies mid-sync would leave hanging. docs/asynchronous.md#an-elastic-
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +51,9 @@ PRELOAD = ("engines.preload",)
 """What the pool workers the fleet asks for import before they register (engines/preload.py)."""
 CHECK_S = 0.5
 """How often the fleet asks the scheduler for arrivals (a worker that died is reported at once, by its calls)."""
+JOIN_CHECK_S = 0.005
+"""How often the controller, waiting for polls while a replica builds, looks whether they finished (it waits with
+the fleet's lock released, so the replica joins meanwhile)."""
 WAIT_S = 600.0
 """How long a step waits for a replica when the fleet has none, before the run fails."""
 
@@ -109,6 +115,21 @@ class Autoscale:
         return 0
 
 
+def _locked(method: Callable) -> Callable:
+    """A pipeline call made under the fleet's lock: a replica that finished building joins from the builder's
+    thread (under the same lock) whenever the controller is not inside one, e.g. while the trainer trains."""
+
+    @functools.wraps(method)
+    def run(self: FleetRollouts, *args: Any, **kwargs: Any) -> Any:
+        with self._owning():
+            if self._join_error is not None:
+                error, self._join_error = self._join_error, None
+                raise error
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class FleetRollouts(StreamingRollouts):
     """Streaming partial rollouts over an elastic fleet (see the module docstring); the pipeline's calls."""
 
@@ -125,7 +146,11 @@ class FleetRollouts(StreamingRollouts):
         self.scaler = Autoscale(*bounds) if hasattr(self.ctl.cluster, "worker_spec") else None
         self._builder = ThreadPoolExecutor(1, thread_name_prefix="fleet-join")
         self.fleet: list[Replica] = []
-        self._building: dict[str, tuple[float, Future]] = {}
+        self._building: dict[str, tuple[float, Future, bool]] = {}  # address -> (arrived, build, at the start)
+        self._lock = threading.Lock()  # the fleet's state: the pipeline's calls and a join from the builder's thread
+        self._holder: int | None = None  # the thread that holds it
+        self._join_error: BaseException | None = None  # a join's failure that is the run's (a trainer worker lost)
+        self._closing = False
         self._seen_dead: set[str] = set()
         self._names = 0
         self._checked = 0.0
@@ -140,7 +165,17 @@ class FleetRollouts(StreamingRollouts):
         self.prompts: dict[int, Batch] = {}  # every group admitted and not handed back finished, by uid
         self.requeue: list[int] = []  # uids waiting for a replica
 
+    @contextmanager
+    def _owning(self) -> Iterator[None]:
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None
+
     # -- the pipeline's calls ---------------------------------------------------------------------------------------
+    @_locked
     def start(self, step: int, state: dict[str, Any] | None = None) -> None:
         if state is not None and "fleet" not in state:
             raise ValueError(
@@ -158,8 +193,8 @@ class FleetRollouts(StreamingRollouts):
             self._resize(self.bounds[0])
         deadline = time.monotonic() + WAIT_S
         while len(self.fleet) < self.bounds[0]:  # the first MIN replicas, built at once
-            self._arrivals()
-            self._settle_joins(block=True, first=True)
+            self._arrivals(first=True)
+            self._settle_first()
             if time.monotonic() > deadline:
                 raise RuntimeError(self._none_message())
             if len(self.fleet) < self.bounds[0]:
@@ -184,6 +219,7 @@ class FleetRollouts(StreamingRollouts):
             self.prompts[int(b[PROMPT_UID][0])] = b
         self._admit(Batch.concat(held) if held else Batch())
 
+    @_locked
     def take(self, i: int):
         t0 = time.perf_counter()
         self._waited = 0.0
@@ -203,21 +239,28 @@ class FleetRollouts(StreamingRollouts):
                 self._retire(min(self.fleet, key=lambda r: (len(r.assigned), -self.fleet.index(r))))
         return out
 
+    @_locked
     def after_update(self, i: int) -> None:
         self.version = i + 1
         self._sync_weights(i + 1)
-        self._settle_joins()  # a replica built meanwhile joins now, not at the next step's first poll
+
+    @_locked
+    def sync_metrics(self, i: int) -> dict[str, float]:
+        return super().sync_metrics(i)
 
     def drain(self) -> None:
-        if self.inflight is not None:
-            self._collect()
-        for r in list(self.fleet):
-            try:
-                r.group.stop_streaming().result()
-            except fa.WorkerLostError:
-                pass
-        self._builder.shutdown(wait=True, cancel_futures=True)
+        with self._owning():
+            self._closing = True  # a build that finishes from here on is closed, not joined
+            if self.inflight is not None:
+                self._collect()
+            for r in list(self.fleet):
+                try:
+                    r.group.stop_streaming().result()
+                except fa.WorkerLostError:
+                    pass
+        self._builder.shutdown(wait=True, cancel_futures=True)  # (outside the lock, which a finished build takes)
 
+    @_locked
     def state_dict(self) -> dict[str, Any]:
         if self.inflight is not None:
             self._collect()
@@ -237,8 +280,10 @@ class FleetRollouts(StreamingRollouts):
         self.ctl.resize_pool(RESOURCE, n, PRELOAD)
 
     # -- joins ------------------------------------------------------------------------------------------------------
-    def _arrivals(self) -> None:
-        """Start building a replica on every pool worker that arrived (up to MAX, joins included)."""
+    def _arrivals(self, first: bool = False) -> None:
+        """Start building a replica on every pool worker that arrived (up to MAX, joins included): in the
+        background, where it joins the fleet as soon as it is built (`first`: the run's start, which waits for its
+        builds, `_settle_first`)."""
         self._checked = time.monotonic()
         known = {r.address for r in self.fleet} | set(self._building)
         for address in self.ctl.workers_with(RESOURCE):
@@ -247,33 +292,60 @@ class FleetRollouts(StreamingRollouts):
             if len(self.fleet) + len(self._building) >= self.bounds[1]:
                 break
             self._names += 1
-            name = f"rollout-{self._names}"
-            self._building[address] = (time.perf_counter(), self._builder.submit(self.make_replica, name, address))
+            name, arrived = f"rollout-{self._names}", time.perf_counter()
+            job = self.make_replica if first else functools.partial(self._build_and_join, arrived=arrived)
+            self._building[address] = (arrived, self._builder.submit(job, name, address), first)
 
-    def _settle_joins(self, block: bool = False, first: bool = False) -> None:
-        """Replicas whose build finished take the current weights from a peer and join the fleet (`first`: the
-        run's start, whose first sync brings every replica the trainer's weights)."""
-        for address, (arrived, build) in list(self._building.items()):
-            if not block and not build.done():
+    def _built(self, address: str, build: Callable[[], fa.ActorGroup]) -> fa.ActorGroup | None:
+        """The group `build` makes on `address`, or None (said why) where it could not be built."""
+        try:
+            return build()
+        except (fa.WorkerLostError, fa.RemoteError, fa.PlacementError, fa.HangError) as e:
+            self._seen_dead.add(address)
+            if address in self.ctl.lost_workers:
+                self.ctl.forget_lost(address)
+            print(f"[fleet] a replica on {address} could not be built: {e}", file=sys.stderr)
+            return None
+
+    def _settle_first(self) -> None:
+        """The run's start: its builds, waited for, join the fleet (its first sync brings them the trainer's
+        weights)."""
+        for address, (arrived, build, first) in list(self._building.items()):
+            if not first:  # a join from before (a restart): it joins by itself
                 continue
             del self._building[address]
+            group = self._built(address, build.result)
+            if group is not None:
+                self._build_s.append(time.perf_counter() - arrived)
+                self.fleet.append(Replica(group, address, arrived))
+
+    def _build_and_join(self, name: str, address: str, arrived: float) -> None:
+        """The builder's thread: build a replica on a worker that joined mid-run, then, under the fleet's lock (at
+        once unless a pipeline call is running), give it a peer's weights and its share of groups, and poll it if
+        polls are in flight: it starts decoding now, not at the next step."""
+        group = self._built(address, lambda: self.make_replica(name, address))
+        with self._owning():
+            self._building.pop(address, None)
+            if group is None:
+                return
+            if self._closing:
+                group.close(wait=False)
+                return
             try:
-                group = build.result()
-            except (fa.WorkerLostError, fa.RemoteError, fa.PlacementError, fa.HangError) as e:
-                self._seen_dead.add(address)
-                if address in self.ctl.lost_workers:
-                    self.ctl.forget_lost(address)
-                print(f"[fleet] a replica on {address} could not be built: {e}", file=sys.stderr)
-                continue
-            replica = Replica(group, address, arrived)
-            self._build_s.append(time.perf_counter() - arrived)
-            if not first and not self._load_weights(replica):
-                continue
-            self.fleet.append(replica)
-            if not first:
-                self._top_up()
-                self._counts["joined"] += 1
-                print(f"[fleet] a replica joined on {address} ({len(self.fleet)} now)", file=sys.stderr)
+                self._join(Replica(group, address, arrived))
+            except BaseException as e:  # the run's failure (a trainer worker lost): raised at the next call
+                self._join_error = e
+
+    def _join(self, replica: Replica) -> None:
+        self._build_s.append(time.perf_counter() - replica.arrived)
+        if not self._load_weights(replica):
+            return
+        self.fleet.append(replica)
+        self._top_up()
+        self._counts["joined"] += 1
+        print(f"[fleet] a replica joined on {replica.address} ({len(self.fleet)} now)", file=sys.stderr)
+        if self.inflight is not None:
+            self._issue_poll(replica, 0.0, self.inflight)
 
     def _load_weights(self, replica: Replica) -> bool:
         """A joining replica takes the current weights from a peer (it has every version issued so far, in order),
@@ -392,21 +464,12 @@ class FleetRollouts(StreamingRollouts):
     def _poll(self, wait_s: float) -> None:
         if time.monotonic() - self._checked > CHECK_S:
             self._arrivals()
-        self._settle_joins()
         waiting, self.requeue = self.requeue, []
         for uid in waiting:
             self._give(uid)
-        calls = {}
+        calls: dict = {}
         for r in list(self.fleet):
-            fresh = _regroup(r.pending)
-            try:
-                calls[r.address] = (r, r.group.stream_partial([fresh], [self.segment], [wait_s]))
-            except fa.WorkerLostError:
-                self._lose(r)
-                continue
-            r.pending = []
-            if r.first_poll is None:
-                r.first_poll = time.perf_counter()
+            self._issue_poll(r, wait_s, calls)
         if not calls:  # no replica: wait for one (asking the cluster for MIN again, where the fleet can)
             now = time.monotonic()
             if self._empty_since is None:
@@ -420,7 +483,35 @@ class FleetRollouts(StreamingRollouts):
             self._empty_since = None
         self.inflight = calls  # type: ignore[assignment]
 
+    def _issue_poll(self, r: Replica, wait_s: float, calls: dict) -> None:
+        """Poll `r` (its fresh groups with it) into `calls`; a replica lost is lost here."""
+        fresh = _regroup(r.pending)
+        try:
+            calls[r.address] = (r, r.group.stream_partial([fresh], [self.segment], [wait_s]))
+        except fa.WorkerLostError:
+            self._lose(r)
+            return
+        r.pending = []
+        if r.first_poll is None:
+            r.first_poll = time.perf_counter()
+
+    def _await_polls(self) -> None:
+        """While a replica builds, wait for the polls in flight with the fleet's lock released, so that the replica
+        joins meanwhile (the controller may wait here for a whole segment); else `_collect` blocks on them."""
+        me = threading.get_ident()
+        while self._building and self._holder == me and self.inflight:
+            if all(call.done() for _, call in self.inflight.values()):
+                return
+            self._holder = None
+            self._lock.release()
+            try:
+                time.sleep(JOIN_CHECK_S)
+            finally:
+                self._lock.acquire()
+                self._holder = me
+
     def _collect(self) -> None:
+        self._await_polls()
         calls, self.inflight = self.inflight or {}, None
         for r, call in calls.values():
             try:

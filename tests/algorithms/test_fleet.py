@@ -173,17 +173,18 @@ def test_a_graceful_retire_requeues_only_unfinished_groups_and_a_resume_trains_e
     def take_and_retire(self, i):
         out = take(self, i)
         if i == 2:
-            if self.inflight is not None:
-                self._collect()
-            replica = self.fleet[-1]
-            state = replica.group.partial_state().result()[0]  # a snapshot: groups only finish after it
-            seen["finished"] = {u for u, group in state["groups"] if all(s["done"] for s in group)}
-            seen["unfinished"] = {u for u, group in state["groups"] if not all(s["done"] for s in group)}
-            seen["pending"] = {int(b[PROMPT_UID][0]) for b in replica.pending}
-            before = {int(b[PROMPT_UID][0]) for b in self.buffer}
-            self._retire(replica)
-            seen["requeued"] = set(self.requeue)
-            seen["buffered"] = {int(b[PROMPT_UID][0]) for b in self.buffer} - before
+            with self._owning():  # (the fleet's state, as the pipeline's own calls hold it)
+                if self.inflight is not None:
+                    self._collect()
+                replica = self.fleet[-1]
+                state = replica.group.partial_state().result()[0]  # a snapshot: groups only finish after it
+                seen["finished"] = {u for u, group in state["groups"] if all(s["done"] for s in group)}
+                seen["unfinished"] = {u for u, group in state["groups"] if not all(s["done"] for s in group)}
+                seen["pending"] = {int(b[PROMPT_UID][0]) for b in replica.pending}
+                before = {int(b[PROMPT_UID][0]) for b in self.buffer}
+                self._retire(replica)
+                seen["requeued"] = set(self.requeue)
+                seen["buffered"] = {int(b[PROMPT_UID][0]) for b in self.buffer} - before
         if i == 3:
             seen["asked"] = len(fa.cluster.pool_workers(self.ctl.cluster, RESOURCE))
         return out

@@ -374,12 +374,14 @@ def test_the_rollout_fleet_grows_and_shrinks_with_slurm_jobs_of_its_own(local_sl
             self.ctl.resize_pool(RESOURCE, 2)
             deadline = time.monotonic() + 120
             while len(self.fleet) < 2 and time.monotonic() < deadline:
-                self._poll(0.2)
-                self._collect()
+                with self._owning():  # (the fleet's state, as the pipeline's own calls hold it; a join takes it)
+                    self._poll(0.2)
+                    self._collect()
             seen["grown"] = len(self.fleet)
             seen["jobs_up"] = len(local_slurm.job_ids())
         if i == 5:
-            self._retire(self.fleet[-1])
+            with self._owning():
+                self._retire(self.fleet[-1])
             deadline = time.monotonic() + 30
             while len(local_slurm.job_ids()) >= seen["jobs_up"] and time.monotonic() < deadline:
                 time.sleep(0.3)
