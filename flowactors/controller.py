@@ -33,7 +33,7 @@ from typing import Any
 from distributed import Client, Future, LocalCluster
 from distributed.client import FutureCancelledError, FuturesCancelledError
 
-from flowactors import _runtime, watchdog
+from flowactors import _leaving, _runtime, watchdog
 from flowactors import cluster as _cluster
 from flowactors.errors import PlacementError, RemoteError, WorkerLostError
 from flowactors.futures import CallFuture, new_token, unwrap
@@ -42,7 +42,11 @@ from flowactors.protocols import ONE_TO_ALL, Layout
 from flowactors.transport import CallTimeout, Transport, WorkerGone
 from flowactors.transport.fanout import Fanout
 
-__all__ = ["Controller", "CallFuture", "open_transport"]
+__all__ = ["Controller", "CallFuture", "LEAVE_GRACE_S", "open_transport"]
+
+LEAVE_GRACE_S = 30.0
+"""How long a pool worker told to stop (SIGTERM) waits to be retired before it ends (Slurm's default KillWait, the
+time between a job's SIGTERM and its SIGKILL, is 30 s)."""
 
 
 class Controller:
@@ -78,6 +82,8 @@ class Controller:
         self._backend: str | None = None
         self.slots: list[str] = _cluster.discover_slots(client)
         client.subscribe_topic("all", self._on_event)
+        self._leaving: dict[str, float] = {}  # pool workers that announced a SIGTERM -> when (time.monotonic)
+        client.subscribe_topic(_leaving.TOPIC, self._on_leaving)
         if _cluster.check_interval(stream_interval_ms) is not None:
             _cluster.shorten_streams(client, stream_interval_ms / 1000)
         self.transport: Transport = open_transport(
@@ -120,10 +126,11 @@ class Controller:
             group.close(wait=False)
         self._teardown_world()
         self.transport.close()
-        try:
-            self.client.unsubscribe_topic("all")
-        except Exception:
-            pass
+        for topic in ("all", _leaving.TOPIC):
+            try:
+                self.client.unsubscribe_topic(topic)
+            except Exception:
+                pass
         self.client.close()
         if isinstance(self.cluster, LocalCluster):
             _cluster.stop_workers(self.cluster)
@@ -286,9 +293,22 @@ class Controller:
         if address not in self.slots and address not in self._hosted:  # a slot, or a pool worker with a group
             return
         with self._lock:
+            self._leaving.pop(address, None)
             self._lost[address] = self._hosted.get(address, [])
             futures = [f for c in list(self._calls) if address in c.addresses for f in c.futures]
         await self.transport.worker_lost(address, futures)
+
+    def _on_leaving(self, event: tuple[float, dict]) -> None:
+        msg = event[1] if isinstance(event, tuple) else event
+        address = msg.get("worker") if isinstance(msg, dict) else None
+        if address is not None and address not in self._lost:
+            self._leaving[address] = time.monotonic()
+
+    @property
+    def leaving(self) -> list[str]:
+        """Pool workers hosting groups that were told to stop (SIGTERM) and wait, for a grace period
+        (`LEAVE_GRACE_S`), to be retired: their owner takes back what they hold, then `retire_worker`."""
+        return [a for a in self._leaving if a not in self._lost]
 
     def lost_input_error(self, error: RemoteError, label: str, grace_s: float = 10.0) -> WorkerLostError | None:
         """A call that failed because an input could not be fetched from a worker that died (the direct path's
@@ -520,6 +540,8 @@ class Controller:
                 f"for a world of a group's own; give such a group pool workers (Controller.workers_with)"
             )
         self.transport.connect(addresses)  # joined workers are dialled here, not under the issue lock
+        # a SIGTERM is announced, not obeyed at once: its groups' owner retires it gracefully (`leaving`)
+        self.client.run(_leaving.install, LEAVE_GRACE_S, workers=list(addresses), wait=False)
         if len(addresses) == 1:  # nothing to rendezvous with: one call (an elastic fleet's replicas)
             key = f"{name}.solo_world-{new_token()}"
             args = (name, layout, backend, self.collective_timeout_s, list(subgroups))

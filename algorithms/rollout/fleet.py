@@ -154,7 +154,7 @@ class FleetRollouts(StreamingRollouts):
         self._seen_dead: set[str] = set()
         self._names = 0
         self._checked = 0.0
-        self._counts = {"joined": 0, "left": 0, "requeued": 0}
+        self._counts = {"joined": 0, "left": 0, "retired": 0, "requeued": 0}  # retired: left gracefully
         self._join_s: list[float] = []
         self._join_bytes: list[tuple[float, float]] = []
         self._build_s: list[float] = []
@@ -287,7 +287,7 @@ class FleetRollouts(StreamingRollouts):
         self._checked = time.monotonic()
         known = {r.address for r in self.fleet} | set(self._building)
         for address in self.ctl.workers_with(RESOURCE):
-            if address in known or address in self._seen_dead:
+            if address in known or address in self._seen_dead or address in self.ctl.leaving:
                 continue
             if len(self.fleet) + len(self._building) >= self.bounds[1]:
                 break
@@ -425,10 +425,13 @@ class FleetRollouts(StreamingRollouts):
         """A graceful leave: collect what it finished, requeue only the rest, close its worker."""
         if self.inflight is not None:
             self._collect()
+        if replica not in self.fleet:  # lost meanwhile
+            return
         self.fleet.remove(replica)
         try:
             out = replica.group.hand_back().result()[0]
             self._take_finished(replica, out["samples"])
+            self._counts["retired"] += 1
         except fa.WorkerLostError:
             pass
         self._counts["left"] += 1
@@ -464,6 +467,10 @@ class FleetRollouts(StreamingRollouts):
     def _poll(self, wait_s: float) -> None:
         if time.monotonic() - self._checked > CHECK_S:
             self._arrivals()
+        leaving = set(self.ctl.leaving)
+        for r in [r for r in self.fleet if r.address in leaving]:  # told to stop (SIGTERM): a graceful leave
+            print(f"[fleet] the replica on {r.address} was told to stop; retiring it", file=sys.stderr)
+            self._retire(r)
         waiting, self.requeue = self.requeue, []
         for uid in waiting:
             self._give(uid)

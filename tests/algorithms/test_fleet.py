@@ -105,6 +105,60 @@ def test_a_replica_joins_at_one_step_and_one_is_killed_at_a_later_one_and_every_
     assert max(sizes) >= 2 and sizes[0] == 1
 
 
+@pytest.mark.e2e  # a whole program's run with a cluster changing under it: CI's second tier
+def test_a_replica_whose_worker_is_told_to_stop_leaves_gracefully_and_the_worker_ends_at_once(tmp_path):
+    """SIGTERM on a replica's worker (a scale-down, a preemption notice, a Slurm job at its time limit): the worker
+    announces it and keeps serving; the fleet takes back what the replica finished, requeues only the rest and
+    retires the worker, well before the worker's grace would end it. 12 steps, each with its 8 groups, each group
+    trained once."""
+    metrics = tmp_path / "m.jsonl"
+    cluster = slot_cluster(2)
+    client = Client(cluster)
+    events: dict = {}
+    over = threading.Event()
+
+    def operator() -> None:
+        resize_pool(cluster, RESOURCE, 2)
+        while not over.is_set():
+            done = _steps(metrics)
+            if "signalled" not in events and len(done) >= 3 and done[-1].get("fleet/replicas") == 2:
+                pool = [
+                    a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if RESOURCE in w["resources"]
+                ]
+                pid = client.run(os.getpid, workers=pool[:1])[pool[0]]
+                os.kill(pid, signal.SIGTERM)
+                events.update(signalled=len(done), pid=pid, at=time.monotonic())
+            if "pid" in events and "ended_s" not in events:
+                try:
+                    os.kill(events["pid"], 0)
+                except ProcessLookupError:
+                    events["ended_s"] = time.monotonic() - events["at"]
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=operator, daemon=True)
+    thread.start()
+    try:
+        history = grpo(
+            ["--steps", "12", *FLEET, "async_replicas=2:2", "--address", cluster.scheduler_address]
+            + [f"metrics_file={metrics}"]
+        )
+        deadline = time.monotonic() + 20
+        while "signalled" in events and "ended_s" not in events and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        over.set()
+        thread.join()
+        client.close()
+        cluster.close()
+    assert "signalled" in events, f"the run ended before the signal: {events}"
+    assert [r["step"] for r in history] == list(range(12))
+    _exact(history)
+    last = history[-1]
+    assert last["fleet/retired"] == 1 and last["fleet/left"] == 1  # a graceful leave, not a loss
+    assert events.get("ended_s", 99.0) < fa.controller.LEAVE_GRACE_S / 2  # retired, not ended by its grace
+    assert [r["fleet/replicas"] for r in history][-1] == 1
+
+
 def test_the_dashboard_charts_the_fleet_over_time(no_cluster):
     from algorithms.grpo import GRPO, GRPOConfig
     from algorithms.run.loop import charted_metrics

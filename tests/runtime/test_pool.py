@@ -105,3 +105,44 @@ def test_on_the_dask_path_a_retired_pool_workers_finished_calls_are_lost_and_not
         assert ctl.lost_workers == []
         assert trainer.all_reduce(5.0).result() == [5.0]
         assert ctl.client.scheduler_comm is scheduler_comm and ctl.client.status == "running"
+
+
+def test_a_pool_worker_told_to_stop_announces_it_serves_until_retired_and_ends_by_itself_after_its_grace(
+    monkeypatch,
+):
+    """SIGTERM (a scale-down, a preemption notice, a Slurm job at its limit) on a pool worker hosting a group: the
+    controller lists it in `leaving` and its group still answers (its owner takes back what it holds, then
+    retires it); a worker nobody retires ends by itself after LEAVE_GRACE_S, as a lost worker."""
+    import flowactors.controller as controller
+
+    monkeypatch.setattr(controller, "LEAVE_GRACE_S", 3.0)
+    with fa.Controller.local(1, dashboard=None, collective_timeout_s=60) as ctl:
+        ctl.resize_pool("rollout", 2)
+        pool = _wait_for(lambda: ctl.workers_with("rollout"), 2)
+        a = fa.ActorGroup(ctl, Reducer, name="a", slots=pool[:1], args=(1.0,), own_world=True)
+        b = fa.ActorGroup(ctl, Reducer, name="b", slots=pool[1:], args=(2.0,), own_world=True)
+        pid_a, pid_b = a.pid().result()[0], b.pid().result()[0]
+        assert ctl.leaving == []
+        os.kill(pid_a, signal.SIGTERM)
+        os.kill(pid_b, signal.SIGTERM)
+        deadline = time.monotonic() + 2.5
+        while len(ctl.leaving) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(ctl.leaving) == sorted(pool)
+        assert a.all_reduce(2.0).result() == [2.0]  # still serving within its grace
+        ctl.retire_worker(pool[0])  # retired in time: a graceful close
+        # b is not retired: it ends by itself once its grace is over, as a lost worker
+        with pytest.raises(fa.WorkerLostError) as lost:
+            b.sleep(30.0).result(timeout=30)
+        assert lost.value.address == pool[1]
+        for pid in (pid_a, pid_b):
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError(f"worker process {pid} is still running after SIGTERM")
+        assert ctl.leaving == []
