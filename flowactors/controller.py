@@ -84,6 +84,8 @@ class Controller:
         client.subscribe_topic("all", self._on_event)
         self._leaving: dict[str, float] = {}  # pool workers that announced a SIGTERM -> when (time.monotonic)
         client.subscribe_topic(_leaving.TOPIC, self._on_leaving)
+        # a pool worker announces a SIGTERM and waits to be retired, from its registration on (every pool worker)
+        client.register_plugin(_leaving.LeaveHandler(LEAVE_GRACE_S, _cluster.SLOT_RESOURCES))
         if _cluster.check_interval(stream_interval_ms) is not None:
             _cluster.shorten_streams(client, stream_interval_ms / 1000)
         self.transport: Transport = open_transport(
@@ -126,6 +128,11 @@ class Controller:
             group.close(wait=False)
         self._teardown_world()
         self.transport.close()
+        if self.cluster is None:  # a cluster it joined outlives it: its pool workers die of SIGTERM again
+            try:
+                self.client.unregister_worker_plugin(_leaving.LeaveHandler.name)
+            except Exception:
+                pass
         for topic in ("all", _leaving.TOPIC):
             try:
                 self.client.unsubscribe_topic(topic)
@@ -540,8 +547,6 @@ class Controller:
                 f"for a world of a group's own; give such a group pool workers (Controller.workers_with)"
             )
         self.transport.connect(addresses)  # joined workers are dialled here, not under the issue lock
-        # a SIGTERM is announced, not obeyed at once: its groups' owner retires it gracefully (`leaving`)
-        self.client.run(_leaving.install, LEAVE_GRACE_S, workers=list(addresses), wait=False)
         if len(addresses) == 1:  # nothing to rendezvous with: one call (an elastic fleet's replicas)
             key = f"{name}.solo_world-{new_token()}"
             args = (name, layout, backend, self.collective_timeout_s, list(subgroups))
