@@ -78,6 +78,7 @@ class Controller:
         self._calls: weakref.WeakSet[CallFuture] = weakref.WeakSet()  # issued and alive (failures, recovery)
         self._hosted: dict[str, list[tuple[str, int]]] = {}
         self._lost: dict[str, list[tuple[str, int]]] = {}
+        self._forgotten: dict[str, list[tuple[str, int]]] = {}  # lost pool workers written off (`forget_lost`)
         self._world: list[str] | None = None
         self._backend: str | None = None
         self.slots: list[str] = _cluster.discover_slots(client)
@@ -326,6 +327,9 @@ class Controller:
         found = re.findall(r"InputLost: input \S+ from (\S+) could not be fetched", str(error))
         if not found:
             return None
+        gone = [a for a in found if a in self._forgotten]
+        if gone:  # a worker already written off: lost at it, at once (it is not reported again)
+            return WorkerLostError(gone[0], self._forgotten[gone[0]], call=label)
         deadline = time.monotonic() + grace_s
         while not any(a in self._lost for a in found):
             if time.monotonic() > deadline:
@@ -345,11 +349,12 @@ class Controller:
 
     def forget_lost(self, address: str) -> None:
         """A lost pool worker (not a slot) whose groups their owner has written off (an elastic fleet's replica):
-        the controller stops counting it as lost, so the calls that need no slot of it go on without `recover`."""
+        the controller stops counting it as lost, so the calls that need no slot of it go on without `recover`; a
+        call whose input was on it still fails as lost at it, at once."""
         if address in self.slots:
             raise PlacementError(f"{address} is a slot of the controller's world: a lost slot needs recover()")
         with self._lock:
-            self._lost.pop(address, None)
+            self._forgotten[address] = self._lost.pop(address, self._hosted.get(address, []))
             self._hosted.pop(address, None)
 
     def resize_pool(self, resource: str, n: int, preload: Sequence[str] = ()) -> None:

@@ -17,9 +17,10 @@ and go as Dask brings them (`cluster.scale`, a jobqueue's `adapt`, `dask worker 
   `fleet/join_s` (a worker's arrival to its first finished group, the replica's own clock from its first call) and `fleet/join_trainer_bytes` (what a join fetched from
   the trainer's workers: 0).
 
-Weight syncs go from trainer rank 0 to every replica over the workers' transport (`policy_weights` into
-`load_policy`), not over the sharded sync's process group: that is a collective formed over fixed ranks, which a
-replica that dies mid-sync would leave hanging. docs/asynchronous.md#an-elastic-fleet.
+Weight syncs go over the workers' transport (`policy_weights` into `load_policy`), not over the sharded sync's
+process group: that is a collective formed over fixed ranks, which a replica that dies mid-sync would leave
+hanging. They go down a tree: the trainer sends one copy, replicas pass it on (`RELAY_FANOUT`).
+docs/asynchronous.md#an-elastic-fleet.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ CHECK_S = 0.5
 JOIN_CHECK_S = 0.005
 """How often the controller, waiting for polls while a replica builds, looks whether they finished (it waits with
 the fleet's lock released, so the replica joins meanwhile)."""
+RELAY_FANOUT = 2
+"""How many replicas each replica passes a weight sync on to (the trainer sends one copy, to the first)."""
 WAIT_S = 600.0
 """How long a step waits for a replica when the fleet has none, before the run fails."""
 
@@ -554,15 +557,28 @@ class FleetRollouts(StreamingRollouts):
         return [u for r in self.fleet for u in r.assigned] + list(self.requeue)
 
     def _sync_weights(self, version: int) -> None:
+        """Version `version` to every replica down a tree: the trainer sends one copy, to the first replica; each
+        replica that loaded it passes it on to the next `RELAY_FANOUT` (its `policy_weights`, issued after its
+        load, into theirs, worker to worker). The trainer's cost of a sync is then one copy whatever the fleet's
+        size; a replica further down waits one load per level. A relay lost at submission is passed over (its
+        children take the trainer's copy); one lost in flight leaves its subtree a version behind until the next
+        sync, which brings every replica the newest."""
         if not self.fleet:
             return  # a replica that joins takes the weights then
         weights = self.actor.policy_weights()
-        calls = []
+        calls, sources = [], [weights]  # sources[j]: the j-th replica that loaded, as a source for the next ones
         for r in list(self.fleet):
+            parent = (len(calls) - 1) // RELAY_FANOUT + 1 if calls else 0  # 0: the trainer
             try:
-                calls.append((r, r.group.load_policy(weights, version)))
+                calls.append((r, r.group.load_policy(sources[min(parent, len(sources) - 1)], version)))
             except fa.WorkerLostError:
                 self._lose(r)
+                continue
+            try:
+                sources.append(r.group.policy_weights())
+            except fa.WorkerLostError:
+                self._lose(r)
+                sources.append(weights)
         self._syncs[version] = _Loads(calls, self.fleet)  # type: ignore[assignment]
 
     def _greedy(self, prompts: Batch) -> Any:

@@ -159,6 +159,38 @@ def test_a_replica_whose_worker_is_told_to_stop_leaves_gracefully_and_the_worker
     assert [r["fleet/replicas"] for r in history][-1] == 1
 
 
+@pytest.mark.e2e  # a whole program's run: CI's second tier
+def test_a_weight_sync_costs_the_trainer_one_copy_and_goes_on_replica_to_replica(monkeypatch):
+    """Three replicas: the trainer sends each version once, to the first replica, which passes it to the other two
+    (RELAY_FANOUT = 2), worker to worker; every replica reports the version, every step's batch full."""
+    from algorithms.rollout.fleet import RELAY_FANOUT, FleetRollouts
+
+    assert RELAY_FANOUT == 2
+    seen: list = []
+    sync_metrics = FleetRollouts.sync_metrics
+
+    def measured(self, i):
+        loads = self._syncs.get(max(i, self._first_version))
+        if loads is not None and i >= 1:
+            trainer = set(self.actor.addresses)
+            self.ctl.wait([c for _, c in loads.calls])
+            seen.append([(r.address, self.ctl.fetched_bytes(c)) for r, c in loads.calls])
+            seen[-1].append(trainer)
+        return sync_metrics(self, i)
+
+    monkeypatch.setattr(FleetRollouts, "sync_metrics", measured)
+    history = grpo(["--steps", "5", *FLEET, "async_replicas=3:3"])
+    _exact(history, 8)
+    assert seen, "no sync was measured"
+    model = history[0]["async/sync_bytes"] / 3  # every replica received the whole model
+    for *loads, trainer in seen:
+        assert len(loads) == 3
+        (first, from_first), (_, from_second), (_, from_third) = loads
+        assert set(from_first) <= trainer and sum(from_first.values()) == pytest.approx(model, rel=0.05)
+        for sizes in (from_second, from_third):  # the other two from the first replica, none from the trainer
+            assert set(sizes) == {first} and sizes[first] == pytest.approx(model, rel=0.05)
+
+
 def test_the_dashboard_charts_the_fleet_over_time(no_cluster):
     from algorithms.grpo import GRPO, GRPOConfig
     from algorithms.run.loop import charted_metrics

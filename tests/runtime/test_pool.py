@@ -42,7 +42,8 @@ def test_pool_workers_join_host_own_world_groups_and_leave_without_touching_the_
         assert a.all_reduce(2.0).result() == [2.0]
         assert b.all_reduce(2.0).result() == [10.0]
         # losing b's worker fails b's calls naming it, and nothing else
-        pid = b.pid().result()[0]
+        held = b.pid()  # a result held on b's worker
+        pid = held.result()[0]
         pending = b.sleep(30.0)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(fa.WorkerLostError) as lost:
@@ -50,6 +51,11 @@ def test_pool_workers_join_host_own_world_groups_and_leave_without_touching_the_
         assert lost.value.address == pool[1] and "b" in str(lost.value)
         ctl.forget_lost(pool[1])
         assert ctl.lost_workers == []
+        # a call whose input was on the worker written off fails as lost at it, at once (not after a grace)
+        t0 = time.monotonic()
+        with pytest.raises(fa.WorkerLostError) as lost:
+            a.record(1, held).result(timeout=30)
+        assert lost.value.address == pool[1] and time.monotonic() - t0 < 5
         assert trainer.all_reduce(1.0).result() == [3.0, 3.0]
         assert a.all_reduce(3.0).result() == [3.0]
         # the nanny restarts the killed worker under a new address: it arrives as a pool worker again
