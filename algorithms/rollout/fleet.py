@@ -566,16 +566,14 @@ class FleetRollouts(StreamingRollouts):
         if not self.fleet:
             return  # a replica that joins takes the weights then
         weights = self.actor.policy_weights()
-        calls, sources = [], [weights]  # sources[j]: the j-th replica that loaded, as a source for the next ones
-        for r in list(self.fleet):
-            parent = (len(calls) - 1) // RELAY_FANOUT + 1 if calls else 0  # 0: the trainer
+        fleet = list(self.fleet)
+        calls, sources = [], []  # sources[k]: what the k-th replica passes on (the trainer's copy where it cannot)
+        for k, r in enumerate(fleet):
+            source = sources[(k - 1) // RELAY_FANOUT] if k else weights
             try:
-                calls.append((r, r.group.load_policy(sources[min(parent, len(sources) - 1)], version)))
-            except fa.WorkerLostError:
-                self._lose(r)
-                continue
-            try:
-                sources.append(r.group.policy_weights())
+                calls.append((r, r.group.load_policy(source, version)))
+                relays = RELAY_FANOUT * k + 1 < len(fleet)  # it has replicas below it
+                sources.append(r.group.policy_weights() if relays else weights)
             except fa.WorkerLostError:
                 self._lose(r)
                 sources.append(weights)
