@@ -19,7 +19,7 @@ and go as Dask brings them (`cluster.scale`, a jobqueue's `adapt`, `dask worker 
 
 Weight syncs go over the workers' transport (`policy_weights` into `load_policy`), not over the sharded sync's
 process group: that is a collective formed over fixed ranks, which a replica that dies mid-sync would leave
-hanging. They go down a tree: the trainer sends one copy, replicas pass it on (`RELAY_FANOUT`).
+hanging. They go down a tree: the trainer sends `RELAY_FANOUT` copies, replicas pass them on.
 docs/asynchronous.md#an-elastic-fleet.
 """
 
@@ -56,7 +56,7 @@ JOIN_CHECK_S = 0.005
 """How often the controller, waiting for polls while a replica builds, looks whether they finished (it waits with
 the fleet's lock released, so the replica joins meanwhile)."""
 RELAY_FANOUT = 2
-"""How many replicas each replica passes a weight sync on to (the trainer sends one copy, to the first)."""
+"""How many replicas the trainer sends a weight sync to, and each of those passes it on to (a tree)."""
 WAIT_S = 600.0
 """How long a step waits for a replica when the fleet has none, before the run fails."""
 
@@ -557,10 +557,11 @@ class FleetRollouts(StreamingRollouts):
         return [u for r in self.fleet for u in r.assigned] + list(self.requeue)
 
     def _sync_weights(self, version: int) -> None:
-        """Version `version` to every replica down a tree: the trainer sends one copy, to the first replica; each
-        replica that loaded it passes it on to the next `RELAY_FANOUT` (its `policy_weights`, issued after its
-        load, into theirs, worker to worker). The trainer's cost of a sync is then one copy whatever the fleet's
-        size; a replica further down waits one load per level. A relay lost at submission is passed over (its
+        """Version `version` to every replica down a tree: the trainer sends it to the first `RELAY_FANOUT`
+        replicas; each replica that loaded it passes it on to `RELAY_FANOUT` more (its `policy_weights`, issued after
+        its load, into theirs, worker to worker). The trainer's cost of a sync is then at most `RELAY_FANOUT` copies
+        whatever the fleet's size (a fleet that small has no relay); a replica further down waits one load per
+        level. A relay lost at submission is passed over (its
         children take the trainer's copy); one lost in flight leaves its subtree a version behind until the next
         sync, which brings every replica the newest."""
         if not self.fleet:
@@ -569,10 +570,10 @@ class FleetRollouts(StreamingRollouts):
         fleet = list(self.fleet)
         calls, sources = [], []  # sources[k]: what the k-th replica passes on (the trainer's copy where it cannot)
         for k, r in enumerate(fleet):
-            source = sources[(k - 1) // RELAY_FANOUT] if k else weights
+            source = sources[k // RELAY_FANOUT - 1] if k >= RELAY_FANOUT else weights
             try:
                 calls.append((r, r.group.load_policy(source, version)))
-                relays = RELAY_FANOUT * k + 1 < len(fleet)  # it has replicas below it
+                relays = RELAY_FANOUT * (k + 1) < len(fleet)  # it has replicas below it
                 sources.append(r.group.policy_weights() if relays else weights)
             except fa.WorkerLostError:
                 self._lose(r)

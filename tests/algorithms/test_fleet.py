@@ -160,9 +160,9 @@ def test_a_replica_whose_worker_is_told_to_stop_leaves_gracefully_and_the_worker
 
 
 @pytest.mark.e2e  # a whole program's run: CI's second tier
-def test_a_weight_sync_costs_the_trainer_one_copy_and_goes_on_replica_to_replica(monkeypatch):
-    """Three replicas: the trainer sends each version once, to the first replica, which passes it to the other two
-    (RELAY_FANOUT = 2), worker to worker; every replica reports the version, every step's batch full."""
+def test_a_weight_sync_costs_the_trainer_two_copies_and_goes_on_replica_to_replica(monkeypatch):
+    """Three replicas, RELAY_FANOUT = 2: the trainer sends each version to the first two replicas, the first passes
+    it on to the third, worker to worker; every step's batch full."""
     from algorithms.rollout.fleet import RELAY_FANOUT, FleetRollouts
 
     assert RELAY_FANOUT == 2
@@ -186,9 +186,9 @@ def test_a_weight_sync_costs_the_trainer_one_copy_and_goes_on_replica_to_replica
     for *loads, trainer in seen:
         assert len(loads) == 3
         (first, from_first), (_, from_second), (_, from_third) = loads
-        assert set(from_first) <= trainer and sum(from_first.values()) == pytest.approx(model, rel=0.05)
-        for sizes in (from_second, from_third):  # the other two from the first replica, none from the trainer
-            assert set(sizes) == {first} and sizes[first] == pytest.approx(model, rel=0.05)
+        for sizes in (from_first, from_second):  # the trainer's copies
+            assert set(sizes) <= trainer and sum(sizes.values()) == pytest.approx(model, rel=0.05)
+        assert set(from_third) == {first} and from_third[first] == pytest.approx(model, rel=0.05)  # relayed
 
 
 def test_the_dashboard_charts_the_fleet_over_time(no_cluster):
