@@ -542,9 +542,6 @@ class FleetRollouts(StreamingRollouts):
     def _take_finished(self, r: Replica, samples: Batch) -> None:
         if not len(samples):
             return
-        if not r.polled:  # its first samples (a replica that does not say when its first group finished)
-            r.polled = True
-            self._joined_at(r, time.perf_counter() - r.arrived)
         groups = samples["group"]
         for g in groups.unique().tolist():
             group = samples.take((groups == g).nonzero().flatten().tolist())

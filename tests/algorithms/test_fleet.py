@@ -46,6 +46,30 @@ def _exact(history: list[dict], prompts_per_step: int = 8) -> None:
     assert all(r["async/duplicates"] == 0 and r["async/lost"] == 0 for r in history)
 
 
+def _run_under_operator(operator, argv: list[str], metrics, settle=None) -> list[dict]:
+    """A GRPO run (`argv`) on a cluster of two slot workers that `operator(cluster, client, over)` changes from a
+    thread of its own until `over` is set; `settle()` runs after the program, before the cluster goes."""
+    cluster = slot_cluster(2)
+    client = Client(cluster)
+    over = threading.Event()
+    thread = threading.Thread(target=operator, args=(cluster, client, over), daemon=True)
+    thread.start()
+    try:
+        history = grpo([*argv, "--address", cluster.scheduler_address, f"metrics_file={metrics}"])
+        if settle is not None:
+            settle()
+    finally:
+        over.set()
+        thread.join()
+        client.close()
+        cluster.close()
+    return history
+
+
+def _pool_of(client) -> list[str]:
+    return [a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if RESOURCE in w["resources"]]
+
+
 @pytest.mark.e2e  # a whole program's run with a cluster changing under it: CI's second tier
 def test_a_replica_joins_at_one_step_and_one_is_killed_at_a_later_one_and_every_group_trains_once(tmp_path):
     """Two trainer slots and one pool worker; after step 2 the cluster gains a pool worker (Dask's own scale, as an
@@ -53,12 +77,9 @@ def test_a_replica_joins_at_one_step_and_one_is_killed_at_a_later_one_and_every_
     other replica's worker is SIGKILLed (its nanny then brings a new worker, which joins again). The run never
     stops: 60 steps, each with its 8 groups, each group trained once."""
     metrics = tmp_path / "m.jsonl"
-    cluster = slot_cluster(2)
-    client = Client(cluster)
     events: dict[str, int] = {}
-    over = threading.Event()
 
-    def operator() -> None:
+    def operator(cluster, client, over) -> None:
         resize_pool(cluster, RESOURCE, 1)
         while not over.is_set():
             done = _steps(metrics)
@@ -67,29 +88,14 @@ def test_a_replica_joins_at_one_step_and_one_is_killed_at_a_later_one_and_every_
                 events["grown"] = len(done)
             if "grown" in events and "killed" not in events and done and done[-1].get("fleet/joined", 0) >= 1:
                 if len(done) >= events["grown"] + 2:
-                    pool = [
-                        a
-                        for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
-                        if RESOURCE in w["resources"]
-                    ]
+                    pool = _pool_of(client)
                     pids = client.run(os.getpid, workers=pool)
                     first = min(pool, key=lambda a: cluster.scheduler_info["workers"][a]["name"])
                     os.kill(pids[first], signal.SIGKILL)
                     events["killed"] = len(done)
             time.sleep(0.05)
 
-    thread = threading.Thread(target=operator, daemon=True)
-    thread.start()
-    try:
-        history = grpo(
-            ["--steps", "60", *FLEET, "async_replicas=1:3", "--address", cluster.scheduler_address]
-            + [f"metrics_file={metrics}"]
-        )
-    finally:
-        over.set()
-        thread.join()
-        client.close()
-        cluster.close()
+    history = _run_under_operator(operator, ["--steps", "60", *FLEET, "async_replicas=1:3"], metrics)
     assert "grown" in events and "killed" in events, f"the run ended before the fleet changed: {events}"
     assert [r["step"] for r in history] == list(range(60))
     _exact(history)
@@ -112,19 +118,14 @@ def test_a_replica_whose_worker_is_told_to_stop_leaves_gracefully_and_the_worker
     retires the worker, well before the worker's grace would end it. 12 steps, each with its 8 groups, each group
     trained once."""
     metrics = tmp_path / "m.jsonl"
-    cluster = slot_cluster(2)
-    client = Client(cluster)
     events: dict = {}
-    over = threading.Event()
 
-    def operator() -> None:
+    def operator(cluster, client, over) -> None:
         resize_pool(cluster, RESOURCE, 2)
         while not over.is_set():
             done = _steps(metrics)
             if "signalled" not in events and len(done) >= 3 and done[-1].get("fleet/replicas") == 2:
-                pool = [
-                    a for a, w in client.scheduler_info(n_workers=-1)["workers"].items() if RESOURCE in w["resources"]
-                ]
+                pool = _pool_of(client)
                 pid = client.run(os.getpid, workers=pool[:1])[pool[0]]
                 os.kill(pid, signal.SIGTERM)
                 events.update(signalled=len(done), pid=pid, at=time.monotonic())
@@ -135,21 +136,12 @@ def test_a_replica_whose_worker_is_told_to_stop_leaves_gracefully_and_the_worker
                     events["ended_s"] = time.monotonic() - events["at"]
             time.sleep(0.05)
 
-    thread = threading.Thread(target=operator, daemon=True)
-    thread.start()
-    try:
-        history = grpo(
-            ["--steps", "12", *FLEET, "async_replicas=2:2", "--address", cluster.scheduler_address]
-            + [f"metrics_file={metrics}"]
-        )
+    def settle() -> None:  # the worker's end, if the run ended first
         deadline = time.monotonic() + 20
         while "signalled" in events and "ended_s" not in events and time.monotonic() < deadline:
             time.sleep(0.1)
-    finally:
-        over.set()
-        thread.join()
-        client.close()
-        cluster.close()
+
+    history = _run_under_operator(operator, ["--steps", "12", *FLEET, "async_replicas=2:2"], metrics, settle)
     assert "signalled" in events, f"the run ended before the signal: {events}"
     assert [r["step"] for r in history] == list(range(12))
     _exact(history)
