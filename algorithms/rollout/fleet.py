@@ -558,9 +558,8 @@ class FleetRollouts(StreamingRollouts):
         replicas; each replica that loaded it passes it on to `RELAY_FANOUT` more (its `policy_weights`, issued after
         its load, into theirs, worker to worker). The trainer's cost of a sync is then at most `RELAY_FANOUT` copies
         whatever the fleet's size (a fleet that small has no relay); a replica further down waits one load per
-        level. A relay lost at submission is passed over (its
-        children take the trainer's copy); one lost in flight leaves its subtree a version behind until the next
-        sync, which brings every replica the newest."""
+        level. A relay lost at submission is passed over (its children take the trainer's copy); one lost in flight
+        leaves its subtree a version behind until the next sync, which brings every replica the newest."""
         if not self.fleet:
             return  # a replica that joins takes the weights then
         weights = self.actor.policy_weights()
