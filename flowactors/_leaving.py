@@ -3,10 +3,11 @@ before it goes, so that the owner of its groups can take back what they hold fir
 
 `LeaveHandler`, a worker plugin the controller registers once, installs the handler on every worker that is no
 slot (a pool worker) as it registers, on its event loop: the main thread, where signal handlers are set, and before
-any group is built there, so a joining replica pays nothing for it. On the
-first SIGTERM the worker publishes `TOPIC` with its address and waits to be retired (`Controller.retire_worker`),
-up to `grace_s`; then, or at a second SIGTERM, it ends as the signal would have ended it. A worker nobody retires
-is therefore only `grace_s` late, and one retired in time loses nothing it had finished.
+any group is built there, so a joining replica pays nothing for it. On the first SIGTERM the worker publishes
+`TOPIC` with its address and waits to be retired (`Controller.retire_worker`), up to `grace_s`; then, or at a
+second SIGTERM, it ends as the signal would have ended it. A worker nobody retires is therefore only `grace_s`
+late, and one retired in time loses nothing it had finished. (A nanny closes its worker with a stop message, then
+SIGKILL: never by SIGTERM, so an embedded cluster's shutdown is not delayed by this.)
 """
 
 from __future__ import annotations
