@@ -83,7 +83,7 @@ class Controller:
         self._backend: str | None = None
         self.slots: list[str] = _cluster.discover_slots(client)
         client.subscribe_topic("all", self._on_event)
-        self._leaving: dict[str, float] = {}  # pool workers that announced a SIGTERM -> when (time.monotonic)
+        self._leaving: set[str] = set()  # pool workers that announced a SIGTERM
         client.subscribe_topic(_leaving.TOPIC, self._on_leaving)
         # a pool worker announces a SIGTERM and waits to be retired, from its registration on (every pool worker)
         client.register_plugin(_leaving.LeaveHandler(LEAVE_GRACE_S, _cluster.SLOT_RESOURCES))
@@ -301,7 +301,7 @@ class Controller:
         if address not in self.slots and address not in self._hosted:  # a slot, or a pool worker with a group
             return
         with self._lock:
-            self._leaving.pop(address, None)
+            self._leaving.discard(address)
             self._lost[address] = self._hosted.get(address, [])
             futures = [f for c in list(self._calls) if address in c.addresses for f in c.futures]
         await self.transport.worker_lost(address, futures)
@@ -309,14 +309,17 @@ class Controller:
     def _on_leaving(self, event: tuple[float, dict]) -> None:
         msg = event[1] if isinstance(event, tuple) else event
         address = msg.get("worker") if isinstance(msg, dict) else None
-        if address is not None and address not in self._lost:
-            self._leaving[address] = time.monotonic()
+        if address is not None:
+            with self._lock:  # (the client's event thread; `leaving` reads it on the caller's)
+                if address not in self._lost:
+                    self._leaving.add(address)
 
     @property
     def leaving(self) -> list[str]:
         """Pool workers hosting groups that were told to stop (SIGTERM) and wait, for a grace period
         (`LEAVE_GRACE_S`), to be retired: their owner takes back what they hold, then `retire_worker`."""
-        return [a for a in self._leaving if a not in self._lost]
+        with self._lock:
+            return [a for a in self._leaving if a not in self._lost]
 
     def lost_input_error(self, error: RemoteError, label: str, grace_s: float = 10.0) -> WorkerLostError | None:
         """A call that failed because an input could not be fetched from a worker that died (the direct path's

@@ -83,7 +83,7 @@ class _Loads:
     def result(self) -> list[dict]:
         out = []
         for replica, c in self.calls:
-            if not any(r is replica for r in self.fleet):
+            if replica not in self.fleet:
                 continue
             try:
                 out += c.result()

@@ -166,7 +166,7 @@ class DaskTransport(Transport):
         """Without a timeout the values are gathered at once (Dask waits for them); a cancelled future raises
         Dask's cancellation error, which the controller turns into a lost worker where one was."""
         futures = [f for c in calls for f in c.futures]
-        for c in calls:
+        for c in calls if self._gone else ():  # (nothing to look up on a run that lost no worker)
             gone = next((self._gone[f.key] for f in c.futures if f.key in self._gone), None)
             if gone is not None:
                 raise WorkerGone(gone, c.label)
