@@ -14,7 +14,7 @@ picklable (module-level), so they run inside a `RuleRewardWorker`.
   use 9s, a third 8s, a third 7s where they can: the policy must move to 7s where they are free and spend each
   budget where the target needs it.
 - `add` (PPO, ReMax): "12+7=" → "19"; partial credit by digit distance.
-- `reverse` (GRPO): "rev abc:" → "cba"; credit per matching position.
+- `reverse` (GRPO): "rev abc:" → "cba"; credit per matching position; success: the exact reversal.
 - `tool_arith` (multi-turn, with a tool): "mul 23*47:" → a product of two 2-digit numbers, which the tiny model
   cannot compute; it may call `calc:23*47!`, read `=1081.` and answer `1081`. Half the demonstrations call the tool,
   half answer directly (wrongly, mostly): RL has to find that the tool pays. Reward: 1 for the exact product, partial
@@ -163,6 +163,11 @@ def reverse_reward(prompt: str, response: str, row: dict) -> float:
     target = str(row["target"])
     hits = sum(1 for a, b in zip(response, target) if a == b)
     return hits / len(target) - 0.25 * abs(len(response) - len(target))
+
+
+def reverse_success(prompt: str, response: str, row: dict) -> bool:
+    """Solved: the word reversed, exactly."""
+    return response == str(row["target"])
 
 
 # -- digits (the TRL comparison's workload) ------------------------------------------------------------------------
@@ -337,7 +342,7 @@ TASKS = {
         settings=(("cost_thresholds", "0.3,0.4"),),
     ),
     "add": Task("add", _add_example, add_reward, max_new_tokens=4),
-    "reverse": Task("reverse", _reverse_example, reverse_reward, max_new_tokens=6),
+    "reverse": Task("reverse", _reverse_example, reverse_reward, max_new_tokens=6, success=reverse_success),
     "digits": Task("digits", _digits_example, digits_reward, max_new_tokens=32),
     "tool_arith": Task(
         "tool_arith",

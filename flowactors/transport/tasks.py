@@ -185,20 +185,33 @@ class DaskTransport(Transport):
     async def worker_lost(self, address: str, futures: Sequence[Future]) -> None:
         last = self._last.pop(address, None)
         futures = [*futures, last] if last is not None else list(futures)
-        # A finished result is written off here, not cancelled: cancelling a finished key cancels its dependents
-        # too, and one this client already released (a later task's ordering link) fails the scheduler's
-        # `who_wants` assertion, which breaks the client's stream (it reconnects, and Dask recomputes every key it
-        # holds: setup tasks included). Gathering it is refused in `resolve`, since Dask would recompute a lost
-        # result, and an actor's call is not a pure function.
+        # A finished result is written off here, not cancelled (`_newest_first`): gathering it is refused in
+        # `resolve`, since Dask would recompute a lost result, and an actor's call is not a pure function.
         for f in futures:
             if f.done():
                 self._gone[f.key] = address
-        pending = [f for f in futures if not f.done()]
-        if pending:
-            await self.client.cancel(pending, asynchronous=True, reason="worker-lost", msg=f"worker {address} died")
+        for f in _newest_first(futures):
+            await self.client.cancel([f], asynchronous=True, reason="worker-lost", msg=f"worker {address} died")
 
     def reset(self, stale: Sequence[Future]) -> None:
+        """Cancels the forgotten calls' unfinished tasks (a finished one keeps its value; one of a dead worker was
+        written off in `worker_lost`)."""
         stale = [*stale, *self._last.values()]
         self._last.clear()
-        if stale:
-            self.client.cancel(stale, reason="recovery", msg="the controller rebuilt its groups after a lost worker")
+        for f in _newest_first(stale):
+            self.client.cancel([f], reason="recovery", msg="the controller rebuilt its groups after a lost worker")
+
+
+def _newest_first(futures: Sequence[Future]) -> list[Future]:
+    """The unfinished `futures`, to be cancelled one at a time, the last issued first. Dask's cancel recurses into
+    a task's dependents and asserts that each is wanted by a client; one the client released but that a later task
+    still needs (a per-worker ordering link) is not, and the failed assertion breaks the client's stream (it
+    reconnects, and Dask recomputes every key it holds: setup tasks included). A finished task is never cancelled,
+    and cancelling the later tasks first lets the scheduler forget such a link before its predecessor's turn."""
+    seen: set[str] = set()
+    out = []
+    for f in reversed(futures):
+        if not f.done() and f.key not in seen:
+            seen.add(f.key)
+            out.append(f)
+    return out

@@ -113,6 +113,33 @@ def test_on_the_dask_path_a_retired_pool_workers_finished_calls_are_lost_and_not
         assert ctl.client.scheduler_comm is scheduler_comm and ctl.client.status == "running"
 
 
+def test_recovery_on_the_dask_path_keeps_the_clients_connection_and_the_live_workers_results():
+    """After a slot dies, `recover` forgets every call: on the Dask path it cancels what has not run, and only that
+    (cancelling a finished task cancels its dependents too, and one the client already released, a later call's
+    ordering link, fails the scheduler's `who_wants` assertion: the client's stream breaks, it reconnects and
+    Dask recomputes every key it holds). A call that finished on the live worker keeps its value."""
+    with fa.Controller.local(2, dashboard=None, collective_timeout_s=60, direct_calls=False, push_results=False) as ctl:
+        g = fa.ActorGroup(ctl, Reducer, name="g")
+        pids = g.pid().result()
+        done = g.all_reduce(1.0)
+        assert done.result() == [3.0, 3.0]
+        for _ in range(3):  # later tasks ordered after it on each worker, their futures released
+            assert g.all_reduce(1.0).result() == [3.0, 3.0]
+        held = g.all_reduce(2.0)
+        assert held.result() == [6.0, 6.0]
+        scheduler_comm = ctl.client.scheduler_comm
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not ctl.lost_workers and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ctl.recover(wait_s=60, min_slots=2)
+        assert ctl.client.scheduler_comm is scheduler_comm and ctl.client.status == "running"
+        g = fa.ActorGroup(ctl, Reducer, name="g")
+        assert g.all_reduce(1.0).result(timeout=60) == [3.0, 3.0]
+        with pytest.raises(fa.WorkerLostError):  # rank 1's worker died: its result is written off, not recomputed
+            held.result(timeout=30)
+
+
 def test_a_pool_worker_told_to_stop_announces_it_serves_until_retired_and_ends_by_itself_after_its_grace(
     monkeypatch,
 ):
