@@ -89,7 +89,8 @@ class TrainingEngine(Protocol):
         ...
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsharded Hugging Face state dict on CPU (gathers every shard)."""
+        """The unsharded Hugging Face state dict on CPU (gathers every shard): tensors of its own, which later
+        updates and loads leave as they were."""
         ...
 
     def checkpoint_state(self) -> dict[str, Any]:

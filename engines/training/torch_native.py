@@ -425,7 +425,9 @@ class TrainEngine:
                 continue
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
-            out[name] = t.detach().cpu()
+            # a copy in every case: on CPU, `.cpu()` of a plain parameter (or of a DTensor's full tensor on a mesh
+            # of one) is the parameter itself, which a later update or load would change under a kept result
+            out[name] = t.detach().to("cpu", copy=True)
         if self.lora_scale is not None and merged and not adapters_only:
             from engines.training.lora import merged_state_dict
 

@@ -213,3 +213,34 @@ def test_a_replica_with_generation_tp_receives_only_its_shard(controller4, train
     finally:
         trainer.close()
         replicas.close()
+
+
+def test_policy_weights_kept_on_a_replica_are_the_weights_of_their_call_not_of_a_later_load(controller4):
+    """A replica's `policy_weights` result stays on its worker until a peer fetches it (a join, the sync tree); a
+    load in between must not change it. On CPU a plain (unsharded) parameter's `.cpu()` is the parameter itself, so
+    the result has to be a copy (on GPU `.cpu()` copies anyway)."""
+    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=3)
+    groups = [
+        fa.ActorGroup(
+            controller4,
+            ActorWorker,
+            name=f"snap_{i}",
+            slots=controller4.slots[i : i + 1],
+            layout=Layout(dp=1),
+            args=(ModelConfig(**{**cfg.__dict__, "seed": seed}), OptimConfig(zero_stage=1)),
+        )
+        for i, seed in enumerate((3, 4))
+    ]
+    a, b = groups
+    try:
+        kept = a.policy_weights()  # > 64 KiB: kept on a's worker, fetched when asked for
+        a.load_policy(b.policy_weights(), 2).result()
+        want = build_model(cfg, "lm", build_tokenizer(cfg)).state_dict()
+        got = kept.result()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)  # seed 3's weights, not seed 4's loaded after
+        now = a.policy_weights().result()
+        assert any(not torch.equal(now[k], want[k]) for k in want)  # (the load did change a's weights)
+    finally:
+        for g in groups:
+            g.close()

@@ -757,7 +757,12 @@ class MegatronEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded Hugging Face state dict on CPU (every rank of the model-parallel group must call this: it
         gathers every TP × PP shard)."""
-        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")}
+        # copies (`.cpu()` of a CPU tensor is itself: a later update would change a kept result)
+        local = {
+            k: v.detach().to("cpu", copy=True)
+            for k, v in self.module.state_dict().items()
+            if not k.endswith("_extra_state")
+        }
         mine = ((self.pp_rank, self.tp_rank), local)
         if self.tp * self.pp == 1:
             gathered = [mine]
