@@ -10,7 +10,6 @@ GRPO on it gains success on every seed tried (docs/algorithms.md has the table).
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from algorithms.data.tasks import get_task
 from engines import ModelConfig, build_model, build_tokenizer, save_pretrained
 from engines.judge import judge_prompts
+from tests.algorithms.test_learning import run, window
 
 TEMPLATE = "{prompt} {response}?"
 VERDICTS = ("y", "n")
@@ -94,11 +94,6 @@ def _train_judge(path, steps: int = 3000, seed: int = 0) -> tuple[float, float]:
     return ((yes > 0.5) == good).float().mean().item(), auc
 
 
-def _mean(history, key, start, stop):
-    vals = [r[key] for r in history[start:stop]]
-    return sum(vals) / len(vals)
-
-
 @pytest.mark.e2e  # whole programs' runs: CI's second tier (.ci/run)
 def test_grpo_with_a_judge_as_its_only_reward_raises_the_rule_measured_success(tmp_path):
     from algorithms.grpo import main as grpo
@@ -107,24 +102,19 @@ def test_grpo_with_a_judge_as_its_only_reward_raises_the_rule_measured_success(t
     accuracy, auc = _train_judge(judge)
     print(f"judge: held-out accuracy {accuracy:.3f} (80% of the rows are wrong answers), AUC {auc:.3f}")
     assert auc >= 0.85, (accuracy, auc)
-    metrics = tmp_path / "grpo.jsonl"
-    grpo(
-        [
-            "dashboard=none",
-            "--metrics-file",
-            str(metrics),
-            "task=reverse",
-            f"judge.path={judge}",
-            f"judge.template={TEMPLATE}",
-            f"judge.yes={VERDICTS[0]}",
-            f"judge.no={VERDICTS[1]}",
-            "--steps",
-            "150",
-            "prompts_per_step=16",
-            "mini_batch_samples=64",
-        ]
+    h = run(
+        grpo,
+        tmp_path,
+        "task=reverse",
+        f"judge.path={judge}",
+        f"judge.template={TEMPLATE}",
+        f"judge.yes={VERDICTS[0]}",
+        f"judge.no={VERDICTS[1]}",
+        "--steps",
+        "150",
+        "prompts_per_step=16",
+        "mini_batch_samples=64",
     )
-    h = [json.loads(line) for line in metrics.read_text().splitlines()]
-    before, after = _mean(h, "success_mean", 0, 15), _mean(h, "success_mean", -30, None)
+    before, after = window(h, "success_mean", 0, 15), window(h, "success_mean", -30, None)
     print(f"rule-measured success, first 15 steps -> last 30: {before:.3f} -> {after:.3f}")
     assert after >= before + 0.05, (before, after)
