@@ -188,7 +188,7 @@ class DaskTransport(Transport):
         # A finished result is written off here, not cancelled (`_newest_first`): gathering it is refused in
         # `resolve`, since Dask would recompute a lost result, and an actor's call is not a pure function.
         for f in futures:
-            if f.done():
+            if f.done() or f.status == "lost":  # "lost": finished, its value gone with the worker
                 self._gone[f.key] = address
         for f in _newest_first(futures):
             await self.client.cancel([f], asynchronous=True, reason="worker-lost", msg=f"worker {address} died")
@@ -203,15 +203,16 @@ class DaskTransport(Transport):
 
 
 def _newest_first(futures: Sequence[Future]) -> list[Future]:
-    """The unfinished `futures`, to be cancelled one at a time, the last issued first. Dask's cancel recurses into
-    a task's dependents and asserts that each is wanted by a client; one the client released but that a later task
-    still needs (a per-worker ordering link) is not, and the failed assertion breaks the client's stream (it
-    reconnects, and Dask recomputes every key it holds: setup tasks included). A finished task is never cancelled,
-    and cancelling the later tasks first lets the scheduler forget such a link before its predecessor's turn."""
+    """The `futures` that have not run, to be cancelled one at a time, the last issued first. Dask's cancel recurses
+    into a task's dependents and asserts that each is wanted by a client; one the client released but that a later
+    task still needs (a per-worker ordering link) is not, and the failed assertion breaks the client's stream (it
+    reconnects, and Dask recomputes every key it holds: setup tasks included). A task that ran is never cancelled:
+    finished, or "lost" (finished on a worker that died: Dask puts it back to be recomputed, with its released
+    links); cancelling the later tasks first lets the scheduler forget a link before its predecessor's turn."""
     seen: set[str] = set()
     out = []
     for f in reversed(futures):
-        if not f.done() and f.key not in seen:
+        if f.status == "pending" and f.key not in seen:
             seen.add(f.key)
             out.append(f)
     return out

@@ -58,12 +58,12 @@ class _Judge:
 
     def __init__(self, seed: int) -> None:
         self.tokenizer = build_tokenizer(ModelConfig())
+        self.tokenizer.padding_side = "left"
         self.model = build_model(ModelConfig(hidden_size=64, num_layers=4, seed=seed), "lm", self.tokenizer)
         self.ids = [self.tokenizer(v, add_special_tokens=False).input_ids[0] for v in VERDICTS]
 
     def logits(self, rows: list[tuple[str, str, bool]]) -> torch.Tensor:
         tok = self.tokenizer
-        tok.padding_side = "left"
         texts = judge_prompts(TEMPLATE, [p for p, _, _ in rows], [r for _, r, _ in rows])
         enc = tok(texts, padding=True, return_tensors="pt")
         positions = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0)

@@ -136,6 +136,7 @@ def test_recovery_on_the_dask_path_keeps_the_clients_connection_and_the_live_wor
         assert ctl.client.scheduler_comm is scheduler_comm and ctl.client.status == "running"
         g = fa.ActorGroup(ctl, Reducer, name="g")
         assert g.all_reduce(1.0).result(timeout=60) == [3.0, 3.0]
+        assert held.futures[0].result(timeout=30) == 6.0  # rank 0's worker lives: its finished value stays
         with pytest.raises(fa.WorkerLostError):  # rank 1's worker died: its result is written off, not recomputed
             held.result(timeout=30)
 
