@@ -225,23 +225,26 @@ class ActorGroup:
         if protocol.destinations is not None:
             dest = protocol.destinations(layout)
             n = max(dest) + 1
+            marked = None  # with futures: found by walking the routed inputs
             if _contains_future((*args, *kwargs.values())):
                 inputs, agree = _route_parts(n, args, kwargs)
             else:
                 inputs = (tuple(_split_mark(a, n) for a in args), {k: _split_mark(v, n) for k, v in kwargs.items()})
+                marked = any(isinstance(v, Batch) for v in (*args, *kwargs.values()))  # each became a Split
             parts = dest
         elif _contains_future((*args, *kwargs.values())):  # an opaque protocol: whole inputs, split on the rank
-            inputs, parts, split = (
+            inputs, parts, split, marked = (
                 (_unwrap(args), {k: unwrap(v) for k, v in kwargs.items()}),
                 [-1] * world,
                 (protocol, layout),
+                False,
             )
         else:
             per_rank = protocol.split(args, kwargs, layout)
-            if all(p is per_rank[0] for p in per_rank):  # every rank the same inputs (one_to_all, rank_zero)
-                inputs, parts = per_rank[0], [-1] * world
+            if len(set(map(id, per_rank))) == 1:  # every rank the very same inputs (one_to_all, rank_zero)
+                inputs, parts, marked = per_rank[0], [-1] * world, False
             else:
-                inputs, parts = Parts(per_rank), list(range(world))
+                inputs, parts, marked = Parts(per_rank), list(range(world)), True
         keep = _kept_ranks(protocol, layout)
         agree = agree and world > 1
         token, label, ctl = new_token(), f"{self.name}.{method}", self.controller
@@ -255,6 +258,7 @@ class ActorGroup:
                 Rank(a, keys[r], parts[r], (r, r in keep), ctl.push_target(keys[r]) if pushed else _NO_KWARGS)
                 for r, a in enumerate(self.addresses)
             ],
+            marked,
         )
 
     def close(self, wait: bool = True) -> None:

@@ -114,7 +114,11 @@ class Protocol:
                 f"{layout.world_size} ranks; its distribute must return one (args, kwargs) "
                 f"pair per rank"
             )
+        checked = None
         for i, p in enumerate(parts):
+            if p is checked:  # the same pair for every rank (one_to_all): checked once
+                continue
+            checked = p
             if not (isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], tuple) and isinstance(p[1], dict)):
                 raise ProtocolError(
                     f"protocol {self.name!r} returned {type(p).__name__} for rank {i}; "

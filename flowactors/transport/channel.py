@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from contextlib import suppress as _suppress
 from typing import Any
 
+from distributed.metrics import time as clock
+
 from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
 from flowactors.transport.fanout import ROOTS, Fanout, has_parts, part_refs, subtree_of, subtrees, trim
 from flowactors.transport.server import PLUGIN_NAME, DirectPlugin, listen_port, running_stack, spans_between
@@ -345,7 +347,7 @@ class DirectChannel:
         addresses = [r.address for r in ranks]
         if any(a not in self._listeners for a in addresses):
             self._listener(next(a for a in addresses if a not in self._listeners))  # every worker's, at once
-        marked = has_parts((call.args, call.kwargs))
+        marked = has_parts((call.args, call.kwargs)) if call.marked is None else call.marked
         roots = subtrees(len(ranks), ROOTS)
         if marked:  # each root's parts; all serialized before anything is sent (an error leaves no rank alone)
             payloads = []
@@ -357,6 +359,7 @@ class DirectChannel:
         self._tree_count += 1
         tree_id = f"{self.id}:{self._tree_count}"
         entries, futs = [], []
+        at = clock()
         with self._cond:
             dropped = self._dropped
             self._drain_drops()
@@ -371,11 +374,7 @@ class DirectChannel:
                 )
                 entries.append((address, r.key, seq, r.part, r.extra, r.kwargs, release))
             self._trees[tree_id] = _Tree(futs, addresses, (call.args, call.kwargs))
-        from distributed.metrics import time as clock
-
-        with self._cond:
-            self._issued.append((call, futs, step, clock()))
-        self._schedule_issued()
+            self._issued.append((call, futs, step, at))  # reported after the sends (off the call's latency)
         for (start, stop), payload in zip(roots, payloads):
             try:
                 conn = self._connection(addresses[start])
@@ -384,13 +383,12 @@ class DirectChannel:
             except Exception as e:
                 lost = [(i, "lost", (addresses[start], f"{type(e).__name__}: {e}"), False) for i in range(start, stop)]
                 self._on_tree_replies(tree_id, lost)
+        self._schedule_issued()
         return futs
 
     def _report_issued(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None) -> None:
         """Tell the scheduler (its dashboard) what is being sent, gathered over ISSUE_REPORT_S and sent from a
         timer thread: the caller does not wait on the scheduler, nor pay for the reports."""
-        from distributed.metrics import time as clock
-
         with self._cond:
             self._issued.append((items, None, step, clock()))
         self._schedule_issued()

@@ -82,6 +82,8 @@ class Fanout:
     args: tuple
     kwargs: dict
     ranks: list[Rank]
+    marked: bool | None = None
+    """Whether the inputs hold markers, when the caller knows (None: found by walking them, `has_parts`)."""
 
 
 def map_leaves(value: Any, kinds: type | tuple[type, ...], leaf: Any) -> Any:

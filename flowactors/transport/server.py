@@ -18,8 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.metrics import time as now
+from distributed.worker import _worker_cvar
 
 from flowactors.transport.fanout import FANOUT, map_leaves, resolve, subtrees, trim
+from flowactors.transport.payload import payload_bytes
 from flowactors.transport.wire import (
     CALLS_TOPIC,
     HANDSHAKE_S,
@@ -515,11 +518,6 @@ def _job(
 ) -> None:
     """In the worker's task thread: wait for the inputs, run the item as a task would run (`get_worker()` answers
     there), keep its output, hand its reply to `reply_to` (up to the controller, directly or through the tree)."""
-    from distributed.metrics import time as now
-    from distributed.worker import _worker_cvar
-
-    from flowactors.transport.payload import payload_bytes
-
     failed: BaseException | None = None
     if inputs is not None:
         try:
@@ -547,17 +545,26 @@ def _job(
         {"key": key, "deps": deps, "order": previous, "start": start, "stop": stop, "ok": failed is None, "step": step}
     )
     _STORE[key] = _Raised(failed) if failed is not None else value
-    worker.loop.asyncio_loop.call_soon_threadsafe(_mark_ready, key)
-    if failed is not None:
-        reply_to((key, "error", failed, False))
-    elif payload_bytes(value) <= INLINE_BYTES:
-        reply_to((key, "ok", value, False))
-    else:
-        reply_to((key, "ok", None, True))
+    try:
+        if failed is not None:
+            reply_to((key, "error", failed, False))
+        elif payload_bytes(value) <= INLINE_BYTES:
+            reply_to((key, "ok", value, False))
+        else:
+            reply_to((key, "ok", None, True))
+    finally:
+        # After the reply (the call's latency): waking the event loop first would take the GIL from this thread
+        # before it sends. What waits for the event (a fetch of this output, a later item's input) waits that long.
+        worker.loop.asyncio_loop.call_soon_threadsafe(_mark_ready, key)
 
 
 def _mark_ready(key: str) -> None:
-    _ready(key).set()
+    if key in _STORE:
+        _ready(key).set()
+        return
+    ev = _READY.pop(key, None)  # released before it was marked (the reply went first): wake any waiter, keep nothing
+    if ev is not None:
+        ev.set()
 
 
 def _ready(key: str) -> asyncio.Event:

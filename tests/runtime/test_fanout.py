@@ -194,3 +194,32 @@ def test_inputs_without_markers_keep_their_own_containers():
     got = fo.resolve(args, 1)
     assert got[1] is ordered and got[2] is rows and len(got[0]) == 2
     assert fo.map_leaves((ordered, [rows]), fo.Parts, lambda m: m) == (ordered, [rows])
+
+
+def test_a_groups_word_on_markers_agrees_with_walking_its_inputs(controller4):
+    """A group says whether a call's inputs hold markers (the tree then skips walking them); for every kind of
+    call it must say what the walk finds: one_to_all, rank_zero, DP on a batch, DP on a future
+    (left to the walk)."""
+    ctl = controller4
+    g = fa.ActorGroup(ctl, Reducer, name="fan_marks")
+    seen: list[tuple[bool | None, bool]] = []
+    submit = ctl.transport.submit_fanout
+
+    def check(call, step):
+        seen.append((call.marked, fo.has_parts((call.args, call.kwargs))))
+        return submit(call, step)
+
+    ctl.transport.submit_fanout = check
+    try:
+        data = Batch({"x": torch.arange(16).reshape(8, 2)}, {"id": list(range(8))})
+        assert len(set(g.all_reduce(1.0).result())) == 1
+        assert g.fail_on(-1).result() == 0
+        out = g.scale_x(g.add_rank(data)).result()
+        assert torch.equal(out["x"], (data["x"] + 1) * 2)
+        assert g.total_rows(data).result()["total"].tolist() == [8] * 8
+        assert g.fail_rows(data, -1).result()["x"].shape == (8, 2)
+    finally:
+        ctl.transport.submit_fanout = submit
+        g.close()
+    assert len(seen) == 6 and {m for m, _ in seen} == {False, True, None}
+    assert all(marked is None or marked == walked for marked, walked in seen), seen
