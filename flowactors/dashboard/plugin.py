@@ -166,13 +166,22 @@ class FlowactorsDashboard(SchedulerPlugin):
         """Items the controller sent on the direct path, as it sent them: waiting, in the step that issued them."""
         times = [t for t, _ in self._step_times]
         for c in calls:
+            step = self._step_of(c, c.get("at"), times)
+            if c.get("fanout"):  # one report for a call's ranks (flowactors.transport.channel): a list per field
+                keys, workers, orders = c.get("keys") or (), c.get("workers") or (), c.get("orders") or ()
+                each, deps = c.get("deps_each"), c.get("deps") or ()
+                for i, key in enumerate(keys):
+                    self._direct_record(
+                        str(key),
+                        step,
+                        "waiting",
+                        each[i] if each else deps,
+                        orders[i] if i < len(orders) else None,
+                        str(workers[i]) if i < len(workers) else "",
+                    )
+                continue
             self._direct_record(
-                str(c.get("key")),
-                self._step_of(c, c.get("at"), times),
-                "waiting",
-                c.get("deps") or (),
-                c.get("order"),
-                str(c.get("worker") or ""),
+                str(c.get("key")), step, "waiting", c.get("deps") or (), c.get("order"), str(c.get("worker") or "")
             )
 
     def _step_of(self, report: Mapping, when: Any, times: Sequence[float]) -> int:

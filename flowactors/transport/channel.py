@@ -401,28 +401,44 @@ class DirectChannel:
         _later(ISSUE_REPORT_S, self._send_issued)
 
     def _reports(self, items: Any, futs: list[DirectFuture] | None, step: int | None, at: float) -> list[dict]:
-        """The issue reports of single `items` (Work), or of a fan-out's ranks (`items` a Fanout, `futs` theirs)."""
-        reports = []
+        """The issue reports of single `items` (Work), one dict each, or of a fan-out (`items` a Fanout, `futs`
+        its ranks'), one dict for the whole call with a list per field (`fanout`: the scheduler's plugin expands
+        it; a dict per rank cost the controller ~3 us a rank to build and send)."""
         if futs is None:
+            reports = []
             for address, _, args, kwargs, key in items:
                 deps = list(dict.fromkeys(f.key for f in _direct_futures((args, kwargs))))  # they travel as DirectRefs
-                reports.append(self._report(address, key, deps, step, at))
+                order = self._last_sent.get(address)
+                self._last_sent[address] = key
+                reports.append({"key": key, "worker": address, "deps": deps, "step": step, "order": order, "at": at})
             return reports
+        ranks = items.ranks
+        keys, workers = [r.key for r in ranks], [r.address for r in ranks]
+        last = self._last_sent
+        if len(set(workers)) == len(workers):
+            orders = list(map(last.get, workers))
+            last.update(zip(workers, keys))
+        else:  # a worker twice in one call (not from a group): its second item comes after its first
+            orders = []
+            for w, k in zip(workers, keys):
+                orders.append(last.get(w))
+                last[w] = k
         shared, parts = part_refs((items.args, items.kwargs))
-        base = [f.key for f in _direct_futures(shared)]
-        deps_of: dict[int, list[str]] = {}
-        for r in items.ranks:
-            deps = deps_of.get(r.part)
-            if deps is None:
-                own = [f.key for p in parts for f in _direct_futures(p.values[r.part - p.first])] if r.part >= 0 else []
-                deps = deps_of[r.part] = list(dict.fromkeys(base + own))
-            reports.append(self._report(r.address, r.key, deps, step, at))
-        return reports
-
-    def _report(self, address: str, key: str, deps: list[str], step: int | None, at: float) -> dict:
-        order = self._last_sent.get(address)
-        self._last_sent[address] = key
-        return {"key": key, "worker": address, "deps": deps, "step": step, "order": order, "at": at}
+        base = list(dict.fromkeys(f.key for f in _direct_futures(shared)))
+        report = {"fanout": True, "keys": keys, "workers": workers, "orders": orders, "deps": base}
+        report.update(step=step, at=at)
+        if any(_direct_futures(p.values) for p in parts):  # some ranks refer to outputs of their own part
+            deps_of: dict[int, list[str]] = {}
+            for r in ranks:
+                if r.part not in deps_of:
+                    own = (
+                        [f.key for p in parts for f in _direct_futures(p.values[r.part - p.first])]
+                        if r.part >= 0
+                        else []
+                    )
+                    deps_of[r.part] = list(dict.fromkeys(base + own))
+            report["deps_each"] = [deps_of[r.part] for r in ranks]
+        return [report]
 
     def _send_issued(self) -> None:
         with self._cond:

@@ -456,3 +456,35 @@ def test_a_call_running_past_its_usual_time_is_marked_slow():
     node = aggregate_graph(recs, now=100.0, usual={"actor.update": 1.0})["nodes"][0]
     assert [t["running_s"] for t in node["ranks"]] == [0.0, 4.0]
     assert [t["key"] for t in node["slow"]] == [k("actor.update", 1)] and node["usual_s"] == 1.0
+
+
+def test_a_calls_one_report_for_all_its_ranks_records_what_a_report_per_rank_would():
+    """The controller reports a fan-out once, a list per field (flowactors.transport.channel); the plugin's
+    records are those of one report per rank: keys, workers, order edges, shared and per-part dependencies."""
+    a = [k("actor.gen", r) for r in range(3)]
+    b = [k("critic.values", r) for r in range(3)]
+    per_rank = [
+        {"key": b[r], "worker": f"W{r}", "deps": [a[0], a[r]] if r else [a[0]], "step": 5, "order": a[r], "at": 1.0}
+        for r in range(3)
+    ]
+    one = {
+        "fanout": True,
+        "keys": b,
+        "workers": ["W0", "W1", "W2"],
+        "orders": a,
+        "deps": [a[0]],
+        "deps_each": [[a[0]], [a[0], a[1]], [a[0], a[2]]],
+        "step": 5,
+        "at": 1.0,
+    }
+    shared = dict(one, deps_each=None, orders=[None, None, None])
+    seen = []
+    for calls in ([*per_rank], [one], [shared]):
+        p = FlowactorsDashboard()
+        p.scheduler = _fake_scheduler({})
+        p.log_event("flowactors.issued", {"calls": calls})
+        seen.append({x: (r.state, r.deps, r.order_deps, r.worker) for x, r in p._steps[5].items()})
+    assert seen[0] == seen[1] and len(seen[0]) == 3
+    assert seen[0][b[1]] == ("waiting", (a[0], a[1]), (), "W1")  # its order edge is a data edge too
+    assert seen[0][b[2]] == ("waiting", (a[0], a[2]), (), "W2")
+    assert seen[2][b[2]] == ("waiting", (a[0],), (), "W2")  # no part of its own: the shared dependencies only
