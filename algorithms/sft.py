@@ -5,6 +5,13 @@ policy on prompt/response pairs (a `prompt` column, or chat `messages` rendered 
 and a `response` column or a final assistant message) with the response tokens' negative log-likelihood, and
 writes a Hugging Face folder the RL programs start from (`model.path=sft_model`). Held-out evaluation: the mean
 NLL per response token (`eval/nll`). A prompt's tokens carry no loss, as in TRL's and OpenRLHF's SFT trainers.
+
+The optimizer defaults are the RL programs' (AdamW betas 0.9/0.95, gradient clipping at 1), tuned for fine-tuning
+a pretrained policy. Training a small model from scratch (a judge whose one response token is a verdict) crosses
+from the base rate much later with them: the reverse task's 4-layer judge, trained 3,000 steps in the loop of
+tests/algorithms/test_judge_learning.py, reached 0.872 held-out accuracy with betas 0.9/0.95 alone, 0.887 with
+clipping alone, 0.979 with neither (docs/algorithms.md, a judge as the reward). For such a model set
+`optim.betas=0.9,0.999 optim.grad_clip=0`.
 """
 
 from __future__ import annotations

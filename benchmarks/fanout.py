@@ -1,6 +1,6 @@
 """The single controller's cost per group call against the ranks it addresses: per-rank items against the tree.
 
-    python benchmarks/fanout.py [--json] [--ranks 2,4,8,16,32] [--repeats 30] [--standins 1024]
+    python benchmarks/fanout.py [--json] [--ranks 2,4,8,16,32] [--repeats 30] [--standins 256,1024]
 
 Part 1, a real cluster: a Dask scheduler and one `dask worker --nthreads 1` process per rank (as many as the
 largest `--ranks`), each its own process, so the controller's process holds nothing but the controller (the
@@ -13,12 +13,13 @@ serialized once and sent down a tree, `flowactors.transport.fanout`). Per call: 
 (`time.process_time` of its process over the repeats: every thread, the reply readers included) and the median wall
 latency. Then the least-squares slope of CPU time per rank for each path and case.
 
-Part 2, `--standins N` (0: skipped): N light stand-in workers, named as such: the real direct-path server
+Part 2, `--standins N[,N...]` (0: skipped): N light stand-in workers, named as such: the real direct-path server
 (`flowactors.transport.server.listen`, the same `_serve`, sequencer, tree relay and reply gathering) on objects that
 have what it needs of a Dask worker (an event loop, one task thread, an address), many to a process, no Dask and no
 torch.distributed. The controller is a `DirectChannel` given their listeners. A no-op call and a DP split of the
 4 MiB batch over all N, through the tree (and the no-op through per-rank items, fewer repeats), with the tree's
-depth as the stand-ins saw it (the deepest level any item arrived at) against `fanout.depth(N)`.
+depth as the stand-ins saw it (the deepest level any item arrived at) against `fanout.depth(N)`; with two or more
+sizes, the slope per rank there too (the transport's own, with fewer busy processes than part 1's one per rank).
 """
 
 from __future__ import annotations
@@ -302,15 +303,17 @@ def standin_rows(n: int, repeats: int, per_process: int = 128) -> list[dict]:
 
 def summary(rows: list[dict]) -> list[dict]:
     out = []
-    for path in ("items", "tree"):
-        for case in ("noop", "split4MiB", "chain3"):
-            pts = [
-                (r["ranks"], r["cpu_ms"])
-                for r in rows
-                if r.get("part") == "cluster" and r["path"] == path and r["case"] == case
-            ]
-            if len(pts) >= 2:
-                out.append({"summary": "cpu slope", "path": path, "case": case, "ms_per_rank": round(_slope(pts), 5)})
+    for part in ("cluster", "standins"):
+        for path in ("items", "tree"):
+            for case in ("noop", "split4MiB", "chain3"):
+                pts = [
+                    (r["ranks"], r["cpu_ms"])
+                    for r in rows
+                    if r.get("part") == part and r.get("path") == path and r["case"] == case
+                ]
+                if len(pts) >= 2:
+                    slope = round(_slope(pts), 5)
+                    out.append({"summary": "cpu slope", "part": part, "path": path, "case": case, "ms_per_rank": slope})
     return out
 
 
@@ -327,7 +330,7 @@ def table(rows: list[dict]) -> str:
             f"{a['wall_ms'] if a else '-':>10} {b['wall_ms'] if b else '-':>9}"
         )
     for s in summary(rows):
-        lines.append(f"slope {s['path']:5} {s['case']:10} {s['ms_per_rank']:.4f} ms per rank")
+        lines.append(f"slope {s['part']:9} {s['path']:5} {s['case']:10} {s['ms_per_rank']:.4f} ms per rank")
     for r in rows:
         if "depth_seen" in r:
             lines.append(
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--ranks", default="2,4,8,16,32")
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--standins", type=int, default=1024)
+    ap.add_argument("--standins", default="256,1024", help="stand-in worker counts (comma-separated; 0: none)")
     ap.add_argument("--standin-host", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.standin_host:
@@ -349,8 +352,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     sizes = [int(x) for x in args.ranks.split(",") if x]
     rows = cluster_rows(sizes, args.repeats) if sizes else []
-    if args.standins:
-        rows += standin_rows(args.standins, args.repeats)
+    for n in (int(x) for x in args.standins.split(",") if x and int(x)):
+        rows += standin_rows(n, args.repeats)
     if args.json:
         for s in summary(rows):
             print(json.dumps(s))
