@@ -22,6 +22,7 @@ tests/runtime/test_submit.py check the restrictions, priorities and dependencies
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -189,6 +190,8 @@ class DaskTransport(Transport):
         # `resolve`, since Dask would recompute a lost result, and an actor's call is not a pure function.
         for f in futures:
             if f.done() or f.status == "lost":  # "lost": finished, its value gone with the worker
+                if f.key not in self._gone:  # kept while a future can still ask for it, not for the run's life
+                    weakref.finalize(f, self._gone.pop, f.key, None)
                 self._gone[f.key] = address
         for f in _newest_first(futures):
             await self.client.cancel([f], asynchronous=True, reason="worker-lost", msg=f"worker {address} died")

@@ -4,6 +4,7 @@ resize_pool, retire_worker, forget_lost; ActorGroup(own_world=True))."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -111,6 +112,12 @@ def test_on_the_dask_path_a_retired_pool_workers_finished_calls_are_lost_and_not
         assert ctl.lost_workers == []
         assert trainer.all_reduce(5.0).result() == [5.0]
         assert ctl.client.scheduler_comm is scheduler_comm and ctl.client.status == "running"
+        written_off = ctl.transport._gone
+        key = done.futures[0].key
+        assert key in written_off
+        del done, lost
+        gc.collect()
+        assert key not in written_off  # nobody can ask for it any more: not kept for the run's life
 
 
 def test_recovery_on_the_dask_path_keeps_the_clients_connection_and_the_live_workers_results():
