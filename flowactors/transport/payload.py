@@ -17,14 +17,14 @@ TOO_LARGE = "flowactors.push: too large"
 """What a rank pushes instead of an output over `PUSH_BYTES` (the controller then reads it through Dask)."""
 
 
-_SCALARS = (bool, int, float)
+_SCALARS = (bool, float)
 
 
 def payload_bytes(value: Any) -> int:
     """Bytes `value` would put on the wire: Batch and tensor data counted (Dask's `sizeof` counts neither, and is
     left so: it drives the workers' memory accounting), containers summed, anything else by `sizeof`."""
-    if value is None or type(value) in _SCALARS:
-        return 16  # a reply's most common value, answered without the imports below
+    if value is None or type(value) in _SCALARS or (type(value) is int and value.bit_length() <= 64):
+        return 16  # a reply's most common values, answered without the imports below
     import torch
     from dask.sizeof import sizeof
 

@@ -119,3 +119,12 @@ def test_an_output_released_before_its_ready_mark_keeps_no_event_and_wakes_its_w
     assert server._READY["kept"].is_set()
     server._handle_release(["kept"])
     assert "kept" not in server._READY
+
+
+def test_a_reply_counts_a_huge_int_by_its_size_and_small_scalars_without_measuring():
+    from flowactors.transport.payload import payload_bytes
+    from flowactors.transport.wire import INLINE_BYTES
+
+    assert [payload_bytes(v) for v in (None, True, 3, -(2**63), 2.5)] == [16] * 5
+    assert payload_bytes(10**200000) > INLINE_BYTES  # stays on its worker like any large output
+    assert payload_bytes(torch.zeros(100, dtype=torch.float64)) == 800
