@@ -352,8 +352,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     sizes = [int(x) for x in args.ranks.split(",") if x]
     rows = cluster_rows(sizes, args.repeats) if sizes else []
-    for n in (int(x) for x in args.standins.split(",") if x and int(x)):
-        rows += standin_rows(n, args.repeats)
+    for n in [int(x) for x in args.standins.split(",") if x]:
+        if n:
+            rows += standin_rows(n, args.repeats)
     if args.json:
         for s in summary(rows):
             print(json.dumps(s))

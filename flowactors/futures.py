@@ -118,16 +118,15 @@ def unwrap(v: Any) -> Any:
 def new_token() -> str:
     """A 16-hex-digit token unique to this call: the process's random prefix and a counter (a `uuid4` reads the
     kernel's random source on every call: ~5 us of each group call's latency)."""
-    return f"{_PREFIX[0]}{next(_COUNTER) & 0xFFFFFFFF:08x}"
+    return f"{_PREFIX}{next(_COUNTER) & 0xFFFFFFFF:08x}"
 
 
 def _reseed() -> None:
     """A new prefix and counter (at import, and in a forked child: it must not repeat its parent's tokens)."""
-    global _COUNTER
-    _PREFIX[0], _COUNTER = os.urandom(4).hex(), itertools.count()
+    global _PREFIX, _COUNTER
+    _PREFIX, _COUNTER = os.urandom(4).hex(), itertools.count()
 
 
-_PREFIX = [""]
-_COUNTER = itertools.count()
+_PREFIX, _COUNTER = "", itertools.count()
 _reseed()
 os.register_at_fork(after_in_child=_reseed)

@@ -414,15 +414,10 @@ class DirectChannel:
             return reports
         ranks = items.ranks
         keys, workers = [r.key for r in ranks], [r.address for r in ranks]
-        last = self._last_sent
-        if len(set(workers)) == len(workers):
-            orders = list(map(last.get, workers))
-            last.update(zip(workers, keys))
-        else:  # a worker twice in one call (not from a group): its second item comes after its first
-            orders = []
-            for w, k in zip(workers, keys):
-                orders.append(last.get(w))
-                last[w] = k
+        orders, last = [], self._last_sent
+        for w, k in zip(workers, keys):  # (a worker twice in one call: its second item comes after its first)
+            orders.append(last.get(w))
+            last[w] = k
         shared, parts = part_refs((items.args, items.kwargs))
         base = list(dict.fromkeys(f.key for f in _direct_futures(shared)))
         report = {"fanout": True, "keys": keys, "workers": workers, "orders": orders, "deps": base}
