@@ -14,6 +14,8 @@ benchmarks/verl_peer.py) from that interpreter's environment, measured just befo
 `vs verl` column. `scripts/verl_venv.sh` builds such an environment. `--compare-open` adds `fa-open` rows: the
 same calls on an embedded cluster without the run's credentials (`secure=False`: plain TCP, as before issue 41),
 measured before and after the secured rows, and a `vs open` column, the cost of TLS and the direct-path handshake.
+`--compare-tcp` adds `fa-tcp` rows: the same calls with the direct path kept on TCP between the processes of this
+host (`FLOWACTORS_LOCAL_SOCKETS=0`) instead of their Unix sockets, measured before and after, and a `vs tcp` column.
 """
 
 from __future__ import annotations
@@ -85,7 +87,19 @@ def batch4mib() -> Batch:
     return Batch({"x": torch.arange(1024 * 512, dtype=torch.int64).reshape(1024, 512)})
 
 
-def run(repeats: int, secure: bool = True, only_flowactors: bool = False) -> list[dict]:
+def run(repeats: int, secure: bool = True, only_flowactors: bool = False, system: str = "flowactors") -> list[dict]:
+    """The rows of every case; `system` names the flowactors rows (a comparison's: fa-open, fa-tcp)."""
+    from flowactors.transport.wire import LOCAL_SOCKETS_ENV
+
+    if system == "fa-tcp":  # read where connections are made: here and in the workers this cluster starts
+        os.environ[LOCAL_SOCKETS_ENV] = "0"
+    try:
+        return _run(repeats, secure, only_flowactors, system)
+    finally:
+        os.environ.pop(LOCAL_SOCKETS_ENV, None)
+
+
+def _run(repeats: int, secure: bool, only_flowactors: bool, name: str) -> list[dict]:
     rows = []
     data = batch4mib()
     with fa.Controller.local(2, dashboard=None, secure=secure) as ctl:
@@ -146,7 +160,7 @@ def run(repeats: int, secure: bool = True, only_flowactors: bool = False) -> lis
             times, nbytes = _timed(fn, repeats)
             # the final gather legitimately brings the result; count only bytes beyond it
             result_bytes = data.nbytes if case != "noop" else 0
-            rows.append(_row(system if secure else "fa-open", case, times, max(0, nbytes - result_bytes)))
+            rows.append(_row(name if system == "flowactors" else system, case, times, max(0, nbytes - result_bytes)))
     return rows
 
 
@@ -182,12 +196,24 @@ def main(argv: list[str] | None = None) -> None:
         help="also flowactors on an embedded cluster without credentials (secure=False): the cost of TLS "
         "and the direct-path handshake, measured before and after the secured rows",
     )
+    p.add_argument(
+        "--compare-tcp",
+        action="store_true",
+        help="also flowactors with the direct path on TCP between this host's processes (not their Unix "
+        "sockets), measured before and after the main rows",
+    )
     args = p.parse_args(argv)
     before = verl_rows(args.verl_python, args.repeats) if args.verl_python else None
-    opened = run(args.repeats, secure=False, only_flowactors=True) if args.compare_open else []
+    compared = {"fa-open": args.compare_open, "fa-tcp": args.compare_tcp}
+    settings = {"fa-open": {"secure": False}, "fa-tcp": {}}
+    first = {
+        name: run(args.repeats, only_flowactors=True, system=name, **settings[name])
+        for name, on in compared.items()
+        if on
+    }
     rows = run(args.repeats)
-    if opened:
-        again = run(args.repeats, secure=False, only_flowactors=True)
+    for name, opened in first.items():  # measured again after the main rows: the mean of the two medians
+        again = run(args.repeats, only_flowactors=True, system=name, **settings[name])
         rows += [
             {**a, "median_ms": (a["median_ms"] + b["median_ms"]) / 2, "p90_ms": max(a["p90_ms"], b["p90_ms"])}
             for a, b in zip(opened, again)
@@ -214,9 +240,10 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(r))
     floor = {r["case"]: r["median_ms"] for r in rows if r["system"] == "dask-pinned"}
     unsecured = {r["case"]: r["median_ms"] for r in rows if r["system"] == "fa-open"}
+    tcp = {r["case"]: r["median_ms"] for r in rows if r["system"] == "fa-tcp"}
     print(
         f"\n{'system':<12} {'case':<10} {'median ms':>10} {'p90 ms':>9} {'ctl bytes':>10} {'vs dask-pinned':>15} "
-        f"{'vs verl':>8} {'vs open':>8}"
+        f"{'vs verl':>8} {'vs open':>8} {'vs tcp':>7}"
     )
     for r in rows:
         ratio = f"{r['median_ms'] / floor[r['case']]:.2f}x" if r["case"] in floor else "-"
@@ -227,9 +254,10 @@ def main(argv: list[str] | None = None) -> None:
             if r["case"] in unsecured and r["system"] == "flowactors"
             else "-"
         )
+        vs_tcp = f"{r['median_ms'] / tcp[r['case']]:.2f}x" if r["case"] in tcp and r["system"] == "flowactors" else "-"
         print(
             f"{r['system']:<12} {r['case']:<10} {r['median_ms']:>10.2f} {r['p90_ms']:>9.2f} "
-            f"{ctl_bytes:>10} {ratio:>15} {vs_verl:>8} {vs_open:>8}"
+            f"{ctl_bytes:>10} {ratio:>15} {vs_verl:>8} {vs_open:>8} {vs_tcp:>7}"
         )
 
 

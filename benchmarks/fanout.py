@@ -208,9 +208,10 @@ def standin_main(count: int) -> None:
     table = {}
     for _ in range(count):
         w = StandIn(loop)
-        listener = server.listen(w)
+        listener = server.listen(w)[0]
         port = listener.getsockname()[1]
         w.address = f"tcp://127.0.0.1:{port}"
+        # TCP only (no Unix socket): a cluster of 1,024 ranks spans hosts, so the controller reaches most by TCP
         table[w.address] = (port, w._flowactors_direct[1].hex())
     print(json.dumps(table), flush=True)
     for line in sys.stdin:

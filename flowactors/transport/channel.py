@@ -18,7 +18,6 @@ import atexit
 import secrets
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
 from contextlib import suppress as _suppress
@@ -136,6 +135,30 @@ def _unfinished(futures: Sequence[DirectFuture]) -> bool:
     return pending
 
 
+class _Waiter:
+    """A thread waiting for some futures: woken once, when all are done or one is lost, not at every reply (a
+    wake that finds the call unfinished costs the waiting thread a context switch, tens of us on a busy host)."""
+
+    __slots__ = ("futures", "next", "lock")
+
+    def __init__(self, futures: Sequence[DirectFuture]) -> None:
+        self.futures, self.next = futures, 0  # every future before `next` is done
+        self.lock = threading.Lock()
+        self.lock.acquire()  # released to wake the waiter
+
+    def ready(self, lost: bool) -> bool:
+        """(Holding the channel's lock.) Whether to wake: every future done, or (`lost`: one was lost since the
+        last look) one of them lost. Futures finish in any order but never return to pending, so each look goes
+        on from the first one the last look found pending."""
+        if lost and not _unfinished(self.futures):
+            return True
+        fs, i = self.futures, self.next
+        while i < len(fs) and fs[i].status != "pending":
+            i += 1
+        self.next = i
+        return i == len(fs)
+
+
 def _later(seconds: float, fn: Any) -> None:
     """Run `fn` on a daemon timer thread; at interpreter shutdown (a finalizer releasing a future) there is nothing
     left to do it for, and Python refuses new threads."""
@@ -150,14 +173,17 @@ def _later(seconds: float, fn: Any) -> None:
 class DirectChannel:
     """The controller's end: sends items, keeps their futures, releases stored outputs nobody can ask for."""
 
-    def __init__(self, client: Any, listeners: dict[str, tuple[int, bytes]] | None = None) -> None:
-        """`listeners`: every worker's direct port and secret, given instead of asked of a Dask `client`."""
+    def __init__(self, client: Any, listeners: dict[str, tuple] | None = None) -> None:
+        """`listeners`: every worker's `wire.dial` arguments (port, secret, and its Unix socket or none), given
+        instead of asked of a Dask `client`."""
         self._client = client
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # guards the state below (no thread waits on it: `_Waiter`s)
+        self._waiters: list[_Waiter] = []
+        self._lost_since_wake = False  # a future was lost: waiters check for it, not only for all done
         self._pending: dict[str, dict[str, DirectFuture]] = {}  # address -> {key: future} of what is not done
         self._inflight: dict[str, tuple[DirectFuture, Any]] = {}  # key -> (future, its arguments, held)
         self._connections: dict[str, Connection] = {}
-        self._listeners: dict[str, tuple[int, bytes]] = {}  # each worker's direct port and secret
+        self._listeners: dict[str, tuple] = {}  # each worker's direct port, secret (and Unix socket)
         self._fetcher = Fetcher(self._listener)
         self._fetch_pool: Any = None
         self._dropped: dict[str, list[str]] = {}
@@ -179,8 +205,8 @@ class DirectChannel:
             client.register_plugin(DirectPlugin(), name=PLUGIN_NAME)
 
     # -- connections -----------------------------------------------------------------------------------------
-    def _listener(self, address: str) -> tuple[int, bytes]:
-        """The port and secret of `address`'s direct listener. Asked of all workers at once, and never of one
+    def _listener(self, address: str) -> tuple:
+        """The port and secret (and Unix socket) of `address`'s direct listener. Asked of all workers at once, and never of one
         that died (it would not answer); each connected worker is told the new table, to fetch from its peers. Once
         the table is known, a worker that joins later is asked alone (the others may be busy: an elastic pool's
         worker joins while the run trains)."""
@@ -233,7 +259,7 @@ class DirectChannel:
                 entry = self._inflight.pop(key, None)  # the future, and the arguments held for it until now
                 if entry is not None:
                     self._answer(entry[0], status, value, stored, None)
-            self._cond.notify_all()
+            self._wake()
 
     def _on_tree_replies(self, tree_id: str, replies: list) -> None:
         """Finish the futures of a tree's `replies` ((rank index, status, value, stored) each) under one lock. A
@@ -253,7 +279,7 @@ class DirectChannel:
                     self._answer(fut, status, value, stored, skips)
             if tree.left <= 0:
                 del self._trees[tree_id]
-            self._cond.notify_all()
+            self._wake()
         for address, seqs in skips.items():
             self._skip(address, seqs)
 
@@ -269,6 +295,7 @@ class DirectChannel:
             fut.error, fut.status = value, "error"
         elif status == "lost":
             fut.lost_at, fut.error, fut.status = value[0], ConnectionError(value[1]), "lost"
+            self._lost_since_wake = True
         else:
             fut.value, fut.stored, fut.status = value, stored, "finished"
         if fut.tree is None:
@@ -460,24 +487,40 @@ class DirectChannel:
         with self._cond:
             if fut.status == "pending":
                 fut.value, fut.stored, fut.error, fut.status = value, stored, error, status
+                self._lost_since_wake |= status == "lost"
                 if fut.tree is None:
                     waiting = self._pending.get(fut.address)
                     if waiting is not None:
                         waiting.pop(fut.key, None)
-            self._cond.notify_all()
+            self._wake()
 
     # -- waiting and values ------------------------------------------------------------------------------------
     def wait(self, futures: Sequence[DirectFuture], timeout: float | None) -> bool:
         """Wait until every future is done, or one is lost (its worker died: the others may never finish);
         False when `timeout` ran out first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while _unfinished(futures):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+            if not _unfinished(futures):
+                return True
+            waiter = _Waiter(futures)
+            self._waiters.append(waiter)
+        if waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return True
+        with self._cond:  # timed out: unless woken meanwhile, no longer waiting
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            return not _unfinished(futures)
+
+    def _wake(self) -> None:
+        """(Holding `_cond`, after futures finished.) Wake the waiters whose futures are all done or one lost."""
+        if self._waiters:
+            lost, keep = self._lost_since_wake, []
+            for w in self._waiters:
+                if w.ready(lost):
+                    w.lock.release()
+                else:
+                    keep.append(w)
+            self._waiters = keep
+        self._lost_since_wake = False
 
     def values(self, futures: Sequence[DirectFuture]) -> list[Any]:
         """The outputs of finished futures, fetching stored ones from their workers (all at once)."""
@@ -548,10 +591,11 @@ class DirectChannel:
                     tree.left -= 1
                     if f.status == "pending":
                         f.lost_at, f.error, f.status = address, ConnectionError(f"worker {address} died"), "lost"
+                        self._lost_since_wake = True
                     skips.setdefault(f.address, []).append(f.seq)
                 if tree.left <= 0:
                     del self._trees[tree_id]
-            self._cond.notify_all()
+            self._wake()
         for a, seqs in skips.items():
             self._skip(a, seqs)
 

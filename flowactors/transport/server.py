@@ -35,6 +35,7 @@ from flowactors.transport.wire import (
     authenticate,
     dial,
     frames,
+    host_key,
     raw_frames,
     unwrap_reply,
 )
@@ -63,7 +64,7 @@ _FETCHED: dict[str, dict[str, int]] = {}
 """For the last items that fetched inputs from peers: item key -> {peer address: bytes} (`fetched_for`)."""
 _FETCHED_KEEP = 4096
 _RUNNING: dict[str, Any] = {}  # {"key": ..., "thread": ident} while the task thread runs an item
-_PEERS: dict[str, tuple[int, bytes]] = {}  # every worker's direct listener, as the controller told this one
+_PEERS: dict[str, tuple] = {}  # every worker's direct listener, as the controller told this one
 
 
 class DirectPlugin(WorkerPlugin):
@@ -75,7 +76,7 @@ class DirectPlugin(WorkerPlugin):
     def setup(self, worker: Any) -> None:
         from tornado.ioloop import PeriodicCallback
 
-        self._listener = listen(worker)
+        self._listeners = listen(worker)
         self._report = PeriodicCallback(lambda: _flush_reports(worker), REPORT_S * 1000)
         self._report.start()
 
@@ -84,8 +85,7 @@ class DirectPlugin(WorkerPlugin):
         report = getattr(self, "_report", None)
         if report is not None:
             report.stop()
-        listener = getattr(self, "_listener", None)
-        if listener is not None:
+        for listener in getattr(self, "_listeners", ()):
             try:
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept(); close() alone does not
             except OSError:
@@ -93,19 +93,32 @@ class DirectPlugin(WorkerPlugin):
             listener.close()
 
 
-def listen(worker: Any) -> socket.socket:
-    """Start `worker`'s listener (on the interface of its address, with a secret of its own) and the thread that
-    accepts its connections; `worker` needs `address`, `loop.asyncio_loop`, `executors["default"]` and
-    `log_event`, as a Dask worker has (or a light stand-in, benchmarks/fanout.py)."""
+def listen(worker: Any) -> list[socket.socket]:
+    """Start `worker`'s listeners, with a secret of its own: TCP on the interface of its address, and where the
+    platform has them an abstract Unix socket for peers on the same host (`wire.dial`), each with a thread that
+    accepts its connections. `worker` needs `address`, `loop.asyncio_loop`, `executors["default"]` and
+    `log_event`, as a Dask worker has (or a light stand-in, benchmarks/fanout.py). The TCP listener comes first."""
     from distributed.comm import get_address_host
 
-    listener = socket.create_server((get_address_host(worker.address), 0), backlog=1024)
+    listeners = [socket.create_server((get_address_host(worker.address), 0), backlog=1024)]
     secret = secrets.token_bytes(32)
-    worker._flowactors_direct = (listener.getsockname()[1], secret)
-    threading.Thread(
-        target=_accept, args=(worker, listener, secret), daemon=True, name="flowactors-direct accept"
-    ).start()
-    return listener
+    local = None
+    if host_key() is not None:
+        name = b"\0flowactors-direct-" + secrets.token_hex(12).encode()
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            unix.bind(name)
+            unix.listen(1024)
+            listeners.append(unix)
+            local = (host_key(), name)
+        except OSError:  # no abstract namespace here: TCP only
+            unix.close()
+    worker._flowactors_direct = (listeners[0].getsockname()[1], secret, local)
+    for listener in listeners:
+        threading.Thread(
+            target=_accept, args=(worker, listener, secret), daemon=True, name="flowactors-direct accept"
+        ).start()
+    return listeners
 
 
 def tree_levels(dask_worker: Any = None) -> dict[int, int]:
@@ -113,9 +126,9 @@ def tree_levels(dask_worker: Any = None) -> dict[int, int]:
     return dict(_LEVELS)
 
 
-def listen_port(dask_worker: Any = None) -> tuple[int, bytes]:
-    """The port this worker's direct-path socket listens on, and its secret (run through `Client.run`: only a
-    client the cluster lets in learns it)."""
+def listen_port(dask_worker: Any = None) -> tuple[int, bytes, tuple[str, bytes] | None]:
+    """The port this worker's direct-path socket listens on, its secret, and its Unix socket (host key and name,
+    or None): `wire.dial`'s arguments (run through `Client.run`: only a client the cluster lets in learns them)."""
     return dask_worker._flowactors_direct
 
 
@@ -130,7 +143,10 @@ def _accept(worker: Any, listener: socket.socket, secret: bytes) -> None:
         except OSError:  # closed with the plugin
             return
         threading.Thread(
-            target=_serve, args=(worker, sock, peer, secret), daemon=True, name="flowactors-direct serve"
+            target=_serve,
+            args=(worker, sock, peer or "a peer on this host", secret),
+            daemon=True,
+            name="flowactors-direct serve",
         ).start()
 
 
@@ -594,7 +610,7 @@ async def _lookup(key: str) -> dict:
     return {"status": "ok", "value": value}
 
 
-def _peer(address: str) -> tuple[int, bytes]:
+def _peer(address: str) -> tuple[int, bytes, tuple[str, bytes] | None]:
     try:
         return _PEERS[address]
     except KeyError:

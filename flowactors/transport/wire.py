@@ -7,8 +7,10 @@ listening worker's secret (an HMAC of a nonce); reads are bounded (`MAX_MESSAGE_
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import os
 import pickle
 import secrets
 import socket
@@ -31,6 +33,7 @@ __all__ = [
     "authenticate",
     "dial",
     "frames",
+    "host_key",
     "raw_frames",
     "unwrap_reply",
 ]
@@ -76,7 +79,8 @@ class Connection:
     """One socket between a controller and a worker, written whole-message at a time under a lock."""
 
     def __init__(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.lock = threading.Lock()
         # Reads go through a buffer: a small message (header, pickle, few buffers) costs one `recv`, not one per
@@ -205,11 +209,44 @@ def answer(sock: socket.socket, secret: bytes) -> None:
     sock.sendall(_proof(secret, hello[len(_HELLO) :]))
 
 
-def dial(address: str, port: int, secret: bytes) -> Connection:
-    """An authenticated connection to the direct listener of the worker at `address`."""
+LOCAL_SOCKETS_ENV = "FLOWACTORS_LOCAL_SOCKETS"
+"""Set to 0 to keep the direct path on TCP between processes of one host (read when a connection is made)."""
+
+
+@functools.cache
+def host_key() -> str | None:
+    """Who can reach this process's abstract Unix sockets: the processes of the same kernel boot and network
+    namespace (Linux; None elsewhere, where the direct path stays on TCP)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return None
+
+
+def _local_socket(local: tuple[str, bytes] | None) -> socket.socket | None:
+    """A connected Unix socket to a listener of this host (`local`: its host key and abstract name), or None where
+    it is elsewhere, turned off, or does not answer (then TCP)."""
+    if local is None or local[0] != host_key() or os.environ.get(LOCAL_SOCKETS_ENV, "1") == "0":
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    try:
+        sock.connect(local[1])
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def dial(address: str, port: int, secret: bytes, local: tuple[str, bytes] | None = None) -> Connection:
+    """An authenticated connection to the direct listener of the worker at `address`: through its Unix socket
+    (`local`) when it runs on this host (no TCP stack: a send costs the sender ~1 us instead of ~15, a round trip
+    ~20 us less), else by TCP to `port`. The handshake is the same on either."""
     from distributed.comm import get_address_host
 
-    sock = socket.create_connection((get_address_host(address), port), timeout=30)
+    sock = _local_socket(local) or socket.create_connection((get_address_host(address), port), timeout=30)
     try:
         answer(sock, secret)
     except BaseException:

@@ -5,6 +5,7 @@ site on arguments that cannot travel, and show on the dashboard's records and in
 from __future__ import annotations
 
 import gc
+import socket
 import threading
 import time
 
@@ -158,8 +159,6 @@ def test_direct_items_become_dashboard_records_and_profile_spans(ctl, group):
 
 def test_on_a_cluster_it_joined_the_controller_leaves_no_listener_behind():
     """direct_calls=True on a cluster the controller did not start: after close() the workers listen no more."""
-    import socket
-
     from distributed import Client, LocalCluster
 
     cluster = LocalCluster(
@@ -177,8 +176,20 @@ def test_on_a_cluster_it_joined_the_controller_leaves_no_listener_behind():
         assert g.all_reduce(1.0).result() == [3.0, 3.0] and ctl.direct_calls
         ports = client.run(server.listen_port)
         ctl.close()
-        for port, _ in ports.values():
+        for port, _, local in ports.values():
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", port)) != 0
+            if local is not None:  # nor on their Unix sockets
+                with socket.socket(socket.AF_UNIX) as s:
+                    assert s.connect_ex(local[1]) != 0
     finally:
         cluster.close()
+
+
+@pytest.mark.skipif(wire.host_key() is None, reason="abstract Unix sockets are Linux's")
+def test_the_controller_reaches_the_workers_of_its_host_by_unix_sockets(ctl, group):
+    """Same host, same network namespace: no TCP stack between controller and workers (wire.dial)."""
+    assert group.all_reduce(1.0).result() == [3.0, 3.0]
+    conns = ctl.transport.channel._connections
+    assert set(conns) == set(ctl.slots)
+    assert {c.sock.family for c in conns.values()} == {socket.AF_UNIX}

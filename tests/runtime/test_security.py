@@ -121,12 +121,25 @@ def _direct_port(ctl, address: str) -> int:
     return ctl.client.run(server.listen_port, workers=[address])[address][0]
 
 
-def test_a_strangers_pickle_on_a_direct_socket_is_never_read(ctl, group, tmp_path):
+def _connect(ctl, address: str, kind: str) -> socket.socket:
+    """A stranger's connection to `address`'s direct listener: by TCP, or by its Unix socket (peers on this host)."""
+    port, _, local = ctl.client.run(server.listen_port, workers=[address])[address]
+    if kind == "tcp":
+        return socket.create_connection(("127.0.0.1", port), timeout=30)
+    if local is None:
+        pytest.skip("no Unix socket on this platform (abstract names are Linux's)")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(local[1])
+    return s
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_a_strangers_pickle_on_a_direct_socket_is_never_read(ctl, group, tmp_path, kind):
     for address in ctl.slots:
-        port = _direct_port(ctl, address)
         marker = tmp_path / address.rsplit(":", 1)[1]
         data = pickle.dumps(_Touch(marker), protocol=5)
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        with _connect(ctl, address, kind) as s:
             hello = s.recv(64)
             assert hello.startswith(b"flowactors-direct/1")
             s.sendall(struct.pack("!QI", len(data), 0) + data)  # a frame, where the proof should be
@@ -196,7 +209,7 @@ def test_hundreds_of_held_connections_do_not_stall_the_run(ctl, group):
 
 def test_a_controller_that_knows_the_secret_gets_through_and_one_that_guesses_does_not(ctl, group):
     address = ctl.slots[0]
-    port, secret = ctl.client.run(server.listen_port, workers=[address])[address]
+    port, secret, _ = ctl.client.run(server.listen_port, workers=[address])[address]
     results = {}
 
     def attempt(name: str, key: bytes) -> None:

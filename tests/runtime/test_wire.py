@@ -128,3 +128,101 @@ def test_a_reply_counts_a_huge_int_by_its_size_and_small_scalars_without_measuri
     assert [payload_bytes(v) for v in (None, True, 3, -(2**63), 2.5)] == [16] * 5
     assert payload_bytes(10**200000) > INLINE_BYTES  # stays on its worker like any large output
     assert payload_bytes(torch.zeros(100, dtype=torch.float64)) == 800
+
+
+def _listeners(secret: bytes) -> tuple[socket.socket, socket.socket, bytes, list]:
+    """A TCP and an abstract Unix listener that authenticate peers with `secret`; the families of the connections
+    that got through land in the returned list."""
+    tcp = socket.create_server(("127.0.0.1", 0))
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = b"\0flowactors-test-" + new_token().encode()
+    unix.bind(name)
+    unix.listen(8)
+    seen: list = []
+
+    def accept(listener: socket.socket) -> None:
+        while True:
+            try:
+                s, _ = listener.accept()
+            except OSError:
+                return
+            if wire.authenticate(s, secret):
+                seen.append(s.family)
+            s.close()
+
+    for listener in (tcp, unix):
+        threading.Thread(target=accept, args=(listener,), daemon=True).start()
+    return tcp, unix, name, seen
+
+
+@pytest.mark.skipif(wire.host_key() is None, reason="abstract Unix sockets are Linux's")
+def test_a_peer_on_this_host_is_dialled_by_its_unix_socket_and_any_other_by_tcp(monkeypatch):
+    secret = b"s" * 32
+    tcp, unix, name, seen = _listeners(secret)
+    port = tcp.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    try:
+        cases = [
+            ((wire.host_key(), name), socket.AF_UNIX),  # this host: the Unix socket
+            (("another-boot/1", name), socket.AF_INET),  # another host's key: TCP, even if the name exists here
+            ((wire.host_key(), b"\0flowactors-nobody-" + new_token().encode()), socket.AF_INET),  # gone: TCP
+            (None, socket.AF_INET),  # a listener without one
+        ]
+        for local, family in cases:
+            conn = wire.dial(address, port, secret, local)
+            assert conn.sock.family == family, local
+            conn.close()
+        monkeypatch.setenv(wire.LOCAL_SOCKETS_ENV, "0")
+        conn = wire.dial(address, port, secret, (wire.host_key(), name))
+        assert conn.sock.family == socket.AF_INET
+        conn.close()
+        deadline = time.monotonic() + 10
+        while len(seen) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(seen) == sorted([socket.AF_UNIX] + [socket.AF_INET] * 4)  # each authenticated where it chose
+        with pytest.raises((ConnectionError, OSError)):  # the wrong secret is refused on the Unix socket too
+            wire.dial(address, port, b"x" * 32, (wire.host_key(), name)).receive()
+    finally:
+        tcp.close()
+        unix.close()
+
+
+def _channel_with(futures: int) -> tuple:
+    from flowactors.transport.channel import DirectChannel, DirectFuture
+
+    ch = DirectChannel(None, listeners={})
+    return ch, [DirectFuture(ch, new_token(), "tcp://nowhere:1") for _ in range(futures)]
+
+
+def test_a_waiter_wakes_once_when_its_last_future_is_done_not_at_each_reply():
+    ch, futs = _channel_with(3)
+    woke = []
+    t = threading.Thread(target=lambda: woke.append(ch.wait(futs, None)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not ch._waiters and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for f in (futs[2], futs[0]):  # out of order: the waiter stays registered, asleep
+        ch._finish(f, "finished", value=1)
+        time.sleep(0.02)
+        assert t.is_alive() and len(ch._waiters) == 1 and not woke
+    ch._finish(futs[1], "finished", value=2)
+    t.join(10)
+    assert woke == [True] and ch._waiters == []
+    assert [f.value for f in futs] == [1, 2, 1]
+
+
+def test_a_lost_future_wakes_its_waiter_at_once_and_a_timeout_leaves_no_waiter():
+    ch, futs = _channel_with(2)
+    woke = []
+    t = threading.Thread(target=lambda: woke.append(ch.wait(futs, None)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not ch._waiters and time.monotonic() < deadline:
+        time.sleep(0.001)
+    ch._finish(futs[1], "lost", error=ConnectionError("gone"))  # the other may never finish
+    t.join(10)
+    assert woke == [True] and futs[0].status == "pending"
+    assert ch.wait(futs[:1], 0.05) is False and ch._waiters == []  # timed out: not left registered
+    ch._finish(futs[0], "finished", value=3)
+    assert ch.wait(futs[:1], 0.05) is True
