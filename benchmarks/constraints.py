@@ -7,7 +7,9 @@ Each task with its own settings (the default run's, `digit_sum_two`'s two budget
 and λ step), `lambda_update=dual` and `lambda_update=pid` (the default gains), the same seeds. Per run and
 constraint, over the last 40 steps: the reward and the cost, the violation (how far the mean cost is above its
 threshold, 0 when under), and the oscillation (the standard deviation of the 10-step cost means over the second
-half of the run). Targets (the constrained-RL issue): PID's violation <= 0.02 on every task and seed, its oscillation
+half of the run), beside its floor: the standard deviation those means would have from sampling alone (the
+steps' per-sample cost spread, `cost_std`, over the samples of 10 steps), and the excess above it,
+sqrt(oscillation² − floor²), what the multiplier adds. Targets (the constrained-RL issue): PID's violation <= 0.02 on every task and seed, its oscillation
 <= 0.5x dual ascent's, its final reward >= dual ascent's at equal or lower violation. Each finished run is also
 appended as a JSON line to `--out` (so a long sweep keeps what it measured).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -26,6 +29,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 THRESHOLDS = {"digit_sum": [0.3], "digit_sum_two": [0.3, 0.4], "tool_arith_safe": [0.3]}
+
+
+def samples_per_step(extra: list[str]) -> int:
+    """The samples a step's mean cost is taken over: the config's, or what `extra` sets."""
+    from algorithms.run.config import SafeRLHFConfig
+
+    cfg, given = SafeRLHFConfig(), dict(x.split("=", 1) for x in extra)
+    return int(given.get("prompts_per_step", cfg.prompts_per_step)) * int(
+        given.get("samples_per_prompt", cfg.samples_per_prompt)
+    )
 
 
 def run(task: str, update: str, seed: int, extra: list[str] = ()) -> dict:
@@ -46,8 +59,14 @@ def run(task: str, update: str, seed: int, extra: list[str] = ()) -> dict:
         out[f"cost_last40_{k}"] = cost
         out[f"violation_{k}"] = max(0.0, cost - threshold)
         out[f"oscillation_{k}"] = statistics.pstdev(windows) if len(windows) > 1 else 0.0
-    out["violation"] = max(out[f"violation_{k}"] for k in range(len(THRESHOLDS[task])))
-    out["oscillation"] = max(out[f"oscillation_{k}"] for k in range(len(THRESHOLDS[task])))
+        spread = [r[f"cost_std_{k}" if k else "cost_std"] for r in second]
+        out[f"noise_{k}"] = math.sqrt(statistics.mean(x * x for x in spread) / samples_per_step(extra) / 10)
+        out[f"excess_{k}"] = math.sqrt(max(0.0, out[f"oscillation_{k}"] ** 2 - out[f"noise_{k}"] ** 2))
+    constraints = range(len(THRESHOLDS[task]))
+    out["violation"] = max(out[f"violation_{k}"] for k in constraints)
+    worst = max(constraints, key=lambda k: out[f"oscillation_{k}"])
+    out["oscillation"], out["noise"] = out[f"oscillation_{worst}"], out[f"noise_{worst}"]
+    out["excess"] = max(out[f"excess_{k}"] for k in constraints)
     return out
 
 
@@ -74,13 +93,14 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(json.dumps(r))
     print(
-        f"\n{'task':<16} {'seed':>4} {'update':<5} {'reward':>7} {'cost(s)':>13} {'violation':>9} {'oscillation':>11}"
+        f"\n{'task':<16} {'seed':>4} {'update':<5} {'reward':>7} {'cost(s)':>13} {'violation':>9} {'oscillation':>11} "
+        f"{'floor':>6} {'excess':>6}"
     )
     for r in rows:
         costs = "/".join(f"{r[f'cost_last40_{k}']:.3f}" for k in range(len(THRESHOLDS[r["task"]])))
         print(
             f"{r['task']:<16} {r['seed']:>4} {r['update']:<5} {r['reward_last40']:>7.3f} {costs:>13} "
-            f"{r['violation']:>9.3f} {r['oscillation']:>11.3f}"
+            f"{r['violation']:>9.3f} {r['oscillation']:>11.3f} {r['noise']:>6.3f} {r['excess']:>6.3f}"
         )
     print("\nPID against dual ascent per task (means over seeds):")
     for task in dict.fromkeys(r["task"] for r in rows):
@@ -88,14 +108,18 @@ def main(argv: list[str] | None = None) -> None:
         if not by["dual"] or not by["pid"]:
             continue
         m = {
-            u: {k: statistics.mean(r[k] for r in rs) for k in ("reward_last40", "violation", "oscillation")}
+            u: {k: statistics.mean(r[k] for r in rs) for k in ("reward_last40", "violation", "oscillation", "excess")}
             for u, rs in by.items()
         }
         worst = max(r["violation"] for r in by["pid"])
-        ratio = m["pid"]["oscillation"] / m["dual"]["oscillation"] if m["dual"]["oscillation"] else float("inf")
+
+        def ratio(key: str) -> float:
+            return m["pid"][key] / m["dual"][key] if m["dual"][key] else float("inf")
+
         print(
-            f"  {task}: PID's worst violation {worst:.3f} (target <= 0.02); oscillation {ratio:.2f}x dual's (target "
-            f"<= 0.5x); reward {m['pid']['reward_last40']:.3f} vs {m['dual']['reward_last40']:.3f} at violation "
+            f"  {task}: PID's worst violation {worst:.3f} (target <= 0.02); oscillation {ratio('oscillation'):.2f}x "
+            f"dual's (target <= 0.5x), above the sampling floor {ratio('excess'):.2f}x; reward "
+            f"{m['pid']['reward_last40']:.3f} vs {m['dual']['reward_last40']:.3f} at violation "
             f"{m['pid']['violation']:.3f} vs {m['dual']['violation']:.3f}"
         )
 

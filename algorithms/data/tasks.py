@@ -361,7 +361,9 @@ TASKS = {
         max_new_tokens=24,
         environment=_tool_arith_safe_env,
         success=tool_arith_success,
-        settings=(("sft_steps", "300"), ("steps", "100"), ("lambda_lr", "0.2")),
+        # λ's step, either update: dual ascent's 0.2; PID's integral 0.3 (the cost keeps drifting up while the
+        # reward still climbs, which an integral follows with an error of drift / k_i: docs/algorithms.md)
+        settings=(("sft_steps", "300"), ("steps", "100"), ("lambda_lr", "0.2"), ("pid_ki", "0.3")),
     ),
     "tool_arith_chatml": Task(
         "tool_arith_chatml",

@@ -67,14 +67,13 @@ def summarize(batch: Batch, extra_keys: Sequence[str] = ()) -> dict[str, float]:
         out["kl"] = float(masked_mean(batch["old_log_probs"] - batch["ref_log_probs"], mask))
     if "teacher_log_probs" in batch and "old_log_probs" in batch:  # on-policy distillation: per token, sampled
         out["distill/reverse_kl"] = float(masked_mean(batch["old_log_probs"] - batch["teacher_log_probs"], mask))
-    if "costs" in batch:
+    if "costs" in batch:  # the mean and the samples' spread (the sampling noise of the mean a multiplier reads)
         costs = batch["costs"].float()
-        if costs.dim() == 2:  # several constraints: cost_mean is the first's, cost_mean_k the k-th's
-            out.update(
-                {f"cost_mean_{k}" if k else "cost_mean": float(costs[:, k].mean()) for k in range(costs.shape[1])}
-            )
-        else:
-            out["cost_mean"] = float(costs.mean())
+        columns = costs.unsqueeze(-1) if costs.dim() == 1 else costs  # several constraints: _k for the k-th
+        for k in range(columns.shape[1]):
+            suffix = f"_{k}" if k else ""
+            out[f"cost_mean{suffix}"] = float(columns[:, k].mean())
+            out[f"cost_std{suffix}"] = float(columns[:, k].std(correction=0))
     if SUCCESS in batch:
         out["success_mean"] = float(batch[SUCCESS].float().mean())
     for k in EPISODE_FIELDS:  # multi-turn episodes (engines.rollout.agent)

@@ -56,6 +56,24 @@ def test_several_constraints_combine_as_the_one_constraint_formula_extended():
         safe_rlhf_advantages(Batch({**base, "costs": costs, "cost_values": cost_values}), lagrange_lambda=[1.0], **kw)
 
 
+def test_each_constraints_mean_and_spread_are_reported_from_its_own_column():
+    from algorithms.run.metrics import summarize
+
+    rows = 4
+    base = {
+        "rewards": torch.zeros(rows),
+        "response_mask": torch.ones(rows, 2),
+        "attention_mask": torch.ones(rows, 3),
+        "prompts": torch.zeros(rows, 1),
+    }
+    two = summarize(Batch({**base, "costs": torch.tensor([[0.0, 1.0], [1.0, 1.0], [0.0, 3.0], [3.0, 3.0]])}))
+    assert (two["cost_mean"], two["cost_mean_1"]) == (1.0, 2.0)
+    assert two["cost_std"] == pytest.approx(torch.tensor([0.0, 1, 0, 3]).std(correction=0).item())
+    assert two["cost_std_1"] == pytest.approx(1.0)  # the population spread of 1, 1, 3, 3
+    one = summarize(Batch({**base, "costs": torch.tensor([0.0, 0.0, 2.0, 2.0])}))
+    assert (one["cost_mean"], one["cost_std"]) == (1.0, 1.0) and "cost_mean_1" not in one
+
+
 def test_thresholds_that_do_not_match_the_costs_are_one_line_before_start(capsys, no_cluster):
     from algorithms.safe_rlhf import main
 
