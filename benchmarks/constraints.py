@@ -3,8 +3,8 @@
     python benchmarks/constraints.py [--json] [--seeds 0,1,2] [--tasks digit_sum,digit_sum_two,tool_arith_safe]
                                      [--updates dual,pid] [--set pid_ki=0.2 ...]
 
-Each task with its own settings (the default run's, `digit_sum_two`'s two budgets, `tool_arith_safe`'s warm start
-and λ step), `lambda_update=dual` and `lambda_update=pid` (the default gains), the same seeds. Per run and
+Each task with its own settings (the default run's, `digit_sum_two`'s two budgets, `tool_arith_safe`'s warm start,
+λ step and PID integral), `lambda_update=dual` and `lambda_update=pid` (the default gains), the same seeds. Per run and
 constraint, over the last 40 steps: the reward and the cost, the violation (how far the mean cost is above its
 threshold, 0 when under), and the oscillation (the standard deviation of the 10-step cost means over the second
 half of the run), beside its floor: the standard deviation those means would have from sampling alone (the
