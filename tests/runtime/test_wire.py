@@ -187,21 +187,24 @@ def test_a_peer_on_this_host_is_dialled_by_its_unix_socket_and_any_other_by_tcp(
         unix.close()
 
 
-def _channel_with(futures: int) -> tuple:
+def _waiting(futures: int) -> tuple:
+    """A channel, `futures` pending futures of it, a thread waiting for them all (registered when this returns),
+    and the list its `wait` answer lands in."""
     from flowactors.transport.channel import DirectChannel, DirectFuture
 
     ch = DirectChannel(None, listeners={})
-    return ch, [DirectFuture(ch, new_token(), "tcp://nowhere:1") for _ in range(futures)]
-
-
-def test_a_waiter_wakes_once_when_its_last_future_is_done_not_at_each_reply():
-    ch, futs = _channel_with(3)
-    woke = []
+    futs = [DirectFuture(ch, new_token(), "tcp://nowhere:1") for _ in range(futures)]
+    woke: list = []
     t = threading.Thread(target=lambda: woke.append(ch.wait(futs, None)))
     t.start()
     deadline = time.monotonic() + 10
     while not ch._waiters and time.monotonic() < deadline:
         time.sleep(0.001)
+    return ch, futs, t, woke
+
+
+def test_a_waiter_wakes_once_when_its_last_future_is_done_not_at_each_reply():
+    ch, futs, t, woke = _waiting(3)
     for f in (futs[2], futs[0]):  # out of order: the waiter stays registered, asleep
         ch._finish(f, "finished", value=1)
         time.sleep(0.02)
@@ -213,13 +216,7 @@ def test_a_waiter_wakes_once_when_its_last_future_is_done_not_at_each_reply():
 
 
 def test_a_lost_future_wakes_its_waiter_at_once_and_a_timeout_leaves_no_waiter():
-    ch, futs = _channel_with(2)
-    woke = []
-    t = threading.Thread(target=lambda: woke.append(ch.wait(futs, None)))
-    t.start()
-    deadline = time.monotonic() + 10
-    while not ch._waiters and time.monotonic() < deadline:
-        time.sleep(0.001)
+    ch, futs, t, woke = _waiting(2)
     ch._finish(futs[1], "lost", error=ConnectionError("gone"))  # the other may never finish
     t.join(10)
     assert woke == [True] and futs[0].status == "pending"
