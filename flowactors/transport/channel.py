@@ -206,10 +206,10 @@ class DirectChannel:
 
     # -- connections -----------------------------------------------------------------------------------------
     def _listener(self, address: str) -> tuple:
-        """The port and secret (and Unix socket) of `address`'s direct listener. Asked of all workers at once, and never of one
-        that died (it would not answer); each connected worker is told the new table, to fetch from its peers. Once
-        the table is known, a worker that joins later is asked alone (the others may be busy: an elastic pool's
-        worker joins while the run trains)."""
+        """The port and secret (and Unix socket) of `address`'s direct listener. Asked of all workers at once, and
+        never of one that died (it would not answer); each connected worker is told the new table, to fetch from
+        its peers. Once the table is known, a worker that joins later is asked alone (the others may be busy: an
+        elastic pool's worker joins while the run trains)."""
         if address not in self._listeners:
             only = {"workers": [address]} if self._listeners else {}
             got = self._client.run(listen_port, on_error="return", **only)
