@@ -31,11 +31,12 @@ sys.path.insert(0, str(ROOT))
 THRESHOLDS = {"digit_sum": [0.3], "digit_sum_two": [0.3, 0.4], "tool_arith_safe": [0.3]}
 
 
-def samples_per_step(extra: list[str]) -> int:
-    """The samples a step's mean cost is taken over: the config's, or what `extra` sets."""
+def samples_per_step(task: str, extra: list[str]) -> int:
+    """The samples a step's mean cost is taken over: the config's, the task's setting, or what `extra` sets."""
+    from algorithms.data.tasks import get_task
     from algorithms.run.config import SafeRLHFConfig
 
-    cfg, given = SafeRLHFConfig(), dict(x.split("=", 1) for x in extra)
+    cfg, given = SafeRLHFConfig(), {**dict(get_task(task).settings), **dict(x.split("=", 1) for x in extra)}
     return int(given.get("prompts_per_step", cfg.prompts_per_step)) * int(
         given.get("samples_per_prompt", cfg.samples_per_prompt)
     )
@@ -60,7 +61,7 @@ def run(task: str, update: str, seed: int, extra: list[str] = ()) -> dict:
         out[f"violation_{k}"] = max(0.0, cost - threshold)
         out[f"oscillation_{k}"] = statistics.pstdev(windows) if len(windows) > 1 else 0.0
         spread = [r[f"cost_std_{k}" if k else "cost_std"] for r in second]
-        out[f"noise_{k}"] = math.sqrt(statistics.mean(x * x for x in spread) / samples_per_step(extra) / 10)
+        out[f"noise_{k}"] = math.sqrt(statistics.mean(x * x for x in spread) / samples_per_step(task, extra) / 10)
         out[f"excess_{k}"] = math.sqrt(max(0.0, out[f"oscillation_{k}"] ** 2 - out[f"noise_{k}"] ** 2))
     constraints = range(len(THRESHOLDS[task]))
     out["violation"] = max(out[f"violation_{k}"] for k in constraints)
