@@ -53,6 +53,7 @@ def run(task: str, update: str, seed: int, extra: list[str] = ()) -> dict:
     last, second = h[-40:], h[len(h) // 2 :]
     out = {"task": task, "update": update, "seed": seed, "steps": len(h)}
     out["reward_last40"] = statistics.mean(r["reward_mean"] for r in last)
+    samples = samples_per_step(task, extra)
     for k, threshold in enumerate(THRESHOLDS[task]):
         key = f"cost_mean_{k}" if k else "cost_mean"
         cost = statistics.mean(r[key] for r in last)
@@ -61,13 +62,13 @@ def run(task: str, update: str, seed: int, extra: list[str] = ()) -> dict:
         out[f"violation_{k}"] = max(0.0, cost - threshold)
         out[f"oscillation_{k}"] = statistics.pstdev(windows) if len(windows) > 1 else 0.0
         spread = [r[f"cost_std_{k}" if k else "cost_std"] for r in second]
-        out[f"noise_{k}"] = math.sqrt(statistics.mean(x * x for x in spread) / samples_per_step(task, extra) / 10)
+        out[f"noise_{k}"] = math.sqrt(statistics.mean(x * x for x in spread) / samples / 10)
         out[f"excess_{k}"] = math.sqrt(max(0.0, out[f"oscillation_{k}"] ** 2 - out[f"noise_{k}"] ** 2))
     constraints = range(len(THRESHOLDS[task]))
     out["violation"] = max(out[f"violation_{k}"] for k in constraints)
     worst = max(constraints, key=lambda k: out[f"oscillation_{k}"])
-    out["oscillation"], out["noise"] = out[f"oscillation_{worst}"], out[f"noise_{worst}"]
-    out["excess"] = max(out[f"excess_{k}"] for k in constraints)
+    for key in ("oscillation", "noise", "excess"):  # the row's three figures, of the same constraint
+        out[key] = out[f"{key}_{worst}"]
     return out
 
 

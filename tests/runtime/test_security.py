@@ -117,13 +117,18 @@ def _closed_by_peer(s: socket.socket) -> bool:
         return True
 
 
+def _listener(ctl, address: str) -> tuple:
+    """`address`'s direct listener as the controller learns it: port, secret, Unix socket (or None)."""
+    return ctl.client.run(server.listen_port, workers=[address])[address]
+
+
 def _direct_port(ctl, address: str) -> int:
-    return ctl.client.run(server.listen_port, workers=[address])[address][0]
+    return _listener(ctl, address)[0]
 
 
 def _connect(ctl, address: str, kind: str) -> socket.socket:
     """A stranger's connection to `address`'s direct listener: by TCP, or by its Unix socket (peers on this host)."""
-    port, _, local = ctl.client.run(server.listen_port, workers=[address])[address]
+    port, _, local = _listener(ctl, address)
     if kind == "tcp":
         return socket.create_connection(("127.0.0.1", port), timeout=30)
     if local is None:
@@ -209,7 +214,7 @@ def test_hundreds_of_held_connections_do_not_stall_the_run(ctl, group):
 
 def test_a_controller_that_knows_the_secret_gets_through_and_one_that_guesses_does_not(ctl, group):
     address = ctl.slots[0]
-    port, secret, _ = ctl.client.run(server.listen_port, workers=[address])[address]
+    port, secret, _ = _listener(ctl, address)
     results = {}
 
     def attempt(name: str, key: bytes) -> None:
