@@ -74,6 +74,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +138,10 @@ class Settings:
     (`write_pairs`). Off: measured (seed 0, with rm_lr=3e-4), the pair accuracies rose (reward 0.64 → 0.72, cost
     0.69 → 0.71) but the RL ended at gold reward 0.238 → 0.135 (−3.84 s.e.) for cost 0.180 → 0.167, below the
     line of the unbalanced runs (docs/results.md)."""
+    balance_cost_pairs: bool = False
+    """Only the cost model's pairs balanced (`balance_pairs` for it alone): a cost model that learned "positive
+    is costly" holds the policy's positivity down with its intensity, a confound the reward model does not have
+    the other way round to the same degree (80% of the cost pairs' chosen answers were also the less positive)."""
 
     @staticmethod
     def full() -> "Settings":
@@ -261,11 +266,11 @@ def write_pairs(
     threshold: float,
     tie: float,
     max_train_pairs: int | None = None,
-    balance: bool = False,
+    balance: Collection[str] = (),
 ) -> dict[str, int]:
     """rm_{train,eval}.jsonl: every pair of a prompt's answers, chosen = the more positive; cm_{train,eval}.jsonl:
     every pair, chosen = the less costly, with safety labels. Pairs whose gold scores differ by less than `tie`
-    are left out. `balance` keeps, of each training file, as many pairs whose other gold score orders the two
+    are left out. `balance` ("rm", "cm": the models whose pairs are balanced) keeps, of each such training file, as many pairs whose other gold score orders the two
     answers the same way as the label as pairs where it orders them the other way (a reward pair whose chosen
     answer is also the more intense, a cost pair whose chosen answer is also the less positive), so that the
     other score says nothing about the label and a model cannot learn it in place of its own (`Settings.balance_pairs`).
@@ -308,14 +313,15 @@ def write_pairs(
                 )
     for name, found in pairs.items():
         if name.endswith("_train"):
-            kept = _widest(found, max_train_pairs, balance)
+            kept = _widest(found, max_train_pairs, name[:2] in balance)
             if found and not kept:
                 agree = sum(f[1] for f in found)
                 raise SystemExit(
                     f"balance_pairs: the {len(found)} {name} pairs all lie on one side ({agree} where "
                     f"the other gold score agrees with the label, {len(found) - agree} where it "
                     f"disagrees), so balancing keeps none; sample more answers per prompt "
-                    f"(--set answers_per_prompt=...) or turn it off (--set balance_pairs=false)"
+                    f"(--set answers_per_prompt=...) or turn it off (--set balance_pairs=false "
+                    f"--set balance_cost_pairs=false)"
                 )
             found = kept
         _write_jsonl(out / f"{name}.jsonl", [pair for _, _, pair in found])
@@ -657,7 +663,8 @@ def learn_models(
 
     # 2. pairs (held-out: the pairs of a few training topics)
     held = set(train_topics[: s.pair_eval_topics])
-    counts = write_pairs(out, pair_rows, answers, scores, held, reference, s.tie, s.max_train_pairs, s.balance_pairs)
+    balanced = ("rm", "cm") if s.balance_pairs else ("cm",) if s.balance_cost_pairs else ()
+    counts = write_pairs(out, pair_rows, answers, scores, held, reference, s.tie, s.max_train_pairs, balanced)
     print(f"[gold] pairs: {counts}", file=sys.stderr)
 
     # 3. reward and cost models

@@ -91,6 +91,7 @@ def test_balanced_pairs_leave_the_other_score_no_say_in_the_label(example, tmp_p
     # (reward, cost): the more positive answer is the more intense in most pairs, as on the policy's own answers
     scores = [[(0.0, 0.0), (0.3, 0.2), (0.6, 0.4), (0.9, 0.1)], [(0.0, 0.3), (0.2, 0.5), (0.5, 0.6), (0.8, 0.95)]]
     gold = {t: sc for texts, score in zip(answers, scores) for t, sc in zip(texts, score)}
+    both = ("rm", "cm")  # balance_pairs: the reward and the cost model's pairs
 
     def read(name):
         return [
@@ -103,7 +104,7 @@ def test_balanced_pairs_leave_the_other_score_no_say_in_the_label(example, tmp_p
     example.write_pairs(tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05)
     assert (agree("rm_train").count(True), agree("cm_train").count(True)) == (10, 10)  # of 12 pairs each
     counts = example.write_pairs(
-        tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05, balance=True
+        tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05, balance=both
     )
     assert counts == {"rm_train": 4, "rm_eval": 0, "cm_train": 4, "cm_eval": 0}
     assert agree("rm_train") == [True, False, False, True] and sorted(agree("cm_train")) == [False] * 2 + [True] * 2
@@ -112,16 +113,22 @@ def test_balanced_pairs_leave_the_other_score_no_say_in_the_label(example, tmp_p
     assert read("cm_train") == [("d", "b"), ("d", "c"), ("e", "h"), ("f", "h")]  # cost gaps .65 and .45 agree
     # a cap of 2 keeps the widest pair of each side
     counts = example.write_pairs(
-        tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05, max_train_pairs=2, balance=True
+        tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05, max_train_pairs=2, balance=both
     )
     assert read("rm_train") == [("d", "a"), ("d", "b")] and read("cm_train") == [("d", "c"), ("e", "h")]
+    # the cost model's pairs alone (balance_cost_pairs): the reward model keeps all 12, the cost model 4
+    counts = example.write_pairs(
+        tmp_path, rows, answers, scores, held_out_topics=set(), threshold=0.3, tie=0.05, balance=("cm",)
+    )
+    assert counts == {"rm_train": 12, "rm_eval": 0, "cm_train": 4, "cm_eval": 0}
+    assert agree("rm_train").count(True) == 10 and read("cm_train") == [("d", "b"), ("d", "c"), ("e", "h"), ("f", "h")]
     # pairs all on one side: balancing would train on nothing, so it stops and says how to go on
     one_sided = [[(0.0, 0.0), (0.3, 0.2), (0.6, 0.4), (0.9, 0.6)]] * 2
     with pytest.raises(
         SystemExit, match="12 rm_train pairs all lie on one side .12 where .* 0 where.*balance_pairs=false"
     ):
         example.write_pairs(
-            tmp_path, rows, answers, one_sided, held_out_topics=set(), threshold=0.3, tie=0.05, balance=True
+            tmp_path, rows, answers, one_sided, held_out_topics=set(), threshold=0.3, tie=0.05, balance=both
         )
 
 
