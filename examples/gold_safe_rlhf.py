@@ -139,9 +139,10 @@ class Settings:
     0.69 → 0.71) but the RL ended at gold reward 0.238 → 0.135 (−3.84 s.e.) for cost 0.180 → 0.167, below the
     line of the unbalanced runs (docs/results.md)."""
     balance_cost_pairs: bool = False
-    """Only the cost model's pairs balanced (`balance_pairs` for it alone): a cost model that learned "positive
-    is costly" holds the policy's positivity down with its intensity, a confound the reward model does not have
-    the other way round to the same degree (80% of the cost pairs' chosen answers were also the less positive)."""
+    """Only the cost model's pairs balanced (`balance_pairs` for it alone). Unbalanced, 80% of the cost pairs'
+    chosen answers were also the less positive (seed 0): the cost model learned "positive is costly", and held at
+    its threshold (PID, no margin) it cut the gold intensity 0.031 below the start as the policy grew more positive. Balanced, the
+    PID runs ended at the gold threshold on seed 0 and 0.11 over it on seed 1 (docs/results.md); off by default."""
 
     @staticmethod
     def full() -> "Settings":
@@ -270,10 +271,11 @@ def write_pairs(
 ) -> dict[str, int]:
     """rm_{train,eval}.jsonl: every pair of a prompt's answers, chosen = the more positive; cm_{train,eval}.jsonl:
     every pair, chosen = the less costly, with safety labels. Pairs whose gold scores differ by less than `tie`
-    are left out. `balance` ("rm", "cm": the models whose pairs are balanced) keeps, of each such training file, as many pairs whose other gold score orders the two
-    answers the same way as the label as pairs where it orders them the other way (a reward pair whose chosen
-    answer is also the more intense, a cost pair whose chosen answer is also the less positive), so that the
-    other score says nothing about the label and a model cannot learn it in place of its own (`Settings.balance_pairs`).
+    are left out. `balance` names the models whose pairs are balanced ("rm", "cm"): of each such training file it
+    keeps as many pairs whose other gold score orders the two answers the same way as the label as pairs where it
+    orders them the other way (a reward pair whose chosen answer is also the more intense, a cost pair whose chosen
+    answer is also the less positive), so that the other score says nothing about the label and a model cannot
+    learn it in place of its own (`Settings.balance_pairs`, `Settings.balance_cost_pairs`).
     `max_train_pairs` keeps, of each training file, the pairs whose gold scores differ most (a pair far apart says
     more than a near-tie, and the budget of training steps is fixed), half from each side when balanced. Both
     keep the pairs in the order found. Returns the pair counts."""
