@@ -141,8 +141,9 @@ class Settings:
     balance_cost_pairs: bool = False
     """Only the cost model's pairs balanced (`balance_pairs` for it alone). Unbalanced, 80% of the cost pairs'
     chosen answers were also the less positive (seed 0): the cost model learned "positive is costly", and held at
-    its threshold (PID, no margin) it cut the gold intensity 0.031 below the start as the policy grew more positive. Balanced, the
-    PID runs ended at the gold threshold on seed 0 and 0.11 over it on seed 1 (docs/results.md); off by default."""
+    its threshold (PID, no margin) it cut the gold intensity 0.031 below the start as the policy grew more
+    positive. Balanced, the PID runs ended at the gold threshold on seed 0 and 0.11 over it on seed 1
+    (docs/results.md); off by default."""
 
     @staticmethod
     def full() -> "Settings":
