@@ -206,6 +206,8 @@ class FlowactorsDashboard(SchedulerPlugin):
             data = tuple(str(d) for d in deps)
             order_deps = (str(order),) if order and str(order) not in data else ()  # as _order_deps
             rec = records[key] = TaskRecord(key, state, data + order_deps, order_deps, late=state in _FINAL)
+            rec.done = state == "memory"  # its first report may be its last (a worker sends only that one
+            # of an item that ended between two of its flushes)
             self._color_role(role_of(node_of(key)))
             self._key_step[key] = step if isinstance(step, int) else self.step
         if rec is None:

@@ -57,7 +57,8 @@ REPORT_S = 0.2
 PLUGIN_NAME = "flowactors-direct"
 
 _STORE: dict[str, Any] = {}
-_READY: dict[str, asyncio.Event] = {}  # touched on the worker's event loop only
+_WAITING: dict[str, list[asyncio.Future]] = {}
+"""Item key -> the event loop's futures waiting for its output (`_stored`); only awaited keys wake the loop."""
 _SPANS: deque[tuple[str, float, float]] = deque(maxlen=20000)
 _REPORTS: deque[dict] = deque(maxlen=200000)
 _FETCHED: dict[str, dict[str, int]] = {}
@@ -225,7 +226,7 @@ def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
             msg = conn.receive()
             kind = msg[0]
             if kind == "release":
-                loop.call_soon_threadsafe(_handle_release, msg[1])
+                _handle_release(msg[1])
                 continue
             if kind == "peers":
                 _PEERS.update(msg[1])
@@ -250,7 +251,7 @@ def _serve(worker: Any, sock: socket.socket, peer: Any, secret: bytes) -> None:
             continue
         _, key, step, release, cid, seq = msg
         if release:
-            loop.call_soon_threadsafe(_handle_release, release)
+            _handle_release(release)
         _queue(worker, cid, seq, key, step, _decode(data, buffers), _Reply(conn).one)
 
 
@@ -429,7 +430,7 @@ def _tree(worker: Any, conn: Connection, msg: tuple, data: Any, buffers: list) -
     if release:  # (outputs to drop, numbers not to wait for) that rode along
         drops, skips = release
         if drops:
-            worker.loop.asyncio_loop.call_soon_threadsafe(_handle_release, drops)
+            _handle_release(drops)
         if skips:
             _sequencer(worker).skip(cid, skips)
     fn, args, kwargs = task()
@@ -506,7 +507,10 @@ _RELAYS = _Relays()
 
 def _serve_get(conn: Connection, loop: Any, key: str) -> None:
     """Reply to a fetch of `key` once its item is done (its output, what it raised, or that it was released)."""
-    reply = asyncio.run_coroutine_threadsafe(_lookup(key), loop).result()
+    if key in _STORE:  # done: answered here, not on the event loop (a wake of it per fetch)
+        reply = _fetched(key)
+    else:
+        reply = asyncio.run_coroutine_threadsafe(_lookup(key), loop).result()
     try:
         out = frames(reply)
     except Exception as e:
@@ -560,7 +564,7 @@ def _job(
     _REPORTS.append(
         {"key": key, "deps": deps, "order": previous, "start": start, "stop": stop, "ok": failed is None, "step": step}
     )
-    _STORE[key] = _Raised(failed) if failed is not None else value
+    _STORE[key] = _Raised(failed) if failed is not None else value  # before its reply: a release comes after
     try:
         if failed is not None:
             reply_to((key, "error", failed, False))
@@ -570,24 +574,30 @@ def _job(
             reply_to((key, "ok", None, True))
     finally:
         # After the reply (the call's latency): waking the event loop first would take the GIL from this thread
-        # before it sends. What waits for the event (a fetch of this output, a later item's input) waits that long.
-        worker.loop.asyncio_loop.call_soon_threadsafe(_mark_ready, key)
+        # before it sends. Only an output something awaits wakes the loop (a wake per item cost each worker a
+        # self-pipe write and a loop turn, as much CPU as the reply's own send).
+        waiting = _WAITING.pop(key, None)
+        if waiting:
+            worker.loop.asyncio_loop.call_soon_threadsafe(_wake, waiting)
 
 
-def _mark_ready(key: str) -> None:
+def _wake(waiting: list[asyncio.Future]) -> None:
+    for fut in waiting:
+        if not fut.done():
+            fut.set_result(None)
+
+
+async def _stored(key: str) -> None:
+    """(On the event loop.) Return once `key`'s item has finished, its output (or what it raised) in the store.
+    The waiter registers before it looks, and the task thread stores before it looks for waiters: either the
+    look finds the output or the task thread finds the waiter (each dict operation is atomic under the GIL)."""
     if key in _STORE:
-        _ready(key).set()
         return
-    ev = _READY.pop(key, None)  # released before it was marked (the reply went first): wake any waiter, keep nothing
-    if ev is not None:
-        ev.set()
-
-
-def _ready(key: str) -> asyncio.Event:
-    ev = _READY.get(key)
-    if ev is None:
-        ev = _READY[key] = asyncio.Event()
-    return ev
+    fut = asyncio.get_running_loop().create_future()
+    _WAITING.setdefault(key, []).append(fut)
+    if key in _STORE:
+        return
+    await fut
 
 
 class _Raised:
@@ -601,13 +611,21 @@ class _Raised:
 
 async def _lookup(key: str) -> dict:
     """On the worker's event loop: what a fetch of `key` gets, once its item is done."""
-    await _ready(key).wait()
-    if key not in _STORE:
+    await _stored(key)
+    return _fetched(key)
+
+
+def _fetched(key: str) -> dict:
+    """What a fetch of `key` gets, its item done: its output, what it raised, or that it was released."""
+    value = _STORE.get(key, _RELEASED)
+    if value is _RELEASED:
         return {"status": "missing", "message": f"{key} was released"}
-    value = _STORE[key]
     if isinstance(value, _Raised):
         return {"status": "raised", "exception": value.error}
     return {"status": "ok", "value": value}
+
+
+_RELEASED = object()
 
 
 def _peer(address: str) -> tuple[int, bytes, tuple[str, bytes] | None]:
@@ -631,11 +649,9 @@ def _fetch_pool() -> Any:
 
 
 def _handle_release(keys: Sequence[str]) -> None:
+    """Drop released outputs (any thread: the controller releases an output only after its item replied)."""
     for k in keys:
         _STORE.pop(k, None)
-        ev = _READY.get(k)
-        if ev is not None and ev.is_set():
-            del _READY[k]
 
 
 def fetched_for(keys: Sequence[str], dask_worker: Any = None) -> dict[str, int]:
@@ -656,10 +672,10 @@ async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef], ite
     async def one(ref: DirectRef) -> Any:
         try:
             if ref.address == worker.address:
-                await _ready(ref.key).wait()
-                if ref.key not in _STORE:
+                await _stored(ref.key)
+                got = _STORE.get(ref.key, _RELEASED)
+                if got is _RELEASED:
                     raise LookupError(f"{ref.key} was released")
-                got = _STORE[ref.key]
                 if isinstance(got, _Raised):
                     raise InputRaised(got.error)
                 return got
@@ -703,11 +719,16 @@ def _replace_refs(value: Any, got: dict[str, Any]) -> Any:
 
 
 def _flush_reports(worker: Any) -> None:
+    """Send the items' reports gathered since the last flush; of an item that ended meanwhile only its last (it
+    says all the earlier ones did): a no-op call's three reports a rank were most of what the scheduler decoded."""
     calls = []
     while _REPORTS:
         calls.append(_REPORTS.popleft())
     if not calls:
         return
+    ended = {c["key"] for c in calls if "stop" in c}
+    if ended:
+        calls = [c for c in calls if "stop" in c or c["key"] not in ended]
     try:
         worker.log_event(CALLS_TOPIC, {"worker": worker.address, "calls": calls})
     except Exception:

@@ -429,10 +429,19 @@ def test_direct_calls_are_waiting_when_issued_processing_when_started_and_done_w
     )
     p.log_event("flowactors.issued", {"calls": [{"key": c0, "worker": "W1", "deps": [], "step": 3}]})
     assert (recs[c0].state, recs[c0].late) == ("erred", True)
+    c1 = k("reward.score", 1)  # one that ended well, its end its only report (a worker's flush sends only that)
+    p.log_event(
+        "flowactors.calls",
+        {
+            "worker": "W1",
+            "calls": [{"key": c1, "deps": [], "order": None, "start": 1.0, "stop": 1.5, "ok": True, "step": 3}],
+        },
+    )
+    assert (recs[c1].state, recs[c1].done) == ("memory", True)
     g = {n["id"]: n for n in aggregate_graph(recs.values(), now=11.0)["nodes"]}
     assert g["actor.gen"]["state"] == "waiting" and g["actor.gen"]["counts"] == {"memory": 1, "waiting": 1}
     assert [r["state"] for r in g["actor.gen"]["ranks"]] == ["memory", "waiting"]
-    assert (g["reward.score"]["late"], g["actor.gen"]["late"]) == (1, 0)
+    assert (g["reward.score"]["late"], g["actor.gen"]["late"]) == (2, 0)
 
 
 def test_calls_keep_the_step_that_issued_them_and_kept_steps_stay_in_order():

@@ -103,22 +103,57 @@ def test_call_tokens_are_unique_in_a_process_and_not_repeated_by_a_forked_child(
     assert not set(theirs) & set(mine + after)
 
 
-def test_an_output_released_before_its_ready_mark_keeps_no_event_and_wakes_its_waiter():
-    key, waited = "released-before-marked", "waited-then-released"
-    server._STORE[key] = 1
-    server._handle_release([key])
-    server._mark_ready(key)  # the task thread marks after its reply; the release came first
-    assert key not in server._READY and key not in server._STORE
-    server._STORE[waited] = 2
-    ev = server._ready(waited)  # a fetch waiting for it
-    server._handle_release([waited])
-    server._mark_ready(waited)
-    assert ev.is_set() and waited not in server._READY
-    server._STORE["kept"] = 3
-    server._mark_ready("kept")  # the usual order: marked while stored
-    assert server._READY["kept"].is_set()
-    server._handle_release(["kept"])
-    assert "kept" not in server._READY
+def test_only_an_awaited_output_wakes_the_event_loop_and_a_release_keeps_nothing():
+    import asyncio
+    from types import SimpleNamespace
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    worker = SimpleNamespace(loop=SimpleNamespace(asyncio_loop=loop))
+    replies = []
+    try:
+        fetch = asyncio.run_coroutine_threadsafe(server._lookup("awaited"), loop)  # a fetch before its item ran
+        for _ in range(500):
+            if "awaited" in server._WAITING:
+                break
+            time.sleep(0.01)
+        assert not fetch.done()
+        server._job(worker, replies.append, None, "awaited", None, lambda: 7, (), {}, None, [])
+        assert fetch.result(timeout=10) == {"status": "ok", "value": 7}
+        assert "awaited" not in server._WAITING
+        server._job(worker, replies.append, None, "quiet", None, lambda: 8, (), {}, None, [])  # nobody waits
+        assert "quiet" not in server._WAITING and server._STORE["quiet"] == 8
+        done = asyncio.run_coroutine_threadsafe(server._lookup("quiet"), loop)  # stored: answered at once
+        assert done.result(timeout=10) == {"status": "ok", "value": 8}
+        assert replies == [("awaited", "ok", 7, False), ("quiet", "ok", 8, False)]
+        server._handle_release(["awaited", "quiet"])
+        assert "awaited" not in server._STORE and "quiet" not in server._STORE and not server._WAITING
+        assert server._fetched("quiet") == {"status": "missing", "message": "quiet was released"}
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_a_flush_sends_only_the_last_report_of_an_item_that_ended_since_the_last():
+    from types import SimpleNamespace
+
+    sent = []
+    worker = SimpleNamespace(address="w", log_event=lambda topic, msg: sent.append((topic, msg)))
+    server._REPORTS.clear()
+    server._REPORTS.extend(
+        [
+            {"key": "a", "state": "waiting", "deps": [], "order": None, "step": 1, "at": 1.0},
+            {"key": "a", "state": "processing", "start": 1.5, "step": 1},
+            {"key": "b", "state": "waiting", "deps": ["a"], "order": "a", "step": 1, "at": 1.6},
+            {"key": "a", "deps": [], "order": None, "start": 1.5, "stop": 2.0, "ok": True, "step": 1},
+            {"key": "b", "state": "processing", "start": 2.1, "step": 1},
+        ]
+    )
+    server._flush_reports(worker)
+    assert [(t, [(c["key"], c.get("state", "end")) for c in m["calls"]]) for t, m in sent] == [
+        (wire.CALLS_TOPIC, [("b", "waiting"), ("a", "end"), ("b", "processing")])
+    ]
+    server._flush_reports(worker)  # nothing new: nothing sent
+    assert len(sent) == 1
 
 
 def test_a_reply_counts_a_huge_int_by_its_size_and_small_scalars_without_measuring():
