@@ -30,7 +30,7 @@ from flowactors.dashboard.aggregate import (
     role_of,
     snapshot,
 )
-from flowactors.transport.wire import CALLS_TOPIC, ISSUED_TOPIC
+from flowactors.transport.wire import CALLS_TOPIC, ISSUED_TOPIC, reports_of
 
 __all__ = ["FlowactorsDashboard", "install_dashboard", "PLUGIN_NAME", "METRICS_TOPIC", "STEP_TOPIC"]
 
@@ -114,10 +114,10 @@ class FlowactorsDashboard(SchedulerPlugin):
     # -- recording -------------------------------------------------------------------------------------------
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == CALLS_TOPIC and isinstance(msg, Mapping):
-            self._direct_calls(str(msg.get("worker", "")), msg.get("calls") or ())
+            self._direct_calls(str(msg.get("worker", "")), reports_of(msg))
             return
         if topic == ISSUED_TOPIC and isinstance(msg, Mapping):
-            self._issued(msg.get("calls") or ())
+            self._issued(reports_of(msg))
             return
         if not isinstance(msg, Mapping) or not isinstance(msg.get("step"), int):
             return

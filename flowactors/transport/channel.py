@@ -28,7 +28,16 @@ from distributed.metrics import time as clock
 from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
 from flowactors.transport.fanout import ROOTS, Fanout, has_parts, part_refs, subtree_of, subtrees, trim
 from flowactors.transport.server import PLUGIN_NAME, DirectPlugin, listen_port, running_stack, spans_between
-from flowactors.transport.wire import ISSUED_TOPIC, Connection, DirectRef, Fetcher, dial, frames, unwrap_reply
+from flowactors.transport.wire import (
+    ISSUED_TOPIC,
+    Connection,
+    DirectRef,
+    Fetcher,
+    dial,
+    frames,
+    pack_reports,
+    unwrap_reply,
+)
 
 __all__ = ["DirectChannel", "DirectFuture", "DirectTransport"]
 
@@ -471,7 +480,7 @@ class DirectChannel:
         calls = [r for items, futs, step, at in issued for r in self._reports(items, futs, step, at)]
         if calls:
             try:
-                self._client.log_event(ISSUED_TOPIC, {"calls": calls})
+                self._client.log_event(ISSUED_TOPIC, {"calls": pack_reports(calls)})
             except Exception:
                 pass
 

@@ -36,6 +36,7 @@ from flowactors.transport.wire import (
     dial,
     frames,
     host_key,
+    pack_reports,
     raw_frames,
     unwrap_reply,
 )
@@ -730,7 +731,7 @@ def _flush_reports(worker: Any) -> None:
     if ended:
         calls = [c for c in calls if "stop" in c or c["key"] not in ended]
     try:
-        worker.log_event(CALLS_TOPIC, {"worker": worker.address, "calls": calls})
+        worker.log_event(CALLS_TOPIC, {"worker": worker.address, "calls": pack_reports(calls)})
     except Exception:
         pass
 

@@ -16,6 +16,7 @@ import secrets
 import socket
 import struct
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
@@ -34,7 +35,9 @@ __all__ = [
     "dial",
     "frames",
     "host_key",
+    "pack_reports",
     "raw_frames",
+    "reports_of",
     "unwrap_reply",
 ]
 
@@ -44,6 +47,27 @@ until `result()` asks."""
 CALLS_TOPIC = "flowactors.calls"
 ISSUED_TOPIC = "flowactors.issued"
 """The controller's reports of the items it sends, as it sends them (the dashboard's waiting calls)."""
+
+
+def pack_reports(reports: list[dict]) -> bytes:
+    """Reports of items (`CALLS_TOPIC`, `ISSUED_TOPIC`) as one msgpack blob for a `log_event`: Dask sizes and
+    decodes an event object by object (on the scheduler, which an embedded cluster runs in the controller's
+    process), a blob at once; only the dashboard unpacks it (`reports_of`)."""
+    import msgpack
+
+    return msgpack.packb(reports, use_bin_type=True, default=str)
+
+
+def reports_of(event: Any) -> list[dict]:
+    """The reports an item-report event carries (its "calls": packed by `pack_reports`, or a plain list)."""
+    calls = event.get("calls") if isinstance(event, Mapping) else None
+    if isinstance(calls, (bytes, bytearray, memoryview)):
+        import msgpack
+
+        return msgpack.unpackb(calls, raw=False)
+    return list(calls or ())
+
+
 _READ_CHUNK = 64 * 1024
 _FRAME = struct.Struct("!QI")  # pickle bytes, number of out-of-band buffers; then each buffer's length (!Q), data
 MAX_MESSAGE_BYTES = 1 << 33

@@ -137,8 +137,8 @@ def test_direct_items_become_dashboard_records_and_profile_spans(ctl, group):
     while time.monotonic() < deadline:
         events = ctl.client.get_events(wire.CALLS_TOPIC)
         mine = {f.key for f in call.futures}
-        reports = [m for _, m in events if any(c["key"] in mine for c in m["calls"])]
-        states = [c.get("state", "end") for m in reports for c in m["calls"] if c["key"] in mine]
+        reports = [m for _, m in events if any(c["key"] in mine for c in wire.reports_of(m))]
+        states = [c.get("state", "end") for m in reports for c in wire.reports_of(m) if c["key"] in mine]
         if states.count("end") == 2:
             break
         time.sleep(0.2)
