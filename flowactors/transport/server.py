@@ -277,12 +277,12 @@ def _queue(worker: Any, cid: str, seq: int, key: str, step: Any, task: tuple, re
             _REPORTS.append(
                 {"key": key, "deps": list(refs), "order": previous, "state": "waiting", "step": step, "at": time.time()}
             )
-            loop = worker.loop.asyncio_loop
-            inputs = (
-                asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs, key), loop)
-                if refs
-                else None
-            )
+            inputs: Any = None
+            if refs and all(r.address == worker.address for r in refs.values()):
+                inputs = refs  # outputs of this process: the task thread takes them from the store (`_job`)
+            elif refs:  # fetched on the event loop meanwhile
+                loop = worker.loop.asyncio_loop
+                inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs, key), loop)
             worker.executors["default"].submit(
                 _job, worker, reply, previous, key, step, fn, args, kwargs, inputs, list(refs)
             )
@@ -542,7 +542,15 @@ def _job(
     failed: BaseException | None = None
     if inputs is not None:
         try:
-            args, kwargs = inputs.result()
+            if isinstance(inputs, dict):  # every input an output of this process (a chained call's, usually)
+                got = _stored_inputs((args, kwargs), inputs)
+                if got is None:  # not all stored yet (several task threads): waited for on the event loop
+                    loop = worker.loop.asyncio_loop
+                    got = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), inputs, key), loop)
+                    got = got.result()
+                args, kwargs = got
+            else:
+                args, kwargs = inputs.result()
         except InputRaised as e:  # an input's item raised: this one raises the same, without running (as Dask)
             failed = e.error
         except BaseException as e:
@@ -580,6 +588,21 @@ def _job(
         waiting = _WAITING.pop(key, None)
         if waiting:
             worker.loop.asyncio_loop.call_soon_threadsafe(_wake, waiting)
+
+
+def _stored_inputs(value: Any, refs: dict[str, DirectRef]) -> Any:
+    """`value` with its DirectRefs replaced by the outputs they name, all in this process's store (None: one is
+    not there yet), or `InputRaised` for one whose item raised. In issue order on one task thread the items a
+    call's inputs come from have run before it: no hop through the event loop (two thread wakes an item)."""
+    got = {}
+    for k in refs:
+        v = _STORE.get(k, _RELEASED)
+        if v is _RELEASED:
+            return None
+        if isinstance(v, _Raised):
+            raise InputRaised(v.error)
+        got[k] = v
+    return _replace_refs(value, got)
 
 
 def _wake(waiting: list[asyncio.Future]) -> None:

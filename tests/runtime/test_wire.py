@@ -133,6 +133,40 @@ def test_only_an_awaited_output_wakes_the_event_loop_and_a_release_keeps_nothing
         loop.call_soon_threadsafe(loop.stop)
 
 
+def test_inputs_made_in_this_process_come_from_the_store_or_wait_there_for_their_item():
+    import asyncio
+    from types import SimpleNamespace
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    worker = SimpleNamespace(address="here", loop=SimpleNamespace(asyncio_loop=loop))
+    replies = []
+    ref = wire.DirectRef
+    try:
+        server._STORE["made"] = 5
+        refs = {"made": ref("made", "here")}
+        server._job(worker, replies.append, None, "used", None, lambda x: x + 1, (refs["made"],), {}, refs, ["made"])
+        assert replies[-1] == ("used", "ok", 6, False)
+        server._STORE["broke"] = server._Raised(ValueError("its producer raised"))
+        refs = {"broke": ref("broke", "here")}
+        server._job(worker, replies.append, None, "after", None, lambda x: x, (refs["broke"],), {}, refs, ["broke"])
+        assert replies[-1][:2] == ("after", "error") and str(replies[-1][2]) == "its producer raised"
+        refs = {"later": ref("later", "here")}  # not made yet (another task thread runs it): waits for it
+        waiting = threading.Thread(
+            target=server._job,
+            args=(worker, replies.append, None, "next", None, lambda x: x * 2, (refs["later"],), {}, refs, ["later"]),
+        )
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive() and replies[-1][0] == "after"
+        server._job(worker, replies.append, None, "later", None, lambda: 21, (), {}, None, [])
+        waiting.join(10)
+        assert replies[-2:] == [("later", "ok", 21, False), ("next", "ok", 42, False)]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        server._handle_release(["made", "broke", "used", "after", "later", "next"])
+
+
 def test_a_flush_sends_only_the_last_report_of_an_item_that_ended_since_the_last():
     from types import SimpleNamespace
 
