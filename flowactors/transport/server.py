@@ -743,8 +743,9 @@ def _replace_refs(value: Any, got: dict[str, Any]) -> Any:
 
 
 def _flush_reports(worker: Any) -> None:
-    """Send the items' reports gathered since the last flush; of an item that ended meanwhile only its last (it
-    says all the earlier ones did): a no-op call's three reports a rank were most of what the scheduler decoded."""
+    """Send the items' reports gathered since the last flush, as one blob (`pack_reports`); an item that ended
+    meanwhile is not also reported running (its end says it ran). Its arrival is kept: the page counts an item
+    first seen finished as `late`."""
     calls = []
     while _REPORTS:
         calls.append(_REPORTS.popleft())
@@ -752,7 +753,7 @@ def _flush_reports(worker: Any) -> None:
         return
     ended = {c["key"] for c in calls if "stop" in c}
     if ended:
-        calls = [c for c in calls if "stop" in c or c["key"] not in ended]
+        calls = [c for c in calls if c.get("state") != "processing" or c["key"] not in ended]
     try:
         worker.log_event(CALLS_TOPIC, {"worker": worker.address, "calls": pack_reports(calls)})
     except Exception:

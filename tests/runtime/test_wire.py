@@ -167,7 +167,7 @@ def test_inputs_made_in_this_process_come_from_the_store_or_wait_there_for_their
         server._handle_release(["made", "broke", "used", "after", "later", "next"])
 
 
-def test_a_flush_sends_only_the_last_report_of_an_item_that_ended_since_the_last():
+def test_a_flush_does_not_report_running_an_item_that_ended_since_the_last():
     from types import SimpleNamespace
 
     sent = []
@@ -184,7 +184,7 @@ def test_a_flush_sends_only_the_last_report_of_an_item_that_ended_since_the_last
     )
     server._flush_reports(worker)
     assert [(t, [(c["key"], c.get("state", "end")) for c in wire.reports_of(m)]) for t, m in sent] == [
-        (wire.CALLS_TOPIC, [("b", "waiting"), ("a", "end"), ("b", "processing")])
+        (wire.CALLS_TOPIC, [("a", "waiting"), ("b", "waiting"), ("a", "end"), ("b", "processing")])
     ]
     assert isinstance(sent[0][1]["calls"], bytes)  # one blob: the scheduler decodes no object of it
     server._flush_reports(worker)  # nothing new: nothing sent
