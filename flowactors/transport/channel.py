@@ -15,7 +15,9 @@ docs/benchmarks.md (Group calls); the handshake and bounded reads: docs/security
 from __future__ import annotations
 
 import atexit
+import os
 import secrets
+import select
 import sys
 import threading
 from collections import deque
@@ -208,6 +210,7 @@ class DirectChannel:
         self._seq: dict[str, int] = {}  # address -> the number of the next item sent there
         self._trees: dict[str, _Tree] = {}  # calls sent down a tree, by id, until every rank answered
         self._tree_count = 0
+        self._replies = _Replies(self) if hasattr(select, "epoll") and hasattr(os, "eventfd") else None
         if listeners is not None:  # light stand-in workers (benchmarks/fanout.py): no Dask client
             self._listeners.update(listeners)
         else:
@@ -237,29 +240,38 @@ class DirectChannel:
                     conn = dial(address, *self._listener(address))
                     conn.send(frames(("peers", dict(self._listeners))))
                     self._connections[address] = conn
-                    threading.Thread(
-                        target=self._read_replies,
-                        args=(address, conn),
-                        daemon=True,
-                        name=f"flowactors-direct {address}",
-                    ).start()
+                    if self._replies is not None:
+                        self._replies.add(address, conn)
+                    else:
+                        threading.Thread(
+                            target=self._read_replies,
+                            args=(address, conn),
+                            daemon=True,
+                            name=f"flowactors-direct {address}",
+                        ).start()
         return conn
 
     def _read_replies(self, address: str, conn: Connection) -> None:
-        while True:
-            try:
-                msg = conn.receive()
-            except Exception as e:
-                if self._connections.get(address) is conn:
-                    del self._connections[address]
-                if not self._closed:
-                    self.fail_address(address, ConnectionError(f"lost the connection to worker {address}: {e}"))
-                return
-            if msg[0] == "replies":
-                self._on_tree_replies(msg[1], msg[2])
-            else:
-                self._on_replies([msg])
-            del msg  # nothing of a finished item may stay referenced here while the next reply is awaited
+        """(Without epoll: a thread per connection.) Read `conn`'s replies until it breaks."""
+        while self._read_one(address, conn):
+            pass
+
+    def _read_one(self, address: str, conn: Connection) -> bool:
+        """Read and apply `conn`'s next message; False once the connection broke (its worker's items fail)."""
+        try:
+            msg = conn.receive()
+        except Exception as e:
+            if self._connections.get(address) is conn:
+                del self._connections[address]
+            if not self._closed:
+                self.fail_address(address, ConnectionError(f"lost the connection to worker {address}: {e}"))
+            return False
+        if msg[0] == "replies":
+            self._on_tree_replies(msg[1], msg[2])
+        else:
+            self._on_replies([msg])
+        del msg  # nothing of a finished item may stay referenced here while the next reply is awaited
+        return True
 
     def _on_replies(self, replies: list) -> None:
         """Finish the futures of single items' `replies` ((key, status, value, stored) each)."""
@@ -331,6 +343,8 @@ class DirectChannel:
         for conn in list(self._connections.values()):
             conn.close()
         self._connections.clear()
+        if self._replies is not None:
+            self._replies.close()
         self._fetcher.close()
         if self._fetch_pool is not None:
             self._fetch_pool.shutdown(wait=False)
@@ -512,7 +526,11 @@ class DirectChannel:
                 return True
             waiter = _Waiter(futures)
             self._waiters.append(waiter)
-        if waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            polls = self._replies is not None and self._replies.lead(waiter)
+        if polls:  # this thread reads the replies itself (`_Replies`): no reader thread's wake, then ours
+            if self._replies.wait(waiter, timeout):
+                return True
+        elif waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return True
         with self._cond:  # timed out: unless woken meanwhile, no longer waiting
             if waiter in self._waiters:
@@ -526,6 +544,8 @@ class DirectChannel:
             for w in self._waiters:
                 if w.ready(lost):
                     w.lock.release()
+                    if self._replies is not None:
+                        self._replies.woke(w)
                 else:
                     keep.append(w)
             self._waiters = keep
@@ -578,6 +598,8 @@ class DirectChannel:
                 self._dropped.pop(address, None)
         conn = self._connections.pop(address, None) if lost else None
         if conn is not None:
+            if self._replies is not None:
+                self._replies.forget(conn)
             conn.close()
         if lost:
             self._fetcher.forget(address)
@@ -667,6 +689,129 @@ class DirectChannel:
             for w, spans in found.items()
             for k, a, b in spans
         ]
+
+
+class _Replies:
+    """The replies of every connection read by whichever thread waits (Linux: one epoll set, each connection armed
+    for one event at a time). A caller waiting for its futures polls the set itself and reads the replies that
+    come, its own or others', so the reply that completes its call wakes it directly: a reader thread per
+    connection cost a wake of that thread and then one of the caller, each tens of us of CPU on a busy host. One
+    caller polls at a time (the others wait on their `_Waiter`s as before); a background thread polls when no
+    caller does, for replies nobody waits for and broken connections. While a caller polls the background
+    thread does not (it looks again every `PARK_S`: a wake per call to hand the set back would cost what this
+    saves), but it may be inside a poll begun before: epoll wakes its most recent waiter first, the caller, and a
+    reply the background thread read for the caller wakes it through an eventfd that only the caller drains."""
+
+    CAP_S = 0.05
+    """A polling caller looks at its waiter at least this often (a wake through the eventfd by another thread
+    while the background thread polls can reach the background thread)."""
+    PARK_S = 0.005
+
+    def __init__(self, channel: "DirectChannel") -> None:
+        self._channel = channel
+        self._epoll = select.epoll()
+        self._kick = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll.register(self._kick, select.EPOLLIN)
+        self._conns: dict[int, tuple[str, Connection]] = {}
+        self._polling: _Waiter | None = None  # the caller polling now (guarded by the channel's lock)
+        self._poller = 0  # its thread
+        self._thread: threading.Thread | None = None
+        self._resume = threading.Event()  # a caller stopped polling while others wait
+
+    def add(self, address: str, conn: Connection) -> None:
+        fd = conn.sock.fileno()
+        self._conns[fd] = (address, conn)
+        self._epoll.register(fd, select.EPOLLIN | select.EPOLLONESHOT)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._background, daemon=True, name="flowactors-direct replies")
+            self._thread.start()
+
+    def lead(self, waiter: _Waiter) -> bool:
+        """(Holding the channel's lock.) Whether `waiter`'s thread polls: none polls yet."""
+        if self._polling is not None:
+            return False
+        self._polling, self._poller = waiter, threading.get_ident()
+        return True
+
+    def woke(self, waiter: _Waiter) -> None:
+        """(Holding the channel's lock.) `waiter` was released; if it polls in another thread, end its poll."""
+        if waiter is self._polling and threading.get_ident() != self._poller:
+            with _suppress(OSError):
+                os.eventfd_write(self._kick, 1)
+
+    def wait(self, waiter: _Waiter, timeout: float | None) -> bool:
+        """Poll until `waiter` is released (True) or `timeout` runs out (False)."""
+        deadline = None if timeout is None else clock() + max(0.0, timeout)
+        try:
+            while not waiter.lock.acquire(False):
+                left = self.CAP_S if deadline is None else min(self.CAP_S, deadline - clock())
+                if left <= 0 or self._channel._closed:
+                    return waiter.lock.acquire(False)
+                self._poll(left)
+            return True
+        finally:
+            with self._channel._cond:
+                self._polling = None
+                if self._channel._waiters:  # others wait (on their locks): the background thread reads for them now
+                    self._resume.set()
+
+    def _background(self) -> None:
+        while not self._channel._closed:
+            if self._polling is not None:  # a caller reads meanwhile
+                self._resume.wait(self.PARK_S)
+                self._resume.clear()
+            elif not self._poll(None, caller=False):
+                return
+
+    def _poll(self, timeout: float | None, caller: bool = True) -> bool:
+        """Read what one poll finds; False once the set is closed."""
+        try:
+            events = self._epoll.poll(-1 if timeout is None else timeout, 8)
+        except (OSError, ValueError):  # closed
+            return False
+        for fd, _ in events:
+            if fd == self._kick:
+                if caller or self._polling is None:  # (a caller's wake is its own to take)
+                    with _suppress(OSError):
+                        os.eventfd_read(self._kick)
+                continue
+            entry = self._conns.get(fd)
+            if entry is not None:
+                self._read(fd, *entry)
+        return True
+
+    def _read(self, fd: int, address: str, conn: Connection) -> None:
+        """Read `conn`'s message and any the buffer holds whole or in part, then arm it for the next."""
+        channel = self._channel
+        while True:
+            if not channel._read_one(address, conn):
+                self._conns.pop(fd, None)
+                with _suppress(OSError, ValueError):
+                    self._epoll.unregister(fd)
+                return
+            if not conn.buffered():
+                break
+        try:
+            self._epoll.modify(fd, select.EPOLLIN | select.EPOLLONESHOT)
+        except (OSError, ValueError):  # closed meanwhile (its worker was failed)
+            self._conns.pop(fd, None)
+
+    def forget(self, conn: Connection) -> None:
+        """Stop polling `conn` (before it is closed: its descriptor's number may be reused)."""
+        with _suppress(OSError, ValueError):
+            fd = conn.sock.fileno()
+            if self._conns.get(fd, (None, None))[1] is conn:
+                del self._conns[fd]
+                self._epoll.unregister(fd)
+
+    def close(self) -> None:
+        with _suppress(OSError):
+            os.eventfd_write(self._kick, 1)
+        if self._thread is not None:
+            self._thread.join(1)
+        self._epoll.close()
+        with _suppress(OSError):
+            os.close(self._kick)
 
 
 class DirectTransport(Transport):

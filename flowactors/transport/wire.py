@@ -125,6 +125,10 @@ class Connection:
                 self.sock.sendall(memoryview(f).cast("B")[sent:])
                 sent = 0
 
+    def buffered(self) -> bool:
+        """Whether bytes of a next message were read already (a poll of the socket would not see them)."""
+        return self._end > self._start
+
     def receive(self) -> Any:
         """The next message (ConnectionError once the other end closed)."""
         import pickle
