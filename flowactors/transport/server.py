@@ -673,7 +673,7 @@ def _fetch_pool() -> Any:
 
 
 def _handle_release(keys: Sequence[str]) -> None:
-    """Drop released outputs (any thread: the controller releases an output only after its item replied)."""
+    """Drop released outputs (on any thread: nothing on the event loop awaits an output its controller dropped)."""
     for k in keys:
         _STORE.pop(k, None)
 
