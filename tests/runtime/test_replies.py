@@ -67,22 +67,33 @@ def _poll_in_thread(ch: _Channel, waiter: channel._Waiter, out: list) -> threadi
     return t
 
 
-def test_the_waiting_caller_reads_its_reply_and_the_background_thread_reads_when_nobody_waits(link):
-    ch, worker = link
-    worker.send(frames("early"))  # nobody waits: the background thread reads it
-    deadline = time.monotonic() + 10
-    while not ch.read and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ch.read == [("early", "flowactors-direct replies")]
+def test_the_waiting_caller_reads_its_replies_and_the_background_thread_those_nobody_waits_for():
+    ch = _Channel()
+    here, there = socket.socketpair()
+    worker = Connection(there)
     waiter, out = channel._Waiter([]), []
     ch.waiters["mine"] = waiter
-    caller = _poll_in_thread(ch, waiter, out)
-    time.sleep(0.2)  # the caller polls; the background thread has stepped aside
-    worker.send([*frames("mine"), *frames("next")])  # two in one send: the second only in the caller's buffer
-    caller.join(20)
-    assert out and out[0][0] is True
-    assert ch.read[1:] == [("mine", "caller"), ("next", "caller")]
-    assert ch.replies._polling is None  # the next caller may poll
+    try:
+        caller = _poll_in_thread(ch, waiter, out)
+        deadline = time.monotonic() + 10
+        while ch.replies._polling is not waiter and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # the connection's first reply arrives while the caller polls: the background thread (started with the
+        # first connection) finds a caller polling and stays out of the set
+        ch.replies.add("w0", Connection(here))
+        worker.send([*frames("mine"), *frames("next")])  # two in one send: the second only in the reader's buffer
+        caller.join(20)
+        assert out and out[0][0] is True
+        assert ch.read == [("mine", "caller"), ("next", "caller")]
+        assert ch.replies._polling is None  # the next caller may poll
+        worker.send(frames("later"))  # nobody waits: the background thread reads it
+        while len(ch.read) < 3 and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        assert ch.read[2:] == [("later", "flowactors-direct replies")]
+    finally:
+        ch._closed = True
+        ch.replies.close()
+        there.close()
 
 
 def test_a_caller_whose_reply_another_thread_read_is_woken_at_once(link, monkeypatch):
