@@ -281,8 +281,7 @@ def _queue(worker: Any, cid: str, seq: int, key: str, step: Any, task: tuple, re
             if refs and all(r.address == worker.address for r in refs.values()):
                 inputs = refs  # outputs of this process: the task thread takes them from the store (`_job`)
             elif refs:  # fetched on the event loop meanwhile
-                loop = worker.loop.asyncio_loop
-                inputs = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), refs, key), loop)
+                inputs = _fetch_on_loop(worker, (args, kwargs), refs, key)
             worker.executors["default"].submit(
                 _job, worker, reply, previous, key, step, fn, args, kwargs, inputs, list(refs)
             )
@@ -545,9 +544,7 @@ def _job(
             if isinstance(inputs, dict):  # every input an output of this process (a chained call's, usually)
                 got = _stored_inputs((args, kwargs), inputs)
                 if got is None:  # not all stored yet (several task threads): waited for on the event loop
-                    loop = worker.loop.asyncio_loop
-                    got = asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, (args, kwargs), inputs, key), loop)
-                    got = got.result()
+                    got = _fetch_on_loop(worker, (args, kwargs), inputs, key).result()
                 args, kwargs = got
             else:
                 args, kwargs = inputs.result()
@@ -594,15 +591,10 @@ def _stored_inputs(value: Any, refs: dict[str, DirectRef]) -> Any:
     """`value` with its DirectRefs replaced by the outputs they name, all in this process's store (None: one is
     not there yet), or `InputRaised` for one whose item raised. In issue order on one task thread the items a
     call's inputs come from have run before it: no hop through the event loop (two thread wakes an item)."""
-    got = {}
-    for k in refs:
-        v = _STORE.get(k, _RELEASED)
-        if v is _RELEASED:
-            return None
-        if isinstance(v, _Raised):
-            raise InputRaised(v.error)
-        got[k] = v
-    return _replace_refs(value, got)
+    try:
+        return _replace_refs(value, {k: _output(k) for k in refs})
+    except LookupError:
+        return None
 
 
 def _wake(waiting: list[asyncio.Future]) -> None:
@@ -641,12 +633,28 @@ async def _lookup(key: str) -> dict:
 
 def _fetched(key: str) -> dict:
     """What a fetch of `key` gets, its item done: its output, what it raised, or that it was released."""
+    try:
+        return {"status": "ok", "value": _output(key)}
+    except InputRaised as e:
+        return {"status": "raised", "exception": e.error}
+    except LookupError as e:
+        return {"status": "missing", "message": str(e)}
+
+
+def _output(key: str) -> Any:
+    """The output `key` names in this process's store: `InputRaised` if its item raised, LookupError if it is not
+    there (released, or its item has not run: `_stored` waits for that). The one reader of the store's entries."""
     value = _STORE.get(key, _RELEASED)
     if value is _RELEASED:
-        return {"status": "missing", "message": f"{key} was released"}
+        raise LookupError(f"{key} was released")
     if isinstance(value, _Raised):
-        return {"status": "raised", "exception": value.error}
-    return {"status": "ok", "value": value}
+        raise InputRaised(value.error)
+    return value
+
+
+def _fetch_on_loop(worker: Any, value: Any, refs: dict[str, DirectRef], item: str) -> Any:
+    """`_fetch_inputs` run on the worker's event loop, from another thread: its concurrent future."""
+    return asyncio.run_coroutine_threadsafe(_fetch_inputs(worker, value, refs, item), worker.loop.asyncio_loop)
 
 
 _RELEASED = object()
@@ -697,12 +705,7 @@ async def _fetch_inputs(worker: Any, value: Any, refs: dict[str, DirectRef], ite
         try:
             if ref.address == worker.address:
                 await _stored(ref.key)
-                got = _STORE.get(ref.key, _RELEASED)
-                if got is _RELEASED:
-                    raise LookupError(f"{ref.key} was released")
-                if isinstance(got, _Raised):
-                    raise InputRaised(got.error)
-                return got
+                return _output(ref.key)
             loop = asyncio.get_running_loop()
             reply, size = await loop.run_in_executor(_fetch_pool(), _FETCHER.get_sized, ref.address, ref.key)
             if item:
