@@ -585,6 +585,7 @@ def _job(
         waiting = _WAITING.pop(key, None)
         if waiting:
             worker.loop.asyncio_loop.call_soon_threadsafe(_wake, waiting)
+        _dropped_early(key)
 
 
 def _stored_inputs(value: Any, refs: dict[str, DirectRef]) -> Any:
@@ -681,9 +682,31 @@ def _fetch_pool() -> Any:
 
 
 def _handle_release(keys: Sequence[str]) -> None:
-    """Drop released outputs (on any thread: nothing on the event loop awaits an output its controller dropped)."""
+    """Drop released outputs (on any thread: nothing on the event loop awaits an output its controller dropped).
+    One whose item has not stored it yet (a future dropped before its call ended) is remembered, and its item
+    drops it when it stores it (`_dropped_early`); else it would be kept until the worker ends."""
     for k in keys:
-        _STORE.pop(k, None)
+        if _STORE.pop(k, _RELEASED) is _RELEASED:
+            with _EARLY_LOCK:
+                _EARLY[k] = True
+                while len(_EARLY) > _EARLY_KEEP:  # keys of items that never came here: the oldest are forgotten
+                    del _EARLY[next(iter(_EARLY))]
+            _STORE.pop(k, None)  # stored meanwhile, by an item that looked before the key was remembered
+
+
+def _dropped_early(key: str) -> None:
+    """(After its item stored `key`'s output.) Drop it if its controller released it before."""
+    if _EARLY:
+        with _EARLY_LOCK:
+            early = _EARLY.pop(key, False)
+        if early:
+            _STORE.pop(key, None)
+
+
+_EARLY: dict[str, bool] = {}
+"""Keys released before their item stored its output, oldest first."""
+_EARLY_KEEP = 65536
+_EARLY_LOCK = threading.Lock()
 
 
 def fetched_for(keys: Sequence[str], dask_worker: Any = None) -> dict[str, int]:

@@ -133,6 +133,23 @@ def test_only_an_awaited_output_wakes_the_event_loop_and_a_release_keeps_nothing
         loop.call_soon_threadsafe(loop.stop)
 
 
+def test_an_output_released_before_its_item_ran_is_dropped_when_the_item_stores_it(monkeypatch):
+    from types import SimpleNamespace
+
+    worker = SimpleNamespace(loop=SimpleNamespace(asyncio_loop=None))
+    replies = []
+    monkeypatch.setattr(server, "_EARLY", {})
+    monkeypatch.setattr(server, "_EARLY_KEEP", 3)
+    server._handle_release(["early"])  # its future was dropped while the item still waited its turn
+    server._job(worker, replies.append, None, "early", None, lambda: 9, (), {}, None, [])
+    assert replies == [("early", "ok", 9, False)]  # it still answers its call
+    assert "early" not in server._STORE and "early" not in server._EARLY
+    server._job(worker, replies.append, None, "kept", None, lambda: 10, (), {}, None, [])
+    assert server._STORE["kept"] == 10  # not released: stored until it is
+    server._handle_release(["kept", "never1", "never2", "never3", "never4"])  # items that never come here
+    assert "kept" not in server._STORE and list(server._EARLY) == ["never2", "never3", "never4"]
+
+
 def test_inputs_made_in_this_process_come_from_the_store_or_wait_there_for_their_item():
     import asyncio
     from types import SimpleNamespace
