@@ -144,13 +144,24 @@ def pool_workers(cluster: Any, resource: str) -> list[str]:
 def stop_workers(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
     """Stop the embedded cluster's worker processes, giving each `timeout_s` to exit. LocalCluster's own close
     allows 4 s, after which the nanny kills the process and warns; a worker that holds torch and its models
-    can need longer to exit on a loaded machine, and a killed process is not a clean end of a run."""
+    can need longer to exit on a loaded machine, and a killed process is not a clean end of a run. A call still
+    running (a hung rank, a run stopped mid-step) is not waited for: the controller that issued it is closing."""
     import asyncio
 
     nannies = list(cluster.workers.values())
 
+    async def stop_one(nanny: Any) -> None:
+        process = getattr(nanny, "process", None)
+        if process is not None:  # Dask's close waits for the task thread; the stop message can say not to
+            nanny.auto_restart = False  # (the process's end is no crash to recover from)
+            try:
+                await process.kill(timeout=timeout_s, executor_wait=False, reason="flowactors-close")
+            except Exception:
+                pass
+        await nanny.close(timeout=timeout_s)
+
     async def stop() -> None:
-        await asyncio.gather(*(n.close(timeout=timeout_s) for n in nannies), return_exceptions=True)
+        await asyncio.gather(*(stop_one(n) for n in nannies), return_exceptions=True)
 
     try:
         cluster.sync(stop)
