@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 
 from flowactors.batch import Batch
+from flowactors.log import info_enabled
 from flowactors.protocols import Layout, Protocol
 
 _log = structlog.get_logger("flowactors.worker")
@@ -459,7 +460,10 @@ def _call(
         if failure is not None:
             raise _Failed
         out = getattr(ctx.instance, method)(*args, **kwargs)
-        _log.info("call", role=name, method=method, rank=rank, step=step, duration_s=round(time.perf_counter() - t0, 6))
+        if info_enabled():
+            _log.info(
+                "call", role=name, method=method, rank=rank, step=step, duration_s=round(time.perf_counter() - t0, 6)
+            )
         return out if keep else None
     except BaseException as e:
         if failure is None:

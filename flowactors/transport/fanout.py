@@ -86,19 +86,24 @@ class Fanout:
     """Whether the inputs hold markers, when the caller knows (None: found by walking them, `has_parts`)."""
 
 
+SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+"""Types no marker or reference hides in: walks pass values of exactly these types over."""
+
+
 def map_leaves(value: Any, kinds: type | tuple[type, ...], leaf: Any) -> Any:
     """`value` with every object of `kinds` inside it (in tuples, lists and dict values, not named tuples) replaced
     by `leaf(object)`: how markers, and on the workers references to stored outputs, are found and resolved. A
-    container with nothing to replace inside is returned as it is (its own type kept)."""
+    container with nothing to replace inside is returned as it is (its own type kept). `kinds` are never plain
+    scalars: those are passed over without a call (most of a call's inputs are names, numbers and flags)."""
     if isinstance(value, kinds):
         return leaf(value)
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        new = [map_leaves(v, kinds, leaf) for v in value]
+        new = [v if type(v) in SCALARS else map_leaves(v, kinds, leaf) for v in value]
         if all(a is b for a, b in zip(new, value)):
             return value  # nothing inside changed: the very object (a list subclass stays one)
         return tuple(new) if isinstance(value, tuple) else new
     if isinstance(value, dict):
-        items = {k: map_leaves(v, kinds, leaf) for k, v in value.items()}
+        items = {k: v if type(v) in SCALARS else map_leaves(v, kinds, leaf) for k, v in value.items()}
         if all(items[k] is v for k, v in value.items()):
             return value
         return items
