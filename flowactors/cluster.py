@@ -153,7 +153,7 @@ def stop_workers(cluster: LocalCluster, timeout_s: float = 30.0) -> None:
     async def stop_one(nanny: Any) -> None:
         process = getattr(nanny, "process", None)
         if process is not None:  # Dask's close waits for the task thread; the stop message can say not to
-            nanny.auto_restart = False  # (the process's end is no crash to recover from)
+            nanny.close_gracefully(reason="flowactors-close")  # (the process's end is no crash to recover from)
             try:
                 await process.kill(timeout=timeout_s, executor_wait=False, reason="flowactors-close")
             except Exception:
