@@ -34,7 +34,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,7 +191,6 @@ class StandIn:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = type("Loop", (), {"asyncio_loop": loop})()
-        self.executors = {"default": ThreadPoolExecutor(1)}
         self.address = "tcp://127.0.0.1:0"
 
     def log_event(self, topic: str, msg: object) -> None:

@@ -188,7 +188,7 @@ class DirectChannel:
         """`listeners`: every worker's `wire.dial` arguments (port, secret, and its Unix socket or none), given
         instead of asked of a Dask `client`."""
         self._client = client
-        self._cond = threading.Condition()  # guards the state below (no thread waits on it: `_Waiter`s)
+        self._lock = threading.RLock()  # guards the state below (no thread waits on it: `_Waiter`s)
         self._waiters: list[_Waiter] = []
         self._lost_since_wake = False  # a future was lost: waiters check for it, not only for all done
         self._pending: dict[str, dict[str, DirectFuture]] = {}  # address -> {key: future} of what is not done
@@ -275,7 +275,7 @@ class DirectChannel:
 
     def _on_replies(self, replies: list) -> None:
         """Finish the futures of single items' `replies` ((key, status, value, stored) each)."""
-        with self._cond:
+        with self._lock:
             for key, status, value, stored in replies:
                 entry = self._inflight.pop(key, None)  # the future, and the arguments held for it until now
                 if entry is not None:
@@ -287,7 +287,7 @@ class DirectChannel:
         rank reported "lost" by the relay above it (whose connection to the subtree broke) is lost at that
         subtree's first rank; its own worker, if alive, skips its number (the item may never arrive)."""
         skips: dict[str, list[int]] = {}
-        with self._cond:
+        with self._lock:
             tree = self._trees.get(tree_id)
             if tree is None:
                 return
@@ -305,7 +305,7 @@ class DirectChannel:
             self._skip(address, seqs)
 
     def _answer(self, fut: DirectFuture, status: str, value: Any, stored: bool, skips: dict | None) -> None:
-        """(Holding `_cond`.) `fut`'s reply; nothing for a future already cancelled but its number skipped where
+        """(Holding `_lock`.) `fut`'s reply; nothing for a future already cancelled but its number skipped where
         its item may never have arrived (the worker may live: a relay's connection to it can break for other
         reasons, and a skip to a dead worker costs nothing)."""
         if status == "lost" and skips is not None:
@@ -334,7 +334,7 @@ class DirectChannel:
                 return
             except OSError:  # gone: the next connection takes them
                 pass
-        with self._cond:
+        with self._lock:
             self._skips.setdefault(address, []).extend(seqs)
 
     def close(self) -> None:
@@ -366,7 +366,7 @@ class DirectChannel:
             seq = self._next_seq(address)
             fut = DirectFuture(self, key, address, seq)
             out.append(fut)
-            with self._cond:
+            with self._lock:
                 self._pending.setdefault(address, {})[key] = fut
                 self._inflight[key] = (fut, (args, kwargs))
                 self._drain_drops()
@@ -377,7 +377,7 @@ class DirectChannel:
                 head = frames(("skip", self.id, skips)) if skips else []
                 conn.send([*head, *frames(("call", key, step, release, self.id, seq)), *task])  # the task apart
             except Exception as e:
-                with self._cond:
+                with self._lock:
                     self._inflight.pop(key, None)
                     self._skips.setdefault(address, []).extend([*skips, seq])  # if it lives, it must not wait
                 self._finish(fut, "lost", error=e)
@@ -410,7 +410,7 @@ class DirectChannel:
         tree_id = f"{self.id}:{self._tree_count}"
         entries, futs = [], []
         at = clock()
-        with self._cond:
+        with self._lock:
             dropped = self._dropped
             self._drain_drops()
             seqs = self._seq
@@ -439,12 +439,12 @@ class DirectChannel:
     def _report_issued(self, items: Sequence[tuple[str, Any, tuple, dict, str]], step: int | None) -> None:
         """Tell the scheduler (its dashboard) what is being sent, gathered over ISSUE_REPORT_S and sent from a
         timer thread: the caller does not wait on the scheduler, nor pay for the reports."""
-        with self._cond:
+        with self._lock:
             self._issued.append((items, None, step, clock()))
         self._schedule_issued()
 
     def _schedule_issued(self) -> None:
-        with self._cond:
+        with self._lock:
             if self._issue_pending:
                 return  # a send is already scheduled and will take these too
             self._issue_pending = True
@@ -486,7 +486,7 @@ class DirectChannel:
         return [report]
 
     def _send_issued(self) -> None:
-        with self._cond:
+        with self._lock:
             issued, self._issued = self._issued, []
             self._issue_pending = False
         if self._closed or self._client is None:
@@ -507,7 +507,7 @@ class DirectChannel:
         error: BaseException | None = None,
     ) -> None:
         """Finish `fut` here (its send failed, its worker died, or it was cancelled)."""
-        with self._cond:
+        with self._lock:
             if fut.status == "pending":
                 fut.value, fut.stored, fut.error, fut.status = value, stored, error, status
                 self._lost_since_wake |= status == "lost"
@@ -521,7 +521,7 @@ class DirectChannel:
     def wait(self, futures: Sequence[DirectFuture], timeout: float | None) -> bool:
         """Wait until every future is done, or one is lost (its worker died: the others may never finish);
         False when `timeout` ran out first."""
-        with self._cond:
+        with self._lock:
             if not _unfinished(futures):
                 return True
             waiter = _Waiter(futures)
@@ -532,13 +532,13 @@ class DirectChannel:
                 return True
         elif waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return True
-        with self._cond:  # timed out: unless woken meanwhile, no longer waiting
+        with self._lock:  # timed out: unless woken meanwhile, no longer waiting
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
             return not _unfinished(futures)
 
     def _wake(self) -> None:
-        """(Holding `_cond`, after futures finished.) Wake the waiters whose futures are all done or one lost."""
+        """(Holding `_lock`, after futures finished.) Wake the waiters whose futures are all done or one lost."""
         if self._waiters:
             lost, keep = self._lost_since_wake, []
             for w in self._waiters:
@@ -569,7 +569,7 @@ class DirectChannel:
 
     def least_busy(self, addresses: Sequence[str]) -> str:
         """The address with the fewest items sent and not yet done (the first among equals)."""
-        with self._cond:
+        with self._lock:
             busy = {a: len(self._pending.get(a, ())) for a in addresses}
             for tree in self._trees.values():
                 for a in addresses:
@@ -582,7 +582,7 @@ class DirectChannel:
         """Fail every pending item sent to `address`: `lost` (its worker died: the connection is closed too, and
         the ranks of the trees it relayed that have not answered are lost with it), or cancelled with `error` (the
         worker lives on; what it still replies for them is ignored). Returns them."""
-        with self._cond:
+        with self._lock:
             futs = list(self._pending.pop(address, {}).values())
             for f in futs:
                 self._inflight.pop(f.key, None)
@@ -594,7 +594,7 @@ class DirectChannel:
             self._finish(f, "lost" if lost else "error", error=error)
         if lost:
             self._lose_relayed(address)
-            with self._cond:
+            with self._lock:
                 self._dropped.pop(address, None)
         conn = self._connections.pop(address, None) if lost else None
         if conn is not None:
@@ -609,7 +609,7 @@ class DirectChannel:
         """`address` died: in every tree it was a node of, it and the ranks below it that have not answered may
         never answer. They are lost at `address`, and the workers of the others skip their numbers."""
         skips: dict[str, list[int]] = {}
-        with self._cond:
+        with self._lock:
             for tree_id, tree in list(self._trees.items()):
                 at = tree.position(address)
                 if at is None:
@@ -640,7 +640,7 @@ class DirectChannel:
             _later(RELEASE_S, self._release)
 
     def _drain_drops(self) -> None:
-        """(Holding `_cond`.) Move the finalizers' drops into the per-worker lists."""
+        """(Holding `_lock`.) Move the finalizers' drops into the per-worker lists."""
         drops, dropped = self._drops, self._dropped
         while drops:
             address, key = drops.popleft()
@@ -649,7 +649,7 @@ class DirectChannel:
     def _release(self) -> None:
         """Send the drops to the workers this controller is connected to; a worker it reaches only through trees
         gets its drops with its next item (connecting to every rank of a large tree would undo the tree)."""
-        with self._cond:
+        with self._lock:
             self._flush_pending = False
             self._drain_drops()
             by_address, self._dropped = self._dropped, {}
@@ -750,7 +750,7 @@ class _Replies:
                 self._poll(left)
             return True
         finally:
-            with self._channel._cond:
+            with self._channel._lock:
                 self._polling = None
                 if self._channel._waiters:  # others wait (on their locks): the background thread reads for them now
                     self._resume.set()

@@ -138,7 +138,17 @@ class Connection:
 
     def receive_frames(self) -> tuple[bytearray, list[bytearray]]:
         """The next message's pickle bytes and out-of-band buffers, not yet unpickled."""
-        n, count = _FRAME.unpack(self._exactly(_FRAME.size))
+        if self._end == self._start:  # (most messages: a reply, an item) one `recv`, then cut from the buffer
+            self._fill()
+        start = self._start
+        if self._end - start >= _FRAME.size:
+            n, count = _FRAME.unpack_from(self._buf, start)
+            if not count and self._end - start - _FRAME.size >= n:  # whole in the buffer
+                self._start = start + _FRAME.size + n
+                return self._buf[start + _FRAME.size : self._start], []
+            self._start = start + _FRAME.size
+        else:
+            n, count = _FRAME.unpack(self._exactly(_FRAME.size))
         if count > MAX_BUFFERS:
             raise ProtocolError(f"a message announced {count} buffers, more than the {MAX_BUFFERS} allowed")
         sizes = struct.unpack(f"!{count}Q", self._exactly(8 * count)) if count else ()
@@ -168,11 +178,15 @@ class Connection:
                     raise ConnectionError("the connection was closed")
                 got += k
             else:
-                k = self.sock.recv_into(self._view)
-                if not k:
-                    raise ConnectionError("the connection was closed")
-                self._start, self._end = 0, k
+                self._fill()
         return out
+
+    def _fill(self) -> None:
+        """(The buffer empty.) What the socket has, up to the buffer's size; waits for at least a byte."""
+        k = self.sock.recv_into(self._view)
+        if not k:
+            raise ConnectionError("the connection was closed")
+        self._start, self._end = 0, k
 
     def close(self) -> None:
         try:
@@ -195,6 +209,8 @@ def frames(obj: Any) -> list:
 
         buffers = []
         data = dumps(obj, buffer_callback=buffers.append)
+    if not buffers:  # (most messages: headers, replies, small inputs)
+        return [_FRAME.pack(len(data), 0) + data]
     views = [b.raw() for b in buffers]
     return [
         _FRAME.pack(len(data), len(views)) + struct.pack(f"!{len(views)}Q", *(v.nbytes for v in views)) + data,

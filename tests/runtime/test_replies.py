@@ -21,7 +21,7 @@ class _Channel:
     waiter registered under their text; records which thread read each."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
         self._closed = False
         self.waiters: dict[str, channel._Waiter] = {}
         self._waiters: list = []  # (the channel's waiters on their locks: none here)
@@ -36,7 +36,7 @@ class _Channel:
             self.broken.append(address)
             return False
         self.read.append((msg, threading.current_thread().name))
-        with self._cond:
+        with self._lock:
             w = self.waiters.pop(msg, None)
             if w is not None:
                 w.lock.release()
@@ -57,7 +57,7 @@ def link():
 
 def _poll_in_thread(ch: _Channel, waiter: channel._Waiter, out: list) -> threading.Thread:
     def run() -> None:
-        with ch._cond:
+        with ch._lock:
             assert ch.replies.lead(waiter)  # in the waiting thread, as `DirectChannel.wait` does
         t0 = time.monotonic()
         out.append((ch.replies.wait(waiter, 20), time.monotonic() - t0))
@@ -102,7 +102,7 @@ def test_a_caller_whose_reply_another_thread_read_is_woken_at_once(link, monkeyp
     waiter, out = channel._Waiter([]), []
     caller = _poll_in_thread(ch, waiter, out)
     time.sleep(0.2)
-    with ch._cond:  # as a reply read elsewhere (the background thread, a lost worker) completes its call
+    with ch._lock:  # as a reply read elsewhere (the background thread, a lost worker) completes its call
         waiter.lock.release()
         ch.replies.woke(waiter)
     caller.join(20)
