@@ -2,7 +2,7 @@
 
 Each worker (present or joining later, `DirectPlugin`) listens on a port of its own; a connection that proves it
 holds the worker's secret (`flowactors.transport.wire`) sends items, which a thread of the worker reads and hands
-to the task thread one at a time. Outputs stay in this process's store until released, are fetched by peers
+to its task thread (`_TaskThread`, one per worker) one at a time. Outputs stay in this process's store until released, are fetched by peers
 (chained calls) and the controller, and their runs are reported to the dashboard (`CALLS_TOPIC`).
 """
 
