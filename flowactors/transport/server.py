@@ -2,8 +2,9 @@
 
 Each worker (present or joining later, `DirectPlugin`) listens on a port of its own; a connection that proves it
 holds the worker's secret (`flowactors.transport.wire`) sends items, which a thread of the worker reads and hands
-to its task thread (`_TaskThread`, one per worker) one at a time. Outputs stay in this process's store until released, are fetched by peers
-(chained calls) and the controller, and their runs are reported to the dashboard (`CALLS_TOPIC`).
+to its task thread (`_TaskThread`, one per worker) one at a time. Outputs stay in this process's store until
+released, are fetched by peers (chained calls) and the controller, and their runs are reported to the dashboard
+(`CALLS_TOPIC`).
 """
 
 from __future__ import annotations
