@@ -221,7 +221,7 @@ class Controller:
         site = self.transport.apply_site(args, kwargs, [a for a in self.slots if a not in self._lost] or self.slots)
         fut = self.submit_pinned_all([(site, _runtime.apply, (fn, args, kwargs), {}, f"{label}-{new_token()}")])[0]
         return self._track(
-            CallFuture(self, [fut], _runtime.SINGLE, Layout(), label, "apply", (site,) if site is not None else ())
+            CallFuture(self, [fut], _runtime.SINGLE, Layout(), label, "apply", (site,) if isinstance(site, str) else ())
         )
 
     def scatter_to(self, items: Sequence[tuple[str, Any]]) -> list[Future]:

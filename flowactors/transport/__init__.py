@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "by_call"]
 
-Work = tuple[str | None, Any, tuple, dict, str]
-"""(address, fn, args, kwargs, key): `fn(*args, **kwargs)` to run on the worker at `address` under `key`. An
-address of None (a `Controller.apply` where `apply_site` said None): any worker, where the scheduler puts it."""
+Work = tuple[str | tuple[str, ...], Any, tuple, dict, str]
+"""(address, fn, args, kwargs, key): `fn(*args, **kwargs)` to run on the worker at `address` under `key`. A tuple
+of addresses (a `Controller.apply` where `apply_site` named several): any one of them, where the scheduler puts it."""
 
 
 class CallTimeout(Exception):
@@ -72,10 +72,12 @@ class Transport(ABC):
 
         return self.submit(expand(call), step)
 
-    def apply_site(self, args: tuple, kwargs: dict, slots: Sequence[str]) -> str | None:
-        """The worker a `Controller.apply` over these (unwrapped) arguments runs on, one of `slots`; None: the
-        scheduler places it where its inputs are."""
-        return None
+    def apply_site(self, args: tuple, kwargs: dict, slots: Sequence[str]) -> str | tuple[str, ...]:
+        """The worker a `Controller.apply` over these (unwrapped) arguments runs on, one of `slots` (the world's
+        live workers); all of them as a tuple: the scheduler places it among them, where its inputs are. Never a
+        pool worker: those come and go with their owner (an elastic fleet's replica), and a step's data placed on
+        one would be lost with it."""
+        return tuple(slots)
 
     def ship(self, addresses: Sequence[str], per_rank: list) -> list:
         """Each rank's (args, kwargs) of a group call as they travel to `addresses` (unchanged by default)."""

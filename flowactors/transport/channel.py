@@ -835,9 +835,10 @@ class DirectTransport(Transport):
         return self.channel.submit_fanout(call, step=step)
 
     def apply_site(self, args: tuple, kwargs: dict, slots: Sequence[str]) -> str:
-        """The worker that produced the first input (its output is there), else the least busy one."""
+        """The worker that produced the first input produced by one of `slots` (its output is there), else the
+        least busy slot."""
         return next(
-            (f.address for v in (*args, *kwargs.values()) for f in _direct_futures(v)), None
+            (f.address for v in (*args, *kwargs.values()) for f in _direct_futures(v) if f.address in slots), None
         ) or self.channel.least_busy(slots)
 
     def resolve(self, calls: Sequence[Any], timeout: float | None, values: bool = True) -> list[list]:

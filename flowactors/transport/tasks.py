@@ -116,16 +116,27 @@ class DaskTransport(Transport):
     def submit(self, tasks: Sequence[Work], step: int | None) -> list[Future]:
         """Every rank of one call in one graph update (`submit_pinned_tasks`): one scheduler round of work per
         call instead of one per rank. They share one place in the issue order (a priority below every earlier
-        call's); a task depends on the previous one issued to its worker. A task without an address runs where
-        the scheduler puts it, after nothing, with the next priority."""
+        call's); a task depends on the previous one issued to its worker. A task with several addresses runs on
+        one of them, where the scheduler puts it, after nothing, with the next priority."""
         out: list[Future] = []
         batch: list[PinnedTask] = []
         seq = next(self._seq)
         for address, fn, args, kwargs, key in tasks:
-            if address is None:
+            if isinstance(address, tuple):
                 out += self._send(batch)
                 batch, seq = [], next(self._seq)
-                out.append(self.client.submit(fn, *args, key=key, pure=False, priority=-seq, **kwargs))
+                out.append(
+                    self.client.submit(
+                        fn,
+                        *args,
+                        key=key,
+                        pure=False,
+                        priority=-seq,
+                        workers=list(address),
+                        allow_other_workers=False,
+                        **kwargs,
+                    )
+                )
                 continue
             if any(t.address == address for t in batch):  # a second task for one worker orders after the first
                 out += self._send(batch)

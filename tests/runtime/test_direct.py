@@ -193,3 +193,27 @@ def test_the_controller_reaches_the_workers_of_its_host_by_unix_sockets(ctl, gro
     conns = ctl.transport.channel._connections
     assert set(conns) == set(ctl.slots)
     assert {c.sock.family for c in conns.values()} == {socket.AF_UNIX}
+
+
+def test_the_task_thread_logs_a_failure_of_the_runtime_around_an_item_and_runs_the_next(monkeypatch):
+    """An item's own failure is answered by `_job`; one around it (here a stand-in `_job` that raises for one item,
+    as a broken reply connection would) is logged with the item's key, and the thread serves the items after it."""
+    from structlog.testing import capture_logs
+
+    ran = []
+
+    def job(worker, reply_to, previous, key, *rest):  # stand-in for the item runner
+        if key == "bad-0":
+            raise ConnectionError("the reply could not be sent")
+        ran.append(key)
+
+    monkeypatch.setattr(server, "_job", job)
+    with capture_logs() as logs:
+        thread = server._TaskThread()
+        for key in ("good-0", "bad-0", "good-1"):
+            thread.submit((None, None, None, key))
+        thread.stop()
+        thread._thread.join(10)
+    assert not thread._thread.is_alive() and ran == ["good-0", "good-1"]
+    [entry] = [e for e in logs if e["event"] == "direct item not answered"]
+    assert entry["key"] == "bad-0" and entry["log_level"] == "error"

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import flowactors as fa
-from tests.runtime.workers import Reducer
+from tests.runtime.workers import Reducer, nap
 
 
 def _wait_for(fn, n: int, timeout_s: float = 90.0) -> list[str]:
@@ -74,6 +74,31 @@ def test_pool_workers_join_host_own_world_groups_and_leave_without_touching_the_
             fa.ActorGroup(ctl, Reducer, name="c", slots=ctl.slots[:1], own_world=True)
         with pytest.raises(fa.PlacementError, match="only pool workers"):
             ctl.retire_worker(ctl.slots[0])
+
+
+def _where(_dep=None) -> str:
+    from distributed import get_worker
+
+    return get_worker().address
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["dask", "direct"])
+def test_an_apply_runs_on_the_worlds_workers_never_on_a_pool_worker(direct):
+    """An apply runs where its inputs are among the world's workers only: not on a pool worker, even one idle beside
+    a busy slot or holding the input (before, on the Dask path the scheduler put them there, and a step's batch
+    computed on a fleet's replica was lost when the replica was retired: the Slurm fleet test's flake)."""
+    with fa.Controller.local(
+        1, dashboard=None, collective_timeout_s=60, direct_calls=direct, push_results=False
+    ) as ctl:
+        trainer = fa.ActorGroup(ctl, Reducer, name="trainer", args=(1.0,))
+        assert trainer.all_reduce(1.0).result() == [1.0]
+        ctl.resize_pool("rollout", 1)
+        [w] = _wait_for(lambda: ctl.workers_with("rollout"), 1)
+        a = fa.ActorGroup(ctl, Reducer, name="a", slots=[w], args=(1.0,), own_world=True)
+        held = a.pid()  # an output on the pool worker
+        busy = ctl.apply(nap, 1.0)  # the one slot's one thread, taken for a second
+        where = [ctl.apply(_where, held if i % 2 else busy) for i in range(6)]
+        assert [c.result() for c in where] == ctl.slots * 6  # (w, idle and holding `held`, took none)
 
 
 def test_on_the_dask_path_a_retired_pool_workers_finished_calls_are_lost_and_nothing_is_recomputed():
