@@ -79,6 +79,7 @@ class Controller:
         self._hosted: dict[str, list[tuple[str, int]]] = {}
         self._lost: dict[str, list[tuple[str, int]]] = {}
         self._forgotten: dict[str, list[tuple[str, int]]] = {}  # lost pool workers written off (`forget_lost`)
+        self._retired: set[str] = set()  # pool workers `retire_worker` closed, until the scheduler removes them
         self._world: list[str] | None = None
         self._backend: str | None = None
         self.slots: list[str] = _cluster.discover_slots(client)
@@ -258,7 +259,8 @@ class Controller:
             with self._lock:
                 if e.address in self.slots or e.address in self._hosted:  # not one written off (`forget_lost`)
                     self._lost.setdefault(e.address, self._hosted.get(e.address, []))
-            raise WorkerLostError(e.address, self._lost.get(e.address, []), call=e.label) from e.__cause__
+            hosted = self._lost.get(e.address) or self._forgotten.get(e.address, [])
+            raise WorkerLostError(e.address, hosted, call=e.label) from e.__cause__
         except (FutureCancelledError, FuturesCancelledError) as e:
             for c in calls:
                 lost = self._lost_error(c.addresses, c.label)
@@ -302,7 +304,11 @@ class Controller:
             return
         with self._lock:
             self._leaving.discard(address)
-            self._lost[address] = self._hosted.get(address, [])
+            if address in self._retired:  # its owner took back what it held: written off, not lost (`forget_lost`)
+                self._retired.discard(address)
+                self._forgotten[address] = self._hosted.pop(address, [])
+            else:
+                self._lost[address] = self._hosted.get(address, [])
             futures = [f for c in list(self._calls) if address in c.addresses for f in c.futures]
         await self.transport.worker_lost(address, futures)
 
@@ -311,7 +317,7 @@ class Controller:
         address = msg.get("worker") if isinstance(msg, dict) else None
         if address is not None:
             with self._lock:  # (the client's event thread; `leaving` reads it on the caller's)
-                if address not in self._lost:
+                if address not in self._lost and address not in self._retired:  # (a retired one is told to stop)
                     self._leaving.add(address)
 
     @property
@@ -341,10 +347,11 @@ class Controller:
         return self._lost_error(found, label)
 
     def _lost_error(self, addresses: Sequence[str], label: str) -> WorkerLostError | None:
-        lost = [a for a in addresses if a in self._lost] or list(self._lost)
+        gone = {**self._forgotten, **self._lost}  # (a call naming a worker written off or retired: lost at it)
+        lost = [a for a in addresses if a in gone] or list(self._lost)
         if not lost:
             return None
-        return WorkerLostError(lost[0], [h for a in lost for h in self._lost[a]], call=label)
+        return WorkerLostError(lost[0], [h for a in lost for h in gone[a]], call=label)
 
     @property
     def lost_workers(self) -> list[str]:
@@ -373,9 +380,13 @@ class Controller:
 
     def retire_worker(self, address: str) -> None:
         """Close a pool worker gracefully (after its owner took back what it held): a cluster this controller
-        scales forgets its spec, so it is not restarted; on a joined cluster the scheduler retires it."""
+        scales forgets its spec, so it is not restarted; on a joined cluster the scheduler retires it. Once it is
+        gone it is written off as `forget_lost` does, not counted as lost: its unfinished calls are cancelled and
+        its finished results not kept (gathering one raises `WorkerLostError`)."""
         if address in self.slots:
             raise PlacementError(f"{address} is a slot of the controller's world; only pool workers are retired")
+        with self._lock:
+            self._retired.add(address)
         if self.cluster is not None and hasattr(self.cluster, "worker_spec"):
             name = self.client.scheduler_info(n_workers=-1)["workers"].get(address, {}).get("name")
             if name is not None:
