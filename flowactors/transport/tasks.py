@@ -41,7 +41,7 @@ from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, by_ca
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
 
-__all__ = ["DaskTransport", "PinnedTask", "scatter_to", "submit_pinned_tasks"]
+__all__ = ["DaskTransport", "PinnedTask", "failure_story", "scatter_to", "submit_pinned_tasks"]
 
 SCATTER_BYTES = 64 * 1024
 """Batch arguments of a group call from this size up are sent straight to their rank's worker (`DaskTransport.ship`)."""
@@ -189,7 +189,14 @@ class DaskTransport(Transport):
                 raise CallTimeout() from e
         if not values:
             return []
-        return by_call(self.client.gather(futures), calls)
+        try:
+            return by_call(self.client.gather(futures), calls)
+        except AttributeError as e:  # distributed's gather, on a future failed with no error to raise (its bug)
+            failed = [f.key for f in futures if f.status != "finished"]
+            if not failed:
+                raise
+            story = self.client.run_on_scheduler(failure_story, failed)
+            raise RuntimeError(f"Dask failed {failed} without an error to raise; the scheduler's story: {story}") from e
 
     def settle(self, futures: Sequence[Future], timeout: float) -> None:
         self.client.sync(_wait, list(futures), timeout=timeout)
@@ -214,6 +221,26 @@ class DaskTransport(Transport):
         self._last.clear()
         for f in _newest_first(stale):
             self.client.cancel([f], reason="recovery", msg="the controller rebuilt its groups after a lost worker")
+
+
+def failure_story(keys: Sequence[str], dask_scheduler: Any = None) -> list[dict]:
+    """(Run on the scheduler.) What the scheduler knows of each of `keys`: its state, the task it blames for an
+    error, its dependencies' states and its last transitions; where Dask fails a task without an error to raise,
+    the controller's message carries this instead of distributed's own AttributeError."""
+    out = []
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        blame = ts.exception_blame if ts is not None else None
+        out.append(
+            {
+                "key": key,
+                "state": ts.state if ts is not None else "forgotten",
+                "blame": (blame.key, blame.state) if blame is not None else None,
+                "dependencies": [(d.key, d.state) for d in ts.dependencies] if ts is not None else [],
+                "transitions": [f"{t[1]}->{t[2]} ({t[4]})" for t in dask_scheduler.story(key)[-6:]],
+            }
+        )
+    return out
 
 
 def _newest_first(futures: Sequence[Future]) -> list[Future]:

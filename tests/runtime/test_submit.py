@@ -75,3 +75,31 @@ def test_submit_pinned_tasks_refuses_repeated_keys(controller4):
     t = PinnedTask(controller4.slots[0], nap, "submit.same", (0.0,))
     with pytest.raises(ValueError, match="keys must be distinct"):
         submit_pinned_tasks(controller4.client, [t, t])
+
+
+def _fails(_dep=None):
+    raise ValueError("on purpose")
+
+
+def test_the_failure_story_tells_a_tasks_state_its_blame_and_transitions(controller4):
+    """What the controller reports where Dask fails a future without an error to raise (`failure_story`), here on
+    a task that failed on purpose and one that depends on it."""
+    from flowactors.transport.tasks import failure_story
+
+    client = controller4.client
+    bad = client.submit(_fails, key="story-bad", pure=False)
+    after = client.submit(_fails, bad, key="story-after", pure=False)
+    with pytest.raises(ValueError, match="on purpose"):
+        client.gather([after])
+    story = {s["key"]: s for s in client.run_on_scheduler(failure_story, ["story-bad", "story-after", "story-none"])}
+    assert story["story-bad"]["state"] == "erred" and story["story-bad"]["blame"] == ("story-bad", "erred")
+    assert any(t.startswith("processing->erred") for t in story["story-bad"]["transitions"])
+    assert story["story-after"]["blame"] == ("story-bad", "erred")
+    assert story["story-after"]["dependencies"] == [("story-bad", "erred")]
+    assert story["story-none"] == {
+        "key": "story-none",
+        "state": "forgotten",
+        "blame": None,
+        "dependencies": [],
+        "transitions": [],
+    }
