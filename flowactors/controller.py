@@ -390,6 +390,11 @@ class Controller:
         if self.cluster is not None and hasattr(self.cluster, "worker_spec"):
             name = self.client.scheduler_info(n_workers=-1)["workers"].get(address, {}).get("name")
             if name is not None:
+                # Dask's graceful retire first: no task goes there any more, and what only it holds is copied to
+                # other workers, so nothing Dask tracks is lost with it (a lost result a future still names, Dask
+                # recomputes, and with it the actor calls it came from: the Slurm fleet test's flake). The cluster's
+                # scale-down alone would not: it hands the scheduler the worker's name where Dask wants an address.
+                self.client.retire_workers([address], close_workers=False, remove=False)
                 self.cluster.sync(self.cluster.scale_down, [name])
                 return
         self.client.retire_workers([address], close_workers=True)

@@ -127,7 +127,11 @@ def test_on_the_dask_path_a_retired_pool_workers_finished_calls_are_lost_and_not
             assert a.all_reduce(1.0).result() == [1.0]
         scheduler_comm = ctl.client.scheduler_comm
         pending = a.sleep(60.0)  # a call its owner did not take back
+        key = done.futures[0].key
+        assert ctl.client.who_has(done.futures)[key] == (w,)
         ctl.retire_worker(w)
+        # a graceful retire: Dask copied what only w held to the world, so it recomputes nothing once w is gone
+        assert ctl.client.who_has(done.futures)[key] == tuple(ctl.slots)
         deadline = time.monotonic() + 60
         while w not in ctl._forgotten and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -145,7 +149,6 @@ def test_on_the_dask_path_a_retired_pool_workers_finished_calls_are_lost_and_not
         assert trainer.all_reduce(5.0).result() == [5.0]
         assert ctl.client.scheduler_comm is scheduler_comm and ctl.client.status == "running"
         written_off = ctl.transport._gone
-        key = done.futures[0].key
         assert key in written_off
         del done, lost, pending, unfinished
         gc.collect()
