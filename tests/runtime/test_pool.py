@@ -86,7 +86,7 @@ def _where(_dep=None) -> str:
 def test_an_apply_runs_on_the_worlds_workers_never_on_a_pool_worker(direct):
     """An apply runs where its inputs are among the world's workers only: not on a pool worker, even one idle beside
     a busy slot or holding the input (before, on the Dask path the scheduler put them there, and a step's batch
-    computed on a fleet's replica was lost when the replica was retired: the Slurm fleet test's flake)."""
+    computed on a fleet's replica would go with the replica)."""
     with fa.Controller.local(
         1, dashboard=None, collective_timeout_s=60, direct_calls=direct, push_results=False
     ) as ctl:
