@@ -304,9 +304,9 @@ class Controller:
             return
         with self._lock:
             self._leaving.discard(address)
-            if address in self._retired:  # its owner took back what it held: written off, not lost (`forget_lost`)
+            if address in self._retired:  # its owner took back what it held: written off, not lost
                 self._retired.discard(address)
-                self._forgotten[address] = self._hosted.pop(address, [])
+                self._write_off(address)
             else:
                 self._lost[address] = self._hosted.get(address, [])
             futures = [f for c in list(self._calls) if address in c.addresses for f in c.futures]
@@ -364,8 +364,13 @@ class Controller:
         if address in self.slots:
             raise PlacementError(f"{address} is a slot of the controller's world: a lost slot needs recover()")
         with self._lock:
-            self._forgotten[address] = self._lost.pop(address, self._hosted.get(address, []))
-            self._hosted.pop(address, None)
+            self._write_off(address)
+
+    def _write_off(self, address: str) -> None:
+        """(Holding `_lock`.) `address` no longer counts as lost or hosting; what it hosted is kept for the errors of
+        calls that still name it."""
+        self._forgotten[address] = self._lost.pop(address, self._hosted.get(address, []))
+        self._hosted.pop(address, None)
 
     def resize_pool(self, resource: str, n: int, preload: Sequence[str] = ()) -> None:
         """Ask the cluster this controller started or was given (a SpecCluster: the embedded one, dask-jobqueue's)
