@@ -80,6 +80,7 @@ class Controller:
         self._lost: dict[str, list[tuple[str, int]]] = {}
         self._forgotten: dict[str, list[tuple[str, int]]] = {}  # lost pool workers written off (`forget_lost`)
         self._retired: set[str] = set()  # pool workers `retire_worker` closed, until the scheduler removes them
+        self._was_retired: set[str] = set()  # retired pool workers, once removed (written off: `_forgotten`)
         self._world: list[str] | None = None
         self._backend: str | None = None
         self.slots: list[str] = _cluster.discover_slots(client)
@@ -260,7 +261,7 @@ class Controller:
                 if e.address in self.slots or e.address in self._hosted:  # not one written off (`forget_lost`)
                     self._lost.setdefault(e.address, self._hosted.get(e.address, []))
             hosted = self._lost.get(e.address) or self._forgotten.get(e.address, [])
-            raise WorkerLostError(e.address, hosted, call=e.label) from e.__cause__
+            raise self._lost_at(e.address, hosted, e.label) from e.__cause__
         except (FutureCancelledError, FuturesCancelledError) as e:
             for c in calls:
                 lost = self._lost_error(c.addresses, c.label)
@@ -306,6 +307,7 @@ class Controller:
             self._leaving.discard(address)
             if address in self._retired:  # its owner took back what it held: written off, not lost
                 self._retired.discard(address)
+                self._was_retired.add(address)
                 self._write_off(address)
             else:
                 self._lost[address] = self._hosted.get(address, [])
@@ -338,7 +340,7 @@ class Controller:
             return None
         gone = [a for a in found if a in self._forgotten]
         if gone:  # a worker already written off: lost at it, at once (it is not reported again)
-            return WorkerLostError(gone[0], self._forgotten[gone[0]], call=label)
+            return self._lost_at(gone[0], self._forgotten[gone[0]], label)
         deadline = time.monotonic() + grace_s
         while not any(a in self._lost for a in found):
             if time.monotonic() > deadline:
@@ -351,7 +353,11 @@ class Controller:
         lost = [a for a in addresses if a in gone] or list(self._lost)
         if not lost:
             return None
-        return WorkerLostError(lost[0], [h for a in lost for h in gone[a]], call=label)
+        return self._lost_at(lost[0], [h for a in lost for h in gone[a]], label)
+
+    def _lost_at(self, address: str, hosted: list[tuple[str, int]], label: str) -> WorkerLostError:
+        """The error of a call lost at `address`: a worker that died, or one its owner retired."""
+        return WorkerLostError(address, hosted, call=label, retired=address in self._was_retired)
 
     @property
     def lost_workers(self) -> list[str]:

@@ -55,19 +55,29 @@ class RemoteError(FlowactorsError):
 
 
 class WorkerLostError(FlowactorsError):
-    """The worker process hosting a rank died while a call was pending or its result was still needed."""
+    """The worker process hosting a rank died (or, `retired`, its owner retired it) while a call was pending or its
+    result was still needed."""
 
-    def __init__(self, address: str, hosted: list[tuple[str, int]], call: str | None = None) -> None:
-        self.address, self.hosted, self.call = address, hosted, call
+    def __init__(
+        self, address: str, hosted: list[tuple[str, int]], call: str | None = None, retired: bool = False
+    ) -> None:
+        self.address, self.hosted, self.call, self.retired = address, hosted, call, retired
         roles = ", ".join(f"{g} rank {r}" for g, r in hosted) or "no group"
         what = f"{call} cannot complete: " if call else ""
-        super().__init__(
-            f"{what}worker {address} died (it hosted {roles}); its pending calls were failed. "
-            f"Rebuild the affected groups on live workers and restore the last checkpoint"
-        )
+        if retired:
+            message = (
+                f"{what}worker {address} was retired (it hosted {roles}); what it ran or held and was not taken "
+                f"back before `retire_worker` is gone. Issue those calls again on live workers"
+            )
+        else:
+            message = (
+                f"{what}worker {address} died (it hosted {roles}); its pending calls were failed. "
+                f"Rebuild the affected groups on live workers and restore the last checkpoint"
+            )
+        super().__init__(message)
 
     def __reduce__(self) -> tuple:
-        return (WorkerLostError, (self.address, self.hosted, self.call))
+        return (WorkerLostError, (self.address, self.hosted, self.call, self.retired))
 
 
 class EndpointError(FlowactorsError, AttributeError):

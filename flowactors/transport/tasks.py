@@ -22,6 +22,7 @@ tests/runtime/test_submit.py check the restrictions, priorities and dependencies
 from __future__ import annotations
 
 import itertools
+import secrets
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, by_ca
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
 
-__all__ = ["DaskTransport", "PinnedTask", "failure_story", "scatter_to", "submit_pinned_tasks"]
+__all__ = ["DaskTransport", "PinnedTask", "Rerun", "failure_story", "once", "scatter_to", "submit_pinned_tasks"]
 
 SCATTER_BYTES = 64 * 1024
 """Batch arguments of a group call from this size up are sent straight to their rank's worker (`DaskTransport.ship`)."""
@@ -104,11 +105,70 @@ def scatter_to(client: Client, items: Sequence[tuple[str, Any]]) -> list[Future]
     return client.sync(send) if items else []
 
 
+class Rerun:
+    """What a pinned task returns when Dask asks its worker to run it a second time (`once`): the value of a call
+    whose result was lost, in place of running the call again."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"Rerun({self.key!r})"
+
+
+_RAN: dict[str, int] = {}
+"""(In a worker process.) Each controller's (its transport's `ident`) highest issue number run here."""
+
+
+def once(ident: str, seq: int | None, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """(On the worker: every task of the Dask path.) Run `fn(*args, **kwargs)` unless this worker ran the task
+    already, and never on an input that was such a rerun.
+
+    Dask recomputes a result lost with its worker while a client still holds its future, and with it every released
+    task that result came from: the worker-ordering links (`_after`) chain a worker's calls back to its group's
+    construction. An actor's call is not a pure function, so a second run would apply a train step twice or tear
+    down a group built since. Pinned tasks run on a worker in their issue order (`seq`), so one numbered at or below
+    the highest run there is a rerun: it returns a `Rerun` at once. A task whose data input is a `Rerun` (a task
+    that can run on several workers, `seq` None, recomputed elsewhere) raises instead of computing on it."""
+    if seq is not None:
+        if seq <= _RAN.get(ident, -1):
+            from distributed.worker import thread_state
+
+            return Rerun(getattr(thread_state, "key", None))
+        _RAN[ident] = seq
+    lost = _rerun_in(args) or _rerun_in([v for k, v in kwargs.items() if k != "_after"])
+    if lost is not None:
+        raise RuntimeError(
+            f"an input of this task, the result of {lost.key}, was lost with its worker and Dask asked for it again; "
+            "flowactors does not run an actor's call twice, so it is gone: issue the calls again"
+        )
+    return fn(*args, **kwargs)
+
+
+def _rerun_in(value: Any) -> Rerun | None:
+    """The first `Rerun` in `value` or in the lists, tuples, sets and dicts inside it (where Dask puts the values
+    of futures found there)."""
+    if type(value) is Rerun:
+        return value
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple, set, frozenset)):
+        return None
+    for v in value:
+        if type(v) in (list, tuple, dict, set, frozenset, Rerun) and (found := _rerun_in(v)) is not None:
+            return found
+    return None
+
+
 class DaskTransport(Transport):
-    """Calls as pinned Dask tasks: the task stream shows every call, and the scheduler moves the data."""
+    """Calls as pinned Dask tasks: the task stream shows every call, and the scheduler moves the data. Each task
+    runs under `once`: Dask's recomputation of a lost result never runs an actor's call a second time."""
 
     def __init__(self, client: Client) -> None:
         super().__init__(client)
+        self.ident = secrets.token_hex(8)  # this controller's in `once`
         self._seq = itertools.count()
         self._last: dict[str, Future] = {}  # the latest task issued to each worker: the next one runs after it
         self._gone: dict[str, str] = {}  # key -> the dead worker of its call, for finished results written off
@@ -127,6 +187,9 @@ class DaskTransport(Transport):
                 batch, seq = [], next(self._seq)
                 out.append(
                     self.client.submit(
+                        once,
+                        self.ident,
+                        None,
                         fn,
                         *args,
                         key=key,
@@ -144,7 +207,8 @@ class DaskTransport(Transport):
             prev = self._last.get(address)
             if prev is not None and prev.status in ("error", "cancelled"):
                 prev = None
-            batch.append(PinnedTask(address, fn, key, tuple(args), {**kwargs, "_after": prev}, priority=-seq))
+            args = (self.ident, seq, fn, *args)
+            batch.append(PinnedTask(address, once, key, args, {**kwargs, "_after": prev}, priority=-seq))
         return out + self._send(batch)
 
     def _send(self, batch: list[PinnedTask]) -> list[Future]:
@@ -190,13 +254,21 @@ class DaskTransport(Transport):
         if not values:
             return []
         try:
-            return by_call(self.client.gather(futures), calls)
+            values_ = self.client.gather(futures)
         except AttributeError as e:  # distributed's gather, on a future failed with no error to raise (its bug)
             failed = [f.key for f in futures if f.status != "finished"]
             if not failed:
                 raise
             story = self.client.run_on_scheduler(failure_story, failed)
             raise RuntimeError(f"Dask failed {failed} without an error to raise; the scheduler's story: {story}") from e
+        rerun = next((v for v in values_ if type(v) is Rerun), None)
+        if rerun is not None:
+            raise RuntimeError(
+                f"the result of {rerun.key} was lost (its worker died, or this client's connection to the scheduler "
+                "broke and it asked for the result again) and Dask recomputed it; flowactors does not run an actor's "
+                "call twice, so the value is gone: issue the call again"
+            )
+        return by_call(values_, calls)
 
     def settle(self, futures: Sequence[Future], timeout: float) -> None:
         self.client.sync(_wait, list(futures), timeout=timeout)

@@ -138,6 +138,7 @@ def test_on_the_dask_path_a_retired_pool_workers_finished_calls_are_lost_and_not
         with pytest.raises(fa.WorkerLostError) as lost:
             done.result(timeout=30)
         assert lost.value.address == w and lost.value.hosted == [("a", 0)]
+        assert lost.value.retired and f"worker {w} was retired" in str(lost.value)
         with pytest.raises(fa.WorkerLostError) as unfinished:  # cancelled, and lost at its worker
             pending.result(timeout=30)
         assert unfinished.value.address == w and unfinished.value.hosted == [("a", 0)]
@@ -153,6 +154,37 @@ def test_on_the_dask_path_a_retired_pool_workers_finished_calls_are_lost_and_not
         del done, lost, pending, unfinished
         gc.collect()
         assert key not in written_off  # nobody can ask for it any more: not kept for the run's life
+
+
+def test_on_the_dask_path_a_replica_that_dies_makes_no_live_worker_run_its_calls_again():
+    """The Dask call path (a TLS cluster, Slurm): a pool worker dies unannounced while a future still names its
+    result, which came from the trainer's call. Dask recomputes a lost result and every released task it came from:
+    the trainer's calls, chained by their ordering links back to its group's creation. Before, the trainer ran them
+    again (its history [1, 2, 3, 1, 2] or its group's creation failing), and the next trainer call hung behind the
+    failed chain; each task now runs at most once on its worker (`tasks.once`)."""
+    with fa.Controller.local(1, dashboard=None, collective_timeout_s=60, direct_calls=False, push_results=False) as ctl:
+        trainer = fa.ActorGroup(ctl, Reducer, name="trainer")
+        ctl.resize_pool("rollout", 1)
+        [w] = _wait_for(lambda: ctl.workers_with("rollout"), 1)
+        replica = fa.ActorGroup(ctl, Reducer, name="replica", slots=[w], own_world=True)
+        assert trainer.record(1).result() == [1]
+        weights = trainer.record(2)
+        held = replica.record(7, weights)  # held, as a fleet holds its weight loads; its input came from the trainer
+        assert held.result() == [7]
+        del weights  # released: the trainer's result is freed once the replica has it
+        gc.collect()
+        assert trainer.record(3).result() == [3]
+        [pid] = replica.pid().result()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while w not in ctl.lost_workers and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # (Dask's recomputation, where it happens, is under way by now)
+        assert trainer.history().result(timeout=30) == [[1, 2, 3]]
+        assert trainer.record(4).result(timeout=30) == [4]
+        with pytest.raises(fa.WorkerLostError) as lost:
+            held.result(timeout=30)
+        assert lost.value.address == w and not lost.value.retired and f"worker {w} died" in str(lost.value)
 
 
 def test_recovery_on_the_dask_path_keeps_the_clients_connection_and_the_live_workers_results():

@@ -103,3 +103,38 @@ def test_the_failure_story_tells_a_tasks_state_its_blame_and_transitions(control
         "dependencies": [],
         "transitions": [],
     }
+
+
+_RUNS: list[str] = []  # (in a worker process) what `_bump` ran there
+
+
+def _bump(tag, _after=None) -> int:
+    _RUNS.append(tag)
+    return len(_RUNS)
+
+
+def test_a_task_dask_runs_again_is_not_run_and_its_value_is_refused(controller4):
+    """Every task of the Dask path runs under `tasks.once`: Dask asking a worker to run a task again (it recomputes
+    a result lost with a worker, and every released task that result came from) gets a `Rerun` without the function
+    running; a task given a `Rerun` as input raises; the controller refuses a `Rerun` as a call's value. (A
+    controller of its own, `ident`, so that this one's issue numbers are untouched.)"""
+    from flowactors.futures import CallFuture
+    from flowactors.protocols import ONE_TO_ALL
+    from flowactors.transport.tasks import Rerun, once
+
+    client, a = controller4.client, controller4.slots[0]
+
+    def run(key, seq, *args):
+        return client.submit(once, "test-ident", seq, _bump, *args, key=key, workers=[a], pure=False)
+
+    assert client.gather(run("rerun-1", 1, "one")) == 1
+    assert client.gather(run("rerun-2", 2, "two")) == 2
+    again = run("rerun-1-again", 1, "one")  # as Dask recomputing rerun-1: the same issue number on the same worker
+    value = client.gather(again)
+    assert type(value) is Rerun and value.key == "rerun-1-again"
+    assert client.gather(run("rerun-3", 3, "three")) == 3  # ran: the count went on from 2
+    with pytest.raises(RuntimeError, match="rerun-1-again, was lost with its worker"):
+        client.gather(client.submit(once, "test-ident", None, _bump, [again], key="rerun-input", workers=[a]))
+    call = CallFuture(controller4, [again], ONE_TO_ALL, None, "t", "bump", [a])
+    with pytest.raises(RuntimeError, match="does not run an actor's call twice"):
+        controller4.transport.resolve([call], None)
