@@ -79,8 +79,7 @@ class Controller:
         self._hosted: dict[str, list[tuple[str, int]]] = {}
         self._lost: dict[str, list[tuple[str, int]]] = {}
         self._forgotten: dict[str, list[tuple[str, int]]] = {}  # lost pool workers written off (`forget_lost`)
-        self._retired: set[str] = set()  # pool workers `retire_worker` closed, until the scheduler removes them
-        self._was_retired: set[str] = set()  # retired pool workers, once removed (written off: `_forgotten`)
+        self._retired: set[str] = set()  # pool workers `retire_worker` closed (once removed: written off too)
         self._world: list[str] | None = None
         self._backend: str | None = None
         self.slots: list[str] = _cluster.discover_slots(client)
@@ -306,8 +305,6 @@ class Controller:
         with self._lock:
             self._leaving.discard(address)
             if address in self._retired:  # its owner took back what it held: written off, not lost
-                self._retired.discard(address)
-                self._was_retired.add(address)
                 self._write_off(address)
             else:
                 self._lost[address] = self._hosted.get(address, [])
@@ -357,7 +354,7 @@ class Controller:
 
     def _lost_at(self, address: str, hosted: list[tuple[str, int]], label: str) -> WorkerLostError:
         """The error of a call lost at `address`: a worker that died, or one its owner retired."""
-        return WorkerLostError(address, hosted, call=label, retired=address in self._was_retired)
+        return WorkerLostError(address, hosted, call=label, retired=address in self._retired)
 
     @property
     def lost_workers(self) -> list[str]:
