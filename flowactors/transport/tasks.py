@@ -147,17 +147,16 @@ def once(ident: str, seq: int | None, fn: Any, *args: Any, **kwargs: Any) -> Any
     return fn(*args, **kwargs)
 
 
+_HOLDERS = (list, tuple, dict, set, frozenset, Rerun)
+"""The types `_rerun_in` looks into (or at): Dask puts the values of futures found in these containers."""
+
+
 def _rerun_in(value: Any) -> Rerun | None:
-    """The first `Rerun` in `value` or in the lists, tuples, sets and dicts inside it (where Dask puts the values
-    of futures found there)."""
+    """The first `Rerun` in `value` (one of `_HOLDERS`) or in the lists, tuples, sets and dicts inside it."""
     if type(value) is Rerun:
         return value
-    if isinstance(value, dict):
-        value = value.values()
-    elif not isinstance(value, (list, tuple, set, frozenset)):
-        return None
-    for v in value:
-        if type(v) in (list, tuple, dict, set, frozenset, Rerun) and (found := _rerun_in(v)) is not None:
+    for v in value.values() if type(value) is dict else value:
+        if type(v) in _HOLDERS and (found := _rerun_in(v)) is not None:
             return found
     return None
 
