@@ -4,11 +4,14 @@ A terminal's Ctrl-C goes to every process of its foreground group: the controlle
 embedded LocalCluster. Each worker would end on its own, with a KeyboardInterrupt traceback, while the controller
 still talks to it. Here the workers ignore SIGINT, and the controller, which owns them, stops them as it unwinds
 (`flowactors.cluster.start_local` loads this with `preload=`). Run before any task, on the worker's main thread.
+It also gives torch the worker's thread count (`OMP_NUM_THREADS`).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -18,3 +21,8 @@ __all__ = ["dask_setup"]
 def dask_setup(worker: Any = None) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a worker forked from a server that imported torch (cluster.fork_from_server) has the thread count torch
+    # read there: the one the cluster gives its workers is applied here
+    threads, torch = os.environ.get("OMP_NUM_THREADS", ""), sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))

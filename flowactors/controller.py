@@ -97,14 +97,24 @@ class Controller:
     # -- opening and closing --------------------------------------------------------------------------------
     @classmethod
     def local(
-        cls, n_slots: int = 2, *, dashboard: str | None = "127.0.0.1:8787", secure: bool = True, **kwargs: Any
+        cls,
+        n_slots: int = 2,
+        *,
+        dashboard: str | None = "127.0.0.1:8787",
+        secure: bool = True,
+        preload: Sequence[str] = (),
+        **kwargs: Any,
     ) -> "Controller":
         """An embedded LocalCluster of `n_slots` single-threaded worker processes on 127.0.0.1.
 
         `dashboard=None` turns the dashboard off (tests); exposing it beyond 127.0.0.1 is an explicit choice.
         `secure`: its listeners serve only this run (TLS with credentials made for it; flowactors.cluster).
+        `preload`: modules every worker has imported when it starts (the model code's: imported once, in the
+        process the workers fork from; `flowactors.cluster.fork_from_server`).
         """
-        cluster = _cluster.start_local(n_slots, dashboard, kwargs.get("stream_interval_ms"), secure=secure)
+        cluster = _cluster.start_local(
+            n_slots, dashboard, kwargs.get("stream_interval_ms"), secure=secure, preload=preload
+        )
         return cls(Client(cluster, set_as_default=False), cluster, **kwargs)
 
     @classmethod

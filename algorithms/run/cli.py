@@ -149,4 +149,10 @@ def open_controller(cfg: RunConfig) -> Controller:
             dataclasses.replace(cfg.slurm, dashboard_address=cfg.dashboard, secure=cfg.secure),
             call_timeout_s=cfg.call_timeout_s,
         )
-    return Controller.local(cfg.n_slots, dashboard=cfg.dashboard, call_timeout_s=cfg.call_timeout_s, secure=cfg.secure)
+    return Controller.local(
+        cfg.n_slots,
+        dashboard=cfg.dashboard,
+        call_timeout_s=cfg.call_timeout_s,
+        secure=cfg.secure,
+        preload=("engines.preload",),  # torch, transformers and the model classes: imported once, not per worker
+    )

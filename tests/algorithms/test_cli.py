@@ -419,10 +419,13 @@ def test_dapo_that_cannot_fill_its_batch_stops_with_the_reason(capsys):
 
 
 def test_a_worker_process_that_dies_while_the_cluster_starts_is_one_line(tmp_path):
-    """Every spawned worker process exits at once (a sitecustomize on its path, as a broken environment would):
-    the run ends with one line naming what failed, not Dask's "Nanny failed to start" traceback."""
+    """The process the workers come from exits at once (a sitecustomize on its path, as a broken environment
+    would): the server they fork from (flowactors.cluster.fork_from_server), or a spawned worker. The run ends
+    with one line naming what failed, not Dask's "Nanny failed to start" traceback."""
     (tmp_path / "sitecustomize.py").write_text(
-        "import os, sys\nif '--multiprocessing-fork' in sys.argv:\n    os._exit(3)\n"
+        "import os, sys\n"
+        "if '--multiprocessing-fork' in sys.argv or 'multiprocessing.forkserver' in ' '.join(sys.orig_argv):\n"
+        "    os._exit(3)\n"
     )
     import os
 
