@@ -107,13 +107,15 @@ def fork_from_server(preload: Sequence[str] = ()) -> None:
     (no CUDA context, no OpenMP pool), and each worker it forks starts with Dask's pre-spawn environment
     (`OMP_NUM_THREADS=1`: the server is started by the first worker's start, after Dask set it). The server starts
     once per process with what was asked by then; a module asked later is imported by each worker as it starts
-    (Dask's worker `preload`), so the result is the same, only slower. A process that chose another method in
-    Dask's configuration (`distributed.worker.multiprocessing-method`: "fork") keeps it."""
+    (Dask's worker `preload`), so the result is the same, only slower. A method chosen in Dask's configuration
+    (`distributed.worker.multiprocessing-method` in a YAML file, `DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD`,
+    or set by the program to other than Dask's default) is kept: "spawn" there spawns each worker as Dask does."""
     import dask
     from distributed.utils import get_mp_context
 
     key = "distributed.worker.multiprocessing-method"
-    if dask.config.get(key) == "spawn":  # Dask's default
+    chosen = dask.config.get(key, config=dask.config.collect(), default=None)  # files and DASK_*, not defaults
+    if chosen is None and dask.config.get(key) == "spawn":
         dask.config.set({key: "forkserver"})
     if dask.config.get(key) != "forkserver":
         return

@@ -59,3 +59,19 @@ def test_workers_fork_from_one_server_that_imported_the_preload_once(tmp_path):
     # the controller's environment asked for 4 threads; the cluster gives each worker 1 (Dask's pre-spawn
     # environment, applied before the server starts and again by the worker's preload)
     assert [w["threads"] for w in workers] == [1] * 4
+
+
+def test_a_method_chosen_in_dasks_configuration_is_kept():
+    """`DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD=spawn` (or a YAML file) keeps Dask's spawned workers; without
+    a choice the embedded cluster's start turns Dask's default into the fork server."""
+    program = (
+        "import dask\nfrom flowactors.cluster import fork_from_server\nfork_from_server()\n"
+        "print(dask.config.get('distributed.worker.multiprocessing-method'))"
+    )
+    for chosen, expected in (("spawn", "spawn"), (None, "forkserver")):
+        env = {k: v for k, v in os.environ.items() if k != "DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"}
+        if chosen:
+            env["DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"] = chosen
+        proc = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split() == [expected], chosen
