@@ -55,7 +55,7 @@ def start_local(
 
     `secure`: every Dask listener (scheduler, nannies, workers) speaks TLS and requires a certificate signed by the
     run's own authority, made in memory for this run (`Security.temporary`) and handed to the worker processes as
-    they spawn, never written anywhere. Without it any local user could connect a Dask client, or send a pickle to a
+    they start (through the pipe each reads its start-up state from), never written anywhere. Without it any local user could connect a Dask client, or send a pickle to a
     worker, and run code as the trainer. The direct-call sockets are guarded by secrets learned over these comms
     (flowactors.transport.channel)."""
     import torch
@@ -97,6 +97,7 @@ class _ToldInTheError(logging.Filter):
 
 
 _SERVER_PRELOAD = ["distributed", "torch", "flowactors", "flowactors._local_preload"]
+"""What the fork server imports: the runtime's, and every module an embedded cluster of this process asked for."""
 
 
 def fork_from_server(preload: Sequence[str] = ()) -> None:
