@@ -133,6 +133,23 @@ _vllm_groups = [0]
 """Groups vLLM created in this process (their names continue from there)."""
 
 
+def _unlink_cpu_shm() -> None:
+    """Remove the names of vLLM's CPU shared-memory files of this rank (/dev/shm/<group>-cpushm_<rank>, one per
+    group of its CPU communicator). vLLM removes them only in a C++ destructor at interpreter exit, which a worker
+    forked from the cluster's fork server (it ends with os._exit) or a killed one never runs: the files would stay,
+    and the next engine of the same group name, in the next run, fails to create them (EEXIST). Every rank of a
+    group has mapped every file once the engine is built (vLLM joins them between two barriers), so the names can
+    go now; the mappings live on until the process ends."""
+    from vllm.distributed import parallel_state as ps
+
+    for name in dir(ps):
+        coordinator = getattr(ps, name, None)
+        shm = getattr(getattr(coordinator, "device_communicator", None), "dist_module", None)
+        if hasattr(shm, "group_name") and hasattr(shm, "communicator"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{shm.group_name}_{shm.communicator.rank}")
+
+
 class VLLMGenerationEngine:
     """An in-process vLLM engine over a Hugging Face folder; `tp` must equal the generation TP size.
 
@@ -213,6 +230,7 @@ class VLLMGenerationEngine:
                 **extra,
             )
         _ENGINE_IN_PROCESS.append(model_dir)
+        _unlink_cpu_shm()
         self.serves_adapters = bool(lora_rank)
         """LoRA requests: the actor sends the frozen base once (`load_weights`) and the adapters after each update
         (`load_adapter`) instead of merged weights."""

@@ -12,6 +12,7 @@ so the groups are closed after each test (Worker.shutdown frees the engine for t
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 
 import pytest
@@ -115,9 +116,12 @@ def test_greedy_rollout_equals_hf_then_follows_an_update(ctl, dp, tp, t_g):
     update; each rank receives Table 2's bytes and loads exactly its generation shard."""
     tok = build_tokenizer(CFG)
     prompts = _prompts(tok)
+    shm_before = set(glob.glob("/dev/shm/*cpushm*"))
     actor = _actor(ctl, f"vl_{dp}{tp}{t_g}", dp, tp, t_g)
     try:
         err, stats, second = _greedy_then_update_then_greedy(actor, tok, prompts)
+        # vLLM's CPU shared-memory files are unlinked once mapped: none outlives its engine (vllm_engine)
+        assert set(glob.glob("/dev/shm/*cpushm*")) <= shm_before
         again = actor.handover_stats().result()
         third = actor.generate_sequences(prompts, GREEDY).result()  # no update in between: nothing is sent
         assert torch.equal(third["responses"], second["responses"])
