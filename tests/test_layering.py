@@ -312,8 +312,8 @@ def test_each_runtime_module_imports_alone() -> None:
         )
         for m in RUNTIME_MODULES
     }
-    failed = {m: p.communicate(timeout=240)[1][-2000:] for m, p in runs.items()}
-    failed = {m: err for m, err in failed.items() if runs[m].returncode != 0}
+    stderr = {m: p.communicate(timeout=240)[1][-2000:] for m, p in runs.items()}
+    failed = {m: err for m, err in stderr.items() if runs[m].returncode != 0}
     assert {"flowactors.transport", "flowactors.transport.tasks"} <= set(runs)  # the package was found
     assert not failed, "\n".join(f"import {m} alone:\n{e}" for m, e in failed.items())
 
