@@ -88,6 +88,8 @@ class Controller:
         client.subscribe_topic(_leaving.TOPIC, self._on_leaving)
         # a pool worker announces a SIGTERM and waits to be retired, from its registration on (every pool worker)
         client.register_plugin(_leaving.LeaveHandler(LEAVE_GRACE_S, _cluster.SLOT_RESOURCES))
+        # and its nanny, if it has one, does not close it at that SIGTERM (Slurm signals every process of a job)
+        client.register_plugin(_leaving.NannyLeaveHandler(_cluster.SLOT_RESOURCES))
         if _cluster.check_interval(stream_interval_ms) is not None:
             _cluster.shorten_streams(client, stream_interval_ms / 1000)
         self.transport: Transport = open_transport(
@@ -141,10 +143,11 @@ class Controller:
         self._teardown_world()
         self.transport.close()
         if self.cluster is None:  # a cluster it joined outlives it: its pool workers die of SIGTERM again
-            try:
-                self.client.unregister_worker_plugin(_leaving.LeaveHandler.name)
-            except Exception:
-                pass
+            for name, nanny in ((_leaving.LeaveHandler.name, False), (_leaving.NannyLeaveHandler.name, True)):
+                try:
+                    self.client.unregister_worker_plugin(name, nanny=nanny)
+                except Exception:
+                    pass
         for topic in ("all", _leaving.TOPIC):
             try:
                 self.client.unsubscribe_topic(topic)
@@ -334,7 +337,7 @@ class Controller:
         """Pool workers hosting groups that were told to stop (SIGTERM) and wait, for a grace period
         (`LEAVE_GRACE_S`), to be retired: their owner takes back what they hold, then `retire_worker`."""
         with self._lock:
-            return [a for a in self._leaving if a not in self._lost]
+            return [a for a in self._leaving if a not in self._lost and a not in self._retired]
 
     def lost_input_error(self, error: RemoteError, label: str, grace_s: float = 10.0) -> WorkerLostError | None:
         """A call that failed because an input could not be fetched from a worker that died (the direct path's
@@ -407,7 +410,7 @@ class Controller:
             self._retired.add(address)
         if self.cluster is not None and hasattr(self.cluster, "worker_spec"):
             name = self.client.scheduler_info(n_workers=-1)["workers"].get(address, {}).get("name")
-            if name is not None:
+            if name is not None and name in self.cluster.worker_spec:  # (not a worker that joined it by itself)
                 # Dask's graceful retire first: no task goes there any more, and what only it holds is copied to
                 # other workers, so nothing Dask tracks is lost with it (a lost result a future still names, Dask
                 # recomputes, and with it the actor calls it came from: the Slurm fleet test's flake). The cluster's

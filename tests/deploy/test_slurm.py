@@ -355,6 +355,43 @@ def test_a_job_slurm_cannot_run_is_refused_at_once_with_sbatchs_words(local_slur
     assert local_slurm.job_ids() == []
 
 
+def test_a_pool_job_slurm_cancels_serves_until_retired_and_ends_before_slurm_kills_it(
+    local_slurm, tmp_path, monkeypatch
+):
+    """`scancel` of a pool worker's job, as a preemption or its time limit (SIGTERM to every process of the job:
+    its shell, the nanny and the worker; SIGKILL KillWait = 30 s later): the worker is announced and still serves,
+    its nanny does not close it, and once retired the job ends long before Slurm would kill it; nothing is lost."""
+    import flowactors as fa
+    import flowactors.controller as controller
+    from flowactors.slurm import open_slurm
+    from tests.runtime.workers import Reducer
+
+    monkeypatch.setattr(controller, "LEAVE_GRACE_S", 60.0)
+    settings = _settings(local_slurm, tmp_path, gpus_per_node=0, cpu_workers_per_node=1)
+    with open_slurm(settings, collective_timeout_s=60) as ctl:
+        ctl.resize_pool("rollout", 1)
+        deadline = time.monotonic() + 90
+        while not (pool := ctl.workers_with("rollout")) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert len(pool) == 1, local_slurm.logs_tail()
+        replica = fa.ActorGroup(ctl, Reducer, name="replica", slots=pool, args=(3.0,), own_world=True)
+        job = ctl.client.run(lambda: os.environ["SLURM_JOB_ID"], workers=pool)[pool[0]]
+        local_slurm.run(["scancel", job])
+        deadline = time.monotonic() + 15
+        while ctl.leaving != pool and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ctl.leaving == pool
+        time.sleep(1.5)  # Dask's command line would have closed the job's nanny and its worker by now
+        assert replica.all_reduce(2.0).result(timeout=30) == [6.0]
+        t0 = time.monotonic()
+        ctl.retire_worker(pool[0])
+        while job in local_slurm.job_ids() and time.monotonic() - t0 < 25:
+            time.sleep(0.3)
+        assert job not in local_slurm.job_ids(), "the retired job should end before Slurm's KillWait (30 s)"
+        assert ctl.lost_workers == [] and ctl.leaving == []
+    assert _wait_no_jobs(local_slurm) == []
+
+
 def test_the_rollout_fleet_grows_and_shrinks_with_slurm_jobs_of_its_own(local_slurm, tmp_path, monkeypatch):
     """--cluster slurm async_replicas=1:2: the trainer's jobs keep their two CPU workers while the fleet submits a
     job of its own for its first replica, one more to grow (a second job whose worker joins with a peer's
