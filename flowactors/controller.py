@@ -138,9 +138,10 @@ class Controller:
 
     def close(self) -> None:
         """Close groups (without waiting on busy workers), the client, and the embedded cluster if any."""
+        busy = self._busy(self._world or ())  # (before the groups' own closing calls)
         for group in list(self.groups.values()):
             group.close(wait=False)
-        self._teardown_world()
+        self._teardown_world(busy)
         self.transport.close()
         if self.cluster is None:  # a cluster it joined outlives it: its pool workers die of SIGTERM again
             for name, nanny in ((_leaving.LeaveHandler.name, False), (_leaving.NannyLeaveHandler.name, True)):
@@ -645,24 +646,38 @@ class Controller:
         for hosted in self._hosted.values():
             hosted[:] = [h for h in hosted if h[0] != name]
 
-    def _teardown_world(self, timeout_s: float = 10.0) -> None:
+    def _busy(self, addresses: Sequence[str]) -> set[str]:
+        """Those of `addresses` running or holding a call not finished: the controller's live calls, and what the
+        transport tracks (a direct controller knows every item, even of calls whose futures were dropped)."""
+        with self._lock:
+            calls = list(self._calls)
+        busy = self.transport.busy(addresses)
+        for call in calls:
+            if not call.done():
+                busy.update(a for a in call.addresses if a in addresses)
+        return busy
+
+    def _teardown_world(self, busy: set[str] = frozenset(), timeout_s: float = 10.0, busy_s: float = 1.0) -> None:
         """Destroy the torch.distributed world on every live rank (after the calls issued before): its threads
         and rank 0's rendezvous store would otherwise outlive the run, keeping an external cluster's workers
-        listening, and an embedded cluster's worker processes alive until the nanny kills them."""
+        listening, and an embedded cluster's worker processes alive until the nanny kills them. A rank in `busy`
+        (a call of a run stopped mid-step, a hung collective) is waited for `busy_s` only: its teardown runs when
+        its call ends, and an embedded cluster's worker is stopped without waiting for that call anyway."""
         if self._world is None:
             return
         token = new_token()
+        ranks = [(r, a) for r, a in enumerate(self._world) if a not in self._lost]
         futs = self.submit_pinned_all(
-            [
-                (a, _runtime.teardown_world, (), {}, f"world.teardown-{r}-{token}")
-                for r, a in enumerate(self._world)
-                if a not in self._lost
-            ]
+            [(a, _runtime.teardown_world, (), {}, f"world.teardown-{r}-{token}") for r, a in ranks]
         )
-        try:
-            self.transport.settle(futs, timeout_s)
-        except Exception:
-            pass
+        for held, timeout in ((False, timeout_s), (True, busy_s)):
+            these = [f for f, (_, a) in zip(futs, ranks) if (a in busy) == held]
+            with contextlib.suppress(Exception):  # (closing: a timeout, or a rank lost meanwhile)
+                if these:
+                    self.transport.settle(these, timeout)
+            if held and these:
+                with contextlib.suppress(Exception):
+                    self.transport.detach([f for f in these if not f.done()])
         self._world = None
 
 

@@ -96,6 +96,14 @@ class Transport(ABC):
         """Wait until `calls` finished, within `timeout` seconds (None: forever) or raise `CallTimeout`; then, with
         `values`, each call's per-rank outputs (raising what a runtime function raised), else []."""
 
+    def detach(self, futures: Sequence[Any]) -> None:
+        """Let `futures`' items run though the controller goes before they do (a direct item runs anyway)."""
+
+    def busy(self, addresses: Sequence[str]) -> set[str]:
+        """Those of `addresses` with an item sent and not finished, as far as this transport tracks items itself
+        (none on the Dask transports: the controller knows their calls)."""
+        return set()
+
     @abstractmethod
     def settle(self, futures: Sequence[Any], timeout: float) -> None:
         """Wait up to `timeout` for `futures`, whatever their outcome (closing: errors may be raised or not)."""

@@ -569,6 +569,11 @@ class DirectChannel:
 
     def least_busy(self, addresses: Sequence[str]) -> str:
         """The address with the fewest items sent and not yet done (the first among equals)."""
+        busy = self.unfinished(addresses)
+        return min(addresses, key=busy.__getitem__)
+
+    def unfinished(self, addresses: Sequence[str]) -> dict[str, int]:
+        """{address: the number of items sent there and not yet done}."""
         with self._lock:
             busy = {a: len(self._pending.get(a, ())) for a in addresses}
             for tree in self._trees.values():
@@ -576,7 +581,7 @@ class DirectChannel:
                     i = tree.position(a)
                     if i is not None and tree.futures[i].status == "pending":
                         busy[a] += 1
-            return min(addresses, key=busy.__getitem__)
+            return busy
 
     def fail_address(self, address: str, error: BaseException, lost: bool = True) -> list[DirectFuture]:
         """Fail every pending item sent to `address`: `lost` (its worker died: the connection is closed too, and
@@ -862,6 +867,9 @@ class DirectTransport(Transport):
 
     def settle(self, futures: Sequence[DirectFuture], timeout: float) -> None:
         self.channel.wait(futures, timeout)
+
+    def busy(self, addresses: Sequence[str]) -> set[str]:
+        return {a for a, n in self.channel.unfinished(addresses).items() if n}
 
     async def worker_lost(self, address: str, futures: Sequence[DirectFuture]) -> None:
         """Every item pending on `address` fails (`futures` are among them: all of a direct controller's)."""

@@ -272,6 +272,23 @@ class DaskTransport(Transport):
     def settle(self, futures: Sequence[Future], timeout: float) -> None:
         self.client.sync(_wait, list(futures), timeout=timeout)
 
+    def detach(self, futures: Sequence[Future]) -> None:
+        """Dask would forget a task once its client closed; `fire_and_forget` keeps it (and what it waits on)."""
+        from distributed import fire_and_forget
+
+        fire_and_forget(list(futures))
+
+    def busy(self, addresses: Sequence[str]) -> set[str]:
+        """Asked of the workers (their event loops answer while a task runs): the scheduler forgets a task whose
+        futures were all dropped, but the worker still runs it."""
+        if not addresses:
+            return set()
+        try:
+            counts = self.client.run(_executing, workers=list(addresses), on_error="ignore")
+        except Exception:
+            return set()
+        return {a for a, n in counts.items() if n}
+
     async def worker_lost(self, address: str, futures: Sequence[Future]) -> None:
         last = self._last.pop(address, None)
         futures = [*futures, last] if last is not None else list(futures)
@@ -292,6 +309,11 @@ class DaskTransport(Transport):
         self._last.clear()
         for f in _newest_first(stale):
             self.client.cancel([f], reason="recovery", msg="the controller rebuilt its groups after a lost worker")
+
+
+def _executing(dask_worker: Any = None) -> int:
+    """The tasks this worker runs or has ready to run (`DaskTransport.busy`)."""
+    return dask_worker.state.executing_count + len(dask_worker.state.ready)
 
 
 def failure_story(keys: Sequence[str], dask_scheduler: Any = None) -> list[dict]:
