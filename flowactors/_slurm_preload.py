@@ -91,7 +91,16 @@ def _cuda_initialised() -> bool:
 
 def dask_setup(server: Any) -> None:
     """Dask's preload hook. A Nanny passes the variables to the worker process it spawns; a Worker sets them on
-    itself, which works because nothing in a fresh worker process has touched CUDA before its preloads run."""
+    itself, which works because nothing in a fresh worker process has touched CUDA before its preloads run. A
+    process that cannot be pinned ends (`SystemExit`, with the reason): Dask only logs a preload's exception and
+    starts the worker anyway, which would then run on the job's first device."""
+    try:
+        _pin(server)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"flowactors._slurm_preload: {e}") from e
+
+
+def _pin(server: Any) -> None:
     from distributed import Nanny
 
     updates = select_device(str(server.name), os.environ)

@@ -156,8 +156,26 @@ def test_dask_setup_pins_a_worker_process_and_refuses_after_cuda_started(monkeyp
     assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ["LOCAL_RANK"]) == ("3", "1")
     monkeypatch.setattr(os, "environ", dict(env))
     monkeypatch.setattr(preload, "_cuda_initialised", lambda: True)
-    with pytest.raises(RuntimeError, match=r"CUDA was initialised .* before .* device 3.*--preload-nanny"):
+    with pytest.raises(SystemExit, match=r"CUDA was initialised .* before .* device 3.*--preload-nanny"):
         preload.dask_setup(SimpleNamespace(name="SLURMCluster-5-1"))
+
+
+def test_a_worker_process_the_preload_cannot_pin_does_not_start(monkeypatch):
+    """Dask logs an exception raised by a preload and starts the worker anyway, which would then run on the job's
+    first device: the preload ends the process instead, with its reason, and the worker never joins."""
+    from distributed import LocalCluster
+
+    monkeypatch.setenv(WORKERS_PER_JOB_ENV, "2")  # two per job, but the worker's name carries no index
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(Exception, match="failed to start"):
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            preload=["flowactors._slurm_preload"],
+            silence_logs=False,
+        )
 
 
 def test_job_script_as_dask_jobqueue_writes_it():

@@ -75,3 +75,29 @@ def test_a_method_chosen_in_dasks_configuration_is_kept():
         proc = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.split() == [expected], chosen
+
+
+def test_a_preload_that_touched_cuda_in_the_server_fails_the_start_saying_so(tmp_path):
+    """CUDA does not work in a process forked after CUDA was touched, and torch marks such a fork. A stand-in (this
+    machine has no CUDA): the preloaded module makes every fork of the server look as torch marks one after CUDA was
+    initialised there; the cluster's start then fails with the cause and the fix, not a worker's first CUDA call."""
+    (tmp_path / "touches_cuda.py").write_text(
+        "import os, torch\n"
+        "# stand-in for a CUDA call at import: a fork of this process reads as torch's 'bad fork'\n"
+        "os.register_at_fork(after_in_child=lambda: setattr(torch.cuda, '_is_in_bad_fork', lambda: True))\n"
+    )
+    program = (
+        "import flowactors as fa\n"
+        "if __name__ == '__main__':\n"
+        "    with fa.Controller.local(1, dashboard=None, preload=['touches_cuda']):\n"
+        "        pass\n"
+    )
+    (tmp_path / "run.py").write_text(program)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    env.pop("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", None)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "run.py")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode != 0
+    assert "ClusterStartError" in proc.stderr, proc.stderr[-3000:]
+    assert "touched CUDA" in proc.stderr and "MULTIPROCESSING_METHOD=spawn" in proc.stderr, proc.stderr[-3000:]
