@@ -421,21 +421,11 @@ class Controller:
                 return
         self.client.retire_workers([address], close_workers=True)
 
-    def fetched_bytes(self, call: CallFuture) -> dict[str, int] | None:
+    def fetched_bytes(self, call: CallFuture) -> dict[str, int]:
         """The bytes `call`'s ranks fetched from other workers for their inputs, by the worker they came from
         (whether a call's data came from where it should: an elastic fleet's join, from a peer replica and not from
-        the trainer); None on the Dask transports, which do not count them."""
-        if not self.transport.direct:
-            return None
-        from flowactors.transport.server import fetched_for
-
-        keys = [getattr(f, "key", None) for f in call.futures]
-        per_worker = self.client.run(fetched_for, [k for k in keys if k], workers=list(call.addresses))
-        out: dict[str, int] = {}
-        for sizes in per_worker.values():
-            for address, n in sizes.items():
-                out[address] = out.get(address, 0) + n
-        return out
+        the trainer)."""
+        return self.transport.fetched_bytes(call)
 
     def workers_with(self, resource: str) -> list[str]:
         """Live workers that carry `resource` and are not slots: the members of an elastic pool, which Dask adds

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 import torch
+from dask.sizeof import sizeof
 from distributed.protocol import dask_deserialize, dask_serialize
 
 from flowactors.batch import Batch
@@ -101,6 +102,15 @@ def _dask_serialize(batch: Batch) -> tuple[dict, list]:
 @dask_deserialize.register(Batch)
 def _dask_deserialize(header: dict, frames: list) -> Batch:
     return batch_from_frames(header, frames)
+
+
+@sizeof.register(Batch)
+def _sizeof(batch: Batch) -> int:
+    """What Dask counts a Batch as in its memory accounting (the host memory it manages, and may spill), transfer
+    logs and dashboard: the bytes of its tensors in host memory and its rows' and meta's objects. Dask's fallback
+    counts the Python object alone, a few dozen bytes; a device's memory is not the host's."""
+    host = sum(t.numel() * t.element_size() for t in batch.tensors.values() if t.device.type == "cpu")
+    return host + sizeof(batch.meta) + sizeof(batch.rows)
 
 
 def _from_pickle(header: dict, *frames: Any) -> Batch:

@@ -391,12 +391,11 @@ class FleetRollouts(StreamingRollouts):
             self._admit(self._draw(extra))
 
     def _measure_join(self, replica: Replica) -> None:
-        """What the join's weight load fetched, from the trainer's workers and from peers (the direct transport
-        counts it; nothing is reported on the others)."""
+        """What the join's weight load fetched, from the trainer's workers and from peers."""
         call, replica.join_load = replica.join_load, None
-        sizes = self.ctl.fetched_bytes(call) if call is not None else None
-        if sizes is None:
+        if call is None:
             return
+        sizes = self.ctl.fetched_bytes(call)
         trainer = set(self.actor.addresses)
         self._join_bytes.append(
             (

@@ -21,14 +21,14 @@ cancelled. The controller turns those into `HangError` (with every rank's stack,
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
     from flowactors.transport.fanout import Fanout
 
-__all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "by_call"]
+__all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "by_call", "summed"]
 
 Work = tuple[str | tuple[str, ...], Any, tuple, dict, str]
 """(address, fn, args, kwargs, key): `fn(*args, **kwargs)` to run on the worker at `address` under `key`. A tuple
@@ -96,6 +96,10 @@ class Transport(ABC):
         """Wait until `calls` finished, within `timeout` seconds (None: forever) or raise `CallTimeout`; then, with
         `values`, each call's per-rank outputs (raising what a runtime function raised), else []."""
 
+    @abstractmethod
+    def fetched_bytes(self, call: "CallFuture") -> dict[str, int]:
+        """{worker: bytes} that `call`'s ranks fetched from it for their inputs (`Controller.fetched_bytes`)."""
+
     def detach(self, futures: Sequence[Any]) -> None:
         """Let `futures`' items run though the controller goes before they do (a direct item runs anyway)."""
 
@@ -147,4 +151,13 @@ def by_call(outputs: Sequence[Any], calls: Sequence["CallFuture"]) -> list[list]
     for c in calls:
         out.append(list(outputs[i : i + len(c.futures)]))
         i += len(c.futures)
+    return out
+
+
+def summed(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Per-key sums of several {key: count} maps (each rank's worker's view of a call's fetches)."""
+    out: dict[str, int] = {}
+    for one in counts:
+        for key, n in one.items():
+            out[key] = out.get(key, 0) + n
     return out

@@ -27,9 +27,16 @@ from typing import Any
 
 from distributed.metrics import time as clock
 
-from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
+from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, summed
 from flowactors.transport.fanout import ROOTS, Fanout, has_parts, part_refs, subtree_of, subtrees, trim
-from flowactors.transport.server import PLUGIN_NAME, DirectPlugin, listen_port, running_stack, spans_between
+from flowactors.transport.server import (
+    PLUGIN_NAME,
+    DirectPlugin,
+    fetched_for,
+    listen_port,
+    running_stack,
+    spans_between,
+)
 from flowactors.transport.wire import (
     ISSUED_TOPIC,
     Connection,
@@ -870,6 +877,11 @@ class DirectTransport(Transport):
 
     def busy(self, addresses: Sequence[str]) -> set[str]:
         return {a for a, n in self.channel.unfinished(addresses).items() if n}
+
+    def fetched_bytes(self, call: Any) -> dict[str, int]:
+        """As each rank's worker counted its items' fetches (`server.fetched_for`)."""
+        keys = [f.key for f in call.futures]
+        return summed(self.client.run(fetched_for, keys, workers=list(set(call.addresses))).values())
 
     async def worker_lost(self, address: str, futures: Sequence[DirectFuture]) -> None:
         """Every item pending on `address` fails (`futures` are among them: all of a direct controller's)."""

@@ -37,7 +37,7 @@ from distributed.spans import SpanMetadata
 from distributed.utils import TimeoutError as DaskTimeoutError
 
 from flowactors.batch import Batch
-from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, by_call
+from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, by_call, summed
 
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
@@ -272,6 +272,15 @@ class DaskTransport(Transport):
     def settle(self, futures: Sequence[Future], timeout: float) -> None:
         self.client.sync(_wait, list(futures), timeout=timeout)
 
+    def fetched_bytes(self, call: Any) -> dict[str, int]:
+        """From the workers' own logs of what they fetched (Dask's `transfer_incoming_log`, sizes as Dask
+        estimates them), for the inputs the scheduler lists for `call`'s tasks; an input fetched there for an
+        earlier call counts again."""
+        deps = self.client.run_on_scheduler(_inputs_of, [f.key for f in call.futures])
+        if not deps:
+            return {}
+        return summed(self.client.run(_fetched, deps, workers=list(set(call.addresses))).values())
+
     def detach(self, futures: Sequence[Future]) -> None:
         """Dask would forget a task once its client closed; `fire_and_forget` keeps it (and what it waits on)."""
         from distributed import fire_and_forget
@@ -309,6 +318,21 @@ class DaskTransport(Transport):
         self._last.clear()
         for f in _newest_first(stale):
             self.client.cancel([f], reason="recovery", msg="the controller rebuilt its groups after a lost worker")
+
+
+def _inputs_of(keys: Sequence[Any], dask_scheduler: Any = None) -> list:
+    """The keys of the tasks `keys` depend on (`DaskTransport.fetched_bytes`)."""
+    return [d.key for k in keys if (ts := dask_scheduler.tasks.get(k)) is not None for d in ts.dependencies]
+
+
+def _fetched(keys: Sequence[Any], dask_worker: Any = None) -> dict[str, int]:
+    """{peer: bytes} of `keys` this worker fetched, from its log of incoming transfers."""
+    wanted, out = set(keys), {}
+    for transfer in list(dask_worker.transfer_incoming_log):
+        n = sum(size for key, size in transfer["keys"].items() if key in wanted)
+        if n:
+            out[transfer["who"]] = out.get(transfer["who"], 0) + n
+    return out
 
 
 def _executing(dask_worker: Any = None) -> int:

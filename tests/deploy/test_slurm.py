@@ -465,4 +465,7 @@ def test_the_rollout_fleet_grows_and_shrinks_with_slurm_jobs_of_its_own(local_sl
     assert all(r["async/trained_groups"] == 8 and r["async/duplicates"] == 0 for r in history)
     assert all(r["async/lost"] == 0 for r in history)
     assert history[-1]["fleet/joined"] == 1 and history[-1]["fleet/left"] == 1
+    # the join's weights came from the first replica, not the trainer (on this TLS cluster's Dask transport)
+    joined = next(r for r in history if "fleet/join_peer_bytes" in r)
+    assert joined["fleet/join_trainer_bytes"] == 0 and joined["fleet/join_peer_bytes"] > 0
     assert _wait_no_jobs(local_slurm) == []

@@ -87,3 +87,18 @@ def test_bad_input_errors_say_the_fix():
         pickle.dumps(Batch({"a": torch.zeros(2)}, meta={"obj": object()}), protocol=5)
     with pytest.raises(KeyError, match="has no field 'nope'"):
         make(2)["nope"]
+
+
+def test_dask_counts_a_batch_by_its_tensors_bytes():
+    """Dask's memory accounting, transfer logs and dashboard size a Batch by its tensors (and its rows' and meta's
+    objects), not as the few dozen bytes of the Python object it would otherwise count."""
+    from dask.sizeof import sizeof
+
+    import flowactors.serialization  # noqa: F401  (registers Batch with Dask)
+
+    bare = Batch({"x": torch.zeros(1000, 8, dtype=torch.float32), "m": torch.ones(1000, dtype=torch.bool)})
+    assert bare.nbytes == 33_000 and 33_000 <= sizeof(bare) < 34_000
+    with_rows = Batch(dict(bare.tensors), {"id": [f"sample-{i}" for i in range(1000)]})
+    assert sizeof(with_rows) - sizeof(bare) >= 1000 * len("sample-999")
+    on_meta = Batch({"x": torch.zeros(1000, 8, device="meta"), "m": bare["m"]})  # a device's memory is not the host's
+    assert 1_000 <= sizeof(on_meta) < 2_000

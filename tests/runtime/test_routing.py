@@ -134,3 +134,24 @@ def test_mesh_parts_carry_their_tensor_peers_outcome(controller4, pair):
         assert info.value.rank == 0 and "route_mesh.mesh_fail failed on rank 1" in info.value.remote_message
     finally:
         mesh.close()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "dask"])
+def test_fetched_bytes_names_the_worker_a_calls_input_came_from(direct):
+    """`Controller.fetched_bytes`: a call on one worker whose input another worker produced fetched the input's bytes
+    from that worker, on either transport (the elastic fleet's join metrics rely on it); a call whose input was
+    made where it runs fetched nothing."""
+    with fa.Controller.local(2, dashboard=None, direct_calls=direct) as ctl:
+        a, b = ctl.slots
+        maker = fa.ActorGroup(ctl, Reducer, name="maker", slots=[a])
+        taker = fa.ActorGroup(ctl, Reducer, name="taker", slots=[b])
+        made = maker.add_rank(Batch({"x": torch.arange(1024 * 64).reshape(1024, 64)}))  # tensors only: bytes
+        took = taker.scale_x(made)  # as Dask's transfer log sizes them (a row's Python objects, by an estimate)
+        size = made.result().nbytes
+        assert took.result()["x"].shape == (1024, 64)
+        fetched = ctl.fetched_bytes(took)
+        assert set(fetched) == {a}
+        assert fetched[a] == pytest.approx(size, rel=0.05)
+        here = taker.scale_x(taker.add_rank(_batch()))
+        here.result()
+        assert ctl.fetched_bytes(here) == {}
