@@ -152,10 +152,18 @@ def test_a_replica_whose_worker_is_told_to_stop_leaves_gracefully_and_the_worker
 
 
 @pytest.mark.e2e  # a whole program's run: CI's second tier
-def test_a_weight_sync_costs_the_trainer_two_copies_and_goes_on_replica_to_replica(monkeypatch):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "dask"])
+def test_a_weight_sync_costs_the_trainer_two_copies_and_goes_on_replica_to_replica(monkeypatch, direct):
     """Three replicas, RELAY_FANOUT = 2: the trainer sends each version to the first two replicas, the first passes
-    it on to the third, worker to worker; every step's batch full."""
+    it on to the third, worker to worker; every step's batch full. On the direct path and on Dask's (the one a TLS
+    cluster keeps: there the bytes are what Dask's transfer logs count)."""
+    import flowactors.controller as controller
     from algorithms.rollout.fleet import RELAY_FANOUT, FleetRollouts
+
+    chosen = controller.open_transport
+    monkeypatch.setattr(
+        controller, "open_transport", lambda client, embedded, _, push: chosen(client, embedded, direct, push)
+    )
 
     assert RELAY_FANOUT == 2
     seen: list = []
@@ -175,12 +183,15 @@ def test_a_weight_sync_costs_the_trainer_two_copies_and_goes_on_replica_to_repli
     _exact(history, 8)
     assert seen, "no sync was measured"
     model = history[0]["async/sync_bytes"] / 3  # every replica received the whole model
+    # the bytes on the direct path are what was sent; on Dask's, its estimate (of a dict of more than 10 tensors,
+    # from a sample of 10 of them), so there only where they came from is checked
+    size = (lambda n: n == pytest.approx(model, rel=0.05)) if direct else (lambda n: n > 0)
     for *loads, trainer in seen:
         assert len(loads) == 3
         (first, from_first), (_, from_second), (_, from_third) = loads
         for sizes in (from_first, from_second):  # the trainer's copies
-            assert set(sizes) <= trainer and sum(sizes.values()) == pytest.approx(model, rel=0.05)
-        assert set(from_third) == {first} and from_third[first] == pytest.approx(model, rel=0.05)  # relayed
+            assert set(sizes) <= trainer and size(sum(sizes.values()))
+        assert set(from_third) == {first} and size(from_third[first])  # relayed
 
 
 def test_the_dashboard_charts_the_fleet_over_time(no_cluster):

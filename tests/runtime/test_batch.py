@@ -89,9 +89,10 @@ def test_bad_input_errors_say_the_fix():
         make(2)["nope"]
 
 
-def test_dask_counts_a_batch_by_its_tensors_bytes():
-    """Dask's memory accounting, transfer logs and dashboard size a Batch by its tensors (and its rows' and meta's
-    objects), not as the few dozen bytes of the Python object it would otherwise count."""
+def test_dask_counts_a_batch_and_a_tensor_by_their_bytes():
+    """Dask's memory accounting, transfer logs and dashboard size a Batch and a tensor by their tensors' bytes in host
+    memory (and a Batch's rows' and meta's objects), not as the few dozen bytes of a Python object, which Dask
+    would otherwise count (it has no rule for torch)."""
     from dask.sizeof import sizeof
 
     import flowactors.serialization  # noqa: F401  (registers Batch with Dask)
@@ -102,3 +103,6 @@ def test_dask_counts_a_batch_by_its_tensors_bytes():
     assert sizeof(with_rows) - sizeof(bare) >= 1000 * len("sample-999")
     on_meta = Batch({"x": torch.zeros(1000, 8, device="meta"), "m": bare["m"]})  # a device's memory is not the host's
     assert 1_000 <= sizeof(on_meta) < 2_000
+    assert 4 << 20 <= sizeof(torch.zeros(1 << 20)) < (4 << 20) + 1_000
+    weights = {f"layer{i}": torch.zeros(256, 256) for i in range(4)}  # (Dask samples a dict of more than 10)
+    assert 4 * (256 << 10) <= sizeof(weights) < 4 * (256 << 10) + 2_000
