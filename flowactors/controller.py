@@ -138,7 +138,10 @@ class Controller:
 
     def close(self) -> None:
         """Close groups (without waiting on busy workers), the client, and the embedded cluster if any."""
-        busy = self._busy(self._world or ())  # (before the groups' own closing calls)
+        try:
+            busy = self._busy(self._world or ())  # (before the groups' own closing calls)
+        except Exception:  # (closing whatever state it is in)
+            busy = set()
         for group in list(self.groups.values()):
             group.close(wait=False)
         self._teardown_world(busy)

@@ -160,22 +160,24 @@ def test_dask_setup_pins_a_worker_process_and_refuses_after_cuda_started(monkeyp
         preload.dask_setup(SimpleNamespace(name="SLURMCluster-5-1"))
 
 
-def test_a_worker_process_the_preload_cannot_pin_does_not_start(monkeypatch):
+def test_a_worker_process_the_preload_cannot_pin_does_not_start():
     """Dask logs an exception raised by a preload and starts the worker anyway, which would then run on the job's
     first device: the preload ends the process instead, with its reason, and the worker never joins."""
     from distributed import LocalCluster
 
-    monkeypatch.setenv(WORKERS_PER_JOB_ENV, "2")  # two per job, but the worker's name carries no index
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    cluster = None
     with pytest.raises(Exception, match="failed to start"):
-        LocalCluster(
+        cluster = LocalCluster(
             n_workers=1,
             threads_per_worker=1,
             processes=True,
             dashboard_address=None,
             preload=["flowactors._slurm_preload"],
-            silence_logs=False,
+            # (the worker's own environment: two per job, but its name carries no index)
+            env={WORKERS_PER_JOB_ENV: "2", "CUDA_VISIBLE_DEVICES": "0,1"},
         )
+    if cluster is not None:  # (a failed test does not leave its worker running)
+        cluster.close()
 
 
 def test_job_script_as_dask_jobqueue_writes_it():
