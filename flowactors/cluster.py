@@ -56,8 +56,8 @@ def start_local(
     `secure`: every Dask listener (scheduler, nannies, workers) speaks TLS and requires a certificate signed by the
     run's own authority, made in memory for this run (`Security.temporary`) and handed to the worker processes as
     they start (through the pipe each reads its start-up state from), never written anywhere. Without it any local
-    user could connect a Dask client, or send a pickle to a worker, and run code as the trainer. The direct-call sockets are guarded by secrets learned over these comms
-    (flowactors.transport.channel)."""
+    user could connect a Dask client, or send a pickle to a worker, and run code as the trainer. The direct-call
+    sockets are guarded by secrets learned over these comms (flowactors.transport.channel)."""
     import torch
 
     if n_slots < 1:

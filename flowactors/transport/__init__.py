@@ -21,14 +21,14 @@ cancelled. The controller turns those into `HangError` (with every rank's stack,
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
     from flowactors.transport.fanout import Fanout
 
-__all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "by_call", "summed"]
+__all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "by_call"]
 
 Work = tuple[str | tuple[str, ...], Any, tuple, dict, str]
 """(address, fn, args, kwargs, key): `fn(*args, **kwargs)` to run on the worker at `address` under `key`. A tuple
@@ -104,8 +104,8 @@ class Transport(ABC):
         """Let `futures`' items run though the controller goes before they do (a direct item runs anyway)."""
 
     def busy(self, addresses: Sequence[str]) -> set[str]:
-        """Those of `addresses` with an item sent and not finished, as far as this transport tracks items itself
-        (none on the Dask transports: the controller knows their calls)."""
+        """Those of `addresses` with an item sent and not finished, as far as this transport can tell (none where
+        it cannot: the controller adds its own live calls)."""
         return set()
 
     @abstractmethod
@@ -151,13 +151,4 @@ def by_call(outputs: Sequence[Any], calls: Sequence["CallFuture"]) -> list[list]
     for c in calls:
         out.append(list(outputs[i : i + len(c.futures)]))
         i += len(c.futures)
-    return out
-
-
-def summed(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    """Per-key sums of several {key: count} maps (each rank's worker's view of a call's fetches)."""
-    out: dict[str, int] = {}
-    for one in counts:
-        for key, n in one.items():
-            out[key] = out.get(key, 0) + n
     return out

@@ -20,14 +20,14 @@ import secrets
 import select
 import sys
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from contextlib import suppress as _suppress
 from typing import Any
 
 from distributed.metrics import time as clock
 
-from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, summed
+from flowactors.transport import CallTimeout, Transport, Work, WorkerGone
 from flowactors.transport.fanout import ROOTS, Fanout, has_parts, part_refs, subtree_of, subtrees, trim
 from flowactors.transport.server import (
     PLUGIN_NAME,
@@ -880,8 +880,12 @@ class DirectTransport(Transport):
 
     def fetched_bytes(self, call: Any) -> dict[str, int]:
         """As each rank's worker counted its items' fetches (`server.fetched_for`)."""
-        keys = [f.key for f in call.futures]
-        return summed(self.client.run(fetched_for, keys, workers=list(set(call.addresses))).values())
+        total: Counter[str] = Counter()
+        for sizes in self.client.run(
+            fetched_for, [f.key for f in call.futures], workers=list(set(call.addresses))
+        ).values():
+            total.update(sizes)
+        return dict(total)
 
     async def worker_lost(self, address: str, futures: Sequence[DirectFuture]) -> None:
         """Every item pending on `address` fails (`futures` are among them: all of a direct controller's)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ from distributed.spans import SpanMetadata
 from distributed.utils import TimeoutError as DaskTimeoutError
 
 from flowactors.batch import Batch
-from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, by_call, summed
+from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, by_call
 
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
@@ -279,7 +280,10 @@ class DaskTransport(Transport):
         deps = self.client.run_on_scheduler(_inputs_of, [f.key for f in call.futures])
         if not deps:
             return {}
-        return summed(self.client.run(_fetched, deps, workers=list(set(call.addresses))).values())
+        total: Counter[str] = Counter()
+        for sizes in self.client.run(_fetched, deps, workers=list(set(call.addresses))).values():
+            total.update(sizes)
+        return dict(total)
 
     def detach(self, futures: Sequence[Future]) -> None:
         """Dask would forget a task once its client closed; `fire_and_forget` keeps it (and what it waits on)."""
@@ -292,10 +296,7 @@ class DaskTransport(Transport):
         futures were all dropped, but the worker still runs it."""
         if not addresses:
             return set()
-        try:
-            counts = self.client.run(_executing, workers=list(addresses), on_error="ignore")
-        except Exception:
-            return set()
+        counts = self.client.run(_executing, workers=list(addresses), on_error="ignore")
         return {a for a, n in counts.items() if n}
 
     async def worker_lost(self, address: str, futures: Sequence[Future]) -> None:
@@ -327,12 +328,10 @@ def _inputs_of(keys: Sequence[Any], dask_scheduler: Any = None) -> list:
 
 def _fetched(keys: Sequence[Any], dask_worker: Any = None) -> dict[str, int]:
     """{peer: bytes} of `keys` this worker fetched, from its log of incoming transfers."""
-    wanted, out = set(keys), {}
+    wanted, out = set(keys), Counter()
     for transfer in list(dask_worker.transfer_incoming_log):
-        n = sum(size for key, size in transfer["keys"].items() if key in wanted)
-        if n:
-            out[transfer["who"]] = out.get(transfer["who"], 0) + n
-    return out
+        out[transfer["who"]] += sum(size for key, size in transfer["keys"].items() if key in wanted)
+    return {peer: n for peer, n in out.items() if n}
 
 
 def _executing(dask_worker: Any = None) -> int:
