@@ -75,14 +75,17 @@ class SafeRLHF(Algorithm):
         super().__init__(cfg)
         self.constraints = len(cfg.thresholds)
         _check_constraints(cfg, self.constraints)
+        spread = cfg.lambda_unit == "spread"
         if cfg.lambda_update == "pid":
             self.lagranges = [
-                PIDLagrangian(t, cfg.pid_kp, cfg.pid_ki, cfg.pid_kd, cfg.lambda_init, cfg.lambda_max, cfg.pid_window)
+                PIDLagrangian(
+                    t, cfg.pid_kp, cfg.pid_ki, cfg.pid_kd, cfg.lambda_init, cfg.lambda_max, cfg.pid_window, spread
+                )
                 for t in cfg.thresholds
             ]
         else:
             self.lagranges = [
-                LagrangeMultiplier(t, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max) for t in cfg.thresholds
+                LagrangeMultiplier(t, cfg.lambda_lr, cfg.lambda_init, cfg.lambda_max, spread) for t in cfg.thresholds
             ]
         self.lagrange = self.lagranges[0]
         if self.constraints > 1:  # each constraint's cost and λ beside the first's
@@ -145,7 +148,7 @@ class SafeRLHF(Algorithm):
         for k, multiplier in enumerate(self.lagranges):
             suffix = f"_{k}" if k else ""
             m[f"lagrange_lambda{suffix}"] = multiplier.value  # the λ this step's advantages used
-            multiplier.update(m[f"cost_mean{suffix}"])
+            multiplier.update(m[f"cost_mean{suffix}"], m[f"cost_std{suffix}"])
         return {**m, **update_metrics(updates)}
 
     def state_dict(self) -> dict:

@@ -35,6 +35,7 @@ from engines.fields import (
 from flowactors import Batch
 
 __all__ = [
+    "CostUnit",
     "PIDLagrangian",
     "PolicyLossConfig",
     "KLConfig",
@@ -566,38 +567,75 @@ class AdaptiveKL:
 
 
 @dataclass
+class CostUnit:
+    """The unit a multiplier reads the constraint's violation in: the cost's own (`by_spread` False), or the cost's
+    sampling spread, the mean over the updates so far of each one's std of the samples' costs. A learned cost
+    model's scale is arbitrary (calibration slopes 2.0 and 5.1 on one task here), so gains in its units make λ
+    sluggish on one model and noisy on another; in units of the spread, costs and threshold multiplied by any a > 0
+    give the same λ, and one set of gains carries over. Updates whose samples all cost the same add nothing to the
+    mean; before the first with a spread the unit is the cost's own."""
+
+    by_spread: bool = False
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, spread: float | None) -> float:
+        """Take one update's spread (ignored in the cost's own units) and return the unit it is read in."""
+        if not self.by_spread:
+            return 1.0
+        if spread is None:
+            raise ValueError("a multiplier in units of the cost's spread needs each update's spread (cost_std)")
+        if math.isfinite(spread) and spread > 0:
+            self.total, self.count = self.total + float(spread), self.count + 1
+        return self.total / self.count if self.count else 1.0
+
+    def state_dict(self) -> dict:
+        return {"total": self.total, "count": self.count}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """(A checkpoint from before the unit was kept holds none: nothing seen yet.)"""
+        self.total, self.count = (float(state["total"]), int(state["count"])) if state else (0.0, 0)
+
+
+@dataclass
 class LagrangeMultiplier:
     """λ ≥ 0 of PPO-Lagrangian, kept positive as exp(log λ) and raised by dual ascent while cost > threshold.
 
-    log λ += lr · (J_c − d): the direction of the gradient of λ·(J_c − d) with respect to log λ, without its λ
-    factor, which is the scale-free step the Safe-RLHF code takes with Adam (a plain gradient step would barely
-    move a small λ). Clamped to `max_lambda` so one bad batch cannot make the reward irrelevant.
+    log λ += lr · (J_c − d) / u, u the violation's unit (`CostUnit`: 1, or with `by_spread` the cost's spread): the
+    direction of the gradient of λ·(J_c − d) with respect to log λ, without its λ factor, which is the scale-free
+    step the Safe-RLHF code takes with Adam (a plain gradient step would barely move a small λ). Clamped to
+    `max_lambda` so one bad batch cannot make the reward irrelevant.
     """
 
     threshold: float
     lr: float = 0.1
     init: float = 1.0
     max_lambda: float = 100.0
+    by_spread: bool = False
 
     def __post_init__(self) -> None:
         if self.init <= 0:
             raise ValueError(f"LagrangeMultiplier.init must be > 0 (λ is log-parameterised), got {self.init}")
         self.log_lambda = math.log(self.init)
+        self.unit = CostUnit(self.by_spread)
 
     @property
     def value(self) -> float:
         return math.exp(self.log_lambda)
 
-    def update(self, mean_cost: float) -> float:
-        self.log_lambda += self.lr * (mean_cost - self.threshold)
+    def update(self, mean_cost: float, spread: float | None = None) -> float:
+        """One step from the update's mean cost (and its samples' cost std, read with `by_spread`)."""
+        unit = self.unit.observe(spread)
+        self.log_lambda += self.lr * (mean_cost - self.threshold) / unit
         self.log_lambda = min(self.log_lambda, math.log(self.max_lambda))
         return self.value
 
     def state_dict(self) -> dict:
-        return {"log_lambda": self.log_lambda}
+        return {"log_lambda": self.log_lambda, "unit": self.unit.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.log_lambda = float(state["log_lambda"])
+        self.unit.load_state_dict(state.get("unit"))
 
 
 @dataclass
@@ -606,8 +644,9 @@ class PIDLagrangian:
     Reinforcement Learning by PID Lagrangian Methods"): dual ascent is the integral term alone, which over-shoots
     and oscillates; the proportional term reacts to the violation now, the derivative term to a cost that rises.
 
-    With e = J̄_c − d, J̄_c the mean cost of the last `window` updates: I ← max(0, I + k_i·e);
-    λ = clamp(k_p·e + I + k_d·max(0, J̄_c − J̄_c before), 0, max_lambda). I starts at `init`, so λ starts there.
+    With e = (J̄_c − d) / u, J̄_c the mean cost of the last `window` updates and u the violation's unit (`CostUnit`:
+    1, or with `by_spread` the cost's spread): I ← max(0, I + k_i·e); λ = clamp(k_p·e + I + k_d·max(0, J̄_c − J̄_c
+    before) / u, 0, max_lambda). I starts at `init`, so λ starts there.
     """
 
     threshold: float
@@ -617,6 +656,7 @@ class PIDLagrangian:
     init: float = 0.5
     max_lambda: float = 100.0
     window: int = 1
+    by_spread: bool = False
 
     def __post_init__(self) -> None:
         if self.init < 0 or self.window < 1 or min(self.kp, self.ki, self.kd) < 0:
@@ -625,25 +665,30 @@ class PIDLagrangian:
                 f"kp={self.kp}, ki={self.ki}, kd={self.kd}, window={self.window}"
             )
         self.integral, self.costs, self.smoothed, self.lam = self.init, [], None, self.init
+        self.unit = CostUnit(self.by_spread)
 
     @property
     def value(self) -> float:
         return self.lam
 
-    def update(self, mean_cost: float) -> float:
+    def update(self, mean_cost: float, spread: float | None = None) -> float:
+        """One step from the update's mean cost (and its samples' cost std, read with `by_spread`)."""
+        unit = self.unit.observe(spread)
         self.costs = [*self.costs, float(mean_cost)][-self.window :]
         smoothed = sum(self.costs) / len(self.costs)
-        error = smoothed - self.threshold
+        error = (smoothed - self.threshold) / unit
         self.integral = max(0.0, self.integral + self.ki * error)
-        rise = max(0.0, smoothed - self.smoothed) if self.smoothed is not None else 0.0
+        rise = max(0.0, smoothed - self.smoothed) / unit if self.smoothed is not None else 0.0
         self.smoothed = smoothed
         self.lam = min(self.max_lambda, max(0.0, self.kp * error + self.integral + self.kd * rise))
         return self.lam
 
     def state_dict(self) -> dict:
-        return {"integral": self.integral, "costs": list(self.costs), "smoothed": self.smoothed, "lambda": self.lam}
+        state = {"integral": self.integral, "costs": list(self.costs), "smoothed": self.smoothed, "lambda": self.lam}
+        return state | {"unit": self.unit.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.integral, self.costs = float(state["integral"]), [float(c) for c in state["costs"]]
         self.smoothed = None if state["smoothed"] is None else float(state["smoothed"])
         self.lam = float(state["lambda"])
+        self.unit.load_state_dict(state.get("unit"))

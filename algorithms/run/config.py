@@ -458,6 +458,8 @@ class SafeRLHFConfig(PPOConfig):
             raise ConfigError(f"lambda_update must be dual or pid, got {self.lambda_update!r}")
         if self.pid_window < 1:
             raise ConfigError(f"pid_window must be >= 1, got {self.pid_window}")
+        if self.lambda_unit not in ("cost", "spread"):
+            raise ConfigError(f"lambda_unit must be cost or spread, got {self.lambda_unit!r}")
         try:
             self.cost_thresholds = [float(t) for t in self.cost_thresholds]
         except ValueError:
@@ -498,6 +500,10 @@ class SafeRLHFConfig(PPOConfig):
     """PID: λ per unit of rise of the smoothed cost (damps an increasing cost early)."""
     pid_window: int = 1
     """PID: steps the cost is averaged over before the controller sees it."""
+    lambda_unit: str = "cost"
+    """The unit λ's update reads the violation in, so the unit of lambda_lr and the pid_* gains: `cost` (the cost's
+    own) or `spread` (the cost's sampling spread, each step's std of the samples' costs averaged over the steps so
+    far: the same gains for a cost model of any scale; with whiten_rewards the advantages are scale-free too)."""
     ptx_coef: float = 0.0
     """Weight of the pretraining (SFT demonstration) loss mixed into actor updates; 0 disables it."""
 

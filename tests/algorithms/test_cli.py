@@ -191,6 +191,7 @@ def _plan(tmp_path, actor_train) -> str:
         (["task=tool_arith", "max_turns=0"], r"max_turns and tool_workers must be >= 1 .*; got 0, 8, 0$"),
         (["task=nosuchtask"], r"unknown task 'nosuchtask'; available: add, digit_sum, "),
         (["lambda_update=pi"], r"lambda_update must be dual or pid, got 'pi'"),
+        (["lambda_unit=std"], r"lambda_unit must be cost or spread, got 'std'"),
         (["pid_ki=-1"], r"pid_ki=-1.0 is outside \[0, inf\)"),
         (
             ["lora_rank=4", "lora_target_modules=nosuch"],

@@ -114,10 +114,12 @@ def test_two_constraints_are_each_held_on_their_task(tmp_path):
 
 
 @pytest.mark.e2e  # whole program runs: CI's second tier (.ci/run)
-def test_every_multiplier_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("update", [["lambda_update=dual"], ["lambda_update=pid", "lambda_unit=spread"]])
+def test_every_multiplier_resumes_exactly(tmp_path, update):
     from algorithms.safe_rlhf import main
 
     common = ["dashboard=none", "task=digit_sum_two", "sft_steps=10", "prompts_per_step=16", "mini_batch_samples=16"]
+    common += update
     ck = tmp_path / "ck"
     ref = main([*common, "--steps", "4", "--checkpoint-dir", str(tmp_path / "ref"), "--save-every", "2"])
     main([*common, "--steps", "2", "--checkpoint-dir", str(ck), "--save-every", "2"])
@@ -127,3 +129,12 @@ def test_every_multiplier_resumes_exactly(tmp_path):
         for k in ("lagrange_lambda", "lagrange_lambda_1", "cost_mean", "cost_mean_1", "reward_mean", "critic/vf_loss"):
             assert a[k] == b[k], (a["step"], k)
     assert ref[3]["lagrange_lambda_1"] != ref[0]["lagrange_lambda_1"]  # the second λ moved: its state matters
+    if "lambda_unit=spread" in update:  # each λ as a multiplier in the spread's units makes it from the logged costs
+        from algorithms.objectives.losses import PIDLagrangian
+
+        for k, (threshold, suffix) in enumerate(((0.3, ""), (0.4, "_1"))):
+            pid = PIDLagrangian(threshold, init=0.5, max_lambda=5.0, by_spread=True)
+            for r in ref:
+                assert r[f"lagrange_lambda{suffix}"] == pytest.approx(pid.value, rel=1e-9), (r["step"], k)
+                pid.update(r[f"cost_mean{suffix}"], r[f"cost_std{suffix}"])
+            assert pid.unit.count > 0

@@ -335,3 +335,40 @@ def test_pid_lagrangian_against_hand_computed_values():
     assert [capped.update(c) for c in (0.5, 0.7)] == pytest.approx([0.72, 0.8])
     with pytest.raises(ValueError, match="window >= 1"):
         PIDLagrangian(0.3, window=0)
+
+
+@pytest.mark.parametrize("update", ["dual", "pid"])
+def test_a_multiplier_in_units_of_the_cost_spread_gives_one_lambda_for_a_cost_of_any_scale(update):
+    """Costs, their spread and the threshold multiplied by 7 (another cost model's scale): in units of the spread
+    the same λ at every step, in the cost's own units another. The unit is the mean of the spreads seen so far
+    (updates whose samples all cost the same skipped), kept in the multiplier's state."""
+    from algorithms.objectives.losses import PIDLagrangian
+
+    def make(threshold: float, by_spread: bool):
+        if update == "pid":
+            return PIDLagrangian(threshold, kp=1.0, ki=0.1, kd=0.5, init=0.5, window=2, by_spread=by_spread)
+        return LagrangeMultiplier(threshold, lr=0.1, init=0.5, max_lambda=100.0, by_spread=by_spread)
+
+    steps = [(0.5, 0.2), (0.45, 0.0), (0.4, 0.3), (0.2, 0.1), (0.25, 0.2), (0.35, 0.25)]  # (mean cost, spread)
+
+    def run(m, a: float, upto: int = len(steps)) -> list[float]:
+        return [m.update(a * c, a * s) for c, s in steps[:upto]]
+
+    spread = run(make(0.3, True), 1.0)
+    assert run(make(2.1, True), 7.0) == pytest.approx(spread, rel=1e-9)
+    assert run(make(2.1, False), 7.0) != pytest.approx(run(make(0.3, False), 1.0), rel=1e-3)
+    m, units = make(0.3, True), []
+    for c, s in steps:
+        m.update(c, s)
+        units.append(m.unit.total / m.unit.count)
+    assert units == pytest.approx([0.2, 0.2, 0.25, 0.2, 0.2, 0.21])  # the second's samples all cost the same
+    if update == "dual":  # log λ += lr·(J − d)/unit
+        assert spread[1] == pytest.approx(0.5 * math.exp(0.1 * 0.2 / 0.2 + 0.1 * 0.15 / 0.2))
+        assert make(0.3, True).update(0.5, 0.0) == pytest.approx(0.5 * math.exp(0.1 * 0.2))  # no spread yet: unit 1
+    half = make(0.3, True)
+    run(half, 1.0, 3)
+    resumed = make(0.3, True)
+    resumed.load_state_dict(half.state_dict())
+    assert [resumed.update(c, s) for c, s in steps[3:]] == pytest.approx(spread[3:], rel=1e-12)
+    with pytest.raises(ValueError, match="spread"):
+        make(0.3, True).update(0.4)
