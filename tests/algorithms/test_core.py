@@ -370,5 +370,8 @@ def test_a_multiplier_in_units_of_the_cost_spread_gives_one_lambda_for_a_cost_of
     resumed = make(0.3, True)
     resumed.load_state_dict(half.state_dict())
     assert [resumed.update(c, s) for c, s in steps[3:]] == pytest.approx(spread[3:], rel=1e-12)
+    before = make(0.3, False)  # a checkpoint from before the unit was kept: read in the cost's units, as it was made
+    before.load_state_dict({k: v for k, v in make(0.3, False).state_dict().items() if k != "unit"})
+    assert before.update(0.5, 0.2) == make(0.3, False).update(0.5, 0.2)
     with pytest.raises(ValueError, match="spread"):
         make(0.3, True).update(0.4)
