@@ -1,6 +1,7 @@
-"""Run a function on N gloo ranks in fresh processes (spawn) and collect what each rank returns.
+"""Run a function on N gloo ranks in fresh processes and collect what each rank returns.
 
-Ranks import torch and engines.hybrid only (not transformers), which keeps an 8-rank start on 2 cores to seconds.
+The ranks are forked from a server that imported torch and the cases' modules once (a forkserver: fresh processes
+without the test process's threads and state, each not paying the imports again on 2 cores).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
 
 def run_ranks(world_size: int, fn, *args) -> list:
     """fn(rank, *args) on every rank; returns the per-rank results (torch.save-able), raising if any rank fails."""
+    mp.get_context("forkserver").set_forkserver_preload([__name__, fn.__module__])
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size, start_method="spawn"
+            _entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size, start_method="forkserver"
         )
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
