@@ -9,10 +9,10 @@
 #
 # Installs .gpu-kit/*.whl with pip --no-index into a directory outside the working tree (nothing from an index) and
 # runs from the source tree (PYTHONPATH), so the GPU machine's own torch and transformers are used as they are.
-# Checks: flowactors groups on NCCL, bf16 training and generation on the torch engine, the 3D-HybridEngine's
-# transition, megatron-core on CUDA (tp = pp = 1, no shim), one GRPO run on a Qwen2-0.5B-shaped model (tokens/s,
-# step time, memory per role, MFU), vLLM and TRL where installed (neither travels in the kit: vLLM does not fit
-# in a call, TRL needs pyarrow). Exits non-zero if a check that could run failed.
+# Checks: flowactors groups on NCCL, a 2-rank call's latency with a core per process, bf16 training and generation
+# on the torch engine, the 3D-HybridEngine's transition, megatron-core on CUDA (tp = pp = 1, no shim), one GRPO run
+# on a Qwen2-0.5B-shaped model (tokens/s, step time, memory per role, MFU), vLLM and TRL where installed (neither
+# travels in the kit: vLLM does not fit in a call, TRL needs pyarrow). Exits non-zero if a check that could run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -450,8 +450,25 @@ def vllm_grpo_step():
     rows_ = [json.loads(x) for x in open(f"{d}/m.jsonl")]
     return f"2 steps, reward {rows_[-1]['reward_mean']:.3f}, generate {rows_[-1]['generate_s']:.2f}s"
 
+def dispatch_latency():
+    """benchmarks/dispatch.py: a 2-rank group call's latency on a host with a core for each process (the runtime
+    issue's target, a no-op in <= 0.25 ms, cannot be measured on the 2-core development machines), beside raw
+    pinned Dask in the same run."""
+    import json, subprocess
+    r = subprocess.run([sys.executable, "benchmarks/dispatch.py", "--json", "--repeats", "200"], capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        print(r.stdout[-3000:], r.stderr[-6000:], sep="\n")
+        raise RuntimeError(f"dispatch benchmark exited {r.returncode}")
+    rows_ = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    RESULTS["dispatch"] = rows_
+    ms = {(x["system"], x["case"]): x["median_ms"] for x in rows_}
+    return (f"{os.cpu_count()} cores: no-op {ms['flowactors', 'noop']:.3f} ms (target <= 0.25; raw Dask "
+            f"{ms['dask-pinned', 'noop']:.3f}), 4 MiB split {ms['flowactors', 'split4MiB']:.2f} ms")
+
 def main():
     check("flowactors group all_reduce" + (" (gloo, dry)" if DRY else " (NCCL)"), nccl_group)
+    check("2-rank call latency (dispatch.py)", dispatch_latency)
     check("transformers model on the device", engine_cuda)
     check("torch engine bf16 train + generate", bf16_torch_engine)
     check("3D-HybridEngine transition", hybrid_transition)
