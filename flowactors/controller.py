@@ -39,7 +39,7 @@ from flowactors.errors import PlacementError, RemoteError, WorkerLostError
 from flowactors.futures import CallFuture, new_token, unwrap
 from flowactors.profiling import ComputeProfile, controller_share
 from flowactors.protocols import ONE_TO_ALL, Layout
-from flowactors.transport import CallTimeout, Transport, WorkerGone
+from flowactors.transport import CallTimeout, ResultRecomputed, Transport, WorkerGone
 from flowactors.transport.fanout import Fanout
 
 __all__ = ["Controller", "CallFuture", "LEAVE_GRACE_S", "open_transport"]
@@ -289,6 +289,11 @@ class Controller:
             if lost is not None:
                 raise lost from e
             raise
+        except ResultRecomputed as e:  # (the Dask path) a result of a dead worker, recomputed: lost at that worker
+            lost = self._recomputed_error(calls)
+            if lost is not None:
+                raise lost from e
+            raise
 
     def hang_report(self, calls: Sequence[CallFuture]) -> str:
         """What every rank of `calls` is doing: its task's stack if running, else what its worker runs instead
@@ -361,6 +366,24 @@ class Controller:
                 return None
             time.sleep(0.05)
         return self._lost_error(found, label)
+
+    def _recomputed_error(self, calls: Sequence[CallFuture], grace_s: float = 10.0) -> WorkerLostError | None:
+        """The WorkerLostError of calls that met a recomputed result: at a call's own worker if it died, else at the
+        worker whose death lost the result (the scheduler's report may come after the error: waited for within
+        `grace_s`; else one written off already, the latest)."""
+        addresses = [a for c in calls for a in c.addresses]
+        deadline = time.monotonic() + grace_s
+        while True:
+            with self._lock:
+                gone = {**self._forgotten, **self._lost}
+                culprit = next((a for a in addresses if a in gone), None) or next(iter(self._lost), None)
+                if culprit is None and time.monotonic() > deadline:
+                    culprit = next(reversed(self._forgotten), None)
+                if culprit is not None:
+                    return self._lost_at(culprit, gone[culprit], calls[0].label if calls else "call")
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     def _lost_error(self, addresses: Sequence[str], label: str) -> WorkerLostError | None:
         gone = {**self._forgotten, **self._lost}  # (a call naming a worker written off or retired: lost at it)

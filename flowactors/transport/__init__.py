@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from flowactors.futures import CallFuture
     from flowactors.transport.fanout import Fanout
 
-__all__ = ["Transport", "CallTimeout", "WorkerGone", "Work", "by_call"]
+__all__ = ["Transport", "CallTimeout", "WorkerGone", "ResultRecomputed", "Work", "by_call"]
 
 Work = tuple[str | tuple[str, ...], Any, tuple, dict, str]
 """(address, fn, args, kwargs, key): `fn(*args, **kwargs)` to run on the worker at `address` under `key`. A tuple
@@ -45,6 +45,12 @@ class WorkerGone(Exception):
     def __init__(self, address: str, label: str) -> None:
         super().__init__(f"worker {address} died during {label}")
         self.address, self.label = address, label
+
+
+class ResultRecomputed(RuntimeError):
+    """A call met a result that was lost with its worker and recomputed (Dask does so for a result still wanted, and
+    for the released tasks it came from): an actor's call is not run twice, so the call fails; it failed for a
+    worker's death, which the controller names once the scheduler has reported it."""
 
 
 class Transport(ABC):

@@ -38,7 +38,7 @@ from distributed.spans import SpanMetadata
 from distributed.utils import TimeoutError as DaskTimeoutError
 
 from flowactors.batch import Batch
-from flowactors.transport import CallTimeout, Transport, Work, WorkerGone, by_call
+from flowactors.transport import CallTimeout, ResultRecomputed, Transport, Work, WorkerGone, by_call
 
 if TYPE_CHECKING:
     from flowactors.futures import CallFuture
@@ -141,7 +141,7 @@ def once(ident: str, seq: int | None, fn: Any, *args: Any, **kwargs: Any) -> Any
         _RAN[ident] = seq
     lost = _rerun_in(args) or _rerun_in([v for k, v in kwargs.items() if k != "_after"])
     if lost is not None:
-        raise RuntimeError(
+        raise ResultRecomputed(
             f"an input of this task, the result of {lost.key}, was lost with its worker and Dask asked for it again; "
             "flowactors does not run an actor's call twice, so it is gone: issue the calls again"
         )
@@ -263,7 +263,7 @@ class DaskTransport(Transport):
             raise RuntimeError(f"Dask failed {failed} without an error to raise; the scheduler's story: {story}") from e
         rerun = next((v for v in values_ if type(v) is Rerun), None)
         if rerun is not None:
-            raise RuntimeError(
+            raise ResultRecomputed(
                 f"the result of {rerun.key} was lost (its worker died, or this client's connection to the scheduler "
                 "broke and it asked for the result again) and Dask recomputed it; flowactors does not run an actor's "
                 "call twice, so the value is gone: issue the call again"

@@ -4,6 +4,7 @@ still pinned, ordered and prioritised."""
 import pytest
 
 import flowactors as fa
+from flowactors.transport import ResultRecomputed
 from flowactors.transport.tasks import PinnedTask, submit_pinned_tasks
 from tests.runtime.workers import Reducer, nap
 
@@ -136,5 +137,33 @@ def test_a_task_dask_runs_again_is_not_run_and_its_value_is_refused(controller4)
     with pytest.raises(RuntimeError, match="rerun-1-again, was lost with its worker"):
         client.gather(client.submit(once, "test-ident", None, _bump, [again], key="rerun-input", workers=[a]))
     call = CallFuture(controller4, [again], ONE_TO_ALL, None, "t", "bump", [a])
-    with pytest.raises(RuntimeError, match="does not run an actor's call twice"):
+    with pytest.raises(ResultRecomputed, match="does not run an actor's call twice"):
         controller4.transport.resolve([call], None)
+
+
+def test_a_call_that_meets_a_result_recomputed_after_a_death_is_lost_at_the_dead_worker():
+    """On the Dask path a worker's death can reach a call as a recomputed result (Dask recomputes a lost result still
+    wanted, and the released tasks it came from; `once` refuses them) before the scheduler's report of the death
+    reaches the controller: the call then failed with the recompute's error, which the fleet does not take for a
+    lost replica, and an elastic run ended (seen in the fleet's e2e test on the Dask transport). It is now the
+    WorkerLostError of the worker that died."""
+    import os
+    import signal
+
+    from flowactors.futures import CallFuture
+    from flowactors.protocols import ONE_TO_ALL
+    from flowactors.transport.tasks import once
+
+    with fa.Controller.local(2, dashboard=None, direct_calls=False) as ctl:
+        client, (a, b) = ctl.client, ctl.slots
+
+        def run(key, seq):
+            return client.submit(once, "test-ident", seq, _bump, "x", key=key, workers=[a], pure=False)
+
+        client.gather(run("lost-1", 1))
+        again = run("lost-1-again", 1)  # what Dask asks of `a` after a death: the task again
+        call = CallFuture(ctl, [again], ONE_TO_ALL, None, "t", "bump", [a])
+        os.kill(client.run(os.getpid, workers=[b])[b], signal.SIGKILL)
+        with pytest.raises(fa.WorkerLostError, match=f"worker {b} died") as lost:
+            ctl.resolve([call], None)
+        assert isinstance(lost.value.__cause__, ResultRecomputed)
